@@ -1,0 +1,113 @@
+"""Hugging Face ``config.json`` → ModelSpec, one function per ``model_type``.
+
+Adding a family: write a ``_from_<model_type>`` function here and register it in ``IMPORTERS``;
+the lowering needs no change as long as the family is expressible in ModelSpec.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from mkc.ir.spec import AttentionSpec, LayerSpec, ModelSpec, MoESpec, SpecError, check_shapes
+
+
+def _need(cfg: dict[str, Any], key: str, source: str) -> Any:
+    if key not in cfg or cfg[key] is None:
+        raise SpecError(f"{source}: missing key '{key}' for model_type '{cfg.get('model_type')}'")
+    return cfg[key]
+
+
+def _rope_theta(cfg: dict[str, Any], source: str) -> float:
+    params = cfg.get("rope_parameters") or {}
+    if params.get("rope_type", "default") not in ("default",):
+        raise SpecError(f"{source}: 'rope_parameters.rope_type' = {params.get('rope_type')!r}: "
+                        f"expected 'default' (scaled RoPE variants are not supported yet)")
+    theta = params.get("rope_theta", cfg.get("rope_theta"))
+    if theta is None:
+        raise SpecError(f"{source}: missing key 'rope_theta'")
+    return float(theta)
+
+
+def _from_cohere2_moe(cfg: dict[str, Any], source: str) -> ModelSpec:
+    n = _need(cfg, "num_hidden_layers", source)
+    first_dense = cfg.get("first_k_dense_replace", 0)
+    layer_types = cfg.get("layer_types")
+    if layer_types is None:
+        prefix_pat = cfg.get("prefix_dense_sliding_window_pattern", 1)
+        pat = cfg.get("sliding_window_pattern", 4)
+        layer_types = [("sliding_attention" if (i + 1) % prefix_pat else "full_attention")
+                       for i in range(first_dense)]
+        layer_types += [("sliding_attention" if (i + 1) % pat else "full_attention")
+                        for i in range(n - first_dense)]
+    mlp_types = cfg.get("mlp_layer_types") or ["dense" if i < first_dense else "sparse" for i in range(n)]
+    if cfg.get("rms_norm_eps") is None:
+        raise SpecError(f"{source}: 'rms_norm_eps' is null (LayerNorm variant): expected an RMSNorm model")
+    if cfg.get("num_shared_experts", 0):
+        raise SpecError(f"{source}: 'num_shared_experts' = {cfg['num_shared_experts']}: expected 0 "
+                        f"(shared experts are not supported yet)")
+    if cfg.get("attention_bias"):
+        raise SpecError(f"{source}: 'attention_bias' = true: expected false")
+    force_rope_dense = cfg.get("prefix_dense_sliding_window_pattern", 1) == 1
+    layers = []
+    for i in range(n):
+        sliding = layer_types[i] == "sliding_attention"
+        dense = mlp_types[i] == "dense"
+        layers.append(LayerSpec(attention="sliding" if sliding else "global",
+                                rope=sliding or (dense and force_rope_dense),
+                                mlp="dense" if dense else "moe"))
+    heads = _need(cfg, "num_attention_heads", source)
+    hidden = _need(cfg, "hidden_size", source)
+    spec = ModelSpec(
+        name=str(cfg.get("_name", "cohere2_moe")),
+        architecture="cohere2_moe",
+        vocab_size=_need(cfg, "vocab_size", source),
+        hidden_size=hidden,
+        num_layers=n,
+        norm_eps=float(cfg["rms_norm_eps"]),
+        block="parallel",
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        logit_scale=float(cfg.get("logit_scale", 0.0625)),
+        activation=_need(cfg, "hidden_act", source),
+        dense_intermediate=int(cfg.get("prefix_dense_intermediate_size") or 0) if first_dense or
+        "dense" in mlp_types else 0,
+        attention=AttentionSpec(
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or hidden // heads,
+            sliding_window=int(cfg.get("sliding_window") or 4096),
+            rope_theta=_rope_theta(cfg, source),
+            rope_style="interleaved",
+            qk_norm=False,
+        ),
+        moe=MoESpec(
+            num_experts=_need(cfg, "num_experts", source),
+            top_k=_need(cfg, "num_experts_per_tok", source),
+            intermediate=_need(cfg, "intermediate_size", source),
+            scoring=cfg.get("expert_selection_fn", "softmax"),
+            normalize_top_k=bool(cfg.get("norm_topk_prob", True)),
+        ) if "sparse" in mlp_types else None,
+        layers=tuple(layers),
+    )
+    if spec.activation != "silu":
+        raise SpecError(f"{source}: 'hidden_act' = {spec.activation!r}: expected 'silu'")
+    return spec
+
+
+IMPORTERS: dict[str, Callable[[dict[str, Any], str], ModelSpec]] = {
+    "cohere2_moe": _from_cohere2_moe,
+}
+
+
+def spec_from_hf_config(cfg: dict[str, Any], source: str = "config.json", name: str | None = None) -> ModelSpec:
+    """Build a ModelSpec from a parsed Hugging Face config.json (raises SpecError)."""
+    if not isinstance(cfg, dict):
+        raise SpecError(f"{source}: expected a JSON object")
+    mt = cfg.get("model_type")
+    if mt not in IMPORTERS:
+        raise SpecError(f"{source}: 'model_type' = {mt!r}: expected one of {sorted(IMPORTERS)}")
+    spec = IMPORTERS[mt](cfg, source)
+    if name:
+        import dataclasses
+        spec = dataclasses.replace(spec, name=name)
+    check_shapes(spec, source)
+    return spec
