@@ -1,0 +1,302 @@
+"""Lowering: ModelSpec → buffers and tile tasks in program order (then edges from regions).
+
+Each ``_emit_*`` function lowers one tensor-level op of the op graph into tiles. A task declares
+every region it reads and writes; nothing here lists a dependency by hand. Buffers are per layer,
+so the only reuse across tasks inside one step is the KV cache (written once per step, then read).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from mkc.ir.graph import DTYPE_BYTES, Buffer, Program, Region, Task, derive_edges
+from mkc.ir.ops import OP_INFO, Opcode
+from mkc.ir.spec import ModelSpec, SpecError
+from mkc.ir.tiling import attention_split_keys, row_tile, tiles
+
+
+@dataclass(frozen=True, slots=True)
+class LowerOptions:
+    batch: int  # sequences decoded together (1-8)
+    context: int  # context bucket: the KV cache holds this many positions per sequence
+    num_sms: int  # persistent CTAs (one per SM)
+
+    def check(self) -> None:
+        if not 1 <= self.batch <= 8:
+            raise SpecError(f"--batch {self.batch}: expected 1 to 8")
+        if self.context < 1:
+            raise SpecError(f"--context {self.context}: expected a positive number of positions")
+        if self.num_sms < 1:
+            raise SpecError(f"--num-sms {self.num_sms}: expected at least 1")
+
+
+def full(buf: Buffer) -> Region:
+    return Region(buf.name, tuple((0, s) for s in buf.shape))
+
+
+def box(buf: Buffer, *ranges: tuple[int, int] | None) -> Region:
+    """Region of buf; None for a dim means the whole dim."""
+    return Region(buf.name, tuple(r if r is not None else (0, s) for r, s in zip(ranges, buf.shape)))
+
+
+class _Lowerer:
+    def __init__(self, spec: ModelSpec, opt: LowerOptions):
+        self.spec, self.opt = spec, opt
+        self.buffers: dict[str, Buffer] = {}
+        self.tasks: list[Task] = []
+
+    # -- helpers -------------------------------------------------------------------------------
+    def buf(self, name: str, shape: tuple[int, ...], dtype: str, kind: str, doc: str = "") -> Buffer:
+        b = Buffer(name, tuple(shape), dtype, kind, doc)
+        self.buffers[name] = b
+        return b
+
+    def emit(self, op: Opcode, layer: int, name: str, operands: dict[str, Buffer | None],
+             args: dict[str, int], reads: list[Region], writes: list[Region], flops: int = 0,
+             act_bytes: int | None = None, weight_bytes: int | None = None) -> Task:
+        """Append a task. Costs come from the regions unless a region is a conservative bound
+        (a dynamic position or routing): then ``act_bytes`` gives the bytes really moved."""
+        info = OP_INFO[op]
+        ops = tuple(operands[r].name if operands.get(r) is not None else "-" for r in info.operands)
+        assert set(args) == set(info.args), (op, set(args) ^ set(info.args))
+        wbytes = weight_bytes if weight_bytes is not None else sum(r.numel * DTYPE_BYTES[self.buffers[r.buffer].dtype] for r in reads
+                     if self.buffers[r.buffer].kind == "weight")
+        abytes = act_bytes if act_bytes is not None else sum(r.numel * DTYPE_BYTES[self.buffers[r.buffer].dtype] for r in (*reads, *writes)
+                     if self.buffers[r.buffer].kind != "weight")
+        t = Task(id=len(self.tasks), op=op, layer=layer, name=name, operands=ops,
+                 args=tuple(int(args[a]) for a in info.args), reads=tuple(reads), writes=tuple(writes),
+                 weight_bytes=wbytes, act_bytes=abytes, flops=flops)
+        self.tasks.append(t)
+        return t
+
+    # -- ops -----------------------------------------------------------------------------------
+    def rmsnorm(self, layer: int, x: Buffer, w: Buffer, out: Buffer, label: str) -> None:
+        self.emit(Opcode.RMSNORM, layer, f"L{layer}.{label}", {"x": x, "weight": w, "out": out}, {},
+                  [full(x), full(w)], [full(out)], flops=4 * x.numel)
+
+    def linear(self, layer: int, label: str, x: Buffer, w: Buffer, out: Buffer, *, k0: int = 0,
+               k: int | None = None, slab: int = 0, col0: int = 0, instances: int = 1,
+               boundary: int | None = None, tile: int | None = None) -> None:
+        """out[slab, :, col0 + r] = x[:, k0:k0+k] @ w[r, k0:k0+k]^T for every row r, tiled by rows."""
+        rows = w.shape[0]
+        k = k if k is not None else w.shape[1]
+        B = self.opt.batch
+        tile = tile or row_tile(rows, k * DTYPE_BYTES[w.dtype], instances, self.opt.num_sms, boundary)
+        out_rank3 = len(out.shape) == 3
+        for lo, hi in tiles(rows, tile):
+            out_region = (box(out, (slab, slab + 1), None, (col0 + lo, col0 + hi)) if out_rank3
+                          else box(out, None, (col0 + lo, col0 + hi)))
+            self.emit(Opcode.LINEAR, layer, f"L{layer}.{label}[{lo}:{hi}]", {"x": x, "weight": w, "out": out},
+                      {"row0": lo, "rows": hi - lo, "k0": k0, "k": k, "col0": col0 + lo, "slab": slab},
+                      [box(x, None, (k0, k0 + k)), box(w, (lo, hi), (k0, k0 + k))], [out_region],
+                      flops=2 * B * (hi - lo) * k)
+
+    def swiglu(self, layer: int, label: str, x: Buffer, w: Buffer, out: Buffer, inter: int) -> None:
+        H, B = x.shape[1], self.opt.batch
+        tile = row_tile(inter, 2 * H * DTYPE_BYTES[w.dtype], 1, self.opt.num_sms)
+        for lo, hi in tiles(inter, tile):
+            self.emit(Opcode.SWIGLU, layer, f"L{layer}.{label}[{lo}:{hi}]", {"x": x, "weight": w, "out": out},
+                      {"row0": lo, "rows": hi - lo, "up_row0": inter + lo, "col0": lo},
+                      [full(x), box(w, (lo, hi), None), box(w, (inter + lo, inter + hi), None)],
+                      [box(out, None, (lo, hi))], flops=4 * B * (hi - lo) * H)
+
+    # -- the model ------------------------------------------------------------------------------
+    def lower(self) -> Program:
+        s, opt = self.spec, self.opt
+        B, H, C = opt.batch, s.hidden_size, opt.context
+        a = s.attention
+        D, G, QH = a.head_dim, a.num_kv_heads, a.num_heads
+        tokens = self.buf("tokens", (B,), "i32", "input", "[B] token ids of this step")
+        positions = self.buf("positions", (B,), "i32", "input", "[B] position of this step's token")
+        embed = self.buf("embed", (s.vocab_size, H), "bf16", "weight", "[vocab, hidden]")
+        x = self.buf("L0.x", (B, H), "f32", "act", "[B, hidden] residual stream into layer 0")
+        self.emit(Opcode.EMBED, -1, "embed", {"tokens": tokens, "embed": embed, "out": x}, {},
+                  [full(tokens), full(embed)], [full(x)], weight_bytes=B * H * 2)
+        for layer in range(s.num_layers):
+            x = self.layer(layer, x, tokens, positions)
+        L = s.num_layers
+        fnw = self.buf("final_norm", (H,), "bf16", "weight", "[hidden]")
+        fn = self.buf("final.norm", (B, H), "bf16", "act", "[B, hidden]")
+        self.rmsnorm(L, x, fnw, fn, "final_norm")
+        head = embed if s.tie_word_embeddings else self.buf("lm_head", (s.vocab_size, H), "bf16", "weight",
+                                                             "[vocab, hidden]")
+        V = s.vocab_size
+        tile = row_tile(V, H * 2, 1, opt.num_sms)
+        ntiles = math.ceil(V / tile)
+        logits = self.buf("logits", (B, V), "f32", "output", "[B, vocab] scaled logits")
+        bval = self.buf("lm.best_val", (B, ntiles), "f32", "act", "[B, tiles] best logit per tile")
+        bidx = self.buf("lm.best_idx", (B, ntiles), "i32", "act", "[B, tiles] its vocab index")
+        for i, (lo, hi) in enumerate(tiles(V, tile)):
+            self.emit(Opcode.LM_HEAD, L, f"lm_head[{lo}:{hi}]",
+                      {"x": fn, "weight": head, "logits": logits, "best_val": bval, "best_idx": bidx},
+                      {"row0": lo, "rows": hi - lo, "tile": i}, [full(fn), box(head, (lo, hi), None)],
+                      [box(logits, None, (lo, hi)), box(bval, None, (i, i + 1)), box(bidx, None, (i, i + 1))],
+                      flops=2 * B * (hi - lo) * H)
+        nxt = self.buf("next_token", (B,), "i32", "output", "[B] greedy token")
+        self.emit(Opcode.ARGMAX, L, "argmax", {"best_val": bval, "best_idx": bidx, "out": nxt},
+                  {"tiles": ntiles}, [full(bval), full(bidx)], [full(nxt)])
+        prog = Program(self.buffers, self.tasks, {"batch": B, "context": C, "num_sms": opt.num_sms})
+        derive_edges(prog)
+        return prog
+
+    def layer(self, layer: int, x: Buffer, tokens: Buffer, positions: Buffer) -> Buffer:
+        s, opt = self.spec, self.opt
+        ls = s.layers[layer]
+        B, H, C = opt.batch, s.hidden_size, opt.context
+        a = s.attention
+        D, G, QH = a.head_dim, a.num_kv_heads, a.num_heads
+        GS = QH // G
+        P = f"L{layer}"
+        nw = self.buf(f"{P}.attn_norm", (H,), "bf16", "weight", "[hidden]")
+        n = self.buf(f"{P}.norm", (B, H), "bf16", "act", "[B, hidden] normed input")
+        self.rmsnorm(layer, x, nw, n, "norm")
+        # --- attention: QKV rows are [q heads..., k heads..., v heads...], D rows per head
+        nqkv = (QH + 2 * G) * D
+        wqkv = self.buf(f"{P}.w_qkv", (nqkv, H), "bf16", "weight", "[(heads + 2 kv_heads) * head_dim, hidden]")
+        qkv = self.buf(f"{P}.qkv", (B, nqkv), "bf16", "act", "[B, (heads + 2 kv_heads) * head_dim]")
+        self.linear(layer, "qkv", n, wqkv, qkv, boundary=D)
+        q = self.buf(f"{P}.q", (B, QH * D), "bf16", "act", "[B, heads * head_dim] after RoPE")
+        kc = self.buf(f"{P}.k_cache", (B, G, C, D), "bf16", "state", "[B, kv_heads, ctx, head_dim]")
+        vc = self.buf(f"{P}.v_cache", (B, G, C, D), "bf16", "state", "[B, kv_heads, ctx, head_dim]")
+        for g in range(G):
+            qcols = (g * GS * D, (g + 1) * GS * D)
+            kcols = (QH * D + g * D, QH * D + (g + 1) * D)
+            vcols = ((QH + G + g) * D, (QH + G + g + 1) * D)
+            self.emit(Opcode.ROPE_APPEND, layer, f"{P}.rope_append[kv{g}]",
+                      {"qkv": qkv, "positions": positions, "q": q, "k_cache": kc, "v_cache": vc},
+                      {"kv_head": g, "rope": int(ls.rope)},
+                      [box(qkv, None, qcols), box(qkv, None, kcols), box(qkv, None, vcols), full(positions)],
+                      [box(q, None, qcols), box(kc, None, (g, g + 1), None, None),
+                       box(vc, None, (g, g + 1), None, None)],
+                      act_bytes=B * (2 * GS + 4) * D * 2)
+        window = a.sliding_window if ls.attention == "sliding" else 0
+        keys = min(C, window) if window else C
+        # a sliding window may straddle the bucket start, so it can touch one extra split's worth
+        split_keys = attention_split_keys(keys, 2 * D * 2, B * G, opt.num_sms)
+        nsplit = math.ceil(keys / split_keys)
+        part_o = self.buf(f"{P}.attn_part_o", (B, G, nsplit, GS, D), "f32", "act",
+                          "[B, kv_heads, splits, group, head_dim] unnormalised partial outputs")
+        part_ml = self.buf(f"{P}.attn_part_ml", (B, G, nsplit, GS, 2), "f32", "act",
+                           "[B, kv_heads, splits, group, (max, sum)] partial softmax stats")
+        for b in range(B):
+            for g in range(G):
+                for sp in range(nsplit):
+                    # global layers read a fixed key range; sliding windows move with the position
+                    krange = (sp * split_keys, min(C, (sp + 1) * split_keys)) if not window else None
+                    self.emit(Opcode.ATTN_SPLIT, layer, f"{P}.attn[b{b},kv{g},s{sp}]",
+                              {"q": q, "k_cache": kc, "v_cache": vc, "positions": positions,
+                               "part_o": part_o, "part_ml": part_ml},
+                              {"seq": b, "kv_head": g, "split": sp, "split_keys": split_keys, "window": window},
+                              [box(q, (b, b + 1), (g * GS * D, (g + 1) * GS * D)),
+                               box(kc, (b, b + 1), (g, g + 1), krange, None),
+                               box(vc, (b, b + 1), (g, g + 1), krange, None), full(positions)],
+                              [box(part_o, (b, b + 1), (g, g + 1), (sp, sp + 1), None, None),
+                               box(part_ml, (b, b + 1), (g, g + 1), (sp, sp + 1), None, None)],
+                              flops=4 * GS * D * split_keys, act_bytes=2 * split_keys * D * 2)
+        attn = self.buf(f"{P}.attn", (B, QH * D), "bf16", "act", "[B, heads * head_dim] attention output")
+        for g in range(G):
+            self.emit(Opcode.ATTN_COMBINE, layer, f"{P}.combine[kv{g}]",
+                      {"part_o": part_o, "part_ml": part_ml, "positions": positions, "out": attn},
+                      {"kv_head": g, "splits": nsplit, "split_keys": split_keys, "window": window},
+                      [box(part_o, None, (g, g + 1), None, None, None),
+                       box(part_ml, None, (g, g + 1), None, None, None), full(positions)],
+                      [box(attn, None, (g * GS * D, (g + 1) * GS * D))])
+        # O-proj split-K by KV group: slice g waits only for the attention of group g
+        wo = self.buf(f"{P}.w_o", (H, QH * D), "bf16", "weight", "[hidden, heads * head_dim]")
+        o_part = self.buf(f"{P}.o_part", (G, B, H), "f32", "act", "[kv_heads, B, hidden] split-K partials")
+        o_tile = row_tile(H, GS * D * 2, G, opt.num_sms)
+        for g in range(G):
+            self.linear(layer, f"o_proj[kv{g}]", attn, wo, o_part, k0=g * GS * D, k=GS * D, slab=g, tile=o_tile)
+        # --- MLP on the same normed input (parallel block)
+        mlp_in = n
+        if s.block == "sequential":
+            x_mid = self.buf(f"{P}.x_mid", (B, H), "f32", "act", "[B, hidden] x + attention")
+            self.residual(layer, x, o_part, None, None, None, x_mid, "residual_attn")
+            nw2 = self.buf(f"{P}.mlp_norm", (H,), "bf16", "weight", "[hidden]")
+            mlp_in = self.buf(f"{P}.norm2", (B, H), "bf16", "act", "[B, hidden] normed input of the MLP")
+            self.rmsnorm(layer, x_mid, nw2, mlp_in, "norm2")
+            x, o_part = x_mid, None
+        x_out = self.buf(f"L{layer + 1}.x", (B, H), "f32", "act", f"[B, hidden] residual stream into layer {layer + 1}")
+        if ls.mlp == "dense":
+            inter = s.dense_intermediate
+            wgu = self.buf(f"{P}.w_gate_up", (2 * inter, H), "bf16", "weight", "[2 * inter (gate; up), hidden]")
+            wd = self.buf(f"{P}.w_down", (H, inter), "bf16", "weight", "[hidden, inter]")
+            h = self.buf(f"{P}.mlp_h", (B, inter), "bf16", "act", "[B, inter]")
+            mo = self.buf(f"{P}.mlp_out", (1, B, H), "f32", "act", "[1, B, hidden]")
+            self.swiglu(layer, "gate_up", mlp_in, wgu, h, inter)
+            self.linear(layer, "down", h, wd, mo)
+            self.residual(layer, x, o_part, mo, None, None, x_out, "residual")
+        else:
+            self.moe(layer, mlp_in, x, o_part, x_out)
+        return x_out
+
+    def moe(self, layer: int, n: Buffer, x: Buffer, o_part: Buffer | None, x_out: Buffer) -> None:
+        s, opt = self.spec, self.opt
+        m = s.moe
+        assert m is not None
+        B, H, E, K, I = opt.batch, s.hidden_size, m.num_experts, m.top_k, m.intermediate
+        P = f"L{layer}"
+        slots = min(E, B * K)  # distinct experts one step can route to
+        wr = self.buf(f"{P}.w_router", (E, H), "bf16", "weight", "[experts, hidden]")
+        rl = self.buf(f"{P}.router_logits", (B, E), "f32", "act", "[B, experts]")
+        self.linear(layer, "router", n, wr, rl)
+        experts = self.buf(f"{P}.moe_experts", (slots,), "i32", "act", "[slots] distinct routed experts, ascending")
+        count = self.buf(f"{P}.moe_count", (1,), "i32", "act", "[1] live slots")
+        weights = self.buf(f"{P}.moe_weights", (slots, B), "f32", "act", "[slots, B] routing weight (0 = not routed)")
+        tslots = self.buf(f"{P}.moe_token_slots", (B, K), "i32", "act", "[B, top_k] slot of each token's experts")
+        self.emit(Opcode.TOPK, layer, f"{P}.topk",
+                  {"logits": rl, "experts": experts, "count": count, "weights": weights, "token_slots": tslots},
+                  {}, [full(rl)], [full(experts), full(count), full(weights), full(tslots)])
+        wgu = self.buf(f"{P}.w_experts_gate_up", (E, 2 * I, H), "bf16", "weight",
+                       "[experts, 2 * inter (gate; up), hidden]")
+        wd = self.buf(f"{P}.w_experts_down", (E, H, I), "bf16", "weight", "[experts, hidden, inter]")
+        h = self.buf(f"{P}.moe_h", (slots, B, I), "bf16", "act", "[slots, B, inter]")
+        out = self.buf(f"{P}.moe_out", (slots, B, H), "f32", "act", "[slots, B, hidden] weighted expert outputs")
+        up_tile = row_tile(I, 2 * H * 2, slots, opt.num_sms)
+        down_tile = row_tile(H, I * 2, slots, opt.num_sms)
+        for j in range(slots):
+            for lo, hi in tiles(I, up_tile):
+                # which expert is read is known only at run time: declare the whole expert tensor
+                self.emit(Opcode.EXPERT_SWIGLU, layer, f"{P}.expert_up[slot{j}][{lo}:{hi}]",
+                          {"x": n, "weight": wgu, "experts": experts, "count": count, "out": h},
+                          {"slot": j, "row0": lo, "rows": hi - lo},
+                          [full(n), full(experts), full(count), box(wgu, (0, 1), (lo, hi), None),
+                           box(wgu, (0, 1), (I + lo, I + hi), None)],
+                          [box(h, (j, j + 1), None, (lo, hi))], flops=4 * B * (hi - lo) * H)
+        for j in range(slots):
+            for lo, hi in tiles(H, down_tile):
+                self.emit(Opcode.EXPERT_DOWN, layer, f"{P}.expert_down[slot{j}][{lo}:{hi}]",
+                          {"h": h, "weight": wd, "experts": experts, "count": count, "weights": weights, "out": out},
+                          {"slot": j, "row0": lo, "rows": hi - lo},
+                          [box(h, (j, j + 1), None, None), full(experts), full(count),
+                           box(weights, (j, j + 1), None), box(wd, (0, 1), (lo, hi), None)],
+                          [box(out, (j, j + 1), None, (lo, hi))], flops=2 * B * (hi - lo) * I)
+        self.residual(layer, x, o_part, None, out, tslots, x_out, "residual", count=count)
+
+    def residual(self, layer: int, x: Buffer, o_part: Buffer | None, mlp: Buffer | None,
+                 routed: Buffer | None, tslots: Buffer | None, out: Buffer, label: str,
+                 count: Buffer | None = None) -> None:
+        H = self.spec.hidden_size
+        tile = row_tile(H, 1024, 1, self.opt.num_sms)
+        for lo, hi in tiles(H, tile):
+            reads = [box(x, None, (lo, hi))]
+            if o_part is not None:
+                reads.append(box(o_part, None, None, (lo, hi)))
+            if mlp is not None:
+                reads.append(box(mlp, None, None, (lo, hi)))
+            if routed is not None:
+                reads += [box(routed, None, None, (lo, hi)), full(tslots)]
+            self.emit(Opcode.RESIDUAL, layer, f"L{layer}.{label}[{lo}:{hi}]",
+                      {"x": x, "o_part": o_part, "mlp": mlp, "routed": routed, "token_slots": tslots, "out": out},
+                      {"col0": lo, "cols": hi - lo, "o_parts": o_part.shape[0] if o_part is not None else 0},
+                      reads, [box(out, None, (lo, hi))],
+                      act_bytes=self.opt.batch * (hi - lo) * 4 * (2 + (o_part.shape[0] if o_part is not None else 0)
+                                                               + (tslots.shape[1] if tslots is not None else 1)))
+
+
+def lower(spec: ModelSpec, batch: int, context: int, num_sms: int) -> Program:
+    """Lower a model into a Program (buffers, tasks in program order, derived DAG)."""
+    opt = LowerOptions(batch=batch, context=context, num_sms=num_sms)
+    opt.check()
+    return _Lowerer(spec, opt).lower()

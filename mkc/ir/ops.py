@@ -1,0 +1,52 @@
+"""The opcode table: the single source of truth for every task kind.
+
+The C++ ``enum class Op`` in the kernel, the dispatch switch, the CPU executor's handlers and the
+schedule file all come from ``Opcode`` and ``OP_INFO``; nothing keeps a second copy by hand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+
+
+class Opcode(IntEnum):
+    EMBED = 1  # x[b, :] = embed[tokens[b], :]
+    RMSNORM = 2  # out[b, :] = x[b, :] * rsqrt(mean(x[b]^2) + eps) * w
+    LINEAR = 3  # out[slab, b, col0 + i] = sum_k x[b, k0 + k] * w[row0 + i, k0 + k]
+    SWIGLU = 4  # h[b, col0 + i] = silu(x . w[row0 + i]) * (x . w[up_row0 + i])
+    ROPE_APPEND = 5  # q = rope(q); k = rope(k); k, v appended to the KV cache at positions[b]
+    ATTN_SPLIT = 6  # partial softmax(q k^T) v over one key range of one (sequence, KV head)
+    ATTN_COMBINE = 7  # merge the split partials of one KV head into attn[b, heads of the group]
+    TOPK = 8  # routing: top-k experts per token, the distinct-expert list, per-slot weights
+    EXPERT_SWIGLU = 9  # SWIGLU of the expert in routing slot `slot` (no-op past the live count)
+    EXPERT_DOWN = 10  # out[slot, b, rows] = weight[slot, b] * h[slot, b] . w_down[expert, rows]
+    RESIDUAL = 11  # x_out[:, cols] = x_in + sum(o_part) + mlp (dense or routed) over a column tile
+    LM_HEAD = 12  # logits tile (scaled) and its per-row argmax partial
+    ARGMAX = 13  # next_token[b] = argmax over the LM-head partials
+
+
+@dataclass(frozen=True, slots=True)
+class OpInfo:
+    operands: tuple[str, ...]  # buffer roles, in the order tasks list them ("-" = absent)
+    args: tuple[str, ...]  # integer arguments, in the order tasks list them
+
+
+OP_INFO: dict[Opcode, OpInfo] = {
+    Opcode.EMBED: OpInfo(("tokens", "embed", "out"), ()),
+    Opcode.RMSNORM: OpInfo(("x", "weight", "out"), ()),
+    Opcode.LINEAR: OpInfo(("x", "weight", "out"), ("row0", "rows", "k0", "k", "col0", "slab")),
+    Opcode.SWIGLU: OpInfo(("x", "weight", "out"), ("row0", "rows", "up_row0", "col0")),
+    Opcode.ROPE_APPEND: OpInfo(("qkv", "positions", "q", "k_cache", "v_cache"), ("kv_head", "rope")),
+    Opcode.ATTN_SPLIT: OpInfo(("q", "k_cache", "v_cache", "positions", "part_o", "part_ml"),
+                              ("seq", "kv_head", "split", "split_keys", "window")),
+    Opcode.ATTN_COMBINE: OpInfo(("part_o", "part_ml", "positions", "out"),
+                                ("kv_head", "splits", "split_keys", "window")),
+    Opcode.TOPK: OpInfo(("logits", "experts", "count", "weights", "token_slots"), ()),
+    Opcode.EXPERT_SWIGLU: OpInfo(("x", "weight", "experts", "count", "out"), ("slot", "row0", "rows")),
+    Opcode.EXPERT_DOWN: OpInfo(("h", "weight", "experts", "count", "weights", "out"), ("slot", "row0", "rows")),
+    Opcode.RESIDUAL: OpInfo(("x", "o_part", "mlp", "routed", "token_slots", "out"),
+                            ("col0", "cols", "o_parts")),
+    Opcode.LM_HEAD: OpInfo(("x", "weight", "logits", "best_val", "best_idx"), ("row0", "rows", "tile")),
+    Opcode.ARGMAX: OpInfo(("best_val", "best_idx", "out"), ("tiles",)),
+}

@@ -1,0 +1,64 @@
+"""The tiling rule: how many tasks each op is split into.
+
+One rule for every model, stated here and in docs/tiling.md:
+
+* A weight-streaming op (all its instances in one layer together, e.g. the 8 routed expert slots
+  at batch 1) is split into about ``num_sms`` tasks, so one wave of tasks covers every SM; but no
+  task streams less than ``MIN_TASK_BYTES`` (a task costs ~1 µs of counter traffic, which must
+  stay small next to its stream: 32 KiB at ~30 GB/s per SM is ~1 µs).
+* Tile rows are a multiple of ``ROW_ALIGN`` (64: the swap-AB ``wgmma m64nNk16`` tile) where the
+  op has that many rows, and never straddle a natural boundary (a head for QKV), so that
+  dependencies can be as fine as the math allows.
+* Attention is split along the keys (flash-decoding) so that the attention tasks of one layer
+  fill about one wave, with at least ``MIN_ATTN_KEYS`` keys per split.
+"""
+
+from __future__ import annotations
+
+import math
+
+MIN_TASK_BYTES = 32 * 1024
+ROW_ALIGN = 64
+MIN_ATTN_KEYS = 64
+KEY_ALIGN = 64
+
+
+def _align_for(rows: int, boundary: int) -> int:
+    """Largest power-of-two alignment <= ROW_ALIGN that divides both rows and boundary."""
+    a = ROW_ALIGN
+    while a > 1 and (rows % a or boundary % a):
+        a //= 2
+    return a
+
+
+def row_tile(rows: int, row_bytes: int, instances: int, num_sms: int, boundary: int | None = None) -> int:
+    """Rows per task for an op of ``instances`` independent weight matrices of ``rows`` rows.
+
+    The tile divides ``boundary`` (or is a multiple of it) so no task straddles a head.
+    """
+    boundary = boundary or rows
+    total = rows * row_bytes * instances
+    wanted = max(1, min(num_sms, total // MIN_TASK_BYTES))
+    per_instance = max(1, math.ceil(wanted / instances))
+    tile = math.ceil(rows / per_instance)
+    align = _align_for(rows, boundary)
+    tile = max(align, math.ceil(tile / align) * align)
+    if tile < boundary:
+        while boundary % tile:  # shrink to a divisor of the boundary
+            tile -= align
+    else:
+        tile = math.ceil(tile / boundary) * boundary
+    return min(tile, rows)
+
+
+def tiles(total: int, tile: int) -> list[tuple[int, int]]:
+    """[lo, hi) ranges of size tile covering [0, total)."""
+    return [(lo, min(lo + tile, total)) for lo in range(0, total, tile)]
+
+
+def attention_split_keys(keys: int, key_bytes: int, streams: int, num_sms: int) -> int:
+    """Keys per split for ``streams`` (sequence, KV head) pairs over ``keys`` keys each."""
+    max_splits = max(1, num_sms // max(1, streams))
+    per_split = max(MIN_ATTN_KEYS, math.ceil(keys / max_splits), math.ceil(MIN_TASK_BYTES / key_bytes))
+    per_split = math.ceil(per_split / KEY_ALIGN) * KEY_ALIGN
+    return min(per_split, math.ceil(keys / KEY_ALIGN) * KEY_ALIGN)

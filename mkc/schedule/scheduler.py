@@ -1,0 +1,127 @@
+"""The scheduler: task DAG → per-SM queues, counters and targets.
+
+Rules, in the order they apply:
+
+1. Priority is the upward rank: a task's predicted time plus the longest chain of predicted
+   times after it (the critical path to the end of the step). Ties go to program order.
+2. List scheduling: tasks are taken in priority order (which is a topological order) and each is
+   placed on the SM where it can start earliest, preferring, among SMs already idle when its
+   inputs are ready, the one that went idle last (it wastes the least). A task's start may
+   overlap its wait by its prefetchable weight time (cost.py).
+3. Counters: producers are grouped by their exact set of consumers; each group gets one counter
+   whose target is the group's size, so no consumer ever waits on a producer it does not need.
+   A consumer waits on the counter of every group it depends on, except groups whose producers
+   all run earlier on its own SM (queue order already covers them).
+
+Deterministic: no randomness, no dict-order dependence beyond insertion order.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+
+import networkx as nx
+
+from mkc.ir.graph import Program
+from mkc.schedule.cost import H200, Ceilings, prefetchable_time, task_time
+from mkc.schedule.schedule import Counter, Schedule
+
+
+def upward_rank(g: nx.DiGraph, cost: list[float]) -> list[float]:
+    rank = [0.0] * len(cost)
+    for n in reversed(list(nx.topological_sort(g))):
+        rank[n] = cost[n] + max((rank[s] for s in g.successors(n)), default=0.0)
+    return rank
+
+
+def schedule(program: Program, model: str, ceilings: Ceilings = H200) -> Schedule:
+    g = program.graph
+    assert g is not None, "derive_edges first"
+    tasks = program.tasks
+    n_sm = int(program.options["num_sms"])
+    hop = ceilings.task_overhead
+    cost = [task_time(t, n_sm, ceilings) for t in tasks]
+    pre = [prefetchable_time(t, n_sm, ceilings) for t in tasks]
+    rank = upward_rank(g, cost)
+    order = sorted(range(len(tasks)), key=lambda i: (-rank[i], i))
+
+    # list scheduling; free = sorted list of (time the SM goes idle, sm)
+    free: list[tuple[float, int]] = [(0.0, sm) for sm in range(n_sm)]
+    queues: list[list[int]] = [[] for _ in range(n_sm)]
+    start = [0.0] * len(tasks)
+    end = [0.0] * len(tasks)
+    sm_of = [-1] * len(tasks)
+    for t in order:
+        ready = max((end[p] + hop for p in g.predecessors(t)), default=0.0)
+        # the SM that went idle last among those idle by `ready`, else the first to go idle
+        i = bisect.bisect_right(free, (ready, n_sm)) - 1
+        if i < 0:
+            i = 0
+        idle_at, sm = free.pop(i)
+        s = max(idle_at, ready - pre[t])
+        start[t] = s
+        end[t] = max(s + cost[t], ready + cost[t] - pre[t])
+        sm_of[t] = sm
+        queues[sm].append(t)
+        bisect.insort(free, (end[t], sm))
+
+    # counters: group producers by their consumer set
+    groups: dict[frozenset[int], list[int]] = {}
+    for t in range(len(tasks)):
+        succ = frozenset(g.successors(t))
+        if succ:
+            groups.setdefault(succ, []).append(t)
+    signals = [-1] * len(tasks)
+    counters: list[Counter] = []
+    for cid, producers in enumerate(groups.values()):
+        counters.append(Counter(cid, len(producers), tuple(producers)))
+        for p in producers:
+            signals[p] = cid
+    pos = [0] * len(tasks)
+    for q in queues:
+        for i, t in enumerate(q):
+            pos[t] = i
+    waits: list[list[tuple[int, int]]] = [[] for _ in tasks]
+    for t in range(len(tasks)):
+        needed: dict[int, None] = {}
+        for p in sorted(g.predecessors(t)):
+            needed.setdefault(signals[p], None)
+        for cid in needed:
+            c = counters[cid]
+            if all(sm_of[p] == sm_of[t] and pos[p] < pos[t] for p in c.producers):
+                continue
+            waits[t].append((cid, c.target))
+
+    step = max(end, default=0.0) + ceilings.launch_in_graph
+    busy = defaultdict(float)
+    for t in range(len(tasks)):
+        busy[sm_of[t]] += cost[t]
+    critical = _critical_path(g, cost)
+    predicted = {
+        "start_us": [round(x * 1e6, 3) for x in start],
+        "end_us": [round(x * 1e6, 3) for x in end],
+        "step_us": round(step * 1e6, 3),
+        "critical_path": critical,
+        "critical_path_us": round(sum(cost[i] for i in critical) * 1e6, 3),
+        "sm_busy_us": [round(busy[i] * 1e6, 3) for i in range(n_sm)],
+        "ceilings": {"read_bw": ceilings.read_bw, "task_overhead_s": ceilings.task_overhead},
+    }
+    return Schedule(model=model, batch=int(program.options["batch"]), context=int(program.options["context"]),
+                    num_sms=n_sm, buffers=program.buffers, tasks=tasks, queues=queues, waits=waits,
+                    signals=signals, counters=counters, predicted=predicted)
+
+
+def _critical_path(g: nx.DiGraph, cost: list[float]) -> list[int]:
+    best: dict[int, tuple[float, int]] = {}
+    for n in nx.topological_sort(g):
+        prev = max(((best[p][0], p) for p in g.predecessors(n)), default=(0.0, -1))
+        best[n] = (prev[0] + cost[n], prev[1])
+    if not best:
+        return []
+    n = max(best, key=lambda k: best[k][0])
+    path = []
+    while n != -1:
+        path.append(n)
+        n = best[n][1]
+    return path[::-1]
