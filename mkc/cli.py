@@ -1,0 +1,218 @@
+"""The ``mkc`` command line: compile, check, import-hf, generate, serve, bench.
+
+User errors (a bad YAML key, an impossible shape, an unsafe schedule) print one line naming what
+was wrong and what was expected, and exit non-zero; they never print a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from mkc.ir.spec import SpecError
+
+EXIT_UNSAFE = 1  # mkc check: the schedule is unsafe
+EXIT_USAGE = 2  # bad input (config, options, files)
+
+
+class UsageError(Exception):
+    """A user mistake outside the spec (a missing file, a bad option)."""
+
+
+def _batch(v: str) -> int:
+    try:
+        n = int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{v!r}: expected an integer from 1 to 8") from None
+    if not 1 <= n <= 8:
+        raise argparse.ArgumentTypeError(f"{n}: expected an integer from 1 to 8")
+    return n
+
+
+def _positive(v: str) -> int:
+    try:
+        n = int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{v!r}: expected a positive integer") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n}: expected a positive integer")
+    return n
+
+
+def _ids(v: str) -> list[int]:
+    try:
+        ids = [int(x) for x in v.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{v!r}: expected comma-separated token ids, e.g. 1,2,3") from None
+    if not ids or any(i < 0 for i in ids):
+        raise argparse.ArgumentTypeError(f"{v!r}: expected one or more non-negative token ids")
+    return ids
+
+
+# -- commands -------------------------------------------------------------------------------------
+
+
+def cmd_compile(a: argparse.Namespace) -> int:
+    from mkc.compiler import compile_to_folder
+    from mkc.schedule import visualize
+
+    out = Path(a.output or f"build/{Path(a.config).stem}-b{a.batch}-c{a.context}")
+    t0 = time.perf_counter()
+    res = compile_to_folder(a.config, out, batch=a.batch, context=a.context, num_sms=a.num_sms,
+                            kernel=not a.no_kernel)
+    wall = time.perf_counter() - t0
+    print(visualize.format_summary(visualize.summary(res.schedule, res.spec)))
+    stages = ", ".join(f"{k} {v:.2f}s" for k, v in res.timings.items())
+    print(f"compiled in {wall:.2f}s ({stages})")
+    print(f"wrote {out}/: " + ", ".join(sorted(res.files)))
+    return 0
+
+
+def cmd_check(a: argparse.Namespace) -> int:
+    from mkc.schedule.schedule import Schedule
+    from mkc.schedule.validator import validate
+
+    p = Path(a.schedule)
+    if not p.is_file():
+        raise UsageError(f"{p}: no such file: expected a schedule.json written by mkc compile")
+    try:
+        sc = Schedule.load(p)
+    except (ValueError, KeyError, TypeError) as e:
+        raise UsageError(f"{p}: not a valid mkc schedule ({e.__class__.__name__}: {e})") from None
+    problems = validate(sc)
+    if not problems:
+        print(f"{p}: safe ({len(sc.tasks)} tasks on {len(sc.queues)} SMs, {len(sc.counters)} counters)")
+        return 0
+    print(f"{p}: UNSAFE, {len(problems)} problem(s):")
+    for pr in problems[: a.max_problems]:
+        print(f"  {pr.kind}: {pr.message}")
+    if len(problems) > a.max_problems:
+        print(f"  ... and {len(problems) - a.max_problems} more")
+    return EXIT_UNSAFE
+
+
+def cmd_import_hf(a: argparse.Namespace) -> int:
+    import yaml
+
+    from mkc.ir.spec import load_spec
+
+    src = Path(a.config)
+    spec = load_spec(src)
+    if a.name:
+        import dataclasses
+
+        spec = dataclasses.replace(spec, name=a.name)
+    text = yaml.safe_dump(spec.to_yaml_dict(), sort_keys=False, default_flow_style=None)
+    header = f"# imported by `mkc import-hf` from {src}\n"
+    if a.output:
+        Path(a.output).write_text(header + text)
+        print(f"wrote {a.output}")
+    else:
+        sys.stdout.write(header + text)
+    return 0
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    import torch
+
+    from mkc.ir.spec import load_spec
+    from mkc.runtime.generate import greedy_generate
+    from mkc.runtime.weights import load_checkpoint, random_weights
+
+    spec = load_spec(a.config)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[a.dtype]
+    if a.checkpoint:
+        weights = load_checkpoint(a.checkpoint, spec, dtype)
+    else:
+        weights = random_weights(spec, a.seed, dtype)
+    bad = [i for i in a.prompt_ids if i >= spec.vocab_size]
+    if bad:
+        raise UsageError(f"--prompt-ids: {bad[0]} is outside the vocabulary: expected ids < {spec.vocab_size}")
+    tokens = greedy_generate(spec, weights, a.prompt_ids, a.max_new_tokens, dtype=dtype, backend=a.backend)
+    if a.json:
+        print(json.dumps({"tokens": tokens}))
+    else:
+        print(" ".join(map(str, tokens)))
+    return 0
+
+
+# -- parser ---------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mkc", description="Compile an LLM decode step into one persistent GPU kernel.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("compile", help="lower, schedule, validate and write the artifacts of a model")
+    c.add_argument("config", help="model YAML, a Hugging Face config.json, or a checkpoint folder")
+    c.add_argument("-o", "--output", help="output folder (default build/<config>-b<batch>-c<context>)")
+    c.add_argument("--batch", type=_batch, default=1, help="sequences decoded together, 1-8 (default 1)")
+    c.add_argument("--context", type=_positive, default=8192, help="context bucket in positions (default 8192)")
+    c.add_argument("--num-sms", type=_positive, default=132, help="SMs = persistent CTAs (default 132, H100/H200)")
+    c.add_argument("--no-kernel", action="store_true", help="skip rendering and compiling the CUDA kernel")
+    c.set_defaults(fn=cmd_compile)
+
+    k = sub.add_parser("check", help="re-validate a schedule.json: exit 0 if safe, 1 if not")
+    k.add_argument("schedule")
+    k.add_argument("--max-problems", type=_positive, default=20)
+    k.set_defaults(fn=cmd_check)
+
+    h = sub.add_parser("import-hf", help="write the YAML equivalent of a Hugging Face config.json")
+    h.add_argument("config", help="config.json or checkpoint folder")
+    h.add_argument("-o", "--output", help="YAML file to write (default: stdout)")
+    h.add_argument("--name", help="model name to use in the YAML")
+    h.set_defaults(fn=cmd_import_hf)
+
+    g = sub.add_parser("generate", help="greedy decoding through the compiled schedule")
+    g.add_argument("--config", required=True, help="model YAML or checkpoint folder")
+    w = g.add_mutually_exclusive_group(required=True)
+    w.add_argument("--checkpoint", help="folder of safetensors files (transformers tensor names)")
+    w.add_argument("--random-weights", action="store_true", help="random weights (see --seed)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--prompt-ids", type=_ids, required=True, help="comma-separated token ids")
+    g.add_argument("--max-new-tokens", type=_positive, default=16)
+    g.add_argument("--backend", choices=("cpu", "cuda"), default="cpu")
+    g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    g.add_argument("--json", action="store_true", help='print {"tokens": [...]} (generated ids only)')
+    g.set_defaults(fn=cmd_generate)
+
+    try:
+        from mkc.runtime.server import add_serve_arguments, serve_main
+    except ImportError:
+        pass
+    else:
+        s = sub.add_parser("serve", help="OpenAI-compatible server with continuous batching")
+        add_serve_arguments(s)
+        s.set_defaults(fn=serve_main)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    try:
+        return int(a.fn(a) or 0)
+    except SpecError as e:
+        print(f"mkc: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except UsageError as e:
+        print(f"mkc: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except _schedule_error() as e:
+        print(f"mkc: error: the schedule is unsafe: {e}", file=sys.stderr)
+        return EXIT_UNSAFE
+
+
+def _schedule_error() -> type[Exception]:
+    try:
+        from mkc.schedule.validator import ScheduleError
+    except ImportError:  # validator not importable: never matches
+        return type("NoScheduleError", (Exception,), {})
+    return ScheduleError
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""The compile pipeline, stage by stage: spec → task DAG → schedule → validation → artifacts.
+
+Every stage leaves something a person can open in the output folder: schedule.json, report.md,
+trace.json, schedule.html, manifest.json (and kernel.cu / kernel.cubin when codegen is asked for).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mkc.ir.lower import lower
+from mkc.ir.spec import ModelSpec, load_spec
+from mkc.schedule.schedule import Schedule
+from mkc.schedule.scheduler import schedule as make_schedule
+
+
+@dataclass(slots=True)
+class CompileResult:
+    spec: ModelSpec
+    schedule: Schedule
+    files: dict[str, Path] = field(default_factory=dict)  # artifact name → path
+    timings: dict[str, float] = field(default_factory=dict)  # stage → seconds
+
+
+def compile_schedule(spec: ModelSpec, batch: int, context: int, num_sms: int) -> tuple[Schedule, dict[str, float]]:
+    """Lower, schedule and validate; raises SpecError or ScheduleError."""
+    from mkc.schedule.validator import check
+
+    times: dict[str, float] = {}
+    t0 = time.perf_counter()
+    program = lower(spec, batch=batch, context=context, num_sms=num_sms)
+    t1 = time.perf_counter()
+    sc = make_schedule(program, spec.name)
+    t2 = time.perf_counter()
+    check(sc)
+    t3 = time.perf_counter()
+    times.update(lower=t1 - t0, schedule=t2 - t1, validate=t3 - t2)
+    sc.meta.update(options={"batch": batch, "context": context, "num_sms": num_sms})
+    return sc, times
+
+
+def compile_to_folder(spec_path: str | Path, out_dir: str | Path, *, batch: int = 1, context: int = 8192,
+                      num_sms: int = 132, kernel: bool = True) -> CompileResult:
+    """Run the whole pipeline and write every artifact into out_dir."""
+    from mkc.schedule import visualize
+
+    spec = load_spec(spec_path)
+    sc, times = compile_schedule(spec, batch, context, num_sms)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    files = {
+        "schedule.json": out / "schedule.json",
+        "report.md": out / "report.md",
+        "trace.json": out / "trace.json",
+        "schedule.html": out / "schedule.html",
+    }
+    sc.save(files["schedule.json"])
+    visualize.write_report(sc, spec, files["report.md"])
+    visualize.write_trace(sc, files["trace.json"])
+    visualize.write_html(sc, spec, files["schedule.html"])
+    times["artifacts"] = time.perf_counter() - t0
+    if kernel:
+        t0 = time.perf_counter()
+        from mkc.codegen import write_kernel
+
+        files.update(write_kernel(sc, spec, out))
+        times["kernel"] = time.perf_counter() - t0
+    files["manifest.json"] = out / "manifest.json"
+    visualize.write_manifest(files["manifest.json"], spec_path=Path(spec_path), spec=spec,
+                             options={"batch": batch, "context": context, "num_sms": num_sms},
+                             files={k: v for k, v in files.items() if k != "manifest.json"})
+    return CompileResult(spec=spec, schedule=sc, files=files, timings=times)
