@@ -8,6 +8,7 @@ immutable and never create edges.
 
 from __future__ import annotations
 
+import bisect
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -45,8 +46,12 @@ class Region:
     box: tuple[tuple[int, int], ...]  # half-open [lo, hi) per dim
 
     def overlaps(self, other: "Region") -> bool:
-        return self.buffer == other.buffer and all(
-            a_lo < b_hi and b_lo < a_hi for (a_lo, a_hi), (b_lo, b_hi) in zip(self.box, other.box))
+        if self.buffer != other.buffer:
+            return False
+        for (a_lo, a_hi), (b_lo, b_hi) in zip(self.box, other.box):
+            if a_lo >= b_hi or b_lo >= a_hi:
+                return False
+        return True
 
     @property
     def numel(self) -> int:
@@ -104,6 +109,15 @@ def _access_list(tasks: list[Task], buffers: dict[str, Buffer]) -> dict[str, lis
     return per_buf
 
 
+def _overlapping_pair_count(intervals: list[tuple[int, int]]) -> int:
+    """How many pairs of the half-open intervals overlap (the sweep's work on that dimension)."""
+    los = sorted(lo for lo, _ in intervals)
+    his = sorted(hi for _, hi in intervals)
+    # pairs (i, j) with lo_j < hi_i and hi_j > lo_i, counted over i (self included), then halved
+    total = sum(bisect.bisect_left(los, hi) - bisect.bisect_right(his, lo) for lo, hi in intervals)
+    return (total - len(intervals)) // 2
+
+
 def conflicting_pairs(tasks: list[Task], buffers: dict[str, Buffer]) -> Iterator[tuple[int, int, str, str]]:
     """Yield (a, b, buffer, kind) for every pair of tasks a < b whose regions on a non-weight
     buffer overlap with at least one write. kind is "RAW", "WAR" or "WAW" in program order.
@@ -114,13 +128,16 @@ def conflicting_pairs(tasks: list[Task], buffers: dict[str, Buffer]) -> Iterator
         if not any(w for _, _, w in acc):
             continue
         ndim = len(acc[0][1].box)
-        dim = max(range(ndim), key=lambda d: len({r.box[d] for _, r, _ in acc}))
+        dim = min(range(ndim), key=lambda d: _overlapping_pair_count([r.box[d] for _, r, _ in acc]))
         acc.sort(key=lambda a: a[1].box[dim][0])
         active: list[tuple[int, Region, bool]] = []
         seen: set[tuple[int, int]] = set()
+        last_lo = None
         for cur in acc:
             lo = cur[1].box[dim][0]
-            active = [a for a in active if a[1].box[dim][1] > lo]
+            if lo != last_lo:
+                active = [a for a in active if a[1].box[dim][1] > lo]
+                last_lo = lo
             for other in active:
                 if not (cur[2] or other[2]) or cur[0] == other[0]:
                     continue
