@@ -84,7 +84,9 @@ def _from_cohere2_moe(cfg: dict[str, Any], source: str) -> ModelSpec:
             top_k=_need(cfg, "num_experts_per_tok", source),
             intermediate=_need(cfg, "intermediate_size", source),
             scoring=cfg.get("expert_selection_fn", "softmax"),
-            normalize_top_k=bool(cfg.get("norm_topk_prob", True)),
+            # cohere's softmax is over the top-k logits: softmax over all, renormalised over the top-k
+            normalize_top_k=(cfg.get("expert_selection_fn", "softmax") == "softmax"
+                             or bool(cfg.get("norm_topk_prob", True))),
         ) if "sparse" in mlp_types else None,
         layers=tuple(layers),
     )
@@ -93,8 +95,76 @@ def _from_cohere2_moe(cfg: dict[str, Any], source: str) -> ModelSpec:
     return spec
 
 
+def _global_attention(cfg: dict[str, Any], source: str, *, qk_norm: bool) -> AttentionSpec:
+    """All-global attention with NeoX ("half") RoPE: the Llama / Qwen3 convention."""
+    if cfg.get("use_sliding_window"):
+        raise SpecError(f"{source}: 'use_sliding_window' = true: expected false (not supported for "
+                        f"model_type {cfg.get('model_type')!r} yet)")
+    if cfg.get("attention_bias"):
+        raise SpecError(f"{source}: 'attention_bias' = true: expected false")
+    heads = _need(cfg, "num_attention_heads", source)
+    return AttentionSpec(
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or _need(cfg, "hidden_size", source) // heads,
+        sliding_window=int(_need(cfg, "max_position_embeddings", source)),  # unused: no sliding layers
+        rope_theta=_rope_theta(cfg, source),
+        rope_style="half",
+        qk_norm=qk_norm,
+    )
+
+
+def _sequential(cfg: dict[str, Any], source: str, *, name: str, attention: AttentionSpec,
+                moe: MoESpec | None, mlp_kinds: list[str], dense_inter: int) -> ModelSpec:
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise SpecError(f"{source}: 'hidden_act' = {cfg.get('hidden_act')!r}: expected 'silu'")
+    return ModelSpec(
+        name=name,
+        architecture=str(cfg.get("model_type")),
+        vocab_size=_need(cfg, "vocab_size", source),
+        hidden_size=_need(cfg, "hidden_size", source),
+        num_layers=len(mlp_kinds),
+        norm_eps=float(_need(cfg, "rms_norm_eps", source)),
+        block="sequential",
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        logit_scale=1.0,
+        activation="silu",
+        dense_intermediate=dense_inter if "dense" in mlp_kinds else 0,
+        attention=attention,
+        moe=moe,
+        layers=tuple(LayerSpec(attention="global", rope=True, mlp=k) for k in mlp_kinds),
+    )
+
+
+def _from_llama(cfg: dict[str, Any], source: str) -> ModelSpec:
+    n = _need(cfg, "num_hidden_layers", source)
+    if cfg.get("mlp_bias"):
+        raise SpecError(f"{source}: 'mlp_bias' = true: expected false")
+    return _sequential(cfg, source, name=str(cfg.get("model_type")),
+                       attention=_global_attention(cfg, source, qk_norm=cfg.get("model_type") == "qwen3"),
+                       moe=None, mlp_kinds=["dense"] * n, dense_inter=_need(cfg, "intermediate_size", source))
+
+
+def _from_qwen3_moe(cfg: dict[str, Any], source: str) -> ModelSpec:
+    n = _need(cfg, "num_hidden_layers", source)
+    step = cfg.get("decoder_sparse_step", 1)
+    only_mlp = set(cfg.get("mlp_only_layers") or [])
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    if experts is None:
+        raise SpecError(f"{source}: missing key 'num_experts' (or 'num_local_experts')")
+    kinds = ["moe" if i not in only_mlp and experts > 0 and (i + 1) % step == 0 else "dense" for i in range(n)]
+    moe = MoESpec(num_experts=experts, top_k=_need(cfg, "num_experts_per_tok", source),
+                  intermediate=_need(cfg, "moe_intermediate_size", source), scoring="softmax",
+                  normalize_top_k=bool(cfg.get("norm_topk_prob", False)))
+    return _sequential(cfg, source, name="qwen3_moe", attention=_global_attention(cfg, source, qk_norm=True),
+                       moe=moe, mlp_kinds=kinds, dense_inter=int(cfg.get("intermediate_size") or 0))
+
+
 IMPORTERS: dict[str, Callable[[dict[str, Any], str], ModelSpec]] = {
     "cohere2_moe": _from_cohere2_moe,
+    "llama": _from_llama,
+    "qwen3": _from_llama,
+    "qwen3_moe": _from_qwen3_moe,
 }
 
 

@@ -52,8 +52,8 @@ class MoESpec:
     num_experts: int  # routed experts per MoE layer
     top_k: int  # experts selected per token
     intermediate: int  # expert SwiGLU width
-    scoring: str  # "sigmoid": w = sigmoid(logit) | "softmax": w = softmax over the top-k logits
-    normalize_top_k: bool  # divide the top-k sigmoid weights by their sum
+    scoring: str  # "sigmoid": w = sigmoid(logit) | "softmax": w = softmax(logits over all experts)
+    normalize_top_k: bool  # divide the selected top-k weights by their sum
 
 
 @dataclass(frozen=True, slots=True)
