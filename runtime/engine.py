@@ -1,0 +1,451 @@
+"""The serving engine: continuous batching over a decode backend.
+
+Requests join and leave the running batch between decode steps. Each running request holds one
+backend *slot* (a batch row with its own KV cache) and a number of KV *pages* (``page_size``
+positions each) from a pool; the pool may be smaller than ``max_batch × context``, and when a
+running request needs a page that is not there, the youngest running request is preempted: its
+slot and pages are freed and it goes back to the front of the queue, to be resumed later by
+re-prefilling its prompt plus what it has generated so far. Nothing is ever dropped.
+
+Full pages of prompts are kept in a prefix cache (when the backend can copy KV out and in), keyed by
+the chain of token ids up to the page's end, evicted least recently used whenever a running request
+needs the space.
+
+Threading: ``submit`` and ``abort`` may be called from any thread; everything else runs on the
+engine's own thread (``start``) or in the caller's thread through ``step`` (tests). Outputs go to
+each request's ``sink`` from the engine thread, in order, ending with one whose ``finish_reason``
+is set.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Sequence
+
+import torch
+
+from mkc.runtime.metrics import Metrics
+from mkc.runtime.sampling import SamplingParams, make_generator, sample
+from mkc.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger("mkc.engine")
+
+
+class Backend(Protocol):
+    """What the engine needs from a decode backend (CPU executor, CUDA megakernel).
+
+    A slot is one batch row with its own KV cache of ``context`` positions. ``prefill`` and
+    ``decode`` are only called from the engine thread, never concurrently.
+    """
+
+    max_batch: int  # slots
+    context: int  # KV positions per slot
+    vocab_size: int  # logits width
+
+    def prefill(self, slot: int, token_ids: Sequence[int], start: int = 0) -> torch.Tensor:
+        """Write the K/V of ``token_ids`` at positions ``start, start+1, ...`` of ``slot`` (positions
+        below ``start`` already hold this sequence's cache) and return the logits [V] of the last."""
+        ...
+
+    def decode(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
+        """One step for the given slots: token ``tokens[i]`` at ``positions[i]`` in ``slots[i]``;
+        returns logits [n, V]. Slots not listed must be left as they are."""
+        ...
+
+    def free(self, slot: int) -> None:
+        """The slot's sequence is gone (its cache may be reused from position 0)."""
+        ...
+
+
+class KVCopyBackend(Backend, Protocol):
+    """Optional: a backend that can copy KV positions out of a slot and back (prefix cache)."""
+
+    def read_kv(self, slot: int, start: int, end: int) -> Any:
+        """An opaque copy of positions [start, end) of the slot's KV (all layers)."""
+        ...
+
+    def write_kv(self, slot: int, start: int, kv: Any) -> None:
+        """Put a ``read_kv`` copy back at positions [start, start + its length)."""
+        ...
+
+
+@dataclass(slots=True)
+class Output:
+    """One delta of a request's output, delivered to its sink."""
+
+    request_id: str
+    text: str  # new text since the previous output
+    token_ids: list[int]  # new token ids since the previous output
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error", set on the last output
+    prompt_tokens: int = 0
+    completion_tokens: int = 0  # tokens generated so far
+    error: str | None = None  # message when finish_reason == "error"
+
+
+Sink = Callable[[Output], None]
+
+
+@dataclass(eq=False, slots=True)
+class _Request:
+    id: str
+    prompt: list[int]
+    params: SamplingParams
+    sink: Sink
+    gen: torch.Generator
+    detok: IncrementalDetokenizer
+    arrival: float
+    output: list[int] = field(default_factory=list)  # generated ids
+    slot: int = -1  # backend slot while running
+    kv_len: int = 0  # positions of the slot's cache that hold this request (running only)
+    pages: int = 0  # KV pages held
+    admitted: int = 0  # admission order (preemption takes the youngest)
+    held: str = ""  # text held back: it may be the start of a stop string
+    last_token_at: float | None = None
+    finished: bool = False
+    preemptions: int = 0
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prompt + self.output
+
+
+def _pages(positions: int, page_size: int) -> int:
+    return -(-positions // page_size)
+
+
+class PrefixCache:
+    """Full KV pages keyed by a hash chain of the token ids from position 0 to the page's end."""
+
+    def __init__(self, page_size: int):
+        self.page_size = page_size
+        self.pages: OrderedDict[tuple, Any] = OrderedDict()  # key → kv copy, oldest first
+
+    def keys(self, ids: Sequence[int], n_pages: int) -> list[tuple]:
+        keys, prev = [], None
+        for i in range(n_pages):
+            prev = (hash(prev), tuple(ids[i * self.page_size:(i + 1) * self.page_size]))
+            keys.append(prev)
+        return keys
+
+    def match(self, ids: Sequence[int], max_pages: int) -> list[Any]:
+        """KV copies of the longest cached run of leading pages (at most ``max_pages``)."""
+        out = []
+        for k in self.keys(ids, max_pages):
+            kv = self.pages.get(k)
+            if kv is None:
+                break
+            self.pages.move_to_end(k)
+            out.append(kv)
+        return out
+
+    def evict(self) -> bool:
+        if not self.pages:
+            return False
+        self.pages.popitem(last=False)
+        return True
+
+    def __len__(self) -> int:
+        return len(self.pages)
+
+
+class Engine:
+    """Continuous batching over ``backend``; see the module docstring for the policy."""
+
+    def __init__(self, backend: Backend, tokenizer: Tokenizer, *, page_size: int = 16,
+                 kv_pages: int | None = None, prefix_cache: bool = True, metrics: Metrics | None = None):
+        self.backend, self.tok, self.page_size = backend, tokenizer, page_size
+        full = backend.max_batch * _pages(backend.context, page_size)
+        self.kv_pages = full if kv_pages is None else kv_pages
+        if self.kv_pages < _pages(backend.context, page_size):
+            raise ValueError(f"kv_pages = {self.kv_pages}: expected at least one full context "
+                             f"({_pages(backend.context, page_size)} pages of {page_size}), or a request "
+                             f"could never run")
+        self.cache = (PrefixCache(page_size) if prefix_cache and hasattr(backend, "read_kv")
+                      and hasattr(backend, "write_kv") else None)
+        self.metrics = metrics
+        self._lock = threading.Condition()
+        self._incoming: deque[_Request] = deque()
+        self._aborts: set[str] = set()
+        self._waiting: deque[_Request] = deque()
+        self._running: list[_Request] = []
+        self._free_slots = list(range(backend.max_batch))
+        self._pages_used = 0
+        self._admissions = itertools.count()
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.steps = 0  # decode steps run (tests, logs)
+
+    # -- public, any thread ----------------------------------------------------------------------
+    def submit(self, prompt: Sequence[int], params: SamplingParams, sink: Sink,
+               request_id: str | None = None) -> str:
+        """Queue a request; raises ValueError if it can never run (the server checks first)."""
+        params.check()
+        if not prompt:
+            raise ValueError("prompt is empty: expected at least one token")
+        if len(prompt) >= self.backend.context:
+            raise ValueError(f"prompt has {len(prompt)} tokens: expected fewer than the context "
+                             f"({self.backend.context})")
+        rid = request_id or f"req-{next(self._ids)}"
+        req = _Request(id=rid, prompt=list(prompt), params=params, sink=sink, gen=make_generator(params.seed),
+                       detok=IncrementalDetokenizer(self.tok), arrival=time.monotonic())
+        with self._lock:
+            self._incoming.append(req)
+            self._lock.notify()
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (a client went away): its slot and pages are freed before the next step."""
+        with self._lock:
+            self._aborts.add(request_id)
+            self._lock.notify()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="mkc-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._lock:
+            self._stopping = True
+            self._lock.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting) + len(self._incoming)
+
+    @property
+    def pages_used(self) -> int:
+        return self._pages_used
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self._incoming or self._waiting or self._running or self._aborts)
+
+    # -- the loop --------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not (self._stopping or self._incoming or self._waiting or self._running or self._aborts):
+                    self._lock.wait()
+                if self._stopping:
+                    break
+            try:
+                self.step()
+            except Exception as e:  # a backend failure ends every request in flight, not the server
+                log.exception("engine step failed")
+                self._fail_all(f"{type(e).__name__}: {e}")
+        self._fail_all("server shutting down", reason="abort")
+
+    def step(self) -> None:
+        """Admit what fits, prefill it, then run one decode step over the running batch."""
+        with self._lock:
+            self._waiting.extend(self._incoming)
+            self._incoming.clear()
+            aborts, self._aborts = self._aborts, set()
+        if aborts:
+            self._apply_aborts(aborts)
+        self._admit()
+        if self._running:
+            self._decode()
+        self._report_state()
+
+    # -- admission and prefill -------------------------------------------------------------------
+    def _admit(self) -> None:
+        while self._waiting and self._free_slots:
+            req = self._waiting[0]
+            # resumed requests re-prefill everything but their last token, which the next decode feeds
+            resumed = bool(req.output)
+            ids = req.ids[:-1] if resumed else req.prompt
+            # leave a page of headroom per running request, or the next decode step would
+            # preempt the request just admitted (and waste its prefill)
+            if not self._reserve(_pages(len(ids), self.page_size), headroom=len(self._running)):
+                break
+            self._waiting.popleft()
+            req.pages = _pages(len(ids), self.page_size)
+            req.slot = self._free_slots.pop(0)
+            req.admitted = next(self._admissions)
+            start = self._load_prefix(req, ids)
+            logits = self.backend.prefill(req.slot, ids[start:], start)
+            req.kv_len = len(ids)
+            self._running.append(req)
+            self._store_prefix(req, ids)
+            if not resumed:
+                self._emit_token(req, sample(logits, req.params, req.gen))
+
+    def _reserve(self, pages: int, headroom: int = 0) -> bool:
+        """Take ``pages`` (evicting prefix-cache pages, never preempting) if ``headroom`` more would
+        still be free; True on success."""
+        while self.kv_pages - self._pages_used - self._cached_pages() < pages + headroom:
+            if self.cache is None or not self.cache.evict():
+                return False
+        self._pages_used += pages
+        return True
+
+    def _cached_pages(self) -> int:
+        return len(self.cache) if self.cache is not None else 0
+
+    def _load_prefix(self, req: _Request, ids: list[int]) -> int:
+        if self.cache is None:
+            return 0
+        # keep at least one token to prefill: its logits are the first sample
+        kvs = self.cache.match(ids, (len(ids) - 1) // self.page_size)
+        for i, kv in enumerate(kvs):
+            self.backend.write_kv(req.slot, i * self.page_size, kv)  # type: ignore[attr-defined]
+        n = len(kvs) * self.page_size
+        if n and self.metrics:
+            self.metrics.on_prefix_hit(n)
+        return n
+
+    def _store_prefix(self, req: _Request, ids: list[int]) -> None:
+        if self.cache is None:
+            return
+        full = len(req.prompt) // self.page_size
+        for i, key in enumerate(self.cache.keys(ids, min(full, len(ids) // self.page_size))):
+            if key in self.cache.pages:
+                self.cache.pages.move_to_end(key)
+                continue
+            if self.kv_pages - self._pages_used - len(self.cache) < 1:
+                return  # the cache only takes space nobody holds
+            lo = i * self.page_size
+            self.cache.pages[key] = self.backend.read_kv(req.slot, lo, lo + self.page_size)  # type: ignore[attr-defined]
+
+    # -- decode ----------------------------------------------------------------------------------
+    def _decode(self) -> None:
+        # every running request writes one more position: find it a page, preempting if needed
+        for req in sorted(self._running, key=lambda r: r.admitted):
+            if req.finished or req.slot < 0:
+                continue
+            need = _pages(req.kv_len + 1, self.page_size) - req.pages
+            while need > 0 and not self._reserve(need):
+                victim = max((r for r in self._running if not r.finished), key=lambda r: r.admitted)
+                self._preempt(victim)
+                if victim is req:
+                    break
+            if not req.finished and req.slot >= 0:
+                req.pages += max(need, 0)
+        batch = [r for r in self._running if r.slot >= 0 and not r.finished]
+        if not batch:
+            return
+        t0 = time.monotonic()
+        logits = self.backend.decode([r.slot for r in batch], [r.ids[-1] for r in batch],
+                                     [r.kv_len for r in batch])
+        self.steps += 1
+        if self.metrics:
+            self.metrics.on_step(time.monotonic() - t0)
+        for i, req in enumerate(batch):
+            req.kv_len += 1
+            self._emit_token(req, sample(logits[i], req.params, req.gen))
+
+    def _preempt(self, req: _Request) -> None:
+        log.info("preempting %s (%d tokens) for KV space", req.id, len(req.ids))
+        self._release(req)
+        req.preemptions += 1
+        self._waiting.appendleft(req)
+        if self.metrics:
+            self.metrics.on_preempt()
+
+    def _release(self, req: _Request) -> None:
+        if req in self._running:
+            self._running.remove(req)
+        if req.slot >= 0:
+            self.backend.free(req.slot)
+            self._free_slots.append(req.slot)
+            self._free_slots.sort()
+        self._pages_used -= req.pages
+        req.slot, req.pages, req.kv_len = -1, 0, 0
+
+    # -- output ----------------------------------------------------------------------------------
+    def _emit_token(self, req: _Request, token: int) -> None:
+        now = time.monotonic()
+        req.output.append(token)
+        if self.metrics:
+            if req.last_token_at is None:
+                self.metrics.on_first_token(now - req.arrival)
+            self.metrics.on_token(None if req.last_token_at is None else now - req.last_token_at)
+        req.last_token_at = now
+        p = req.params
+        finish = None
+        if not p.ignore_eos and (token in self.tok.eos_ids or token in p.stop_token_ids):
+            finish = "stop"
+            text = req.detok.flush()
+        else:
+            text = req.detok.push(token)
+            if len(req.output) >= p.max_tokens or len(req.ids) > self.backend.context:
+                finish = "length"
+                text += req.detok.flush()
+        text, stopped = self._apply_stop(req, text, final=finish is not None)
+        if stopped:
+            finish = "stop"
+        self._send(req, Output(req.id, text, [token], finish, len(req.prompt), len(req.output)))
+        if finish:
+            self._finish(req, finish)
+
+    def _apply_stop(self, req: _Request, text: str, final: bool) -> tuple[str, bool]:
+        """Cut ``text`` at a stop string, and hold back a tail that may start one."""
+        stops = req.params.stop
+        if not stops:
+            return text, False
+        buf = req.held + text
+        hits = [i for i in (buf.find(s) for s in stops) if i >= 0]
+        if hits:
+            req.held = ""
+            return buf[:min(hits)], True
+        if final:
+            req.held = ""
+            return buf, False
+        keep = 0
+        for s in stops:
+            for n in range(min(len(s) - 1, len(buf)), keep, -1):
+                if buf.endswith(s[:n]):
+                    keep = n
+                    break
+        req.held = buf[len(buf) - keep:] if keep else ""
+        return buf[:len(buf) - keep], False
+
+    def _send(self, req: _Request, out: Output) -> None:
+        try:
+            req.sink(out)
+        except Exception:  # a broken sink must not take the engine down
+            log.exception("sink of %s failed; aborting it", req.id)
+            req.finished = True
+            self.abort(req.id)
+
+    def _finish(self, req: _Request, reason: str) -> None:
+        req.finished = True
+        self._release(req)
+        if self.metrics:
+            self.metrics.on_finish(reason, len(req.prompt))
+
+    def _apply_aborts(self, ids: set[str]) -> None:
+        for q in (self._waiting, self._running):
+            for req in [r for r in q if r.id in ids]:
+                if q is self._waiting:
+                    self._waiting.remove(req)
+                self._send(req, Output(req.id, "", [], "abort", len(req.prompt), len(req.output)))
+                self._finish(req, "abort")
+
+    def _fail_all(self, message: str, reason: str = "error") -> None:
+        with self._lock:
+            self._waiting.extend(self._incoming)
+            self._incoming.clear()
+        for req in list(self._running) + list(self._waiting):
+            self._send(req, Output(req.id, "", [], reason, len(req.prompt), len(req.output), error=message))
+            self._finish(req, reason)
+        self._waiting.clear()
+
+    def _report_state(self) -> None:
+        if self.metrics:
+            self.metrics.on_state(running=len(self._running), waiting=self.num_waiting,
+                                  max_batch=self.backend.max_batch, pages_used=self._pages_used,
+                                  pages_cached=self._cached_pages(), pages_total=self.kv_pages)

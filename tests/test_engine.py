@@ -1,0 +1,165 @@
+"""Engine policy without HTTP and without a model: continuous batching, preemption when KV runs out,
+abort frees the slot, stop strings, the prefix cache.
+
+The fake backend's "KV cache" holds the token ids themselves, and its logits are a function of the
+whole cached sequence, so a wrong or missing cache position changes the output (or raises).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mkc.runtime.engine import Engine, Output
+from mkc.runtime.sampling import SamplingParams, sample, make_generator
+from mkc.runtime.tokenizer import ByteTokenizer, IncrementalDetokenizer
+
+V = 300
+
+
+class FakeBackend:
+    def __init__(self, max_batch: int = 4, context: int = 128, copy_kv: bool = True):
+        self.max_batch, self.context, self.vocab_size = max_batch, context, V
+        self.cache = torch.full((max_batch, context), -1, dtype=torch.long)
+        self.prefills: list[tuple[int, int, int]] = []  # (slot, start, n)
+        if not copy_kv:
+            self.read_kv = None  # type: ignore[assignment]
+            del self.read_kv
+
+    def _logits(self, slot: int, pos: int) -> torch.Tensor:
+        seq = self.cache[slot, :pos + 1]
+        assert (seq >= 0).all(), f"slot {slot} has a hole in its cache before position {pos}: {seq.tolist()}"
+        # next token: a byte 'a'..'z' picked by a hash of the whole sequence
+        h = int((seq * torch.arange(1, pos + 2)).sum()) * 2654435761 % 2**32
+        out = torch.zeros(V)
+        out[97 + h % 26] = 5.0
+        return out
+
+    def prefill(self, slot, token_ids, start=0):
+        assert (self.cache[slot, :start] >= 0).all()
+        self.prefills.append((slot, start, len(token_ids)))
+        self.cache[slot, start:start + len(token_ids)] = torch.tensor(token_ids)
+        return self._logits(slot, start + len(token_ids) - 1)
+
+    def decode(self, slots, tokens, positions):
+        for s, t, p in zip(slots, tokens, positions):
+            self.cache[s, p] = t
+        return torch.stack([self._logits(s, p) for s, p in zip(slots, positions)])
+
+    def free(self, slot):
+        self.cache[slot] = -1
+
+    def read_kv(self, slot, start, end):
+        return self.cache[slot, start:end].clone()
+
+    def write_kv(self, slot, start, kv):
+        self.cache[slot, start:start + len(kv)] = kv
+
+
+def run_all(engine: Engine, prompts: list[str], params: SamplingParams, max_steps: int = 2000) -> list[list[Output]]:
+    tok = engine.tok
+    outs: list[list[Output]] = [[] for _ in prompts]
+    for i, p in enumerate(prompts):
+        engine.submit(tok.encode(p), params, outs[i].append)
+    for _ in range(max_steps):
+        if not engine.has_work():
+            break
+        engine.step()
+    assert not engine.has_work(), "engine did not finish"
+    return outs
+
+
+def text_of(outs: list[Output]) -> str:
+    return "".join(o.text for o in outs)
+
+
+PROMPTS = [f"prompt number {i} " * (1 + i % 3) for i in range(10)]
+
+
+def test_batching_matches_one_at_a_time():
+    greedy = SamplingParams(max_tokens=20, temperature=0)
+    tok = ByteTokenizer(V)
+    together = run_all(Engine(FakeBackend(), tok), PROMPTS, greedy)
+    for i, p in enumerate(PROMPTS):
+        alone = run_all(Engine(FakeBackend(), tok), [p], greedy)[0]
+        assert text_of(together[i]) == text_of(alone)
+        assert together[i][-1].finish_reason == "length" and together[i][-1].completion_tokens == 20
+        assert sum(o.finish_reason is not None for o in together[i]) == 1
+
+
+def test_preemption_requeues_and_resumes():
+    greedy = SamplingParams(max_tokens=40, temperature=0)
+    tok = ByteTokenizer(V)
+    ample = run_all(Engine(FakeBackend(context=128), tok), PROMPTS, greedy)
+    # 8 pages of 16 = one full context: at most a couple of these sequences fit at once
+    tight = Engine(FakeBackend(context=128), tok, page_size=16, kv_pages=8)
+    preempted = []
+    orig = tight._preempt
+    tight._preempt = lambda r: (preempted.append(r.id), orig(r))[1]  # type: ignore[method-assign]
+    squeezed = run_all(tight, PROMPTS, greedy)
+    assert preempted, "the pool was large enough: the test does not exercise preemption"
+    for a, b in zip(ample, squeezed):
+        assert text_of(a) == text_of(b)
+        assert b[-1].finish_reason == "length"
+    assert tight.pages_used == 0 and sorted(tight._free_slots) == list(range(4))
+
+
+def test_abort_frees_slot():
+    tok = ByteTokenizer(V)
+    eng = Engine(FakeBackend(max_batch=2), tok)
+    got: dict[str, list[Output]] = {"a": [], "b": [], "c": []}
+    params = SamplingParams(max_tokens=30, temperature=0)
+    for k in got:
+        eng.submit(tok.encode(k * 5), params, got[k].append, request_id=k)
+    eng.step()
+    assert eng.num_running == 2 and eng.num_waiting == 1  # c waits for a slot
+    eng.abort("a")
+    eng.step()
+    assert got["a"][-1].finish_reason == "abort"
+    assert {r.id for r in eng._running} == {"b", "c"}
+    while eng.has_work():
+        eng.step()
+    assert got["c"][-1].finish_reason == "length" and eng.pages_used == 0
+
+
+def test_stop_strings_cut_and_hold_back():
+    tok = ByteTokenizer(V)
+    greedy = SamplingParams(max_tokens=30, temperature=0)
+    full = text_of(run_all(Engine(FakeBackend(), tok), ["hello"], greedy)[0])
+    stop = full[10:13]
+    outs = run_all(Engine(FakeBackend(), tok), ["hello"], SamplingParams(max_tokens=30, temperature=0,
+                                                                          stop=(stop, "never")))[0]
+    assert text_of(outs) == full[:full.index(stop)]
+    assert outs[-1].finish_reason == "stop"
+
+
+def test_prefix_cache_reuses_pages():
+    tok = ByteTokenizer(V)
+    be = FakeBackend(context=128)
+    eng = Engine(be, tok, page_size=16)
+    shared = "a shared system prompt, long enough for two pages of sixteen"
+    greedy = SamplingParams(max_tokens=8, temperature=0)
+    first = run_all(eng, [shared + " one"], greedy)[0]
+    second = run_all(eng, [shared + " one"], greedy)[0]
+    assert text_of(first) == text_of(second)
+    assert be.prefills[-1][1] == 48  # three full pages loaded from the cache
+    nocache = run_all(Engine(FakeBackend(context=128, copy_kv=False), tok), [shared + " one"], greedy)[0]
+    assert text_of(nocache) == text_of(first)
+
+
+def test_sampling_seeded_and_filtered():
+    logits = torch.randn(V, generator=torch.Generator().manual_seed(0))
+    p = SamplingParams(max_tokens=1, temperature=0.8, top_p=0.9, top_k=20, seed=3)
+    a = [sample(logits, p, make_generator(3)) for _ in range(3)]
+    assert len(set(a)) == 1  # same seed, same draw
+    top20 = set(torch.topk(logits, 20).indices.tolist())
+    g = make_generator(1)
+    assert all(sample(logits, p, g) in top20 for _ in range(200))
+    assert sample(logits, SamplingParams(max_tokens=1, temperature=0), g) == int(logits.argmax())
+
+
+def test_detokenizer_never_splits_utf8():
+    tok = ByteTokenizer(V)
+    d = IncrementalDetokenizer(tok)
+    text = "héllo €uro 😀!"
+    out = "".join(d.push(t) for t in tok.encode(text)) + d.flush()
+    assert out == text
