@@ -1,0 +1,549 @@
+"""Artifacts a person can open, written beside ``schedule.json``: a summary, ``report.md``, a
+Perfetto trace, a self-contained HTML page and ``manifest.json``.
+
+Everything here reads the schedule and its ``predicted`` timeline; nothing changes them. Times are
+the cost model's (cost.py), so they are predictions, never measurements.
+
+Ops: a task's *op* is the tensor-level op of the op graph it was tiled from, taken from its name
+(``L3.o_proj[kv1][0:256]`` → ``o_proj``), because one opcode (LINEAR) serves qkv, o_proj, router,
+down. The opcode is kept beside it. Layers are ``embed`` (layer -1), ``L0`` … and ``head``.
+
+Contract: every writer creates its file atomically (temp file + ``os.replace``) and may raise
+``OSError``; a schedule without ``predicted`` raises ``KeyError`` naming the missing entry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.metadata
+import importlib.resources
+import json
+import os
+import platform
+import re
+import tempfile
+from collections import defaultdict
+from datetime import UTC, datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import networkx as nx
+from jinja2.utils import htmlsafe_json_dumps
+from markupsafe import Markup
+
+import mkc
+from mkc.ir.graph import Task
+from mkc.ir.ops import OP_INFO
+from mkc.ir.spec import ModelSpec
+from mkc.schedule.cost import H200, Ceilings, task_time
+from mkc.schedule.schedule import Schedule
+
+HTML_TEMPLATE = "schedule.html.j2"
+# Tableau-20-like palette: distinct hues first, then their light variants
+PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7",
+           "#9c755f", "#bab0ac", "#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#8c564b", "#17becf",
+           "#bcbd22", "#7f7f7f", "#aec7e8", "#ffbb78")
+_OP_RE = re.compile(r"^(?:L\d+\.)?([A-Za-z_][A-Za-z0-9_]*)")
+
+
+# -- per-task views ------------------------------------------------------------------------------
+def op_label(t: Task) -> str:
+    """The op-graph op a task belongs to (its name without layer prefix and tile suffix)."""
+    m = _OP_RE.match(t.name)
+    return m.group(1) if m else t.op.name.lower()
+
+
+def tile_label(t: Task) -> str:
+    """The tile part of a task's name (``[slot3][0:256]``), or "" for a whole-op task."""
+    i = t.name.find("[")
+    return t.name[i:] if i >= 0 else ""
+
+
+def layer_label(layer: int, num_layers: int) -> str:
+    return "embed" if layer < 0 else ("head" if layer >= num_layers else f"L{layer}")
+
+
+def _num_layers(sc: Schedule) -> int:
+    return max((t.layer for t in sc.tasks), default=0)  # the head's layer index
+
+
+def _ceilings(sc: Schedule) -> Ceilings:
+    """The ceilings the schedule was predicted with (recorded by the scheduler), else H200's."""
+    c = sc.predicted.get("ceilings", {})
+    return dataclasses.replace(H200, read_bw=float(c.get("read_bw", H200.read_bw)),
+                               task_overhead=float(c.get("task_overhead_s", H200.task_overhead)))
+
+
+def _task_us(sc: Schedule) -> list[float]:
+    """Predicted run time of each task (cost model, µs), the same numbers ``sm_busy_us`` sums."""
+    c = _ceilings(sc)
+    return [task_time(t, sc.num_sms, c) * 1e6 for t in sc.tasks]
+
+
+def _ops_in_order(sc: Schedule) -> list[str]:
+    """Op labels in order of first appearance in program order (stable colours and rows)."""
+    return list(dict.fromkeys(op_label(t) for t in sc.tasks))
+
+
+def _layers_in_order(sc: Schedule) -> list[int]:
+    return sorted({t.layer for t in sc.tasks})
+
+
+def _color(i: int) -> str:
+    if i < len(PALETTE):
+        return PALETTE[i]
+    return f"hsl({(i * 137) % 360}, 55%, 55%)"
+
+
+def _stats(xs: list[float]) -> dict[str, float]:
+    return {"min": min(xs, default=0), "mean": sum(xs) / len(xs) if xs else 0.0, "max": max(xs, default=0)}
+
+
+# -- summary -------------------------------------------------------------------------------------
+def summary(sc: Schedule, spec: ModelSpec) -> dict[str, Any]:
+    """The headline numbers of a schedule.
+
+    ``bytes`` is the sum of weight_bytes + act_bytes over tasks: what the tasks as lowered move,
+    so routed experts count at their upper bound (every routing slot live). ``sol_us`` is that
+    at the read ceiling the schedule was predicted with, so ``sol_fraction`` is in (0, 1]: every
+    task streams at most at its SM's share of that bandwidth.
+    """
+    p = sc.predicted
+    step_us = float(p["step_us"])
+    sm = sc.sm_of()
+    n_tasks = [len(q) for q in sc.queues]
+    sm_bytes = [0] * sc.num_sms
+    for t in sc.tasks:
+        sm_bytes[sm[t.id]] += t.weight_bytes + t.act_bytes
+    wbytes = sum(t.weight_bytes for t in sc.tasks)
+    abytes = sum(t.act_bytes for t in sc.tasks)
+    read_bw = _ceilings(sc).read_bw
+    sol_us = (wbytes + abytes) / read_bw * 1e6
+    busy = p.get("sm_busy_us") or [0.0] * sc.num_sms
+    return {
+        "model": spec.name, "batch": sc.batch, "context": sc.context, "num_sms": sc.num_sms,
+        "layers": spec.num_layers,
+        "tasks": len(sc.tasks), "counters": len(sc.counters), "waits": sum(len(w) for w in sc.waits),
+        "sms_used": sum(1 for n in n_tasks if n),
+        "tasks_per_sm": _stats(n_tasks), "bytes_per_sm": _stats(sm_bytes), "busy_us_per_sm": _stats(busy),
+        "critical_path_tasks": len(p.get("critical_path", [])),
+        "critical_path_us": float(p.get("critical_path_us", 0.0)),
+        "step_us": step_us,
+        "bytes": wbytes + abytes, "weight_bytes": wbytes, "act_bytes": abytes,
+        "read_bw": read_bw,
+        "sol_us": sol_us,
+        "sol_fraction": sol_us / step_us if step_us > 0 else 0.0,
+        "utilisation": sum(busy) / (sc.num_sms * step_us) if step_us > 0 else 0.0,
+        "tok_s": sc.batch / step_us * 1e6 if step_us > 0 else 0.0,
+    }
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _summary_rows(d: dict[str, Any]) -> list[tuple[str, str]]:
+    """(label, value) pairs shared by the CLI block, the report and the HTML table."""
+    tp, bp, up = d["tasks_per_sm"], d["bytes_per_sm"], d["busy_us_per_sm"]
+    return [
+        ("model", (f"{d['model']}  batch {d['batch']}  context {d['context']}  {d['num_sms']} SMs  "
+                  f"{d['layers']} layers")),
+        ("tasks", f"{d['tasks']}  counters {d['counters']}  waits {d['waits']}  SMs used {d['sms_used']}"),
+        ("tasks / SM", f"{tp['min']} / {tp['mean']:.1f} / {tp['max']}  (min / mean / max)"),
+        ("bytes / SM", f"{_fmt_bytes(bp['min'])} / {_fmt_bytes(bp['mean'])} / {_fmt_bytes(bp['max'])}"),
+        ("busy / SM", (f"{up['min']:.1f} / {up['mean']:.1f} / {up['max']:.1f} µs  "
+                      f"(utilisation {d['utilisation']:.1%})")),
+        ("critical path", f"{d['critical_path_tasks']} tasks, {d['critical_path_us']:.1f} µs"),
+        ("bytes read", (f"{_fmt_bytes(d['bytes'])}  (weights {_fmt_bytes(d['weight_bytes'])}, "
+                       f"activations/KV {_fmt_bytes(d['act_bytes'])})")),
+        ("speed of light", f"{d['sol_us']:.1f} µs at {d['read_bw'] / 1e12:.2f} TB/s"),
+        ("predicted step", (f"{d['step_us']:.1f} µs  →  {d['tok_s']:.1f} tok/s, "
+                           f"{d['sol_fraction']:.1%} of SOL")),
+    ]
+
+
+def format_summary(d: dict[str, Any]) -> str:
+    """A short block for the CLI, one ``label: value`` line per number group."""
+    rows = _summary_rows(d)
+    w = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
+
+
+# -- aggregation ---------------------------------------------------------------------------------
+@dataclasses.dataclass(slots=True)
+class _Agg:
+    tasks: int = 0
+    bytes: int = 0
+    us: float = 0.0  # sum of predicted task times (SM-µs)
+    first_us: float = float("inf")  # earliest predicted start
+    last_us: float = 0.0  # latest predicted end
+
+    def add(self, t: Task, us: float, start: float, end: float) -> None:
+        self.tasks += 1
+        self.bytes += t.weight_bytes + t.act_bytes
+        self.us += us
+        self.first_us = min(self.first_us, start)
+        self.last_us = max(self.last_us, end)
+
+
+def _aggregate(sc: Schedule, key) -> dict[Any, _Agg]:
+    cost = _task_us(sc)
+    start, end = sc.predicted["start_us"], sc.predicted["end_us"]
+    out: dict[Any, _Agg] = defaultdict(_Agg)
+    for t in sc.tasks:
+        out[key(t)].add(t, cost[t.id], start[t.id], end[t.id])
+    return out
+
+
+# -- report.md -----------------------------------------------------------------------------------
+def _table(header: list[str], rows: list[list[Any]], align: str) -> list[str]:
+    """A markdown table; align holds one of 'l'/'r' per column."""
+    sep = ["---:" if a == "r" else "---" for a in align]
+    return ["| " + " | ".join(header) + " |", "| " + " | ".join(sep) + " |",
+            *("| " + " | ".join(str(c) for c in r) + " |" for r in rows)]
+
+
+def _layer_kind(spec: ModelSpec, layer: int) -> str:
+    if layer < 0:
+        return "embedding"
+    if layer >= spec.num_layers:
+        return "final norm, LM head, argmax"
+    ls = spec.layers[layer]
+    return f"{ls.attention} attn{' + rope' if ls.rope else ''}, {ls.mlp}"
+
+
+def write_report(sc: Schedule, spec: ModelSpec, path: str | Path) -> Path:
+    """report.md: summary, per-op and per-layer tables, the critical path and per-SM load."""
+    d = summary(sc, spec)
+    step, nsm = d["step_us"], sc.num_sms
+    share = nsm * step if step > 0 else 1.0
+    L = _num_layers(sc)
+    lines = [f"# Schedule report: {spec.name}, batch {sc.batch}, context {sc.context}, {nsm} SMs", "",
+             "Predicted by the cost model (mkc/schedule/cost.py); no measurement.", "", "## Summary", ""]
+    lines += _table(["", "value"], [[k, v] for k, v in _summary_rows(d)], "ll")
+
+    lines += ["", "## Per op", "",
+              ("SM-µs is the sum of the op's predicted task times; *% of step* is SM-µs over "
+              f"{nsm} SMs × {step:.1f} µs, so the total is the SM utilisation."), ""]
+    by_op = _aggregate(sc, op_label)
+    opcode = {op_label(t): t.op.name for t in reversed(sc.tasks)}
+    rows = [[op, opcode[op], a.tasks, _fmt_bytes(a.bytes), f"{a.us:.1f}", f"{a.us / share:.1%}",
+             f"{a.first_us:.1f} – {a.last_us:.1f}"] for op, a in by_op.items()]
+    rows.sort(key=lambda r: -float(r[4]))
+    tot = _Agg()
+    for a in by_op.values():
+        tot.tasks, tot.bytes, tot.us = tot.tasks + a.tasks, tot.bytes + a.bytes, tot.us + a.us
+    rows.append(["**total**", "", tot.tasks, _fmt_bytes(tot.bytes), f"{tot.us:.1f}", f"{tot.us / share:.1%}", ""])
+    lines += _table(["op", "opcode", "tasks", "bytes", "SM-µs", "% of step", "span µs"], rows, "llrrrrl")
+
+    lines += ["", "## Per layer", ""]
+    by_layer = _aggregate(sc, lambda t: t.layer)
+    rows = [[layer_label(ly, L), _layer_kind(spec, ly), a.tasks, _fmt_bytes(a.bytes), f"{a.us:.1f}",
+             f"{a.us / share:.1%}", f"{a.first_us:.1f} – {a.last_us:.1f}"]
+            for ly, a in sorted(by_layer.items())]
+    lines += _table(["layer", "kind", "tasks", "bytes", "SM-µs", "% of step", "span µs"], rows, "llrrrrl")
+
+    crit = sc.predicted.get("critical_path", [])
+    cost, start = _task_us(sc), sc.predicted["start_us"]
+    sm = sc.sm_of()
+    lines += ["", "## Critical path", "",
+              (f"The longest chain of predicted task times through the DAG: {len(crit)} tasks, "
+              f"{d['critical_path_us']:.1f} µs of the {step:.1f} µs step."), ""]
+    rows = [[i, op_label(sc.tasks[t]), layer_label(sc.tasks[t].layer, L), tile_label(sc.tasks[t]) or "–",
+             sm[t], f"{start[t]:.1f}", f"{cost[t]:.2f}"] for i, t in enumerate(crit)]
+    lines += _table(["#", "op", "layer", "tile", "SM", "start µs", "µs"], rows, "rlllrrr")
+
+    busy = sc.predicted.get("sm_busy_us") or [0.0] * nsm
+    sm_bytes = [0] * nsm
+    for t in sc.tasks:
+        sm_bytes[sm[t.id]] += t.weight_bytes + t.act_bytes
+    lines += ["", "## Per-SM load", "",
+              (f"tasks {d['tasks_per_sm']['min']} / {d['tasks_per_sm']['mean']:.1f} / "
+              f"{d['tasks_per_sm']['max']}, busy {d['busy_us_per_sm']['min']:.1f} / "
+              f"{d['busy_us_per_sm']['mean']:.1f} / {d['busy_us_per_sm']['max']:.1f} µs (min / mean / max); "
+              "idle is the part of the step an SM runs no task."), ""]
+    rows = [[i, len(q), _fmt_bytes(sm_bytes[i]), f"{busy[i]:.1f}",
+             f"{max(0.0, 1 - busy[i] / step) if step > 0 else 0.0:.1%}"] for i, q in enumerate(sc.queues)]
+    lines += _table(["SM", "tasks", "bytes", "busy µs", "idle"], rows, "rrrrr")
+    return _write_text(path, "\n".join(lines) + "\n")
+
+
+# -- trace.json ----------------------------------------------------------------------------------
+def _latest_producer(sc: Schedule) -> list[int]:
+    end = sc.predicted["end_us"]
+    return [max(c.producers, key=lambda p: end[p]) if c.producers else -1 for c in sc.counters]
+
+
+def trace_events(sc: Schedule) -> list[dict[str, Any]]:
+    """Chrome trace events: one thread per SM, one slice per task, one flow arrow per
+    (counter, waiting task) from the counter's latest-finishing producer."""
+    p = sc.predicted
+    start, end = p["start_us"], p["end_us"]
+    sm = sc.sm_of()
+    meta: list[dict[str, Any]] = [
+        {"ph": "M", "pid": 0, "tid": 0, "name": "process_name", "args": {"name": "predicted step"}}]
+    for i, q in enumerate(sc.queues):
+        if q:
+            meta.append({"ph": "M", "pid": 0, "tid": i, "name": "thread_name", "args": {"name": f"SM {i}"}})
+            meta.append({"ph": "M", "pid": 0, "tid": i, "name": "thread_sort_index", "args": {"sort_index": i}})
+    ev: list[dict[str, Any]] = []
+    for t in sc.tasks:
+        i = t.id
+        args = {"id": i, "layer": t.layer, "op": op_label(t), "opcode": t.op.name,
+                **dict(zip(OP_INFO[t.op].args, t.args)),
+                "weight_bytes": t.weight_bytes, "act_bytes": t.act_bytes,
+                "waits": [list(w) for w in sc.waits[i]], "signal": sc.signals[i]}
+        ev.append({"ph": "X", "pid": 0, "tid": sm[i], "ts": start[i], "dur": round(end[i] - start[i], 3),
+                   "name": t.name, "cat": op_label(t), "args": args})
+    latest = _latest_producer(sc)
+    eps = 0.001  # 1 ns: keeps a flow end inside its slice after rounding
+    fid = 0
+    for i, ws in enumerate(sc.waits):
+        for cid, _ in ws:
+            src = latest[cid]
+            if src < 0:
+                continue
+            # The arrow leaves the producer just before it ends and enters the waiter where its
+            # wait is satisfied. A waiter may start before its producer ends (prefetch before
+            # wait), so "f" is clamped to at least "s": importers pair flows in time order.
+            s_ts = round(max(start[src], end[src] - eps), 3)
+            f_ts = round(min(max(start[i] + eps, s_ts), max(start[i], end[i] - eps)), 3)
+            ev.append({"ph": "s", "pid": 0, "tid": sm[src], "ts": s_ts, "id": fid, "cat": "counter",
+                       "name": f"c{cid}"})
+            ev.append({"ph": "f", "bp": "e", "pid": 0, "tid": sm[i], "ts": f_ts, "id": fid, "cat": "counter",
+                       "name": f"c{cid}"})
+            fid += 1
+    order = {"X": 0, "s": 1, "f": 2}  # at equal ts: the slice first, then flow starts, then ends
+    ev.sort(key=lambda e: (e["ts"], order[e["ph"]]))
+    return meta + ev
+
+
+def write_trace(sc: Schedule, path: str | Path) -> Path:
+    """trace.json for Perfetto / chrome://tracing (ts and dur in µs)."""
+    doc = {"traceEvents": trace_events(sc), "displayTimeUnit": "ns",
+           "otherData": {"model": sc.model, "batch": sc.batch, "context": sc.context, "num_sms": sc.num_sms,
+                         "step_us": sc.predicted["step_us"], "source": "mkc cost model (predicted)"}}
+    return _write_text(path, json.dumps(doc, separators=(",", ":")))
+
+
+# -- op-level DAG --------------------------------------------------------------------------------
+def op_edges(sc: Schedule) -> dict[tuple[tuple[int, str], tuple[int, str]], int]:
+    """Op-level edges (layer, op) → (layer, op) with the number of waits behind each, from the
+    counters: every producer op of a waited counter → the waiting task's op. Dependencies that
+    queue order on one SM already covers have no wait and so do not show."""
+    prod_ops: list[set[tuple[int, str]]] = [
+        {(sc.tasks[p].layer, op_label(sc.tasks[p])) for p in c.producers} for c in sc.counters]
+    edges: dict[tuple[tuple[int, str], tuple[int, str]], int] = defaultdict(int)
+    for t in sc.tasks:
+        dst = (t.layer, op_label(t))
+        for cid, _ in sc.waits[t.id]:
+            for src in prod_ops[cid]:
+                if src != dst:
+                    edges[(src, dst)] += 1
+    return edges
+
+
+def _layer_dags(sc: Schedule, ops: list[str], crit_ops: set[tuple[int, str]]) -> dict[str, Any]:
+    """Per layer: nodes [label, column, row, tasks, SM-µs, critical, ghost, op index] and edges
+    [src, dst, waits], laid out by topological generations (columns) with one barycentre pass
+    (rows). Ghost nodes are ops of other layers feeding or fed by this one."""
+    L = _num_layers(sc)
+    agg = _aggregate(sc, lambda t: (t.layer, op_label(t)))
+    op_idx = {o: i for i, o in enumerate(ops)}
+    per_layer: dict[int, list[tuple[tuple[int, str], tuple[int, str], int]]] = defaultdict(list)
+    for (a, b), n in op_edges(sc).items():
+        per_layer[a[0]].append((a, b, n))
+        if b[0] != a[0]:
+            per_layer[b[0]].append((a, b, n))
+    out: dict[str, Any] = {}
+    for layer in _layers_in_order(sc):
+        g = nx.DiGraph()
+        g.add_nodes_from(k for k in agg if k[0] == layer)
+        for a, b, n in per_layer.get(layer, []):
+            g.add_edge(a, b, n=n)
+        gens = _generations(g)
+        col = {k: c for c, gen in enumerate(gens) for k in gen}
+        row: dict[tuple[int, str], float] = {}
+        for gen in gens:
+            keyed = []
+            for k in gen:
+                preds = [row[p] for p in g.predecessors(k) if p in row]
+                keyed.append((sum(preds) / len(preds) if preds else -1.0, _first_start(agg, k), k))
+            for r, (_, _, k) in enumerate(sorted(keyed, key=lambda x: (x[0], x[1]))):
+                row[k] = r
+        index = {k: i for i, k in enumerate(g.nodes)}
+        nodes = []
+        for k in g.nodes:
+            ghost = k[0] != layer
+            a = agg[k]
+            where = layer_label(k[0], L)
+            label = k[1] if not ghost or where == k[1] else f"{where}.{k[1]}"
+            nodes.append([label, col[k], int(row[k]), a.tasks, round(a.us, 1), k in crit_ops, ghost,
+                          op_idx.get(k[1], 0)])
+        edges = [[index[a], index[b], d["n"]] for a, b, d in g.edges(data=True)]
+        out[layer_label(layer, L)] = {"nodes": nodes, "edges": edges}
+    return out
+
+
+def _first_start(agg: dict[Any, _Agg], k: Any) -> float:
+    return agg[k].first_us if k in agg else 0.0
+
+
+def _generations(g: nx.DiGraph) -> list[list[Any]]:
+    try:
+        return [list(gen) for gen in nx.topological_generations(g)]
+    except nx.NetworkXUnfeasible:  # an op-level cycle (tiles of two ops feeding each other): flatten it
+        cond = nx.condensation(g)
+        return [[k for c in gen for k in cond.nodes[c]["members"]] for gen in nx.topological_generations(cond)]
+
+
+# -- schedule.html -------------------------------------------------------------------------------
+@lru_cache(maxsize=1)
+def _environment() -> jinja2.Environment:
+    return jinja2.Environment(undefined=jinja2.StrictUndefined, autoescape=True, keep_trailing_newline=True)
+
+
+def _template_text(name: str) -> str:
+    """The template from package ``mkc.templates`` (installed), else from the repo's templates/."""
+    try:
+        return importlib.resources.files("mkc.templates").joinpath(name).read_text(encoding="utf-8")
+    except (ModuleNotFoundError, FileNotFoundError):
+        return (Path(__file__).parents[2] / "templates" / name).read_text(encoding="utf-8")
+
+
+def html_data(sc: Schedule, spec: ModelSpec) -> dict[str, Any]:
+    """The JSON embedded in schedule.html: per-task columns (times in ns), ops, the critical path
+    and the per-layer op DAGs."""
+    p = sc.predicted
+    L = _num_layers(sc)
+    ops = _ops_in_order(sc)
+    op_idx = {o: i for i, o in enumerate(ops)}
+    layers = _layers_in_order(sc)
+    ly_idx = {ly: i for i, ly in enumerate(layers)}
+    start, end = p["start_us"], p["end_us"]
+    sm = sc.sm_of()
+    crit = list(p.get("critical_path", []))
+    crit_ops = {(sc.tasks[i].layer, op_label(sc.tasks[i])) for i in crit}
+    by_op = _aggregate(sc, op_label)
+    return {
+        "meta": {"model": spec.name, "batch": sc.batch, "context": sc.context, "num_sms": sc.num_sms,
+                 "step_ns": round(float(p["step_us"]) * 1000)},
+        "ops": ops, "colors": [_color(i) for i in range(len(ops))],
+        "op_stats": [[by_op[o].tasks, by_op[o].bytes, round(by_op[o].us, 1)] for o in ops],
+        "layers": [layer_label(ly, L) for ly in layers],
+        "t": {
+            "sm": sm,
+            "s": [round(x * 1000) for x in start],
+            "d": [round((e - s) * 1000) for s, e in zip(start, end)],
+            "op": [op_idx[op_label(t)] for t in sc.tasks],
+            "ly": [ly_idx[t.layer] for t in sc.tasks],
+            "b": [t.weight_bytes + t.act_bytes for t in sc.tasks],
+            "w": [len(w) for w in sc.waits],
+            "n": [t.name for t in sc.tasks],
+        },
+        "crit": crit,
+        "dag": _layer_dags(sc, ops, crit_ops),
+    }
+
+
+def render_html(sc: Schedule, spec: ModelSpec) -> str:
+    d = summary(sc, spec)
+    data = html_data(sc, spec)
+    default = next((k for k in data["layers"] if k == "L1"), data["layers"][0] if data["layers"] else "")
+    tmpl = _environment().from_string(_template_text(HTML_TEMPLATE))
+    return tmpl.render(
+        title=f"{spec.name} b{sc.batch} ctx{sc.context} – mkc schedule",
+        summary_rows=_summary_rows(d),
+        legend=[{"op": o, "color": c, "tasks": s[0], "bytes": _fmt_bytes(s[1]), "us": s[2],
+                 "share": s[2] / (sc.num_sms * d["step_us"]) if d["step_us"] > 0 else 0.0}
+                for o, c, s in zip(data["ops"], data["colors"], data["op_stats"])],
+        default_layer=default,
+        data_json=Markup(htmlsafe_json_dumps(data, dumps=json.dumps, separators=(",", ":"))),
+    )
+
+
+def write_html(sc: Schedule, spec: ModelSpec, path: str | Path) -> Path:
+    """schedule.html: self-contained (inline CSS/JS, data as embedded JSON), works offline."""
+    return _write_text(path, render_html(sc, spec))
+
+
+# -- manifest.json -------------------------------------------------------------------------------
+def sha256_file(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def versions() -> dict[str, str | None]:
+    """Versions from package metadata (torch is not imported: that costs seconds)."""
+    return {"mkc": mkc.__version__, "python": platform.python_version(), "torch": _version("torch"),
+            "networkx": _version("networkx"), "jinja2": _version("jinja2")}
+
+
+def write_manifest(path: str | Path, *, spec_path: str | Path, spec: ModelSpec, options: dict[str, Any],
+                   files: dict[str, Path]) -> Path:
+    """manifest.json: inputs (spec path + sha256), options, sha256 of every artifact, versions,
+    UTC timestamp. File paths are stored relative to the manifest's folder where possible."""
+    root = Path(path).resolve().parent
+
+    def rel(p: Path) -> str:
+        p = Path(p).resolve()
+        return str(p.relative_to(root)) if p.is_relative_to(root) else str(p)
+
+    doc = {
+        "format": "mkc-manifest/1",
+        "model": spec.name,
+        "inputs": {"spec": {"path": str(spec_path), "sha256": sha256_file(spec_path)}},
+        "options": options,
+        "files": {name: {"path": rel(p), "sha256": sha256_file(p), "bytes": Path(p).stat().st_size}
+                  for name, p in files.items()},
+        "versions": versions(),
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+    return _write_text(path, json.dumps(doc, indent=2) + "\n")
+
+
+def write_artifacts(sc: Schedule, spec: ModelSpec, out_dir: str | Path, *, spec_path: str | Path,
+                    extra: dict[str, Path] | None = None) -> dict[str, Path]:
+    """Write report.md, trace.json, schedule.html into out_dir, then manifest.json hashing them
+    and any ``extra`` files (e.g. schedule.json, kernel.cu). Returns name → path, manifest included."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    files = {"report": write_report(sc, spec, out / "report.md"),
+             "trace": write_trace(sc, out / "trace.json"),
+             "html": write_html(sc, spec, out / "schedule.html"),
+             **(extra or {})}
+    options = {"batch": sc.batch, "context": sc.context, "num_sms": sc.num_sms}
+    files["manifest"] = write_manifest(out / "manifest.json", spec_path=spec_path, spec=spec, options=options,
+                                       files=files)
+    return files
+
+
+def _write_text(path: str | Path, text: str) -> Path:
+    """Write atomically: a reader never sees a half-written artifact."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; artifacts are for people to open
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
