@@ -1,0 +1,83 @@
+"""The mkc command line as a user runs it: compile, check, import-hf, bad input."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def mkc(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, "-m", "mkc.cli", *map(str, args)], capture_output=True, text=True, cwd=cwd)
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny")
+    r = mkc("compile", "configs/tiny.yaml", "-o", out, "--batch", 2, "--context", 64, "--num-sms", 8, "--no-kernel")
+    assert r.returncode == 0, r.stderr
+    return out, r.stdout
+
+
+def test_compile_writes_the_folder(compiled):
+    out, stdout = compiled
+    for f in ("schedule.json", "report.md", "trace.json", "schedule.html", "manifest.json"):
+        assert (out / f).stat().st_size > 0, f
+    assert "predicted step" in stdout and "critical path" in stdout and "of SOL" in stdout
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["options"] == {"batch": 2, "context": 64, "num_sms": 8}
+
+
+def test_check_accepts_the_compiled_schedule(compiled):
+    out, _ = compiled
+    r = mkc("check", out / "schedule.json")
+    assert r.returncode == 0 and "safe" in r.stdout
+
+
+def test_check_rejects_a_dropped_wait(compiled, tmp_path):
+    out, _ = compiled
+    d = json.loads((out / "schedule.json").read_text())
+    victim = next(t for t in d["tasks"] if t["op"] == "ATTN_SPLIT" and t["wait"])
+    victim["wait"] = []
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(d))
+    r = mkc("check", bad)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "UNSAFE" in r.stdout and victim["name"] in r.stdout
+
+
+def test_check_bad_files(tmp_path):
+    r = mkc("check", tmp_path / "missing.json")
+    assert r.returncode == 2 and "no such file" in r.stderr and "Traceback" not in r.stderr
+    (tmp_path / "junk.json").write_text('{"format": "something else"}')
+    r = mkc("check", tmp_path / "junk.json")
+    assert r.returncode == 2 and "not a valid mkc schedule" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_import_hf_round_trip(tmp_path):
+    from mkc.ir.spec import load_spec
+
+    cfg = {"model_type": "cohere2_moe", "vocab_size": 512, "hidden_size": 128, "num_hidden_layers": 5,
+           "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32, "num_experts": 16,
+           "num_experts_per_tok": 4, "intermediate_size": 64, "first_k_dense_replace": 1,
+           "prefix_dense_intermediate_size": 192, "sliding_window": 8, "expert_selection_fn": "sigmoid",
+           "norm_topk_prob": False, "rms_norm_eps": 1e-6, "logit_scale": 0.5, "rope_theta": 50000.0,
+           "hidden_act": "silu", "tie_word_embeddings": True}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    r = mkc("import-hf", tmp_path, "-o", tmp_path / "m.yaml", "--name", "tiny")
+    assert r.returncode == 0, r.stderr
+    assert load_spec(tmp_path / "m.yaml") == load_spec(ROOT / "configs" / "tiny.yaml")
+
+
+@pytest.mark.parametrize("args,needle", [
+    (("compile", "configs/tiny.yaml", "--batch", "9"), "--batch"),
+    (("compile", "nope.yaml", "--no-kernel"), "no such file"),
+    (("import-hf", "configs"), "config.json"),
+])
+def test_bad_input_is_one_clear_line(args, needle):
+    r = mkc(*args)
+    assert r.returncode == 2
+    assert needle in r.stderr and "Traceback" not in r.stderr
