@@ -8,6 +8,7 @@ character and never change text already handed out.
 
 from __future__ import annotations
 
+import codecs
 import json
 from pathlib import Path
 from typing import Any, Protocol, Sequence
@@ -56,7 +57,11 @@ def message_text(m: dict[str, Any]) -> str:
 
 
 class ByteTokenizer:
-    """ids 0..255 are the UTF-8 bytes, id 256 is EOS; ids above 256 decode to nothing."""
+    """ids 0..255 are the UTF-8 bytes, id 256 is EOS; ids above 256 decode to nothing.
+
+    Invalid bytes decode as ``\\xNN`` (readable, stable as text grows); an incomplete UTF-8
+    character at the end decodes as U+FFFD, which tells the detokenizer to wait for more bytes.
+    """
 
     name = "bytes"
 
@@ -70,7 +75,9 @@ class ByteTokenizer:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: Sequence[int]) -> str:
-        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+        dec = codecs.getincrementaldecoder("utf-8")(errors="backslashreplace")
+        text = dec.decode(bytes(i for i in ids if 0 <= i < 256), final=False)
+        return text + "\ufffd" if dec.getstate()[0] else text
 
     def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
         return plain_chat_template(messages, tools)

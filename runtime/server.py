@@ -1,0 +1,601 @@
+"""``mkc serve``: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over the batching engine.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with SSE streaming ending
+in ``data: [DONE]`` and ``stream_options.include_usage``), ``GET /v1/models``, ``GET /health``,
+``GET /metrics`` (Prometheus).
+
+Every bad request gets an OpenAI error object ``{"error": {"message", "type", "param", "code"}}``
+with status 400 (404 for an unknown model or route) and the server keeps serving. A client that
+goes away mid-request has its request aborted, which frees its slot and KV pages.
+
+CLI: ``add_serve_arguments(parser)`` declares the options and ``serve_main(args)`` runs the server;
+``python -m mkc.runtime.server ...`` does both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from mkc.runtime.engine import Engine, Output
+from mkc.runtime.metrics import Metrics
+from mkc.runtime.sampling import SamplingParams
+from mkc.runtime.tokenizer import Tokenizer, encode_chat, message_text
+from mkc.runtime.tool_calls import parse_tool_calls, tool_names
+
+log = logging.getLogger("mkc.server")
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
+
+
+# ----------------------------------------------------------------------------------------------
+# errors
+
+
+class APIError(Exception):
+    """An error answered to the client as an OpenAI error object."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(status_code=self.status, content={"error": {
+            "message": self.message, "type": self.type, "param": self.param, "code": self.code}})
+
+
+def _validation_error(e: ValidationError | RequestValidationError) -> APIError:
+    err = e.errors()[0]
+    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    # pydantic names union members in the location ("prompt.str"): keep the field path only
+    param = ".".join(x for x in loc if not x.startswith(("str", "list[", "int", "float", "bool", "dict[",
+                                                          "function-")))
+    msg = err.get("msg", "invalid value")
+    return APIError(400, f"{param or 'body'}: {msg}" + (f" (got {err['input']!r})" if "input" in err and
+                                                         not isinstance(err["input"], (dict, list)) else ""),
+                    param=param or None)
+
+
+# ----------------------------------------------------------------------------------------------
+# request bodies (strict: "5" is not an integer, true is not a number)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = False
+
+
+class _Sampling(_Strict):
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # extension (vLLM and others accept it)
+    seed: int | None = None
+    n: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    logprobs: Any = None
+    ignore_eos: bool | None = False  # extension, for benchmarks
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int]
+    echo: bool | None = False
+    best_of: int | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+
+# ----------------------------------------------------------------------------------------------
+# the app
+
+
+@dataclass
+class ServerState:
+    engine: Engine
+    tokenizer: Tokenizer
+    model_name: str  # the one id /v1/models lists and requests must name
+    context: int  # KV positions per sequence
+    vocab_size: int
+    metrics: Metrics
+    created: int  # unix time the server started
+
+
+def build_app(state: ServerState) -> FastAPI:
+    """The FastAPI app; starts the engine thread on startup and stops it on shutdown."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.engine.start()
+        yield
+        state.engine.stop()
+
+    app = FastAPI(title="mkc", lifespan=lifespan)
+    app.state.mkc = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        state.metrics.http_errors.labels(status=str(e.status)).inc()
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _request_validation(request: Request, e: RequestValidationError) -> JSONResponse:
+        return await _api_error(request, _validation_error(e))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        return await _api_error(request, APIError(e.status_code, str(e.detail), code=code))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception) -> JSONResponse:
+        log.exception("internal error on %s", request.url.path)
+        return await _api_error(request, APIError(500, f"internal error: {type(e).__name__}: {e}",
+                                                  type="server_error"))
+
+    @app.get("/health")
+    async def health() -> Response:
+        t = state.engine._thread
+        if t is None or not t.is_alive():
+            return JSONResponse(status_code=503, content={"status": "engine not running"})
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [_model_card(state)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        _check_model(state, model_id)
+        return _model_card(state)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = _parse(CompletionRequest, await _json_body(request))
+        _check_model(state, req.model)
+        _check_common(req)
+        if req.echo:
+            raise APIError(400, "echo is not supported", param="echo")
+        if req.best_of not in (None, 1):
+            raise APIError(400, f"best_of = {req.best_of}: only 1 is supported", param="best_of")
+        ids = _prompt_ids(state, req.prompt)
+        params = _sampling_params(state, req, req.max_tokens, len(ids), DEFAULT_COMPLETION_MAX_TOKENS)
+        gen = _Generation(state, request, ids, params)
+        gen.start()
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        if req.stream:
+            return _sse(_stream_completion(state, gen, req, rid, created))
+        text, last = await gen.collect()
+        return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
+                             "choices": [{"index": 0, "text": text, "logprobs": None,
+                                          "finish_reason": last.finish_reason}],
+                             "usage": _usage(last)})
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        req = _parse(ChatRequest, await _json_body(request))
+        _check_model(state, req.model)
+        _check_common(req)
+        messages = [_message_dict(m, i) for i, m in enumerate(req.messages)]
+        use_tools = bool(req.tools) and req.tool_choice != "none"
+        try:
+            text = state.tokenizer.apply_chat_template(messages, req.tools if use_tools else None)
+        except Exception as e:  # a template that rejects the conversation (roles out of order, ...)
+            raise APIError(400, f"messages: the chat template rejected them: {e}", param="messages") from None
+        ids = encode_chat(state.tokenizer, text)
+        if not ids:
+            raise APIError(400, "messages: the prompt is empty", param="messages")
+        limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        params = _sampling_params(state, req, limit, len(ids), None, param=param)
+        gen = _Generation(state, request, ids, params)
+        gen.start()
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        names = tool_names(req.tools) if use_tools else set()
+        if req.stream:
+            return _sse(_stream_chat(state, gen, req, rid, created, names))
+        text, last = await gen.collect()
+        message, finish = _chat_message(text, last.finish_reason, names)
+        return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
+                             "choices": [{"index": 0, "message": message, "logprobs": None,
+                                          "finish_reason": finish}],
+                             "usage": _usage(last)})
+
+    return app
+
+
+def _model_card(state: ServerState) -> dict[str, Any]:
+    return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "mkc",
+            "max_model_len": state.context}
+
+
+async def _json_body(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+
+
+def _parse(model: type[BaseModel], body: Any) -> Any:
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise _validation_error(e) from None
+
+
+def _check_model(state: ServerState, name: str) -> None:
+    if name != state.model_name:
+        raise APIError(404, f"The model '{name}' does not exist (this server serves '{state.model_name}')",
+                       param="model", code="model_not_found")
+
+
+def _check_common(req: _Sampling) -> None:
+    if req.n not in (None, 1):
+        raise APIError(400, f"n = {req.n}: only n = 1 is supported", param="n")
+    if req.logprobs not in (None, False, 0):
+        raise APIError(400, "logprobs are not supported", param="logprobs")
+
+
+def _prompt_ids(state: ServerState, prompt: str | list[str] | list[int]) -> list[int]:
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        if len(prompt) != 1:
+            raise APIError(400, f"prompt: got {len(prompt)} prompts: only one per request is supported",
+                           param="prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        ids = state.tokenizer.encode(prompt)
+    else:
+        ids = list(prompt)
+        bad = [t for t in ids if not 0 <= t < state.vocab_size]
+        if bad:
+            raise APIError(400, f"prompt: token ids {bad[:5]} outside [0, {state.vocab_size})", param="prompt")
+    if not ids:
+        raise APIError(400, "prompt: is empty: expected at least one token", param="prompt")
+    return ids
+
+
+def _sampling_params(state: ServerState, req: _Sampling, max_tokens: int | None, prompt_len: int,
+                     default_max: int | None, param: str = "max_tokens") -> SamplingParams:
+    room = state.context - prompt_len
+    if room < 1:
+        raise APIError(400, f"This model's maximum context length is {state.context} tokens; the prompt has "
+                            f"{prompt_len}. Shorten the prompt.", param="messages" if param != "max_tokens"
+                       or not isinstance(req, CompletionRequest) else "prompt", code="context_length_exceeded")
+    if max_tokens is None:
+        max_tokens = min(default_max or room, room)
+    elif max_tokens < 1:
+        raise APIError(400, f"{param} = {max_tokens}: expected at least 1", param=param)
+    elif prompt_len + max_tokens > state.context:
+        raise APIError(400, f"This model's maximum context length is {state.context} tokens; the prompt has "
+                            f"{prompt_len} and {param} asks for {max_tokens}. Lower {param} to at most {room}.",
+                       param=param, code="context_length_exceeded")
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=0 if req.top_k is None or req.top_k < 0 else req.top_k,
+        seed=req.seed, stop=stop, ignore_eos=bool(req.ignore_eos))
+    try:
+        params.check()
+    except ValueError as e:
+        field = str(e).split(" ")[0].rstrip(":")
+        raise APIError(400, str(e), param=field) from None
+    return params
+
+
+def _message_dict(m: ChatMessage, i: int) -> dict[str, Any]:
+    if isinstance(m.content, list):
+        for p in m.content:
+            if p.get("type") not in ("text", None) or not isinstance(p.get("text", ""), str):
+                raise APIError(400, f"messages[{i}].content: only text parts are supported (got type "
+                                    f"{p.get('type')!r})", param=f"messages.{i}.content")
+    d = m.model_dump(exclude_none=True)
+    d["content"] = message_text(d)
+    return d
+
+
+def _usage(last: Output) -> dict[str, int]:
+    return {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
+            "total_tokens": last.prompt_tokens + last.completion_tokens}
+
+
+def _chat_message(text: str, finish: str | None, names: set[str]) -> tuple[dict[str, Any], str | None]:
+    if names:
+        calls, content = parse_tool_calls(text, names)
+        if calls:
+            return ({"role": "assistant", "content": content, "tool_calls": [c.to_openai() for c in calls]},
+                    "tool_calls")
+    return {"role": "assistant", "content": text}, finish
+
+
+# ----------------------------------------------------------------------------------------------
+# one generation: engine outputs → asyncio
+
+
+class _Generation:
+    """Submits a request to the engine and hands its outputs to the event loop.
+
+    Iterating it yields ``Output``s until the finishing one; leaving early (client gone, task
+    cancelled) aborts the request so the engine frees its slot.
+    """
+
+    def __init__(self, state: ServerState, request: Request, ids: list[int], params: SamplingParams):
+        self.state, self.request, self.ids, self.params = state, request, ids, params
+        self.queue: asyncio.Queue[Output] = asyncio.Queue()
+        self.rid: str | None = None
+        self.done = False
+
+    def start(self) -> None:
+        """Submit now, so a request the engine refuses is still answered with a 400."""
+        loop = asyncio.get_running_loop()
+        q = self.queue
+
+        def sink(out: Output) -> None:
+            loop.call_soon_threadsafe(q.put_nowait, out)
+
+        try:
+            self.rid = self.state.engine.submit(self.ids, self.params, sink)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+
+    async def outputs(self, poll_disconnect: bool = False) -> AsyncIterator[Output]:
+        if self.rid is None:
+            self.start()
+        try:
+            while True:
+                if poll_disconnect:
+                    try:
+                        out = await asyncio.wait_for(self.queue.get(), timeout=0.5)
+                    except asyncio.TimeoutError:
+                        if await self.request.is_disconnected():
+                            log.info("client of %s went away", self.rid)
+                            return
+                        continue
+                else:
+                    out = await self.queue.get()
+                if out.finish_reason is not None:
+                    self.done = True
+                yield out
+                if self.done:
+                    return
+        finally:
+            if not self.done and self.rid is not None:
+                self.state.engine.abort(self.rid)
+
+    async def collect(self) -> tuple[str, Output]:
+        """All text and the last output; raises APIError(500) when generation failed."""
+        parts: list[str] = []
+        last: Output | None = None
+        async for out in self.outputs(poll_disconnect=True):
+            parts.append(out.text)
+            last = out
+        if last is None or last.finish_reason is None or last.finish_reason == "abort":
+            raise APIError(499, "client closed the request", code="client_closed")
+        if last.finish_reason == "error":
+            raise APIError(500, f"generation failed: {last.error}", type="server_error")
+        return "".join(parts), last
+
+
+def _sse(events: AsyncIterator[dict[str, Any] | str]) -> StreamingResponse:
+    async def body() -> AsyncIterator[str]:
+        async for e in events:
+            yield f"data: {e if isinstance(e, str) else json.dumps(e, separators=(',', ':'))}\n\n"
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _error_event(out: Output) -> dict[str, Any]:
+    return {"error": {"message": f"generation failed: {out.error}", "type": "server_error", "param": None,
+                      "code": None}}
+
+
+async def _stream_completion(state: ServerState, gen: _Generation, req: CompletionRequest, rid: str,
+                             created: int) -> AsyncIterator[dict[str, Any] | str]:
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    base = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name}
+    last = None
+    async for out in gen.outputs():
+        last = out
+        if out.finish_reason == "error":
+            yield _error_event(out)
+            break
+        if out.text or out.finish_reason:
+            chunk = {**base, "choices": [{"index": 0, "text": out.text, "logprobs": None,
+                                          "finish_reason": out.finish_reason}]}
+            if include_usage:
+                chunk["usage"] = None
+            yield chunk
+    if include_usage and last is not None:
+        yield {**base, "choices": [], "usage": _usage(last)}
+    yield "[DONE]"
+
+
+async def _stream_chat(state: ServerState, gen: _Generation, req: ChatRequest, rid: str, created: int,
+                       names: set[str]) -> AsyncIterator[dict[str, Any] | str]:
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name}
+
+    def chunk(delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
+        c = {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+        if include_usage:
+            c["usage"] = None
+        return c
+
+    yield chunk({"role": "assistant", "content": ""}, None)
+    held: list[str] = []  # with tools, the text is held until it is known whether it is a call
+    last = None
+    async for out in gen.outputs():
+        last = out
+        if out.finish_reason == "error":
+            yield _error_event(out)
+            break
+        if names:
+            held.append(out.text)
+            if out.finish_reason:
+                message, finish = _chat_message("".join(held), out.finish_reason, names)
+                if "tool_calls" in message:
+                    delta = {"tool_calls": [{**c, "index": i} for i, c in enumerate(message["tool_calls"])]}
+                    if message["content"]:
+                        delta["content"] = message["content"]
+                else:
+                    delta = {"content": message["content"]}
+                yield chunk(delta, finish)
+            continue
+        if out.text:
+            yield chunk({"content": out.text}, None)
+        if out.finish_reason:
+            yield chunk({}, out.finish_reason)
+    if include_usage and last is not None:
+        yield {**base, "choices": [], "usage": _usage(last)}
+    yield "[DONE]"
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``mkc serve``."""
+    parser.add_argument("--config", help="model YAML, HF config.json or checkpoint folder "
+                                         "(default: the --checkpoint folder)")
+    w = parser.add_mutually_exclusive_group(required=True)
+    w.add_argument("--checkpoint", help="Hugging Face checkpoint folder (safetensors; tokenizer files if any)")
+    w.add_argument("--random-weights", action="store_true", help="random weights (demo; byte-level tokenizer)")
+    parser.add_argument("--weights-seed", type=int, default=0, help="seed of --random-weights")
+    parser.add_argument("--backend", choices=("auto", "cuda", "cpu"), default="auto",
+                        help="cuda: the megakernel; cpu: the CPU executor (runs anywhere); auto: cuda when a "
+                             "GPU and the CUDA backend are present")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--max-batch", type=int, default=8, help="sequences decoded together (1-8)")
+    parser.add_argument("--context", type=int, default=1024, help="KV positions per sequence")
+    parser.add_argument("--page-size", type=int, default=16, help="KV page size in positions")
+    parser.add_argument("--kv-pages", type=int, default=None,
+                        help="KV pages in the pool (default: max-batch x context / page-size); fewer pages "
+                             "make the engine preempt and requeue requests")
+    parser.add_argument("--no-prefix-cache", action="store_true", help="do not cache full prompt pages")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                        help="weights/activations (default: float32 on cpu, bfloat16 on cuda)")
+    parser.add_argument("--num-sms", type=int, default=8, help="persistent CTAs of the CPU schedule")
+    parser.add_argument("--served-model-name", default=None, help="model id clients send (default: the spec name)")
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def build_state(args: argparse.Namespace) -> ServerState:
+    """Spec, weights, backend, tokenizer and engine from the parsed options (raises on bad input)."""
+    import torch
+
+    from mkc.ir.spec import load_spec
+    from mkc.runtime.tokenizer import load_tokenizer
+    from mkc.runtime.weights import load_checkpoint, random_weights
+
+    config = args.config or args.checkpoint
+    if config is None:
+        raise ValueError("--config is required with --random-weights")
+    spec = load_spec(config)
+    backend_name = args.backend
+    if backend_name == "auto":
+        backend_name = "cuda" if torch.cuda.is_available() and _has_cuda_backend() else "cpu"
+    dtype = getattr(torch, args.dtype or ("float32" if backend_name == "cpu" else "bfloat16"))
+    weights = (random_weights(spec, args.weights_seed, dtype) if args.random_weights
+               else load_checkpoint(args.checkpoint, spec, dtype))
+    backend = make_backend(backend_name, spec, weights, max_batch=args.max_batch, context=args.context,
+                           dtype=dtype, num_sms=args.num_sms)
+    tokenizer = load_tokenizer(args.checkpoint, spec.vocab_size)
+    metrics = Metrics()
+    engine = Engine(backend, tokenizer, page_size=args.page_size, kv_pages=args.kv_pages,
+                    prefix_cache=not args.no_prefix_cache, metrics=metrics)
+    log.info("serving %s: backend %s, batch %d, context %d, tokenizer %s, %d KV pages of %d",
+             spec.name, backend_name, args.max_batch, args.context, tokenizer.name, engine.kv_pages, args.page_size)
+    return ServerState(engine=engine, tokenizer=tokenizer, model_name=args.served_model_name or spec.name,
+                       context=args.context, vocab_size=spec.vocab_size, metrics=metrics, created=int(time.time()))
+
+
+def _has_cuda_backend() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("mkc.runtime.cuda_backend") is not None
+
+
+def make_backend(name: str, spec: Any, weights: dict[str, Any], *, max_batch: int, context: int, dtype: Any,
+                 num_sms: int = 8) -> Any:
+    """The decode backend by name; unknown names raise with the list of valid ones."""
+    if name == "cpu":
+        from mkc.runtime.cpu_backend import CpuBackend
+
+        return CpuBackend(spec, weights, max_batch=max_batch, context=context, num_sms=num_sms, dtype=dtype)
+    if name == "cuda":
+        if not _has_cuda_backend():
+            raise ValueError("--backend cuda: mkc.runtime.cuda_backend is not available yet; use --backend cpu")
+        from mkc.runtime.cuda_backend import CudaBackend  # type: ignore[import-not-found]
+
+        return CudaBackend(spec, weights, max_batch=max_batch, context=context)
+    raise ValueError(f"--backend {name!r}: expected one of ['auto', 'cuda', 'cpu']")
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    """Run ``mkc serve`` until interrupted; returns the process exit status."""
+    import uvicorn
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        state = build_state(args)
+    except (ValueError, OSError, KeyError) as e:  # SpecError and CheckpointError are ValueErrors
+        print(f"mkc serve: {e}", file=sys.stderr)
+        return 2
+    uvicorn.run(build_app(state), host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=5)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mkc serve", description="OpenAI-compatible server")
+    add_serve_arguments(parser)
+    return serve_main(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
