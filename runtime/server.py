@@ -520,6 +520,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                         help="weights/activations (default: float32 on cpu, bfloat16 on cuda)")
     parser.add_argument("--num-sms", type=int, default=8, help="persistent CTAs of the CPU schedule")
+    parser.add_argument("--cpu-threads", type=int, default=None,
+                        help="torch intra-op threads (default: 1 with the cpu backend, whose per-tile ops "
+                             "are too small to split; the torch default otherwise)")
     parser.add_argument("--served-model-name", default=None, help="model id clients send (default: the spec name)")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
@@ -539,6 +542,9 @@ def build_state(args: argparse.Namespace) -> ServerState:
     backend_name = args.backend
     if backend_name == "auto":
         backend_name = "cuda" if torch.cuda.is_available() and _has_cuda_backend() else "cpu"
+    threads = args.cpu_threads or (1 if backend_name == "cpu" else None)
+    if threads:
+        torch.set_num_threads(threads)
     dtype = getattr(torch, args.dtype or ("float32" if backend_name == "cpu" else "bfloat16"))
     weights = (random_weights(spec, args.weights_seed, dtype) if args.random_weights
                else load_checkpoint(args.checkpoint, spec, dtype))

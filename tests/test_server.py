@@ -36,9 +36,10 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(tmp_path_factory):
     port = _free_port()
-    log = open(ROOT / "tests" / ".server-test.log", "w") if os.environ.get("MKC_TEST_SERVER_LOG") else subprocess.DEVNULL
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    log = open(log_path, "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "mkc.runtime.server", "--config", str(ROOT / "configs" / "tiny.yaml"),
          "--random-weights", "--backend", "cpu", "--host", "127.0.0.1", "--port", str(port),
@@ -48,7 +49,8 @@ def server():
     deadline = time.monotonic() + 60
     while True:
         if proc.poll() is not None:
-            pytest.fail(f"server exited with status {proc.returncode} before becoming healthy")
+            pytest.fail(f"server exited with status {proc.returncode} before becoming healthy:\n"
+                        f"{log_path.read_text()[-3000:]}")
         try:
             with urllib.request.urlopen(base + "/health", timeout=2) as r:
                 if r.status == 200:
@@ -57,7 +59,7 @@ def server():
             pass
         if time.monotonic() > deadline:
             proc.kill()
-            pytest.fail("server not healthy within 60 s")
+            pytest.fail(f"server not healthy within 60 s:\n{log_path.read_text()[-3000:]}")
         time.sleep(0.2)
     yield base
     proc.terminate()
@@ -66,6 +68,7 @@ def server():
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(timeout=5)
+    log.close()
 
 
 @pytest.fixture(scope="module")
@@ -151,16 +154,16 @@ def test_sse_ends_with_done(server):
 def test_stop_sequences(client):
     # the random model's greedy text is fixed per prompt: cut it at a piece of itself
     for prompt in ("stop test one", "another stop test", "third try", "q", "zz top"):
-        full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0).choices[0].text
+        full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0).choices[0].text
         if len(full) >= 8:
             break
     else:
         pytest.skip("the random model produced no text long enough to cut")
     stop = full[4:7]
     want = full[:full.index(stop)]
-    got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stop=[stop, "@@@@"])
+    got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stop=[stop, "@@@@"])
     assert got.choices[0].text == want and got.choices[0].finish_reason == "stop"
-    text, finish, _ = _stream_text(client, prompt=prompt, max_tokens=24, temperature=0, stop=stop)
+    text, finish, _ = _stream_text(client, prompt=prompt, max_tokens=16, temperature=0, stop=stop)
     assert text == want and finish == "stop"
 
 
