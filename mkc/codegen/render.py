@@ -1,0 +1,205 @@
+"""Render the persistent kernel's CUDA C++ from the schedule, the spec and templates/kernel.cu.j2.
+
+The template only receives constants, the opcode table and names; every value is converted to
+C++ text by ``mkc.codegen.cvalues``. The rendered source depends on the model's shapes, the
+batch and tiling constants, never on the schedule's queues or the context bucket: the schedule
+travels as data (``taskwords``), so one binary serves every context bucket of a batch size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jinja2
+
+from mkc.codegen import cvalues as cv
+from mkc.codegen.taskwords import DTYPE_CODES, MAX_RANK, RECORD_LAYOUT
+from mkc.ir.ops import OP_INFO, Opcode
+from mkc.ir.spec import ModelSpec
+from mkc.schedule.schedule import Schedule
+
+
+def _template_dir() -> Path:
+    """templates/ of the source tree (editable install or PYTHONPATH=.), else the installed package."""
+    src = Path(__file__).resolve().parents[2] / "templates"
+    if (src / "kernel.cu.j2").is_file():
+        return src
+    import importlib.resources
+
+    return Path(str(importlib.resources.files("mkc.templates")))
+
+
+TEMPLATE_DIR = _template_dir()
+KERNEL_TEMPLATE = "kernel.cu.j2"
+KERNEL_NAME = "mkc_decode"
+MAX_SMEM_BYTES = 227 * 1024  # Hopper: opt-in dynamic shared memory per block
+
+
+class CodegenError(ValueError):
+    """The schedule or spec cannot be compiled; the message names the task or key and the limit."""
+
+
+@dataclass(frozen=True, slots=True)
+class CodegenOptions:
+    threads: int = 256  # threads per CTA (8 warps); at most 255 registers each at 1 CTA / SM
+    gemv_unroll: int = 4  # 64-wide k blocks in flight per warp (halved for two row sets)
+    spin_limit: int = 1 << 26  # polls of one counter wait before the device watchdog fires
+
+
+@dataclass(frozen=True, slots=True)
+class KernelConfig:
+    """Everything the template needs; derived from spec + schedule, independent of the context."""
+
+    threads: int  # threads per CTA
+    batch: int  # sequences per step (tokens of the GEMV B operand, <= 8)
+    head_dim: int  # elements per head
+    group: int  # query heads per KV head
+    top_k: int  # experts per token (1 for dense-only models)
+    norm_eps: float
+    rope_theta: float
+    rope_interleaved: bool  # GPT-J pairs (2i, 2i+1), else NeoX halves (i, i + d/2)
+    attn_scale: float  # softmax scale, head_dim^-0.5
+    logit_scale: float
+    router_sigmoid: bool  # expert weight = sigmoid(logit), else softmax over the top-k
+    normalize_top_k: bool
+    gemv_unroll: int
+    gemv_max_k: int  # widest reduction of any GEMV task (elements)
+    max_splits: int  # bound on attention splits per combine (num_sms)
+    num_experts: int
+    moe_slots: int
+    spin_limit: int
+
+    @property
+    def warps(self) -> int:
+        return self.threads // 32
+
+    @property
+    def gemv_xs_bytes(self) -> int:
+        return _round(8 * (self.gemv_max_k + 8) * 2, 128)
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory: the largest need of any op (bytes)."""
+        f = 4
+        gemv = self.gemv_xs_bytes + self.warps * 2 * 4 * 32 * f
+        kl = self.threads // (self.head_dim // 8)
+        attn = (self.group * self.head_dim + self.group * self.threads + kl * self.head_dim + 3 * self.group) * f
+        combine = self.batch * self.group * self.max_splits * f
+        topk = (self.batch * self.num_experts + self.num_experts + 2 * self.batch * self.top_k
+                + self.moe_slots * self.batch) * f
+        return _round(max(gemv, attn, combine, topk), 128)
+
+
+def _round(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def _gemv_k(schedule: Schedule, t) -> tuple[int, int, str]:
+    """(k, k0, x operand) of a GEMV task."""
+    b = schedule.buffers
+    if t.op == Opcode.LINEAR:
+        return t.arg("k"), t.arg("k0"), t.operand("x")
+    if t.op == Opcode.EXPERT_DOWN:
+        return b[t.operand("h")].shape[-1], 0, t.operand("h")
+    return b[t.operand("x")].shape[-1], 0, t.operand("x")
+
+
+GEMV_OPS = (Opcode.LINEAR, Opcode.SWIGLU, Opcode.EXPERT_SWIGLU, Opcode.EXPERT_DOWN, Opcode.LM_HEAD)
+
+
+def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions | None = None) -> KernelConfig:
+    """Derive and check the kernel constants (raises CodegenError naming what does not fit)."""
+    options = options or CodegenOptions()
+    a = spec.attention
+    if options.threads % 32 or not 64 <= options.threads <= 1024:
+        raise CodegenError(f"threads = {options.threads}: expected a multiple of 32 in [64, 1024]")
+    if not 1 <= schedule.batch <= 8:
+        raise CodegenError(f"batch = {schedule.batch}: the GEMV tiles hold 1 to 8 tokens")
+    if a.qk_norm:
+        raise CodegenError(f"{spec.name}: 'attention.qk_norm' = true is not lowered yet: expected false")
+    if a.head_dim % 8 or options.threads % (a.head_dim // 8):
+        raise CodegenError(f"'attention.head_dim' = {a.head_dim}: expected a multiple of 8 dividing "
+                           f"{options.threads} threads into 16-byte lanes")
+    group = a.num_heads // a.num_kv_heads
+    if group > 16:
+        raise CodegenError(f"{group} query heads per KV head: the attention tile holds at most 16")
+    moe = spec.moe
+    top_k = moe.top_k if moe else 1
+    if schedule.batch * top_k > options.threads:
+        raise CodegenError(f"batch x top_k = {schedule.batch * top_k}: expected at most {options.threads}")
+    max_k = 64
+    for t in schedule.tasks:
+        if t.op in GEMV_OPS:
+            k, k0, x = _gemv_k(schedule, t)
+            if k % 64 or k0 % 8 or schedule.buffers[x].shape[-1] % 8:
+                raise CodegenError(f"task {t.id} ({t.name}): reduction k = {k} at k0 = {k0} over {x} "
+                                   f"{schedule.buffers[x].shape}: expected k % 64 == 0 and 16-byte aligned rows")
+            if schedule.buffers[x].dtype != "bf16":
+                raise CodegenError(f"task {t.id} ({t.name}): GEMV input {x} is {schedule.buffers[x].dtype}: "
+                                   f"expected bf16")
+            max_k = max(max_k, k)
+        elif t.op == Opcode.ATTN_COMBINE and t.arg("splits") > schedule.num_sms:
+            raise CodegenError(f"task {t.id} ({t.name}): {t.arg('splits')} splits: expected at most "
+                               f"num_sms = {schedule.num_sms}")
+    cfg = KernelConfig(
+        threads=options.threads, batch=schedule.batch, head_dim=a.head_dim, group=group, top_k=top_k,
+        norm_eps=spec.norm_eps, rope_theta=a.rope_theta, rope_interleaved=a.rope_style == "interleaved",
+        attn_scale=a.head_dim ** -0.5, logit_scale=spec.logit_scale,
+        router_sigmoid=(moe.scoring == "sigmoid") if moe else True,
+        normalize_top_k=moe.normalize_top_k if moe else False, gemv_unroll=options.gemv_unroll,
+        gemv_max_k=max_k, max_splits=schedule.num_sms, num_experts=moe.num_experts if moe else 1,
+        moe_slots=min(moe.num_experts, schedule.batch * moe.top_k) if moe else 1, spin_limit=options.spin_limit)
+    if cfg.smem_bytes > MAX_SMEM_BYTES:
+        raise CodegenError(f"shared memory {cfg.smem_bytes} B (widest GEMV k = {max_k}, batch = {cfg.batch}): "
+                           f"expected at most {MAX_SMEM_BYTES} B")
+    return cfg
+
+
+def environment(template_dir: Path = TEMPLATE_DIR) -> jinja2.Environment:
+    """The one Jinja environment: StrictUndefined, so a missing variable fails at render time."""
+    return jinja2.Environment(loader=jinja2.FileSystemLoader(str(template_dir)), undefined=jinja2.StrictUndefined,
+                              trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
+                              autoescape=False)
+
+
+def template_context(cfg: KernelConfig, banner: str) -> dict[str, Any]:
+    """Template variables: C++ text only (cvalues), plus the opcode table."""
+    opcodes = [{"name": cv.c_ident(op.name), "value": cv.c_int(int(op)),
+                "operands": [cv.c_ident(r) for r in OP_INFO[op].operands],
+                "args": [cv.c_ident(x) for x in OP_INFO[op].args]} for op in Opcode]
+    return {
+        "banner": cv.c_comment(banner),
+        "kernel_name": cv.c_ident(KERNEL_NAME),
+        "threads": cv.c_int(cfg.threads),
+        "batch": cv.c_int(cfg.batch),
+        "head_dim": cv.c_int(cfg.head_dim),
+        "group": cv.c_int(cfg.group),
+        "top_k": cv.c_int(cfg.top_k),
+        "norm_eps": cv.c_float(cfg.norm_eps),
+        "rope_theta": cv.c_float(cfg.rope_theta),
+        "rope_interleaved": cv.c_bool(cfg.rope_interleaved),
+        "attn_scale": cv.c_float(cfg.attn_scale),
+        "logit_scale": cv.c_float(cfg.logit_scale),
+        "router_sigmoid": cv.c_bool(cfg.router_sigmoid),
+        "normalize_top_k": cv.c_bool(cfg.normalize_top_k),
+        "gemv_unroll": cv.c_int(cfg.gemv_unroll),
+        "gemv_xs_bytes": cv.c_int(cfg.gemv_xs_bytes),
+        "smem_bytes": cv.c_int(cfg.smem_bytes),
+        "spin_limit": cv.c_uint(cfg.spin_limit),
+        "max_rank": cv.c_int(MAX_RANK),
+        "dtypes": [(cv.c_ident(f"DT_{k.upper()}"), cv.c_int(v)) for k, v in DTYPE_CODES.items()],
+        "record_words": [(cv.c_ident(k), cv.c_int(v)) for k, v in RECORD_LAYOUT],
+        "opcodes": opcodes,
+    }
+
+
+def render_source(cfg: KernelConfig, banner: str, template_dir: Path = TEMPLATE_DIR) -> str:
+    """The kernel's CUDA C++ source (raises jinja2.UndefinedError if the template needs more)."""
+    return environment(template_dir).get_template(KERNEL_TEMPLATE).render(**template_context(cfg, banner))
+
+
+def template_files(template_dir: Path = TEMPLATE_DIR) -> list[Path]:
+    """Every file the kernel is built from (part of the cache key)."""
+    return sorted([*template_dir.glob("*.cu.j2"), *template_dir.glob("*.cuh")])

@@ -1,0 +1,109 @@
+"""Task words: the schedule encoded as device data.
+
+The kernel binary depends only on shapes and tiling; the schedule reaches it as four arrays:
+
+* ``records`` — int32 ``[tasks, RECORD_WORDS]`` in queue order (SM 0's queue, then SM 1's, ...).
+  Words: opcode, task id, wait offset, wait count, signal counter (-1 = none), one buffer-table
+  index per operand role of ``OP_INFO`` (-1 = absent), the integer arguments, zero padding.
+* ``queue_start`` — int32 ``[num_sms + 1]``: SM ``i`` runs records ``queue_start[i]:queue_start[i+1]``.
+* ``waits`` — int32 ``[n, 2]``: ``(counter id, target per step)``, indexed by the wait offset.
+* the buffer table — ``BUF_DESC`` records ``{ptr, shape (left-padded with 1s), dtype}`` in
+  ``buffer_names`` order; the runtime fills in the pointers (``buffer_table``).
+
+The C++ side (templates/common.cuh, kernel.cu.j2) reads the same layout from the constants
+``RECORD_LAYOUT``, ``MAX_RANK`` and ``DTYPE_CODES`` rendered into the kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from mkc.ir.ops import OP_INFO
+from mkc.schedule.schedule import Schedule
+
+MAX_OPERANDS = max(len(i.operands) for i in OP_INFO.values())
+MAX_ARGS = max(len(i.args) for i in OP_INFO.values())
+MAX_RANK = 5
+
+W_OP, W_ID, W_WAIT_OFF, W_WAIT_CNT, W_SIGNAL = range(5)
+W_OPERANDS = 5
+W_ARGS = W_OPERANDS + MAX_OPERANDS
+RECORD_WORDS = (W_ARGS + MAX_ARGS + 3) // 4 * 4  # 16-byte records
+
+RECORD_LAYOUT: tuple[tuple[str, int], ...] = (
+    ("W_OP", W_OP), ("W_ID", W_ID), ("W_WAIT_OFF", W_WAIT_OFF), ("W_WAIT_CNT", W_WAIT_CNT),
+    ("W_SIGNAL", W_SIGNAL), ("W_OPERANDS", W_OPERANDS), ("W_ARGS", W_ARGS), ("RECORD_WORDS", RECORD_WORDS),
+)
+DTYPE_CODES: dict[str, int] = {"bf16": 0, "f32": 1, "i32": 2}
+
+# struct BufDesc { void* ptr; int shape[MAX_RANK]; int dtype; }  (32 bytes)
+BUF_DESC = np.dtype([("ptr", "<u8"), ("shape", "<i4", (MAX_RANK,)), ("dtype", "<i4")])
+assert BUF_DESC.itemsize == 32
+
+
+class EncodeError(ValueError):
+    """The schedule cannot be encoded (the message names the task or buffer)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TaskWords:
+    records: np.ndarray  # int32 [tasks, RECORD_WORDS], queue order
+    queue_start: np.ndarray  # int32 [num_sms + 1]
+    waits: np.ndarray  # int32 [n, 2] (counter, target per step); at least one row
+    buffer_names: tuple[str, ...]  # buffer-table order
+    num_counters: int  # counters the kernel touches
+
+
+def encode(schedule: Schedule) -> TaskWords:
+    """Encode the schedule's queues, waits and signals (raises EncodeError on bad indices)."""
+    names = tuple(schedule.buffers)
+    index = {n: i for i, n in enumerate(names)}
+    for n, b in schedule.buffers.items():
+        if len(b.shape) > MAX_RANK:
+            raise EncodeError(f"buffer {n} has rank {len(b.shape)}: the kernel's table holds at most {MAX_RANK}")
+        if any(not 0 < s < 2**31 for s in b.shape):
+            raise EncodeError(f"buffer {n} shape {b.shape}: every dim must be in [1, 2^31)")
+    n_tasks = sum(len(q) for q in schedule.queues)
+    if n_tasks != len(schedule.tasks):
+        raise EncodeError(f"queues hold {n_tasks} tasks, the schedule has {len(schedule.tasks)}")
+    records = np.zeros((n_tasks, RECORD_WORDS), dtype=np.int32)
+    queue_start = np.zeros(schedule.num_sms + 1, dtype=np.int32)
+    waits: list[tuple[int, int]] = []
+    row = 0
+    for sm, queue in enumerate(schedule.queues):
+        queue_start[sm] = row
+        for tid in queue:
+            t = schedule.tasks[tid]
+            info = OP_INFO[t.op]
+            r = records[row]
+            r[W_OP], r[W_ID] = int(t.op), t.id
+            r[W_WAIT_OFF], r[W_WAIT_CNT] = len(waits), len(schedule.waits[tid])
+            waits.extend(schedule.waits[tid])
+            r[W_SIGNAL] = schedule.signals[tid]
+            if len(t.operands) != len(info.operands) or len(t.args) != len(info.args):
+                raise EncodeError(f"task {t.id} ({t.name}): operands/args do not match OP_INFO[{t.op.name}]")
+            for i, name in enumerate(t.operands):
+                if name != "-" and name not in index:
+                    raise EncodeError(f"task {t.id} ({t.name}): operand {info.operands[i]} = {name!r} "
+                                      f"is not a buffer of the schedule")
+                r[W_OPERANDS + i] = index[name] if name != "-" else -1
+            for i in range(len(t.operands), MAX_OPERANDS):
+                r[W_OPERANDS + i] = -1
+            r[W_ARGS:W_ARGS + len(t.args)] = t.args
+            row += 1
+    queue_start[schedule.num_sms] = row
+    w = np.array(waits if waits else [(0, 0)], dtype=np.int32).reshape(-1, 2)
+    return TaskWords(records, queue_start, w, names, len(schedule.counters))
+
+
+def buffer_table(schedule: Schedule, names: tuple[str, ...], pointers: dict[str, int]) -> np.ndarray:
+    """The BUF_DESC array for the kernel: shape and dtype from the schedule, pointers from the runtime."""
+    table = np.zeros(len(names), dtype=BUF_DESC)
+    for i, n in enumerate(names):
+        b = schedule.buffers[n]
+        table[i]["ptr"] = pointers[n]
+        table[i]["shape"] = (1,) * (MAX_RANK - len(b.shape)) + tuple(b.shape)
+        table[i]["dtype"] = DTYPE_CODES[b.dtype]
+    return table

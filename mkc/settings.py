@@ -1,0 +1,55 @@
+"""Every environment variable mkc reads, declared once with its default and a one-line reason.
+
+Nothing else in mkc reads ``os.environ``: code calls the accessor functions below, which read the
+environment at call time (so a test can set a variable with ``monkeypatch.setenv``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True, slots=True)
+class EnvVar:
+    name: str  # the environment variable
+    default: str  # used when it is unset or empty
+    doc: str  # what it controls
+
+    def get(self) -> str:
+        return os.environ.get(self.name) or self.default
+
+
+MKC_CACHE_DIR = EnvVar("MKC_CACHE_DIR", "~/.cache/mkc",
+                       "where compiled kernels are cached (content-addressed; safe to delete)")
+MKC_WATCHDOG_MS = EnvVar("MKC_WATCHDOG_MS", "2000",
+                         "a task waiting longer than this on one counter aborts the decode step")
+
+CUDA_HOME = EnvVar("CUDA_HOME", "/usr/local/cuda",
+                   "CUDA toolkit root: header fallback when the NVIDIA wheels are absent; cuobjdump")
+
+ALL: tuple[EnvVar, ...] = (MKC_CACHE_DIR, MKC_WATCHDOG_MS, CUDA_HOME)
+
+
+def cache_dir() -> Path:
+    """Root of the compiled-kernel cache (created on first write, not here)."""
+    return Path(MKC_CACHE_DIR.get()).expanduser()
+
+
+def watchdog_ns() -> int:
+    """Device-side bound on one counter wait, in nanoseconds of %globaltimer."""
+    raw = MKC_WATCHDOG_MS.get()
+    try:
+        ms = float(raw)
+    except ValueError:
+        raise ValueError(f"{MKC_WATCHDOG_MS.name}={raw!r}: expected a number of milliseconds") from None
+    if ms <= 0:
+        raise ValueError(f"{MKC_WATCHDOG_MS.name}={raw!r}: expected a positive number of milliseconds")
+    return int(ms * 1e6)
+
+
+def cuda_home() -> Path | None:
+    """The CUDA toolkit root if it exists."""
+    p = Path(CUDA_HOME.get())
+    return p if p.is_dir() else None

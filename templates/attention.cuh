@@ -1,0 +1,172 @@
+// Split-K decode attention (flash-decoding) for one (sequence, KV head, key split) and the combine
+// of the splits. GQA: the GROUP query heads of a KV head share every key/value row they read.
+//
+// Key range of a split (the CPU executor may place its splits differently; only the combined
+// result is the contract): the token at position p attends keys [base, p] with base = 0 for
+// global layers and max(0, p - window + 1) for sliding ones; split s covers
+// [base + s * split_keys, min(p + 1, base + (s + 1) * split_keys)). An empty split writes
+// m = -inf, l = 0, o = 0, which the combine weighs by exp(-inf) = 0.
+#pragma once
+
+constexpr int ATT_DC = HEAD_DIM / 8;           // 16-byte chunks per K/V row
+constexpr int ATT_KL = NUM_THREADS / ATT_DC;    // key lanes of the P.V phase
+constexpr int ATT_CHUNK = NUM_THREADS;          // keys per pass (one per thread in the Q.K phase)
+static_assert(HEAD_DIM % 8 == 0 && NUM_THREADS % ATT_DC == 0, "attention: head_dim / threads");
+
+__device__ void op_attn_split(const Task& t, unsigned char* smem) {
+    using O = OPND_ATTN_SPLIT;
+    using A = ARG_ATTN_SPLIT;
+    const int b = t.arg(A::seq), g = t.arg(A::kv_head), sp = t.arg(A::split);
+    const int split_keys = t.arg(A::split_keys), window = t.arg(A::window);
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int pos = ld_act_i32(t.ptr<int>(O::positions) + b);
+    const int ctx = t.dim(O::k_cache, 2), kv_heads = t.dim(O::k_cache, 3);
+    const int base = window > 0 ? max(0, pos - window + 1) : 0;
+    const int lo = base + sp * split_keys, hi = min(pos + 1, lo + split_keys);
+    const size_t row0 = ((size_t)b * kv_heads + g) * ctx;
+    const bf16* kc = t.ptr<bf16>(O::k_cache) + row0 * HEAD_DIM;
+    const bf16* vc = t.ptr<bf16>(O::v_cache) + row0 * HEAD_DIM;
+
+    float* qs = reinterpret_cast<float*>(smem);   // [GROUP][HEAD_DIM], pre-scaled
+    float* sc = qs + GROUP * HEAD_DIM;            // [GROUP][ATT_CHUNK] scores, then probabilities
+    float* red = sc + GROUP * ATT_CHUNK;          // [ATT_KL][HEAD_DIM]
+    float* st_m = red + ATT_KL * HEAD_DIM;        // [GROUP] running max
+    float* st_l = st_m + GROUP;                   // [GROUP] running sum
+    float* st_a = st_l + GROUP;                   // [GROUP] rescale of this pass
+
+    const bf16* q = t.ptr<bf16>(O::q) + (size_t)b * t.dim(O::q, 1) + (size_t)g * GROUP * HEAD_DIM;
+    for (int i = tid; i < GROUP * HEAD_DIM; i += NUM_THREADS) qs[i] = ld_act_bf16(q + i) * ATTN_SCALE;
+    if (tid < GROUP) { st_m[tid] = -INFINITY; st_l[tid] = 0.f; }
+    __syncthreads();
+
+    const int dc = tid % ATT_DC, kl = tid / ATT_DC;
+    float o[GROUP][8];
+#pragma unroll
+    for (int h = 0; h < GROUP; ++h)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) o[h][e] = 0.f;
+
+    for (int c0 = lo; c0 < hi; c0 += ATT_CHUNK) {
+        const int n = min(ATT_CHUNK, hi - c0);
+        // scores: one key per thread
+        if (tid < n) {
+            const bf16* kr = kc + (size_t)(c0 + tid) * HEAD_DIM;
+            float s[GROUP];
+#pragma unroll
+            for (int h = 0; h < GROUP; ++h) s[h] = 0.f;
+#pragma unroll
+            for (int c = 0; c < ATT_DC; ++c) {
+                float kf[8];
+                unpack8(ld_act16(kr + c * 8), kf);
+#pragma unroll
+                for (int h = 0; h < GROUP; ++h) {
+                    const float4 qa = *reinterpret_cast<const float4*>(qs + h * HEAD_DIM + c * 8);
+                    const float4 qb = *reinterpret_cast<const float4*>(qs + h * HEAD_DIM + c * 8 + 4);
+                    s[h] += qa.x * kf[0] + qa.y * kf[1] + qa.z * kf[2] + qa.w * kf[3] + qb.x * kf[4] +
+                            qb.y * kf[5] + qb.z * kf[6] + qb.w * kf[7];
+                }
+            }
+#pragma unroll
+            for (int h = 0; h < GROUP; ++h) sc[h * ATT_CHUNK + tid] = s[h];
+        }
+        __syncthreads();
+        // online softmax statistics, one warp per head
+        for (int h = warp; h < GROUP; h += NUM_WARPS) {
+            float mx = -INFINITY;
+            for (int j = lane; j < n; j += 32) mx = fmaxf(mx, sc[h * ATT_CHUNK + j]);
+            mx = warp_max(mx);
+            const float m_old = st_m[h], m_new = fmaxf(m_old, mx);
+            float sum = 0.f;
+            for (int j = lane; j < n; j += 32) {
+                const float p = __expf(sc[h * ATT_CHUNK + j] - m_new);
+                sc[h * ATT_CHUNK + j] = p;
+                sum += p;
+            }
+            sum = warp_sum(sum);
+            if (lane == 0) {
+                const float alpha = __expf(m_old - m_new);
+                st_a[h] = alpha;
+                st_l[h] = st_l[h] * alpha + sum;
+                st_m[h] = m_new;
+            }
+        }
+        __syncthreads();
+        // P.V: lane (kl, dc) accumulates keys kl, kl + ATT_KL, ... over its 8 columns
+#pragma unroll
+        for (int h = 0; h < GROUP; ++h) {
+            const float a = st_a[h];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) o[h][e] *= a;
+        }
+        for (int j = kl; j < n; j += ATT_KL) {
+            float vf[8];
+            unpack8(ld_act16(vc + (size_t)(c0 + j) * HEAD_DIM + dc * 8), vf);
+#pragma unroll
+            for (int h = 0; h < GROUP; ++h) {
+                const float p = sc[h * ATT_CHUNK + j];
+#pragma unroll
+                for (int e = 0; e < 8; ++e) o[h][e] += p * vf[e];
+            }
+        }
+        __syncthreads();
+    }
+
+    // reduce the key lanes (fixed order) and write the partials
+    const int splits = t.dim(O::part_o, 3);
+    float* po = t.ptr<float>(O::part_o) + (((size_t)b * kv_heads + g) * splits + sp) * GROUP * HEAD_DIM;
+#pragma unroll
+    for (int h = 0; h < GROUP; ++h) {
+        float4* r = reinterpret_cast<float4*>(red + kl * HEAD_DIM + dc * 8);
+        r[0] = make_float4(o[h][0], o[h][1], o[h][2], o[h][3]);
+        r[1] = make_float4(o[h][4], o[h][5], o[h][6], o[h][7]);
+        __syncthreads();
+        for (int d = tid; d < HEAD_DIM; d += NUM_THREADS) {
+            float acc = 0.f;
+            for (int k = 0; k < ATT_KL; ++k) acc += red[k * HEAD_DIM + d];
+            po[h * HEAD_DIM + d] = acc;
+        }
+        __syncthreads();
+    }
+    if (tid < GROUP) {
+        float* ml = t.ptr<float>(O::part_ml) + ((((size_t)b * kv_heads + g) * splits + sp) * GROUP + tid) * 2;
+        ml[0] = st_m[tid];
+        ml[1] = st_l[tid];
+    }
+}
+
+// attn[b, heads of group g] = sum_s o_s exp(m_s - M) / sum_s l_s exp(m_s - M), for every sequence.
+__device__ void op_attn_combine(const Task& t, unsigned char* smem) {
+    using O = OPND_ATTN_COMBINE;
+    using A = ARG_ATTN_COMBINE;
+    const int g = t.arg(A::kv_head), splits = t.arg(A::splits);
+    const int kv_heads = t.dim(O::part_o, 4);
+    const float* po = t.ptr<float>(O::part_o);
+    const float* pml = t.ptr<float>(O::part_ml);
+    float* coef = reinterpret_cast<float*>(smem);  // [BATCH][GROUP][splits]
+    for (int i = threadIdx.x; i < BATCH * GROUP; i += NUM_THREADS) {
+        const int b = i / GROUP, h = i % GROUP;
+        const float* ml = pml + (((size_t)b * kv_heads + g) * splits * GROUP + h) * 2;
+        float m = -INFINITY;
+        for (int s = 0; s < splits; ++s) m = fmaxf(m, ld_act_f32(ml + (size_t)s * GROUP * 2));
+        float l = 0.f;
+        for (int s = 0; s < splits; ++s) {
+            const float ms = ld_act_f32(ml + (size_t)s * GROUP * 2);
+            const float c = ms == -INFINITY ? 0.f : __expf(ms - m);
+            coef[i * splits + s] = c;
+            l += c * ld_act_f32(ml + (size_t)s * GROUP * 2 + 1);
+        }
+        const float inv = 1.f / l;
+        for (int s = 0; s < splits; ++s) coef[i * splits + s] *= inv;
+    }
+    __syncthreads();
+    bf16* out = t.ptr<bf16>(O::out);
+    const int out_ld = t.dim(O::out, 1);
+    for (int i = threadIdx.x; i < BATCH * GROUP * HEAD_DIM; i += NUM_THREADS) {
+        const int b = i / (GROUP * HEAD_DIM), hd = i % (GROUP * HEAD_DIM), h = hd / HEAD_DIM;
+        const float* src = po + ((size_t)b * kv_heads + g) * splits * GROUP * HEAD_DIM + hd;
+        const float* c = coef + (b * GROUP + h) * splits;
+        float acc = 0.f;
+        for (int s = 0; s < splits; ++s) acc += c[s] * ld_act_f32(src + (size_t)s * GROUP * HEAD_DIM);
+        store_bf16(out + (size_t)b * out_ld + (size_t)g * GROUP * HEAD_DIM + hd, acc);
+    }
+}

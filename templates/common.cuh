@@ -1,0 +1,159 @@
+// Common device helpers of the mkc persistent decode kernel: types, loads, counters, the task view.
+//
+// Included by the rendered kernel after its constants (kernel.cu.j2); hand-written, model-agnostic.
+// Memory-model contract (schedule.py): a producer makes its writes visible and then adds 1 to its
+// counter with a release at GPU scope; a consumer acquire-loads the counter until it reaches
+// target * step. Activations written by other SMs during this launch are read with ld.global.cg
+// (L2, never a possibly stale L1 line); weights are immutable and take the non-coherent path.
+#pragma once
+
+#include <cuda_bf16.h>
+
+typedef __nv_bfloat16 bf16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
+// ---- loads and stores --------------------------------------------------------------------------
+
+// 16 bytes of immutable weights, streamed: non-coherent path, no L1 allocation.
+__device__ __forceinline__ uint4 ldg_stream(const void* p) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+// 16 bytes of activations / KV written earlier in this launch (possibly by another SM).
+__device__ __forceinline__ uint4 ld_act16(const void* p) {
+    uint4 v;
+    asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ float ld_act_f32(const float* p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ int ld_act_i32(const int* p) {
+    int v;
+    asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ float ld_act_bf16(const bf16* p) {
+    unsigned short v;
+    asm volatile("ld.global.cg.u16 %0, [%1];" : "=h"(v) : "l"(p));
+    return __uint_as_float(((u32)v) << 16);
+}
+
+__device__ __forceinline__ uint4 lds16(const void* p) { return *reinterpret_cast<const uint4*>(p); }
+
+__device__ __forceinline__ uint4 zero4() { return make_uint4(0u, 0u, 0u, 0u); }
+
+// bf16 pair packed in a u32 (element 0 in the low half) to floats; exact.
+__device__ __forceinline__ float bf_lo(u32 w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf_hi(u32 w) { return __uint_as_float(w & 0xffff0000u); }
+
+// 8 bf16 (one 16-byte vector) to floats.
+__device__ __forceinline__ void unpack8(const uint4& v, float (&f)[8]) {
+    f[0] = bf_lo(v.x); f[1] = bf_hi(v.x); f[2] = bf_lo(v.y); f[3] = bf_hi(v.y);
+    f[4] = bf_lo(v.z); f[5] = bf_hi(v.z); f[6] = bf_lo(v.w); f[7] = bf_hi(v.w);
+}
+
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+    const u32 l = __bfloat16_as_ushort(__float2bfloat16_rn(lo));
+    const u32 h = __bfloat16_as_ushort(__float2bfloat16_rn(hi));
+    return l | (h << 16);
+}
+
+__device__ __forceinline__ void store_bf16(bf16* p, float v) { *p = __float2bfloat16_rn(v); }
+
+// ---- counters ------------------------------------------------------------------------------------
+
+__device__ __forceinline__ u32 ld_acquire_gpu(const u32* p) {
+    u32 v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void red_release_gpu_add(u32* p, u32 v) {
+    asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ int ld_relaxed_gpu_s32(const int* p) {
+    int v;
+    asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ u64 global_timer_ns() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// counter >= need, robust to u32 wrap-around (counters only grow).
+__device__ __forceinline__ bool reached(u32 value, u32 need) { return (int)(value - need) >= 0; }
+
+// ---- warp reductions ----------------------------------------------------------------------------
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// (value, index) arg-max; ties and NaN-free order: larger value wins, then the smaller index.
+__device__ __forceinline__ bool better(float v, int i, float bv, int bi) {
+    return v > bv || (v == bv && i < bi);
+}
+
+__device__ __forceinline__ void warp_argmax(float& v, int& i) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+        if (better(ov, oi, v, i)) { v = ov; i = oi; }
+    }
+}
+
+// ---- the task view ------------------------------------------------------------------------------
+
+// One buffer of the device pointer table (the host writes the same layout, see taskwords.py).
+struct BufDesc {
+    void* ptr;
+    int shape[MAX_RANK];  // left-padded with 1s: shape[MAX_RANK - 1] is the innermost dim
+    int dtype;            // DT_BF16 | DT_F32 | DT_I32
+};
+
+struct Task {
+    const int* w;            // this task's record (shared-memory copy)
+    const BufDesc* bufs;     // the buffer table
+
+    __device__ __forceinline__ int op() const { return w[W_OP]; }
+    __device__ __forceinline__ int arg(int i) const { return w[W_ARGS + i]; }
+    __device__ __forceinline__ bool has(int operand) const { return w[W_OPERANDS + operand] >= 0; }
+    __device__ __forceinline__ const BufDesc& buf(int operand) const { return bufs[w[W_OPERANDS + operand]]; }
+    template <class T>
+    __device__ __forceinline__ T* ptr(int operand) const {
+        return has(operand) ? reinterpret_cast<T*>(buf(operand).ptr) : nullptr;
+    }
+    // dim(operand, 1) is the innermost dimension, dim(operand, 2) the one before, ...
+    __device__ __forceinline__ int dim(int operand, int from_end) const {
+        return buf(operand).shape[MAX_RANK - from_end];
+    }
+    __device__ __forceinline__ int dtype(int operand) const { return buf(operand).dtype; }
+};

@@ -1,0 +1,140 @@
+// Batch <= 8 GEMV tiles on the tensor cores ("swap-AB"): weights are the A operand (16 rows per
+// mma), the tokens the B operand (n = 8 columns; tokens >= BATCH are zero), fp32 accumulation.
+//
+// The reduction dimension k is permuted so that every lane loads its A fragment with 16-byte
+// vector loads straight from global memory: lane (g = lane / 4, q = lane % 4) loads 16
+// consecutive elements [64 kb + 16 q, +16) of rows g and g + 8; mma step s of a 64-wide block
+// feeds it words 2s (logical k 2q, 2q+1) and 2s+1 (logical k 2q+8, 2q+9). The B fragment (the
+// activations, staged in shared memory) uses the same permutation, so the dot products are
+// exact sums over all k in a different order. Nothing is reshuffled in memory: weights stay in
+// their checkpoint layout [rows, k].
+//
+// Work split: a tile of `rows` rows is 16-row groups (one per warp item); when there are fewer
+// groups than warps, k is split over up to KS warps and reduced through shared memory in a fixed
+// order (deterministic).
+#pragma once
+
+__device__ __forceinline__ void mma_16816(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Shared-memory row stride of the staged activations, in elements: the 16-byte pad makes the 8
+// token rows start in different banks, so B-fragment loads are conflict-free.
+__device__ __forceinline__ int xs_ld(int k) { return k + 8; }
+
+// Stage x[:, k0:k0+k] (bf16 [BATCH, x_ld]) into shared memory as 8 rows (tokens >= BATCH zero).
+__device__ __forceinline__ void stage_x(bf16* xs, const bf16* x, int x_ld, int k0, int k) {
+    const int ld = xs_ld(k), chunks = k / 8;
+    for (int i = threadIdx.x; i < 8 * chunks; i += NUM_THREADS) {
+        const int n = i / chunks, c = i - n * chunks;
+        const uint4 v = n < BATCH ? ld_act16(x + (size_t)n * x_ld + k0 + c * 8) : zero4();
+        *reinterpret_cast<uint4*>(xs + n * ld + c * 8) = v;
+    }
+}
+
+// Accumulate one warp item: rows (g, g + 8) of each of the NACC weight row sets over the blocks
+// kb_begin, kb_begin + kb_step, ... < kb_end (64 elements each).
+template <int NACC>
+__device__ __forceinline__ void gemv_item(const bf16* const (&w0)[NACC], const bf16* const (&w1)[NACC], bool v0,
+                                          bool v1, const bf16* xrow, int kb_begin, int kb_step, int kb_end,
+                                          float (&acc)[NACC][4]) {
+    constexpr int U = GEMV_UNROLL / NACC > 0 ? GEMV_UNROLL / NACC : 1;
+    for (int kb = kb_begin; kb < kb_end; kb += U * kb_step) {
+        uint4 wv[U][NACC][2][2];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int kbu = kb + u * kb_step;
+            const bool in = kbu < kb_end;
+            const int k = kbu * 64;
+#pragma unroll
+            for (int a = 0; a < NACC; ++a) {
+                wv[u][a][0][0] = (in && v0) ? ldg_stream(w0[a] + k) : zero4();
+                wv[u][a][0][1] = (in && v0) ? ldg_stream(w0[a] + k + 8) : zero4();
+                wv[u][a][1][0] = (in && v1) ? ldg_stream(w1[a] + k) : zero4();
+                wv[u][a][1][1] = (in && v1) ? ldg_stream(w1[a] + k + 8) : zero4();
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int kbu = kb + u * kb_step;
+            if (kbu < kb_end) {
+                const int k = kbu * 64;
+                const uint4 xa = lds16(xrow + k), xb = lds16(xrow + k + 8);
+                const u32 xw[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+#pragma unroll
+                for (int a = 0; a < NACC; ++a) {
+                    const uint4 l0 = wv[u][a][0][0], l1 = wv[u][a][0][1];
+                    const uint4 h0 = wv[u][a][1][0], h1 = wv[u][a][1][1];
+                    const u32 lo[8] = {l0.x, l0.y, l0.z, l0.w, l1.x, l1.y, l1.z, l1.w};
+                    const u32 hi[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
+#pragma unroll
+                    for (int s = 0; s < 4; ++s)
+                        mma_16816(acc[a], lo[2 * s], hi[2 * s], lo[2 * s + 1], hi[2 * s + 1], xw[2 * s], xw[2 * s + 1]);
+                }
+            }
+        }
+    }
+}
+
+// rows x k tile: w[a] points at element (row 0, k 0) of row set a (row stride w_ld elements); xs
+// is the staged activation tile. For every finished 16-row group the epilogue is called by all
+// 32 lanes of one warp as epi(r0, acc) with acc[a] = {(r0, n), (r0, n + 1), (r0 + 8, n),
+// (r0 + 8, n + 1)} where n = 2 * (lane % 4); r0 may be past `rows` (the epilogue checks).
+// Every thread of the CTA must call this (it may synchronise); `red` holds GEMV_RED_FLOATS.
+template <int NACC, class Epi>
+__device__ __forceinline__ void gemv_tile(const bf16* const (&w)[NACC], int w_ld, int rows, int k, const bf16* xs,
+                                          float* red, Epi epi) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+    const int groups = (rows + 15) / 16, blocks = k / 64;
+    int ks = 1;
+    while (ks * 2 * groups <= NUM_WARPS && ks * 2 <= blocks) ks *= 2;
+    const bf16* xrow = xs + g * xs_ld(k) + q * 16;
+    if (ks == 1) {
+        for (int grp = warp; grp < groups; grp += NUM_WARPS) {
+            const int r0 = grp * 16 + g, r1 = r0 + 8;
+            const bf16* w0[NACC];
+            const bf16* w1[NACC];
+#pragma unroll
+            for (int a = 0; a < NACC; ++a) {
+                w0[a] = w[a] + (size_t)r0 * w_ld + q * 16;
+                w1[a] = w[a] + (size_t)r1 * w_ld + q * 16;
+            }
+            float acc[NACC][4] = {};
+            gemv_item<NACC>(w0, w1, r0 < rows, r1 < rows, xrow, 0, 1, blocks, acc);
+            epi(r0, acc);
+        }
+        return;
+    }
+    // fewer groups than warps: warp = grp * ks + part, k split over the ks parts
+    const int grp = warp / ks, part = warp % ks;
+    float acc[NACC][4] = {};
+    if (grp < groups) {
+        const int r0 = grp * 16 + g, r1 = r0 + 8;
+        const bf16* w0[NACC];
+        const bf16* w1[NACC];
+#pragma unroll
+        for (int a = 0; a < NACC; ++a) {
+            w0[a] = w[a] + (size_t)r0 * w_ld + q * 16;
+            w1[a] = w[a] + (size_t)r1 * w_ld + q * 16;
+        }
+        gemv_item<NACC>(w0, w1, r0 < rows, r1 < rows, xrow, part, ks, blocks, acc);
+        if (part != 0) {
+#pragma unroll
+            for (int a = 0; a < NACC; ++a)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) red[((warp * NACC + a) * 4 + i) * 32 + lane] = acc[a][i];
+        }
+    }
+    __syncthreads();
+    if (grp < groups && part == 0) {
+        for (int p = 1; p < ks; ++p)
+#pragma unroll
+            for (int a = 0; a < NACC; ++a)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) acc[a][i] += red[(((warp + p) * NACC + a) * 4 + i) * 32 + lane];
+        epi(grp * 16 + g, acc);
+    }
+}

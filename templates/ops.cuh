@@ -1,0 +1,380 @@
+// Device functions for every opcode except attention (attention.cuh). One function per Opcode,
+// named op_<opcode in lower case>, called by the generated dispatch with the task view and the
+// CTA's dynamic shared memory. Semantics: mkc/ir/ops.py and the lowering (mkc/ir/lower.py).
+// Shapes come from the buffer table at run time; only model constants are compiled in.
+#pragma once
+
+__device__ __forceinline__ float silu(float v) { return v / (1.f + expf(-v)); }
+
+// Epilogue helper: the 4 accumulator entries of a GEMV fragment as (row, token, value).
+template <class F>
+__device__ __forceinline__ void for_fragment(int r0, const float (&c)[4], int rows, F f) {
+    const int n = 2 * (threadIdx.x % 4);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int r = r0 + (i >= 2 ? 8 : 0), tok = n + (i & 1);
+        if (r < rows && tok < BATCH) f(r, tok, c[i]);
+    }
+}
+
+__device__ __forceinline__ bf16* gemv_xs(unsigned char* smem) { return reinterpret_cast<bf16*>(smem); }
+__device__ __forceinline__ float* gemv_red(unsigned char* smem) {
+    return reinterpret_cast<float*>(smem + GEMV_XS_BYTES);
+}
+
+// x[b, :] = embed[tokens[b], :]
+__device__ void op_embed(const Task& t, unsigned char*) {
+    using O = OPND_EMBED;
+    const int hidden = t.dim(O::embed, 1);
+    const bf16* emb = t.ptr<bf16>(O::embed);
+    const int* tokens = t.ptr<int>(O::tokens);
+    float* out = t.ptr<float>(O::out);
+    for (int i = threadIdx.x; i < BATCH * hidden; i += NUM_THREADS) {
+        const int b = i / hidden, c = i - b * hidden;
+        const int tok = ld_act_i32(tokens + b);
+        out[i] = __bfloat162float(emb[(size_t)tok * hidden + c]);
+    }
+}
+
+// out[b, :] = x[b, :] * rsqrt(mean(x[b]^2) + eps) * w   (x f32, out bf16); one warp per token
+__device__ void op_rmsnorm(const Task& t, unsigned char*) {
+    using O = OPND_RMSNORM;
+    const int hidden = t.dim(O::x, 1);
+    const float* x = t.ptr<float>(O::x);
+    const bf16* w = t.ptr<bf16>(O::weight);
+    bf16* out = t.ptr<bf16>(O::out);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (int b = warp; b < BATCH; b += NUM_WARPS) {
+        const float* xb = x + (size_t)b * hidden;
+        float ss = 0.f;
+        for (int i = lane; i < hidden; i += 32) {
+            const float v = ld_act_f32(xb + i);
+            ss += v * v;
+        }
+        ss = warp_sum(ss);
+        const float r = rsqrtf(ss / (float)hidden + NORM_EPS);
+        for (int i = lane; i < hidden; i += 32)
+            store_bf16(out + (size_t)b * hidden + i, ld_act_f32(xb + i) * r * __bfloat162float(w[i]));
+    }
+}
+
+// out[slab, b, col0 + i] = sum_k x[b, k0 + k] * w[row0 + i, k0 + k]   (out bf16 or f32)
+__device__ void op_linear(const Task& t, unsigned char* smem) {
+    using O = OPND_LINEAR;
+    using A = ARG_LINEAR;
+    const int row0 = t.arg(A::row0), rows = t.arg(A::rows), k0 = t.arg(A::k0), k = t.arg(A::k);
+    const int col0 = t.arg(A::col0), slab = t.arg(A::slab);
+    bf16* xs = gemv_xs(smem);
+    stage_x(xs, t.ptr<bf16>(O::x), t.dim(O::x, 1), k0, k);
+    __syncthreads();
+    const int w_ld = t.dim(O::weight, 1);
+    const bf16* const w[1] = {t.ptr<bf16>(O::weight) + (size_t)row0 * w_ld + k0};
+    const int out_ld = t.dim(O::out, 1);
+    const size_t base = (size_t)slab * t.dim(O::out, 2) * out_ld + col0;
+    if (t.dtype(O::out) == DT_F32) {
+        float* out = t.ptr<float>(O::out) + base;
+        gemv_tile<1>(w, w_ld, rows, k, xs, gemv_red(smem), [&](int r0, float (&acc)[1][4]) {
+            for_fragment(r0, acc[0], rows, [&](int r, int n, float v) { out[(size_t)n * out_ld + r] = v; });
+        });
+    } else {
+        bf16* out = t.ptr<bf16>(O::out) + base;
+        gemv_tile<1>(w, w_ld, rows, k, xs, gemv_red(smem), [&](int r0, float (&acc)[1][4]) {
+            for_fragment(r0, acc[0], rows, [&](int r, int n, float v) { store_bf16(out + (size_t)n * out_ld + r, v); });
+        });
+    }
+}
+
+// h[b, col0 + i] = silu(x . w[row0 + i]) * (x . w[up_row0 + i])   (out bf16)
+__device__ void op_swiglu(const Task& t, unsigned char* smem) {
+    using O = OPND_SWIGLU;
+    using A = ARG_SWIGLU;
+    const int row0 = t.arg(A::row0), rows = t.arg(A::rows), up0 = t.arg(A::up_row0), col0 = t.arg(A::col0);
+    const int k = t.dim(O::x, 1);
+    bf16* xs = gemv_xs(smem);
+    stage_x(xs, t.ptr<bf16>(O::x), k, 0, k);
+    __syncthreads();
+    const int w_ld = t.dim(O::weight, 1);
+    const bf16* wb = t.ptr<bf16>(O::weight);
+    const bf16* const w[2] = {wb + (size_t)row0 * w_ld, wb + (size_t)up0 * w_ld};
+    bf16* out = t.ptr<bf16>(O::out) + col0;
+    const int out_ld = t.dim(O::out, 1);
+    gemv_tile<2>(w, w_ld, rows, k, xs, gemv_red(smem), [&](int r0, float (&acc)[2][4]) {
+        const int n = 2 * (threadIdx.x % 4);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int r = r0 + (i >= 2 ? 8 : 0), tok = n + (i & 1);
+            if (r < rows && tok < BATCH) store_bf16(out + (size_t)tok * out_ld + r, silu(acc[0][i]) * acc[1][i]);
+        }
+    });
+}
+
+// h[slot, b, row0 + i] = silu(x . Wg[e, row0 + i]) * (x . Wu[e, row0 + i]), e = experts[slot];
+// a no-op when slot >= count (the routing of this step selected fewer distinct experts).
+__device__ void op_expert_swiglu(const Task& t, unsigned char* smem) {
+    using O = OPND_EXPERT_SWIGLU;
+    using A = ARG_EXPERT_SWIGLU;
+    const int slot = t.arg(A::slot), row0 = t.arg(A::row0), rows = t.arg(A::rows);
+    if (slot >= ld_act_i32(t.ptr<int>(O::count))) return;
+    const int e = ld_act_i32(t.ptr<int>(O::experts) + slot);
+    const int k = t.dim(O::x, 1), inter2 = t.dim(O::weight, 2), w_ld = t.dim(O::weight, 1);
+    bf16* xs = gemv_xs(smem);
+    stage_x(xs, t.ptr<bf16>(O::x), k, 0, k);
+    __syncthreads();
+    const bf16* we = t.ptr<bf16>(O::weight) + (size_t)e * inter2 * w_ld;
+    const bf16* const w[2] = {we + (size_t)row0 * w_ld, we + (size_t)(inter2 / 2 + row0) * w_ld};
+    const int out_ld = t.dim(O::out, 1);
+    bf16* out = t.ptr<bf16>(O::out) + (size_t)slot * t.dim(O::out, 2) * out_ld + row0;
+    gemv_tile<2>(w, w_ld, rows, k, xs, gemv_red(smem), [&](int r0, float (&acc)[2][4]) {
+        const int n = 2 * (threadIdx.x % 4);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int r = r0 + (i >= 2 ? 8 : 0), tok = n + (i & 1);
+            if (r < rows && tok < BATCH) store_bf16(out + (size_t)tok * out_ld + r, silu(acc[0][i]) * acc[1][i]);
+        }
+    });
+}
+
+// out[slot, b, row0 + i] = weights[slot, b] * (h[slot, b] . Wd[e, row0 + i]); no-op past count
+__device__ void op_expert_down(const Task& t, unsigned char* smem) {
+    using O = OPND_EXPERT_DOWN;
+    using A = ARG_EXPERT_DOWN;
+    const int slot = t.arg(A::slot), row0 = t.arg(A::row0), rows = t.arg(A::rows);
+    if (slot >= ld_act_i32(t.ptr<int>(O::count))) return;
+    const int e = ld_act_i32(t.ptr<int>(O::experts) + slot);
+    const int k = t.dim(O::h, 1), tokens = t.dim(O::h, 2);
+    bf16* xs = gemv_xs(smem);
+    stage_x(xs, t.ptr<bf16>(O::h) + (size_t)slot * tokens * k, k, 0, k);
+    __syncthreads();
+    const int w_ld = t.dim(O::weight, 1), w_rows = t.dim(O::weight, 2);
+    const bf16* const w[1] = {t.ptr<bf16>(O::weight) + ((size_t)e * w_rows + row0) * w_ld};
+    const float* wt = t.ptr<float>(O::weights) + (size_t)slot * t.dim(O::weights, 1);
+    const int out_ld = t.dim(O::out, 1);
+    float* out = t.ptr<float>(O::out) + (size_t)slot * t.dim(O::out, 2) * out_ld + row0;
+    gemv_tile<1>(w, w_ld, rows, k, xs, gemv_red(smem), [&](int r0, float (&acc)[1][4]) {
+        for_fragment(r0, acc[0], rows, [&](int r, int n, float v) {
+            out[(size_t)n * out_ld + r] = ld_act_f32(wt + n) * v;
+        });
+    });
+}
+
+// logits[b, row0 + i] = LOGIT_SCALE * x[b] . w[row0 + i]; best_*[b, tile] = its arg-max
+__device__ void op_lm_head(const Task& t, unsigned char* smem) {
+    using O = OPND_LM_HEAD;
+    using A = ARG_LM_HEAD;
+    const int row0 = t.arg(A::row0), rows = t.arg(A::rows), tile = t.arg(A::tile);
+    const int k = t.dim(O::x, 1);
+    bf16* xs = gemv_xs(smem);
+    stage_x(xs, t.ptr<bf16>(O::x), k, 0, k);
+    __syncthreads();
+    const int w_ld = t.dim(O::weight, 1);
+    const bf16* const w[1] = {t.ptr<bf16>(O::weight) + (size_t)row0 * w_ld};
+    const int out_ld = t.dim(O::logits, 1);
+    float* out = t.ptr<float>(O::logits) + row0;
+    float bv[2] = {-INFINITY, -INFINITY};
+    int bi[2] = {0x7fffffff, 0x7fffffff};
+    gemv_tile<1>(w, w_ld, rows, k, xs, gemv_red(smem), [&](int r0, float (&acc)[1][4]) {
+        for_fragment(r0, acc[0], rows, [&](int r, int n, float v) {
+            v *= LOGIT_SCALE;
+            out[(size_t)n * out_ld + r] = v;
+            const int j = n & 1;
+            if (better(v, row0 + r, bv[j], bi[j])) { bv[j] = v; bi[j] = row0 + r; }
+        });
+    });
+    // reduce over the 8 lanes sharing a token pair, then over warps
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int o = 4; o < 32; o <<= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, bv[j], o);
+            const int oi = __shfl_xor_sync(0xffffffffu, bi[j], o);
+            if (better(ov, oi, bv[j], bi[j])) { bv[j] = ov; bi[j] = oi; }
+        }
+    __syncthreads();  // gemv_red may still be read by the k-split reduction
+    float* sv = gemv_red(smem);                          // [NUM_WARPS][8]
+    int* si = reinterpret_cast<int*>(sv + NUM_WARPS * 8);  // [NUM_WARPS][8]
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (lane < 4) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) { sv[warp * 8 + 2 * lane + j] = bv[j]; si[warp * 8 + 2 * lane + j] = bi[j]; }
+    }
+    __syncthreads();
+    if (threadIdx.x < BATCH) {
+        const int n = threadIdx.x;
+        float v = sv[n];
+        int i = si[n];
+        for (int wp = 1; wp < NUM_WARPS; ++wp)
+            if (better(sv[wp * 8 + n], si[wp * 8 + n], v, i)) { v = sv[wp * 8 + n]; i = si[wp * 8 + n]; }
+        const int tiles = t.dim(O::best_val, 1);
+        t.ptr<float>(O::best_val)[n * tiles + tile] = v;
+        t.ptr<int>(O::best_idx)[n * tiles + tile] = i;
+    }
+}
+
+// next_token[b] = arg-max over the LM-head tiles' partials (ties: the smaller vocabulary index)
+__device__ void op_argmax(const Task& t, unsigned char*) {
+    using O = OPND_ARGMAX;
+    const int tiles = t.dim(O::best_val, 1);
+    const float* bv = t.ptr<float>(O::best_val);
+    const int* bi = t.ptr<int>(O::best_idx);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (int b = warp; b < BATCH; b += NUM_WARPS) {
+        float v = -INFINITY;
+        int i = 0x7fffffff;
+        for (int j = lane; j < tiles; j += 32) {
+            const float ov = ld_act_f32(bv + b * tiles + j);
+            const int oi = ld_act_i32(bi + b * tiles + j);
+            if (better(ov, oi, v, i)) { v = ov; i = oi; }
+        }
+        warp_argmax(v, i);
+        if (lane == 0) t.ptr<int>(O::out)[b] = i;
+    }
+}
+
+// sin and cos of the RoPE angle pos * theta^(-2p / head_dim), the angle rounded to float as in
+// the reference (inv_freq in float, times the position in float). The angle is reduced modulo
+// 2 pi in double, so the fast hardware sin/cos (abs. error ~1e-6 on [-pi, pi]) suffice and the
+// slow Payne-Hanek path of sincosf (a local-memory table) is never compiled in.
+__device__ __forceinline__ void rope_sincos(int pos, int p, float& sn, float& cs) {
+    const float inv_freq = 1.f / powf(ROPE_THETA, (float)(2 * p) / (float)HEAD_DIM);
+    const double angle = (double)((float)pos * inv_freq);
+    const double two_pi = 6.283185307179586;
+    const float r = (float)(angle - rint(angle * (1.0 / two_pi)) * two_pi);
+    __sincosf(r, &sn, &cs);
+}
+
+// q = rope(q), k = rope(k) of KV head g for every sequence; k and v appended at positions[b]
+__device__ void op_rope_append(const Task& t, unsigned char*) {
+    using O = OPND_ROPE_APPEND;
+    using A = ARG_ROPE_APPEND;
+    const int g = t.arg(A::kv_head);
+    const bool rope = t.arg(A::rope) != 0;
+    const int qkv_ld = t.dim(O::qkv, 1), q_ld = t.dim(O::q, 1);
+    const int ctx = t.dim(O::k_cache, 2), kv_heads = t.dim(O::k_cache, 3);
+    const int q_heads = q_ld / HEAD_DIM;
+    constexpr int HALF = HEAD_DIM / 2;
+    constexpr int ROWS = GROUP + 2;  // GROUP query heads, the key head, the value head
+    const bf16* qkv = t.ptr<bf16>(O::qkv);
+    for (int i = threadIdx.x; i < BATCH * ROWS * HALF; i += NUM_THREADS) {
+        const int b = i / (ROWS * HALF), j = (i / HALF) % ROWS, p = i % HALF;
+        const int pos = ld_act_i32(t.ptr<int>(O::positions) + b);
+        const bf16* src;
+        bf16* dst;
+        const size_t cache_row = (((size_t)b * kv_heads + g) * ctx + pos) * HEAD_DIM;
+        if (j < GROUP) {
+            src = qkv + (size_t)b * qkv_ld + (size_t)(g * GROUP + j) * HEAD_DIM;
+            dst = t.ptr<bf16>(O::q) + (size_t)b * q_ld + (size_t)(g * GROUP + j) * HEAD_DIM;
+        } else if (j == GROUP) {
+            src = qkv + (size_t)b * qkv_ld + (size_t)(q_heads + g) * HEAD_DIM;
+            dst = t.ptr<bf16>(O::k_cache) + cache_row;
+        } else {
+            src = qkv + (size_t)b * qkv_ld + (size_t)(q_heads + kv_heads + g) * HEAD_DIM;
+            dst = t.ptr<bf16>(O::v_cache) + cache_row;
+        }
+        const int ia = ROPE_INTERLEAVED ? 2 * p : p;
+        const int ib = ROPE_INTERLEAVED ? 2 * p + 1 : p + HALF;
+        const float a = ld_act_bf16(src + ia), c = ld_act_bf16(src + ib);
+        if (rope && j <= GROUP) {
+            float sn, cs;
+            rope_sincos(pos, p, sn, cs);
+            store_bf16(dst + ia, a * cs - c * sn);
+            store_bf16(dst + ib, c * cs + a * sn);
+        } else {
+            store_bf16(dst + ia, a);
+            store_bf16(dst + ib, c);
+        }
+    }
+}
+
+// Routing of every token: top-k of its router logits (ties: the smaller expert index), weights
+// (sigmoid of the logit, or softmax over the top-k; optionally renormalised), the ascending list
+// of distinct experts (slots), their count, weights[slot, b] (0 = not routed) and token_slots.
+__device__ void op_topk(const Task& t, unsigned char* smem) {
+    using O = OPND_TOPK;
+    const int experts_n = t.dim(O::logits, 1), slots = t.dim(O::weights, 2);
+    float* lg = reinterpret_cast<float*>(smem);            // [BATCH][experts] working copy
+    int* used = reinterpret_cast<int*>(lg + BATCH * experts_n);  // [experts] slot + 1, 0 = unused
+    int* sel = used + experts_n;                          // [BATCH][TOP_K]
+    float* selw = reinterpret_cast<float*>(sel + BATCH * TOP_K);  // [BATCH][TOP_K]
+    float* wsm = selw + BATCH * TOP_K;                    // [slots][BATCH]
+    const float* logits = t.ptr<float>(O::logits);
+    for (int i = threadIdx.x; i < BATCH * experts_n; i += NUM_THREADS) lg[i] = ld_act_f32(logits + i);
+    for (int i = threadIdx.x; i < experts_n; i += NUM_THREADS) used[i] = 0;
+    for (int i = threadIdx.x; i < slots * BATCH; i += NUM_THREADS) wsm[i] = 0.f;
+    __syncthreads();
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (int b = warp; b < BATCH; b += NUM_WARPS) {
+        float* row = lg + b * experts_n;
+        float vals[TOP_K];
+        for (int k = 0; k < TOP_K; ++k) {
+            float v = -INFINITY;
+            int i = 0x7fffffff;
+            for (int e = lane; e < experts_n; e += 32)
+                if (better(row[e], e, v, i)) { v = row[e]; i = e; }
+            warp_argmax(v, i);
+            if (i == 0x7fffffff) i = k;  // only NaN logits left: keep indices valid
+            __syncwarp();
+            if (lane == 0) { sel[b * TOP_K + k] = i; row[i] = -INFINITY; }
+            vals[k] = v;
+            __syncwarp();
+        }
+        if (lane == 0) {
+            float w[TOP_K], sum = 0.f;
+            for (int k = 0; k < TOP_K; ++k) {
+                w[k] = ROUTER_SIGMOID ? 1.f / (1.f + expf(-vals[k])) : expf(vals[k] - vals[0]);
+                sum += w[k];
+            }
+            const bool norm = NORMALIZE_TOP_K || !ROUTER_SIGMOID;
+            for (int k = 0; k < TOP_K; ++k) selw[b * TOP_K + k] = norm ? w[k] / sum : w[k];
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < BATCH * TOP_K) used[sel[threadIdx.x]] = 1;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int n = 0;
+        for (int e = 0; e < experts_n; ++e)
+            if (used[e]) used[e] = ++n;
+        int* ex = t.ptr<int>(O::experts);
+        for (int e = 0; e < experts_n; ++e)
+            if (used[e]) ex[used[e] - 1] = e;
+        for (int s = n; s < slots; ++s) ex[s] = -1;
+        *t.ptr<int>(O::count) = n;
+    }
+    __syncthreads();
+    int* ts = t.ptr<int>(O::token_slots);
+    if (threadIdx.x < BATCH * TOP_K) {
+        const int b = threadIdx.x / TOP_K, s = used[sel[threadIdx.x]] - 1;
+        ts[threadIdx.x] = s;
+        wsm[s * BATCH + b] = selw[threadIdx.x];
+    }
+    __syncthreads();
+    float* wout = t.ptr<float>(O::weights);
+    for (int i = threadIdx.x; i < slots * BATCH; i += NUM_THREADS) wout[i] = wsm[i];
+}
+
+// x_out[b, cols] = x + sum_g o_part[g, b] + mlp[0, b] + sum_k routed[token_slots[b, k], b]
+__device__ void op_residual(const Task& t, unsigned char*) {
+    using O = OPND_RESIDUAL;
+    using A = ARG_RESIDUAL;
+    const int col0 = t.arg(A::col0), cols = t.arg(A::cols), parts = t.arg(A::o_parts);
+    const int hidden = t.dim(O::x, 1);
+    const float* x = t.ptr<float>(O::x);
+    const float* op = t.ptr<float>(O::o_part);
+    const float* mlp = t.ptr<float>(O::mlp);
+    const float* routed = t.ptr<float>(O::routed);
+    const int* ts = t.ptr<int>(O::token_slots);
+    const int top_k = routed ? t.dim(O::token_slots, 1) : 0;
+    float* out = t.ptr<float>(O::out);
+    for (int i = threadIdx.x; i < BATCH * cols; i += NUM_THREADS) {
+        const int b = i / cols, c = col0 + i % cols;
+        const size_t bc = (size_t)b * hidden + c;
+        float v = ld_act_f32(x + bc);
+        for (int g = 0; g < parts; ++g) v += ld_act_f32(op + (size_t)g * BATCH * hidden + bc);
+        if (mlp) v += ld_act_f32(mlp + bc);
+        for (int k = 0; k < top_k; ++k) {
+            const int s = ld_act_i32(ts + b * top_k + k);
+            v += ld_act_f32(routed + (size_t)s * BATCH * hidden + bc);
+        }
+        out[bc] = v;
+    }
+}
