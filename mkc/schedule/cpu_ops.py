@@ -1,0 +1,315 @@
+"""One PyTorch function per Opcode: what a task computes, on its tile only.
+
+Contract shared by every handler: ``run_task(task, bufs, weights, spec)`` reads its operands from
+``bufs`` (activations, KV cache, inputs and outputs, by buffer name, at their full shapes) and
+``weights`` (immutable, by buffer name), computes in float32, and writes its results into
+``bufs`` cast to the destination's storage dtype. A handler touches only the elements its task
+is meant to: the executor hands it scratch copies in which everything outside the declared read
+regions is poisoned, and keeps only what lands inside the declared write regions.
+
+Dispatch is a table built from ``Opcode``: importing this module fails if an opcode has no
+handler, so a new opcode cannot be added to ``mkc/ir/ops.py`` and forgotten here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from mkc.ir.graph import Task
+from mkc.ir.ops import Opcode
+from mkc.ir.spec import ModelSpec
+
+Tensors = dict[str, torch.Tensor]
+Handler = Callable[[Task, Tensors, Tensors, ModelSpec], None]
+
+
+def _f(t: torch.Tensor) -> torch.Tensor:
+    return t.float()
+
+
+def _store(dst: torch.Tensor, value: torch.Tensor) -> None:
+    dst.copy_(value.to(dst.dtype))
+
+
+def _operand(task: Task, role: str, bufs: Tensors, weights: Tensors) -> torch.Tensor:
+    name = task.operand(role)
+    if name in bufs:
+        return bufs[name]
+    if name in weights:
+        return weights[name]
+    raise KeyError(f"task {task.name} ({task.op.name}): operand {role} = {name!r} was not given to it")
+
+
+# ----------------------------------------------------------------------------------------------
+# RoPE, shared by ROPE_APPEND (the reference in runtime/reference.py has its own copy, on purpose)
+
+
+def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    """[head_dim / 2] inverse frequencies, float32, computed as transformers does."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+
+
+def apply_rope(x: torch.Tensor, pos: int, theta: float, style: str) -> torch.Tensor:
+    """Rotate ``x`` [..., head_dim] (float32) to position ``pos``.
+
+    "interleaved" (GPT-J): pairs (2i, 2i+1) rotate by pos * inv_freq[i];
+    "half" (NeoX): pairs (i, i + head_dim/2) rotate by pos * inv_freq[i].
+    """
+    d = x.shape[-1]
+    ang = torch.tensor(float(pos), dtype=torch.float32) * rope_inv_freq(d, theta)  # [d/2]
+    cos, sin = ang.cos(), ang.sin()
+    if style == "interleaved":
+        a, b = x[..., 0::2], x[..., 1::2]
+        out = torch.empty_like(x)
+        out[..., 0::2] = a * cos - b * sin
+        out[..., 1::2] = b * cos + a * sin
+        return out
+    if style == "half":
+        a, b = x[..., : d // 2], x[..., d // 2:]
+        return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+    raise ValueError(f"rope_style {style!r}: expected 'interleaved' or 'half'")
+
+
+# ----------------------------------------------------------------------------------------------
+# handlers
+
+
+def _embed(t: Task, bufs: Tensors, w: Tensors, spec: ModelSpec) -> None:
+    tokens = _operand(t, "tokens", bufs, w).long()  # [B]
+    table = _operand(t, "embed", bufs, w)  # [vocab, hidden]
+    _store(_operand(t, "out", bufs, w), _f(table[tokens]))
+
+
+def _rmsnorm(t: Task, bufs: Tensors, w: Tensors, spec: ModelSpec) -> None:
+    x = _f(_operand(t, "x", bufs, w))  # [B, hidden]
+    weight = _f(_operand(t, "weight", bufs, w))  # [hidden]
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + spec.norm_eps)
+    _store(_operand(t, "out", bufs, w), weight * normed)
+
+
+def _linear(t: Task, bufs: Tensors, w: Tensors, spec: ModelSpec) -> None:
+    row0, rows, k0, k, col0, slab = (t.arg(a) for a in ("row0", "rows", "k0", "k", "col0", "slab"))
+    x = _f(_operand(t, "x", bufs, w)[:, k0:k0 + k])  # [B, k]
+    weight = _f(_operand(t, "weight", bufs, w)[row0:row0 + rows, k0:k0 + k])  # [rows, k]
+    out = _operand(t, "out", bufs, w)
+    dst = out[slab, :, col0:col0 + rows] if out.dim() == 3 else out[:, col0:col0 + rows]
+    _store(dst, x @ weight.T)
+
+
+def _swiglu_rows(x: torch.Tensor, weight: torch.Tensor, row0: int, rows: int, up_row0: int) -> torch.Tensor:
+    gate = x @ _f(weight[row0:row0 + rows]).T
+    up = x @ _f(weight[up_row0:up_row0 + rows]).T
+    return F.silu(gate) * up
+
+
+def _swiglu(t: Task, bufs: Tensors, w: Tensors, spec: ModelSpec) -> None:
+    row0, rows, up_row0, col0 = (t.arg(a) for a in ("row0", "rows", "up_row0", "col0"))
+    x = _f(_operand(t, "x", bufs, w))  # [B, hidden]
+    h = _swiglu_rows(x, _operand(t, "weight", bufs, w), row0, rows, up_row0)
+    _store(_operand(t, "out", bufs, w)[:, col0:col0 + rows], h)
+
+
+def _rope_append(t: Task, bufs: Tensors, w: Tensors, spec: ModelSpec) -> None:
+    a = spec.attention
+    if a.qk_norm:
+        raise NotImplementedError(f"task {t.name}: qk_norm is not lowered yet (no task normalises q and k)")
+    g, rope = t.arg("kv_head"), t.arg("rope")
+    D, G, QH, GS = a.head_dim, a.num_kv_heads, a.num_heads, spec.group_size
+    qkv = _operand(t, "qkv", bufs, w)  # [B, (QH + 2G) * D]
+    positions = _operand(t, "positions", bufs, w)  # [B]
+    q_out, kc, vc = (_operand(t, r, bufs, w) for r in ("q", "k_cache", "v_cache"))
+    qcols = slice(g * GS * D, (g + 1) * GS * D)
+    kcols = slice(QH * D + g * D, QH * D + (g + 1) * D)
+    vcols = slice((QH + G + g) * D, (QH + G + g + 1) * D)
+    for b in range(qkv.shape[0]):
+        pos = int(positions[b])
+        q = _f(qkv[b, qcols]).view(GS, D)
+        k = _f(qkv[b, kcols])
+        if rope:
+            q = apply_rope(q, pos, a.rope_theta, a.rope_style)
+            k = apply_rope(k, pos, a.rope_theta, a.rope_style)
+        _store(q_out[b, qcols], q.reshape(-1))
+        _store(kc[b, g, pos], k)
+        _store(vc[b, g, pos], _f(qkv[b, vcols]))
+
+
+def key_range(pos: int, window: int, split: int, split_keys: int) -> tuple[int, int]:
+    """[lo, hi) of the keys one attention split covers (empty when lo >= hi)."""
+    start = max(0, pos + 1 - window) if window else 0
+    lo = start + split * split_keys
+    hi = min(start + (split + 1) * split_keys, pos + 1)
+    return lo, hi
+
+
+def _attn_split(t: Task, bufs: Tensors, w: Tensors, spec: ModelSpec) -> None:
+    b, g, sp, split_keys, window = (t.arg(x) for x in ("seq", "kv_head", "split", "split_keys", "window"))
+    D, GS = spec.attention.head_dim, spec.group_size
+    pos = int(_operand(t, "positions", bufs, w)[b])
+    part_o = _operand(t, "part_o", bufs, w)[b, g, sp]  # [GS, D]
+    part_ml = _operand(t, "part_ml", bufs, w)[b, g, sp]  # [GS, 2]
+    lo, hi = key_range(pos, window, sp, split_keys)
+    if lo >= hi:
+        part_o.zero_()
+        part_ml[:, 0] = -math.inf
+        part_ml[:, 1] = 0.0
+        return
+    q = _f(_operand(t, "q", bufs, w)[b, g * GS * D:(g + 1) * GS * D]).view(GS, D)
+    k = _f(_operand(t, "k_cache", bufs, w)[b, g, lo:hi])  # [keys, D]
+    v = _f(_operand(t, "v_cache", bufs, w)[b, g, lo:hi])
+    s = (q @ k.T) * D ** -0.5  # [GS, keys]
+    m = s.max(dim=-1).values  # [GS]
+    p = torch.exp(s - m[:, None])
+    _store(part_o, p @ v)
+    _store(part_ml[:, 0], m)
+    _store(part_ml[:, 1], p.sum(-1))
+
+
+def _attn_combine(t: Task, bufs: Tensors, w: Tensors, spec: ModelSpec) -> None:
+    g, splits = t.arg("kv_head"), t.arg("splits")
+    D, GS = spec.attention.head_dim, spec.group_size
+    part_o = _f(_operand(t, "part_o", bufs, w)[:, g, :splits])  # [B, S, GS, D]
+    part_ml = _f(_operand(t, "part_ml", bufs, w)[:, g, :splits])  # [B, S, GS, 2]
+    m, l = part_ml[..., 0], part_ml[..., 1]  # [B, S, GS]
+    big = m.max(dim=1, keepdim=True).values  # [B, 1, GS], finite: the current key is always attended
+    scale = torch.exp(m - big)  # empty splits (m = -inf) get 0
+    o = (scale[..., None] * part_o).sum(1) / (scale * l).sum(1)[..., None]  # [B, GS, D]
+    _store(_operand(t, "out", bufs, w)[:, g * GS * D:(g + 1) * GS * D], o.reshape(o.shape[0], GS * D))
+
+
+def route(logits: torch.Tensor, top_k: int, scoring: str, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token: (expert ids [B, k], weights [B, k] float32) from router logits [B, E]."""
+    vals, idx = torch.topk(logits, top_k, dim=-1)
+    if scoring == "sigmoid":
+        wts = torch.sigmoid(vals)
+        if normalize:
+            wts = wts / wts.sum(-1, keepdim=True)
+    elif scoring == "softmax":
+        wts = torch.softmax(vals, dim=-1)
+    else:
+        raise ValueError(f"router scoring {scoring!r}: expected 'sigmoid' or 'softmax'")
+    return idx, wts
+
+
+def _topk(t: Task, bufs: Tensors, w: Tensors, spec: ModelSpec) -> None:
+    m = spec.moe
+    assert m is not None, f"task {t.name}: TOPK in a model without MoE"
+    logits = _f(_operand(t, "logits", bufs, w))  # [B, E]
+    experts, count, weights, tslots = (_operand(t, r, bufs, w) for r in ("experts", "count", "weights", "token_slots"))
+    idx, wts = route(logits, m.top_k, m.scoring, m.normalize_top_k)
+    distinct = torch.unique(idx)  # sorted ascending
+    n = distinct.numel()
+    assert n <= experts.shape[0], f"task {t.name}: {n} distinct experts but only {experts.shape[0]} slots"
+    slot_of = torch.full((m.num_experts,), -1, dtype=torch.long)
+    slot_of[distinct] = torch.arange(n)
+    slots = slot_of[idx]  # [B, k]
+    table = torch.zeros(weights.shape, dtype=torch.float32)  # [slots, B]
+    table[slots, torch.arange(idx.shape[0])[:, None].expand_as(slots)] = wts
+    experts.fill_(-1)  # slots past the count name no expert
+    experts[:n] = distinct.to(experts.dtype)
+    count.fill_(n)
+    _store(weights, table)
+    _store(tslots, slots)
+
+
+def _live_expert(t: Task, bufs: Tensors, w: Tensors) -> int | None:
+    """The expert in this task's routing slot, or None when the slot is past the live count."""
+    slot = t.arg("slot")
+    if slot >= int(_operand(t, "count", bufs, w)[0]):
+        return None
+    return int(_operand(t, "experts", bufs, w)[slot])
+
+
+def _expert_swiglu(t: Task, bufs: Tensors, w: Tensors, spec: ModelSpec) -> None:
+    e = _live_expert(t, bufs, w)
+    if e is None:
+        return
+    slot, row0, rows = t.arg("slot"), t.arg("row0"), t.arg("rows")
+    weight = _operand(t, "weight", bufs, w)[e]  # [2I, H]
+    inter = weight.shape[0] // 2
+    x = _f(_operand(t, "x", bufs, w))
+    _store(_operand(t, "out", bufs, w)[slot, :, row0:row0 + rows], _swiglu_rows(x, weight, row0, rows, inter + row0))
+
+
+def _expert_down(t: Task, bufs: Tensors, w: Tensors, spec: ModelSpec) -> None:
+    e = _live_expert(t, bufs, w)
+    if e is None:
+        return
+    slot, row0, rows = t.arg("slot"), t.arg("row0"), t.arg("rows")
+    h = _f(_operand(t, "h", bufs, w)[slot])  # [B, I]
+    weight = _f(_operand(t, "weight", bufs, w)[e, row0:row0 + rows])  # [rows, I]
+    route_w = _f(_operand(t, "weights", bufs, w)[slot])  # [B]
+    _store(_operand(t, "out", bufs, w)[slot, :, row0:row0 + rows], route_w[:, None] * (h @ weight.T))
+
+
+def _residual(t: Task, bufs: Tensors, w: Tensors, spec: ModelSpec) -> None:
+    """out = x + attention + mlp, summed in the order transformers uses (each part first)."""
+    c = slice(t.arg("col0"), t.arg("col0") + t.arg("cols"))
+    acc = _f(_operand(t, "x", bufs, w)[:, c])  # [B, cols]
+    if t.operand("o_part") != "-":
+        acc = acc + _f(_operand(t, "o_part", bufs, w)[:, :, c]).sum(0)
+    if t.operand("mlp") != "-":
+        acc = acc + _f(_operand(t, "mlp", bufs, w)[:, :, c]).sum(0)
+    if t.operand("routed") != "-":
+        routed = _operand(t, "routed", bufs, w)  # [slots, B, H]
+        tslots = _operand(t, "token_slots", bufs, w).long()  # [B, k]
+        batch = torch.arange(tslots.shape[0])[:, None]
+        picked = _f(routed[tslots.sort(dim=-1).values, batch, c])  # [B, k, cols], ascending expert
+        acc = acc + picked.sum(1)
+    _store(_operand(t, "out", bufs, w)[:, c], acc)
+
+
+def _lm_head(t: Task, bufs: Tensors, w: Tensors, spec: ModelSpec) -> None:
+    row0, rows, tile = t.arg("row0"), t.arg("rows"), t.arg("tile")
+    x = _f(_operand(t, "x", bufs, w))  # [B, H]
+    weight = _f(_operand(t, "weight", bufs, w)[row0:row0 + rows])  # [rows, H]
+    logits = (x @ weight.T) * spec.logit_scale  # [B, rows]
+    _store(_operand(t, "logits", bufs, w)[:, row0:row0 + rows], logits)
+    val, idx = logits.max(dim=-1)  # first maximum on ties
+    _store(_operand(t, "best_val", bufs, w)[:, tile], val)
+    _store(_operand(t, "best_idx", bufs, w)[:, tile], idx + row0)
+
+
+def _argmax(t: Task, bufs: Tensors, w: Tensors, spec: ModelSpec) -> None:
+    tiles = t.arg("tiles")
+    val = _f(_operand(t, "best_val", bufs, w)[:, :tiles])  # [B, tiles]
+    idx = _operand(t, "best_idx", bufs, w)[:, :tiles]
+    best = val.argmax(dim=-1, keepdim=True)  # first (lowest) tile on ties
+    _store(_operand(t, "out", bufs, w), idx.gather(1, best)[:, 0])
+
+
+_HANDLERS: dict[str, Handler] = {
+    "EMBED": _embed,
+    "RMSNORM": _rmsnorm,
+    "LINEAR": _linear,
+    "SWIGLU": _swiglu,
+    "ROPE_APPEND": _rope_append,
+    "ATTN_SPLIT": _attn_split,
+    "ATTN_COMBINE": _attn_combine,
+    "TOPK": _topk,
+    "EXPERT_SWIGLU": _expert_swiglu,
+    "EXPERT_DOWN": _expert_down,
+    "RESIDUAL": _residual,
+    "LM_HEAD": _lm_head,
+    "ARGMAX": _argmax,
+}
+
+
+def _dispatch_table() -> dict[Opcode, Handler]:
+    missing = [op.name for op in Opcode if op.name not in _HANDLERS]
+    unknown = sorted(set(_HANDLERS) - {op.name for op in Opcode})
+    if missing or unknown:
+        raise ImportError(f"mkc.schedule.cpu_ops: no CPU handler for opcode(s) {missing}; "
+                          f"handlers for unknown opcode(s) {unknown}: keep _HANDLERS in step with Opcode")
+    return {op: _HANDLERS[op.name] for op in Opcode}
+
+
+DISPATCH: dict[Opcode, Handler] = _dispatch_table()
+
+
+def run_task(task: Task, bufs: Tensors, weights: Tensors, spec: ModelSpec) -> None:
+    """Run one task on its tile: reads and writes tensors of ``bufs`` in place (see module doc)."""
+    DISPATCH[task.op](task, bufs, weights, spec)

@@ -1,0 +1,244 @@
+"""CPU executor: the compiled task list, run tile by tile on poisoned scratch buffers in random
+interleavings, computes what the dense reference computes; and the poisoning really catches
+tasks that step outside their declared regions."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from mkc.runtime.generate import greedy_generate, greedy_generate_batch
+from mkc.runtime.reference import DenseReference
+from mkc.runtime.weights import random_weights, weight_shapes
+
+from mkc.ir.graph import Region
+from mkc.ir.lower import lower
+from mkc.ir.ops import Opcode
+from mkc.ir.spec import load_spec
+from mkc.schedule.cpu_ops import DISPATCH
+from mkc.schedule.executor import CpuExecutor, ExecutorError
+from mkc.schedule.scheduler import schedule
+
+TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
+
+# float32 executor vs float32 reference: the same math, summed in another order (row tiles,
+# split-K o-proj, flash-decoding combine, per-tile matmuls vs one matvec). Each op differs by a few
+# float32 ulps (~1e-7 relative); through 5 layers the logits (|x| ~ 2) differ by ~1e-6 in practice.
+# The budget leaves ~50x headroom and is still far below any real bug (those give errors ~1e-2+).
+F32_ATOL, F32_RTOL = 5e-5, 5e-5
+
+
+@pytest.fixture(scope="module")
+def spec():
+    return load_spec(TINY)
+
+
+@pytest.fixture(scope="module")
+def weights(spec):
+    # std 0.1 (not 0.02) so routing and logits are far from flat and every op matters
+    return random_weights(spec, seed=7, dtype=torch.float32, std=0.1)
+
+
+def _executor(spec, weights, batch, context=64, num_sms=8, **kw):
+    return CpuExecutor(schedule(lower(spec, batch, context, num_sms), spec.name), spec, weights, **kw)
+
+
+def _assert_close(got, want, what):
+    err = (got - want).abs()
+    budget = F32_ATOL + F32_RTOL * want.abs()
+    assert bool((err <= budget).all()), (f"{what}: max error {err.max().item():.3g} exceeds the budget "
+                                         f"(atol {F32_ATOL}, rtol {F32_RTOL}; max |ref| {want.abs().max().item():.3g})")
+
+
+def _positions(step: int, batch: int) -> list[int]:
+    """Sequence b waits at position 0 (rewriting it) for 2b steps, so positions differ in a batch."""
+    return [max(0, step - 2 * b) for b in range(batch)]
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3])
+def test_matches_reference_past_the_window(spec, weights, batch):
+    """14 steps (the sliding window is 8), a random interleaving per step, positions differing per
+    sequence and a rewritten position 0: logits match the dense reference at every step."""
+    ex = _executor(spec, weights, batch)
+    ref = DenseReference(spec, weights)
+    g = torch.Generator().manual_seed(batch)
+    for step in range(14):
+        tokens = torch.randint(0, spec.vocab_size, (batch,), generator=g)
+        pos = _positions(step, batch)
+        logits, nxt = ex.step(tokens, pos, seed=100 * batch + step)
+        _assert_close(logits, ref.step(tokens, pos), f"batch {batch} step {step} positions {pos}")
+        assert nxt.tolist() == logits.argmax(-1).tolist(), "ARGMAX disagrees with the argmax of the logits"
+
+
+def test_interleavings_are_bitwise_identical(spec, weights):
+    """A correct schedule has no races: every interleaving gives exactly the same bits."""
+    tokens = torch.randint(0, spec.vocab_size, (10, 2))
+    runs = []
+    for seed in (None, 1, 2, 3):
+        ex = _executor(spec, weights, 2)
+        runs.append(torch.stack([ex.step(tokens[s], _positions(s, 2), seed=None if seed is None else seed * 97 + s)[0]
+                                 for s in range(10)]))
+    for r in runs[1:]:
+        assert torch.equal(r, runs[0]), f"interleavings differ: max {(r - runs[0]).abs().max().item():.3g}"
+
+
+def test_long_context_multi_split_attention(spec, weights):
+    """Flash-decoding with several splits per (sequence, KV head), for global layers and for a
+    sliding window that spans two splits: a random KV prefix is loaded into both implementations,
+    then three decode steps run from different positions per sequence."""
+    spec = dataclasses.replace(spec, attention=dataclasses.replace(spec.attention, sliding_window=300))
+    ctx, prefix = 1024, [400, 290]
+    sc = schedule(lower(spec, 2, ctx, 8), spec.name)
+    splits = {(t.layer, t.arg("window")) for t in sc.tasks if t.op == Opcode.ATTN_SPLIT and t.arg("split") > 0}
+    assert {w for _, w in splits} == {0, 300}, f"expected global and sliding layers with > 1 split, got {splits}"
+    ex = CpuExecutor(sc, spec, weights)
+    ref = DenseReference(spec, weights)
+    a = spec.attention
+    for b, n in enumerate(prefix):
+        for layer in range(spec.num_layers):
+            k, v = torch.randn(n, a.num_kv_heads, a.head_dim), torch.randn(n, a.num_kv_heads, a.head_dim)
+            ex.write_kv(b, layer, k, v)
+            ref.set_kv(b, layer, k, v)
+    for step in range(3):
+        tokens = torch.randint(0, spec.vocab_size, (2,))
+        pos = [n + step for n in prefix]
+        logits, _ = ex.step(tokens, pos, seed=step)
+        _assert_close(logits, ref.step(tokens, pos), f"step {step} positions {pos}")
+
+
+def test_generate_cpu_equals_reference(spec, weights):
+    prompt = [int(t) for t in torch.randint(0, spec.vocab_size, (11,))]  # longer than the window
+    cpu = greedy_generate(spec, weights, prompt, 6, seed=5)
+    assert cpu == greedy_generate(spec, weights, prompt, 6, backend="reference")
+
+
+def test_generate_batch_equals_one_by_one(spec, weights):
+    prompts = [[int(t) for t in torch.randint(0, spec.vocab_size, (n,))] for n in (3, 9, 5)]
+    batch = greedy_generate_batch(spec, weights, prompts, 5, seed=9)
+    assert batch == [greedy_generate(spec, weights, p, 5, backend="reference") for p in prompts]
+
+
+def test_every_opcode_has_a_handler():
+    assert set(DISPATCH) == set(Opcode)
+
+
+def test_weight_shapes_match_the_lowering(spec):
+    for s in (spec, load_spec(TINY.parent / "north_mini_code.yaml")):
+        prog = lower(s, 1, 64, 8)
+        lowered = {b.name: b.shape for b in prog.buffers.values() if b.kind == "weight"}
+        assert lowered == weight_shapes(s)
+
+
+# -- poisoning: the executor must catch a task that steps outside its declared regions ----------
+
+
+def _patch(sc, pick, fix):
+    """Replace the first task ``pick`` accepts by ``fix(task)``; returns the new task."""
+    t = next(t for t in sc.tasks if pick(t))
+    sc.tasks[t.id] = fix(t)
+    return sc.tasks[t.id]
+
+
+def _narrow(regions, buffer, dim, lo_hi):
+    return tuple(Region(r.buffer, r.box[:dim] + (lo_hi,) + r.box[dim + 1:]) if r.buffer == buffer else r
+                 for r in regions)
+
+
+def _sched(spec, batch=1, context=64):
+    return schedule(lower(spec, batch, context, 8), spec.name)
+
+
+def test_too_small_read_region_is_caught(spec, weights):
+    """A QKV tile that declares only half of its input row reads poison: NaN, caught at once."""
+    sc = _sched(spec)
+    H = spec.hidden_size
+    bad = _patch(sc, lambda t: t.name.startswith("L1.qkv"),
+                 lambda t: dataclasses.replace(t, reads=_narrow(t.reads, "L1.norm", 1, (0, H // 2))))
+    with pytest.raises(ExecutorError, match=rf"{bad.name.replace('[', '.').replace(']', '.')}.*wrote NaN"):
+        CpuExecutor(sc, spec, weights).step([1], [0])
+    logits, _ = CpuExecutor(sc, spec, weights, check=False).step([1], [0])
+    assert torch.isnan(logits).all(), "the poison should reach every logit when unchecked"
+
+
+def test_too_small_weight_region_is_caught(spec, weights):
+    sc = _sched(spec)
+    bad = _patch(sc, lambda t: t.op == Opcode.LM_HEAD,
+                 lambda t: dataclasses.replace(t, reads=_narrow(t.reads, "embed", 0, (t.arg("row0"), t.arg("row0") + 1))))
+    with pytest.raises(ExecutorError, match=r"lm_head.*wrote NaN"):
+        CpuExecutor(sc, spec, weights).step([1], [0])
+    assert bad.op == Opcode.LM_HEAD
+
+
+def test_too_small_kv_region_is_caught_when_reached(spec, weights):
+    """Attention of a global layer declaring keys [0, 4) only: fine until position 4 is attended."""
+    sc = _sched(spec)
+    _patch(sc, lambda t: t.op == Opcode.ATTN_SPLIT and t.layer == 0,
+           lambda t: dataclasses.replace(t, reads=_narrow(t.reads, "L0.k_cache", 2, (0, 4))))
+    ex = CpuExecutor(sc, spec, weights)
+    for pos in range(4):
+        ex.step([pos + 1], [pos])
+    with pytest.raises(ExecutorError, match=r"L0\.attn\[b0,kv0,s0\].*wrote NaN"):
+        ex.step([9], [4])
+
+
+def test_undeclared_writes_are_discarded(spec, weights):
+    """A QKV tile declaring only half its output columns: the other half is never stored, so its
+    consumer reads poison (caught there), and the real buffer still holds poison."""
+    sc = _sched(spec)
+    bad = _patch(sc, lambda t: t.name.startswith("L1.qkv"),
+                 lambda t: dataclasses.replace(t, writes=_narrow(t.writes, "L1.qkv", 1,
+                                                                 (t.arg("col0"), t.arg("col0") + t.arg("rows") // 2))))
+    ex = CpuExecutor(sc, spec, weights, check=False)
+    ex.step([1], [0])
+    lo, rows = bad.arg("col0"), bad.arg("rows")
+    assert torch.isnan(ex.bufs["L1.qkv"][:, lo + rows // 2:lo + rows]).all()
+    assert not torch.isnan(ex.bufs["L1.qkv"][:, lo:lo + rows // 2]).any()
+    with pytest.raises(ExecutorError, match=r"L1\.(rope_append|attn).*NaN"):
+        CpuExecutor(sc, spec, weights).step([1], [0])
+
+
+def test_undeclared_int_read_is_caught(spec, weights):
+    """A residual tile that does not declare the routing slots reads int poison: bad index."""
+    sc = _sched(spec)
+    _patch(sc, lambda t: t.op == Opcode.RESIDUAL and t.layer == 1,
+           lambda t: dataclasses.replace(t, reads=tuple(r for r in t.reads if not r.buffer.endswith("token_slots"))))
+    with pytest.raises(ExecutorError, match=r"L1\.residual.*failed: IndexError"):
+        CpuExecutor(sc, spec, weights).step([1], [0])
+
+
+def test_deadlock_names_the_blocked_tasks(spec, weights):
+    sc = _sched(spec)
+    t = next(t for t in sc.tasks if sc.waits[t.id])
+    cid, target = sc.waits[t.id][0]
+    sc.waits[t.id][0] = (cid, target + 1)  # a target no step can reach
+    with pytest.raises(ExecutorError, match=rf"deadlock in step 1(.|\n)*task {t.id} {t.name.replace('[', '.').replace(']', '.')}"):
+        CpuExecutor(sc, spec, weights).step([1], [0])
+
+
+def test_dropped_wait_is_caught_by_random_interleavings(spec, weights):
+    """Remove every wait of the layer-1 residual tiles: some interleaving runs one of them before
+    its inputs exist, and the poison exposes it."""
+    sc = _sched(spec)
+    for t in sc.tasks:
+        if t.op == Opcode.RESIDUAL and t.layer == 1:
+            sc.waits[t.id] = []
+    caught = 0
+    for seed in range(8):
+        try:
+            CpuExecutor(sc, spec, weights).step([1], [0], seed=seed)
+        except ExecutorError as e:
+            assert "residual" in str(e) or "NaN" in str(e)
+            caught += 1
+    assert caught > 0, "no interleaving out of 8 exposed the missing wait"
+
+
+def test_step_rejects_bad_inputs(spec, weights):
+    ex = _executor(spec, weights, 2)
+    with pytest.raises(ValueError, match="expected 2"):
+        ex.step([1], [0])
+    with pytest.raises(ValueError, match="context bucket"):
+        ex.step([1, 2], [0, 64])
+    with pytest.raises(ValueError, match="token ids"):
+        ex.step([1, spec.vocab_size], [0, 0])
