@@ -428,8 +428,8 @@ def _sse(events: AsyncIterator[dict[str, Any] | str]) -> StreamingResponse:
 
 
 def _error_event(out: Output) -> dict[str, Any]:
-    return {"error": {"message": f"generation failed: {out.error}", "type": "server_error", "param": None,
-                      "code": None}}
+    return {"error": {"message": f"generation failed: {out.error or out.finish_reason}", "type": "server_error",
+                      "param": None, "code": None}}
 
 
 async def _stream_completion(state: ServerState, gen: _Generation, req: CompletionRequest, rid: str,
@@ -439,7 +439,7 @@ async def _stream_completion(state: ServerState, gen: _Generation, req: Completi
     last = None
     async for out in gen.outputs():
         last = out
-        if out.finish_reason == "error":
+        if out.finish_reason in ("error", "abort"):  # abort here = the server is shutting down
             yield _error_event(out)
             break
         if out.text or out.finish_reason:
@@ -469,7 +469,7 @@ async def _stream_chat(state: ServerState, gen: _Generation, req: ChatRequest, r
     last = None
     async for out in gen.outputs():
         last = out
-        if out.finish_reason == "error":
+        if out.finish_reason in ("error", "abort"):  # abort here = the server is shutting down
             yield _error_event(out)
             break
         if names:

@@ -35,9 +35,8 @@ def plain_chat_template(messages: list[dict[str, Any]], tools: list[dict[str, An
     """
     parts = []
     if tools:
-        parts.append("<|system|>\nYou can call these tools. To call one, answer only with "
-                     '{"name": <tool name>, "arguments": <JSON object>}.\n'
-                     + "\n".join(json.dumps(t.get("function", t)) for t in tools) + "\n")
+        parts.append('<|tools|>\nTo call a tool, reply {"name": ..., "arguments": {...}}\n'
+                     + "\n".join(json.dumps(t.get("function", t), separators=(",", ":")) for t in tools) + "\n")
     for m in messages:
         parts.append(f"<|{m['role']}|>\n{message_text(m)}\n")
     parts.append("<|assistant|>\n")

@@ -7,6 +7,8 @@ whole cached sequence, so a wrong or missing cache position changes the output (
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from mkc.runtime.engine import Engine, Output
@@ -163,3 +165,27 @@ def test_detokenizer_never_splits_utf8():
     text = "héllo €uro 😀!"
     out = "".join(d.push(t) for t in tok.encode(text)) + d.flush()
     assert out == text
+
+
+def test_backend_failure_ends_requests_not_engine():
+    tok = ByteTokenizer(V)
+    be = FakeBackend()
+    eng = Engine(be, tok)
+    got: list[Output] = []
+    real_decode = be.decode
+    be.decode = lambda *a: (_ for _ in ()).throw(RuntimeError("device lost"))  # type: ignore[method-assign]
+    eng.start()
+    try:
+        eng.submit(tok.encode("boom"), SamplingParams(max_tokens=5, temperature=0), got.append)
+        deadline = time.monotonic() + 10
+        while not (got and got[-1].finish_reason) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert got[-1].finish_reason == "error" and "device lost" in (got[-1].error or "")
+        be.decode = real_decode  # type: ignore[method-assign]
+        again: list[Output] = []
+        eng.submit(tok.encode("fine"), SamplingParams(max_tokens=3, temperature=0), again.append)
+        while not (again and again[-1].finish_reason) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert again[-1].finish_reason == "length" and eng.pages_used == 0
+    finally:
+        eng.stop()
