@@ -6,6 +6,7 @@ One server for the whole module; every wait is bounded.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import openai
 import pytest
+import torch
 
 from mkc.runtime.tool_calls import parse_tool_calls
 
@@ -35,40 +37,47 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextlib.contextmanager
+def _serve(log_dir: Path, *args: str):
+    """A server process on a free port with ``args``; yields its base URL, stops it after."""
+    port = _free_port()
+    log_path = log_dir / "server.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "mkc.runtime.server", *args, "--backend", "cpu", "--host", "127.0.0.1",
+             "--port", str(port), "--max-batch", "8", "--context", str(CONTEXT), "--log-level", "warning"],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            base = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 60
+            while True:
+                if proc.poll() is not None:
+                    pytest.fail(f"server exited with status {proc.returncode} before becoming healthy:\n"
+                                f"{log_path.read_text()[-3000:]}")
+                try:
+                    with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                        if r.status == 200:
+                            break
+                except OSError:
+                    pass
+                if time.monotonic() > deadline:
+                    pytest.fail(f"server not healthy within 60 s:\n{log_path.read_text()[-3000:]}")
+                time.sleep(0.2)
+            yield base
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = _free_port()
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
-    log = open(log_path, "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mkc.runtime.server", "--config", str(ROOT / "configs" / "tiny.yaml"),
-         "--random-weights", "--backend", "cpu", "--host", "127.0.0.1", "--port", str(port),
-         "--max-batch", "8", "--context", str(CONTEXT), "--log-level", "warning"],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited with status {proc.returncode} before becoming healthy:\n"
-                        f"{log_path.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"server not healthy within 60 s:\n{log_path.read_text()[-3000:]}")
-        time.sleep(0.2)
-    yield base
-    proc.terminate()
-    try:
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=5)
-    log.close()
+    with _serve(tmp_path_factory.mktemp("server"), "--config", str(ROOT / "configs" / "tiny.yaml"),
+                "--random-weights") as base:
+        yield base
 
 
 @pytest.fixture(scope="module")
@@ -295,3 +304,52 @@ def test_tool_calls_parsed():
     assert calls[0].name == "get_weather"
     assert parse_tool_calls('{"name": "rm_rf", "arguments": {}}', names) == ([], '{"name": "rm_rf", "arguments": {}}')
     assert parse_tool_calls("just text", names) == ([], "just text")
+
+
+# ----------------------------------------------------------------------------------------------
+# a Hugging Face checkpoint folder: config.json + safetensors from transformers, plus a tokenizer
+# (byte-level BPE trained here, with a chat template) — the path a real checkpoint takes
+
+
+@pytest.fixture(scope="module")
+def hf_checkpoint(tmp_path_factory):
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    folder = tmp_path_factory.mktemp("hf_tiny")
+    cfg = transformers.Cohere2MoeConfig(
+        vocab_size=512, hidden_size=128, num_hidden_layers=5, num_attention_heads=8, num_key_value_heads=2,
+        head_dim=32, num_experts=16, num_experts_per_tok=4, intermediate_size=64, first_k_dense_replace=1,
+        prefix_dense_intermediate_size=192, sliding_window=8, expert_selection_fn="sigmoid", norm_topk_prob=False,
+        rms_norm_eps=1e-6, logit_scale=0.5, rope_theta=50000.0, initializer_range=0.1, bos_token_id=None,
+        eos_token_id=None, pad_token_id=None, tie_word_embeddings=True)
+    torch.manual_seed(5)
+    transformers.Cohere2MoeForCausalLM(cfg).save_pretrained(folder)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog", "hello world, how are you?"] * 20,
+                            trainers.BpeTrainer(vocab_size=400, special_tokens=["<eos>", "<bos>"], show_progress=False,
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", bos_token="<bos>")
+    hf.chat_template = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    hf.save_pretrained(folder)
+    return folder, hf
+
+
+def test_checkpoint_folder_with_its_tokenizer(tmp_path_factory, hf_checkpoint):
+    folder, hf = hf_checkpoint
+    with _serve(tmp_path_factory.mktemp("ckpt_server"), "--checkpoint", str(folder),
+                "--served-model-name", "north-tiny") as base:
+        c = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+        assert [m.id for m in c.models.list().data] == ["north-tiny"]
+        msgs = [{"role": "user", "content": "hello world"}]
+        r = c.chat.completions.create(model="north-tiny", messages=msgs, max_tokens=5, temperature=0)
+        rendered = hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        assert r.usage.prompt_tokens == len(hf.encode(rendered, add_special_tokens=False))
+        t = c.completions.create(model="north-tiny", prompt="the quick brown fox", max_tokens=5, temperature=0)
+        assert t.usage.prompt_tokens == len(hf.encode("the quick brown fox"))
+        streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+            model="north-tiny", prompt="the quick brown fox", max_tokens=5, temperature=0, stream=True) if ch.choices)
+        assert streamed == t.choices[0].text
