@@ -257,21 +257,24 @@ class _Lowerer:
         down_tile = row_tile(H, I * 2, slots, opt.num_sms)
         for j in range(slots):
             for lo, hi in tiles(I, up_tile):
-                # which expert is read is known only at run time: declare the whole expert tensor
+                # which expert is read is known only at run time: declare every expert's rows,
+                # and count the bytes of one expert
                 self.emit(Opcode.EXPERT_SWIGLU, layer, f"{P}.expert_up[slot{j}][{lo}:{hi}]",
                           {"x": n, "weight": wgu, "experts": experts, "count": count, "out": h},
                           {"slot": j, "row0": lo, "rows": hi - lo},
-                          [full(n), full(experts), full(count), box(wgu, (0, 1), (lo, hi), None),
-                           box(wgu, (0, 1), (I + lo, I + hi), None)],
-                          [box(h, (j, j + 1), None, (lo, hi))], flops=4 * B * (hi - lo) * H)
+                          [full(n), full(experts), full(count), box(wgu, None, (lo, hi), None),
+                           box(wgu, None, (I + lo, I + hi), None)],
+                          [box(h, (j, j + 1), None, (lo, hi))], flops=4 * B * (hi - lo) * H,
+                          weight_bytes=2 * (hi - lo) * H * 2)
         for j in range(slots):
             for lo, hi in tiles(H, down_tile):
                 self.emit(Opcode.EXPERT_DOWN, layer, f"{P}.expert_down[slot{j}][{lo}:{hi}]",
                           {"h": h, "weight": wd, "experts": experts, "count": count, "weights": weights, "out": out},
                           {"slot": j, "row0": lo, "rows": hi - lo},
                           [box(h, (j, j + 1), None, None), full(experts), full(count),
-                           box(weights, (j, j + 1), None), box(wd, (0, 1), (lo, hi), None)],
-                          [box(out, (j, j + 1), None, (lo, hi))], flops=2 * B * (hi - lo) * I)
+                           box(weights, (j, j + 1), None), box(wd, None, (lo, hi), None)],
+                          [box(out, (j, j + 1), None, (lo, hi))], flops=2 * B * (hi - lo) * I,
+                          weight_bytes=(hi - lo) * I * 2)
         self.residual(layer, x, o_part, None, out, tslots, x_out, "residual", count=count)
 
     def residual(self, layer: int, x: Buffer, o_part: Buffer | None, mlp: Buffer | None,

@@ -31,7 +31,6 @@ from dataclasses import dataclass
 import torch
 
 from mkc.ir.graph import Buffer, Region, Task
-from mkc.ir.ops import Opcode
 from mkc.ir.spec import ModelSpec
 from mkc.schedule.cpu_ops import run_task
 from mkc.schedule.schedule import Schedule
@@ -45,10 +44,6 @@ _F32_POISON = 0x7FC0DEAD
 _F32_UNWRITTEN = 0x7F800BAD  # signalling NaN (quiet bit 22 clear)
 _BF16_POISON = 0x7FDE
 _BF16_UNWRITTEN = 0x7F8B  # signalling NaN (quiet bit 6 clear)
-
-# Ops whose weight operand is indexed by a run-time value (the routed expert): the declared
-# weight region names one expert's rows, so the executor widens its first dim to all experts.
-_DYNAMIC_WEIGHT_DIM0 = {Opcode.EXPERT_SWIGLU, Opcode.EXPERT_DOWN}
 
 
 class ExecutorError(RuntimeError):
@@ -160,8 +155,6 @@ class CpuExecutor:
         weight_keys = {}
         for name, regions in wregions.items():
             boxes = [r.box for r in regions]
-            if t.op in _DYNAMIC_WEIGHT_DIM0:
-                boxes = [((0, self.schedule.buffers[name].shape[0]),) + bx[1:] for bx in boxes]
             weight_keys[name] = (name, tuple(sorted(boxes)))
         return _Plan(touched, weight_keys)
 
