@@ -9,13 +9,13 @@ attention of a row reads only its own row; MoE routing weights of other rows are
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
+from mkc.runtime.prefill import Prefill
 
 from mkc.ir.lower import lower
 from mkc.ir.spec import ModelSpec
-from mkc.runtime.prefill import Prefill
 from mkc.schedule.executor import CpuExecutor
 from mkc.schedule.scheduler import schedule
 

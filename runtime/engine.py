@@ -24,11 +24,11 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Protocol
 
 import torch
-
 from mkc.runtime.metrics import Metrics
 from mkc.runtime.sampling import SamplingParams, make_generator, sample
 from mkc.runtime.tokenizer import IncrementalDetokenizer, Tokenizer

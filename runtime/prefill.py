@@ -10,7 +10,7 @@ RoPE, the cache, attention output, SwiGLU hidden). Any backend whose KV cache is
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F

@@ -21,22 +21,22 @@ import logging
 import sys
 import time
 import uuid
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Literal
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
-
 from mkc.runtime.engine import Engine, Output
 from mkc.runtime.metrics import Metrics
 from mkc.runtime.sampling import SamplingParams
 from mkc.runtime.tokenizer import Tokenizer, encode_chat, message_text
 from mkc.runtime.tool_calls import parse_tool_calls, tool_names
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("mkc.server")
 
@@ -219,7 +219,7 @@ def build_app(state: ServerState) -> FastAPI:
         use_tools = bool(req.tools) and req.tool_choice != "none"
         try:
             text = state.tokenizer.apply_chat_template(messages, req.tools if use_tools else None)
-        except Exception as e:  # a template that rejects the conversation (roles out of order, ...)
+        except Exception as e:  # noqa: BLE001 - a template rejecting the conversation (roles out of order)
             raise APIError(400, f"messages: the chat template rejected them: {e}", param="messages") from None
         ids = encode_chat(state.tokenizer, text)
         if not ids:
@@ -389,7 +389,7 @@ class _Generation:
                 if poll_disconnect:
                     try:
                         out = await asyncio.wait_for(self.queue.get(), timeout=0.5)
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         if await self.request.is_disconnected():
                             log.info("client of %s went away", self.rid)
                             return
@@ -530,10 +530,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 def build_state(args: argparse.Namespace) -> ServerState:
     """Spec, weights, backend, tokenizer and engine from the parsed options (raises on bad input)."""
     import torch
-
-    from mkc.ir.spec import load_spec
     from mkc.runtime.tokenizer import load_tokenizer
     from mkc.runtime.weights import load_checkpoint, random_weights
+
+    from mkc.ir.spec import load_spec
 
     config = args.config or args.checkpoint
     if config is None:

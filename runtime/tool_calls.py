@@ -17,8 +17,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-_FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.S)
-_ACTION = re.compile(r"<\|START_ACTION\|>(.*?)<\|END_ACTION\|>", re.S)
+_FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.DOTALL)
+_ACTION = re.compile(r"<\|START_ACTION\|>(.*?)<\|END_ACTION\|>", re.DOTALL)
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,9 +10,8 @@ from __future__ import annotations
 import time
 
 import torch
-
 from mkc.runtime.engine import Engine, Output
-from mkc.runtime.sampling import SamplingParams, sample, make_generator
+from mkc.runtime.sampling import SamplingParams, make_generator, sample
 from mkc.runtime.tokenizer import ByteTokenizer, IncrementalDetokenizer
 
 V = 300
@@ -110,8 +109,8 @@ def test_abort_frees_slot():
     eng = Engine(FakeBackend(max_batch=2), tok)
     got: dict[str, list[Output]] = {"a": [], "b": [], "c": []}
     params = SamplingParams(max_tokens=30, temperature=0)
-    for k in got:
-        eng.submit(tok.encode(k * 5), params, got[k].append, request_id=k)
+    for k, outs in got.items():
+        eng.submit(tok.encode(k * 5), params, outs.append, request_id=k)
     eng.step()
     assert eng.num_running == 2 and eng.num_waiting == 1  # c waits for a slot
     eng.abort("a")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
-import os
 import re
 import socket
 import subprocess
@@ -23,7 +22,6 @@ from pathlib import Path
 import openai
 import pytest
 import torch
-
 from mkc.runtime.tool_calls import parse_tool_calls
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,7 +96,7 @@ def _metric(base: str, name: str) -> float:
     with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
         text = r.read().decode()
     total = 0.0
-    for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M):
+    for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.MULTILINE):
         total += float(m.group(1))
     return total
 
@@ -117,11 +115,11 @@ def test_models_and_health(server, client):
 
 
 def test_completion_plain_and_streamed(client):
-    kw = dict(prompt="The quick brown fox", max_tokens=8, temperature=0)
+    kw = {"prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0}
     a = client.completions.create(model=MODEL, **kw)
     b = client.completions.create(model=MODEL, **kw)
     assert a.choices[0].text == b.choices[0].text  # greedy is deterministic
-    assert a.usage.prompt_tokens == len("The quick brown fox".encode())
+    assert a.usage.prompt_tokens == len(b"The quick brown fox")
     assert 1 <= a.usage.completion_tokens <= 8
     assert a.choices[0].finish_reason in ("length", "stop")
     text, finish, chunks = _stream_text(client, stream_options={"include_usage": True}, **kw)
@@ -130,8 +128,8 @@ def test_completion_plain_and_streamed(client):
 
 
 def test_seeded_sampling_repeats(client):
-    kw = dict(model=MODEL, prompt="seeded", max_tokens=8, temperature=0.9, top_p=0.95, seed=1234,
-              extra_body={"top_k": 50})
+    kw = {"model": MODEL, "prompt": "seeded", "max_tokens": 8, "temperature": 0.9, "top_p": 0.95, "seed": 1234,
+              "extra_body": {"top_k": 50}}
     assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
 
 
@@ -177,7 +175,7 @@ def test_stop_sequences(client):
     # seeded sampling is reproducible (and, from random weights, more varied than greedy): cut the
     # text at a piece of itself, then ask again with that piece as the stop string
     for seed in range(5):
-        kw = dict(prompt="stop test", max_tokens=12, temperature=1.0, seed=seed)
+        kw = {"prompt": "stop test", "max_tokens": 12, "temperature": 1.0, "seed": seed}
         full = client.completions.create(model=MODEL, **kw).choices[0].text
         if len(full) >= 8:
             break
@@ -192,16 +190,16 @@ def test_stop_sequences(client):
 
 
 @pytest.mark.parametrize("kw, status, param", [
-    (dict(max_tokens=-1), 400, "max_tokens"),
-    (dict(n=2), 400, "n"),
-    (dict(prompt=""), 400, "prompt"),
-    (dict(prompt="x" * (CONTEXT + 5)), 400, "prompt"),
-    (dict(prompt="x" * (CONTEXT - 10), max_tokens=50), 400, "max_tokens"),
-    (dict(model="no-such-model"), 404, "model"),
-    (dict(temperature=-1.0), 400, "temperature"),
+    ({"max_tokens": -1}, 400, "max_tokens"),
+    ({"n": 2}, 400, "n"),
+    ({"prompt": ""}, 400, "prompt"),
+    ({"prompt": "x" * (CONTEXT + 5)}, 400, "prompt"),
+    ({"prompt": "x" * (CONTEXT - 10), "max_tokens": 50}, 400, "max_tokens"),
+    ({"model": "no-such-model"}, 404, "model"),
+    ({"temperature": -1.0}, 400, "temperature"),
 ])
 def test_bad_requests_openai_client(client, kw, status, param):
-    args = dict(model=MODEL, prompt="hello", max_tokens=4) | kw
+    args = {"model": MODEL, "prompt": "hello", "max_tokens": 4} | kw
     with pytest.raises(openai.APIStatusError) as e:
         client.completions.create(**args)
     assert e.value.status_code == status
@@ -238,7 +236,7 @@ def test_bad_chat_requests(server, client):
 def test_concurrent_streams_match_alone(client):
     """32 clients at once (max batch 8): none lost, each stream equal to its request run alone."""
     prompts = [f"client {i:02d} says" for i in range(32)]
-    kw = dict(max_tokens=6, temperature=0)
+    kw = {"max_tokens": 6, "temperature": 0}
     results: dict[int, tuple[str, str | None]] = {}
     errors: list[BaseException] = []
 
