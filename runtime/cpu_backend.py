@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from mkc.runtime.prefill import Prefill
 
 from mkc.ir.lower import lower
 from mkc.ir.spec import ModelSpec
+from mkc.runtime.prefill import Prefill
 from mkc.schedule.executor import CpuExecutor
 from mkc.schedule.scheduler import schedule
 

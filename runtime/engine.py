@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+
 from mkc.runtime.metrics import Metrics
 from mkc.runtime.sampling import SamplingParams, make_generator, sample
 from mkc.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -217,6 +218,11 @@ class Engine:
             self._thread.join(timeout)
 
     @property
+    def alive(self) -> bool:
+        """The engine thread is running (``start`` was called and it has not died)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
     def num_running(self) -> int:
         return len(self._running)
 
@@ -343,9 +349,13 @@ class Engine:
         self.steps += 1
         if self.metrics:
             self.metrics.on_step(time.monotonic() - t0)
+        # greedy rows take one argmax over the batch where the logits live (no per-row copies)
+        greedy = [i for i, r in enumerate(batch) if r.params.temperature == 0 or r.params.top_k == 1]
+        picked = dict(zip(greedy, logits[greedy].argmax(-1).tolist())) if greedy else {}
         for i, req in enumerate(batch):
             req.kv_len += 1
-            self._emit_token(req, sample(logits[i], req.params, req.gen))
+            token = picked[i] if i in picked else sample(logits[i], req.params, req.gen)
+            self._emit_token(req, token)
 
     def _preempt(self, req: _Request) -> None:
         log.info("preempting %s (%d tokens) for KV space", req.id, len(req.ids))

@@ -29,14 +29,15 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
 from mkc.runtime.engine import Engine, Output
 from mkc.runtime.metrics import Metrics
 from mkc.runtime.sampling import SamplingParams
 from mkc.runtime.tokenizer import Tokenizer, encode_chat, message_text
 from mkc.runtime.tool_calls import parse_tool_calls, tool_names
-from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("mkc.server")
 
@@ -170,8 +171,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        t = state.engine._thread
-        if t is None or not t.is_alive():
+        if not state.engine.alive:
             return JSONResponse(status_code=503, content={"status": "engine not running"})
         return JSONResponse({"status": "ok"})
 
@@ -530,10 +530,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 def build_state(args: argparse.Namespace) -> ServerState:
     """Spec, weights, backend, tokenizer and engine from the parsed options (raises on bad input)."""
     import torch
-    from mkc.runtime.tokenizer import load_tokenizer
-    from mkc.runtime.weights import load_checkpoint, random_weights
 
     from mkc.ir.spec import load_spec
+    from mkc.runtime.tokenizer import load_tokenizer
+    from mkc.runtime.weights import load_checkpoint, random_weights
 
     config = args.config or args.checkpoint
     if config is None:

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from mkc.ir.spec import load_spec
 from mkc.runtime.cpu_backend import CpuBackend
 from mkc.runtime.engine import Engine, Output
 from mkc.runtime.generate import greedy_generate
 from mkc.runtime.sampling import SamplingParams
 from mkc.runtime.tokenizer import ByteTokenizer
 from mkc.runtime.weights import random_weights
-
-from mkc.ir.spec import load_spec
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 CONTEXT = 64

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 import torch
+
 from mkc.runtime.engine import Engine, Output
 from mkc.runtime.sampling import SamplingParams, make_generator, sample
 from mkc.runtime.tokenizer import ByteTokenizer, IncrementalDetokenizer

@@ -22,6 +22,7 @@ from pathlib import Path
 import openai
 import pytest
 import torch
+
 from mkc.runtime.tool_calls import parse_tool_calls
 
 ROOT = Path(__file__).resolve().parents[1]
