@@ -106,15 +106,17 @@ def build_kernel(schedule: Schedule, spec: ModelSpec, options: CodegenOptions | 
 
 
 def write_kernel(schedule: Schedule, spec: ModelSpec, out_dir: str | Path,
-                 options: CodegenOptions | None = None) -> KernelArtifact:
-    """Build (or fetch) the kernel and write kernel.cu, kernel.cubin and kernel.json into out_dir."""
+                 options: CodegenOptions | None = None) -> dict[str, Path]:
+    """Build (or fetch) the kernel; write kernel.cu, kernel.cubin and kernel.json (name, registers,
+    shared memory, spills, constants, ptxas log) into out_dir. Returns {file name: path}."""
     art = build_kernel(schedule, spec, options)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    _atomic_write(out / "kernel.cu", art.cu_source.encode())
-    _atomic_write(out / "kernel.cubin", art.cubin)
-    _atomic_write(out / "kernel.json", json.dumps(_manifest(art), indent=1).encode())
-    return art
+    files = {"kernel.cu": out / "kernel.cu", "kernel.cubin": out / "kernel.cubin", "kernel.json": out / "kernel.json"}
+    _atomic_write(files["kernel.cu"], art.cu_source.encode())
+    _atomic_write(files["kernel.cubin"], art.cubin)
+    _atomic_write(files["kernel.json"], json.dumps(_manifest(art), indent=1).encode())
+    return files
 
 
 def _manifest(art: KernelArtifact) -> dict:

@@ -1,0 +1,88 @@
+"""Decode-step time of the megakernel on North Mini Code (random bf16 weights made on the GPU).
+
+    python benchmarks/megakernel_step.py --batch 1 8 --context 8192 [--reps 20] [--json out.json]
+
+For each (batch, context): random KV cache, every sequence at the end of the bucket, one warm-up
+step, then ``reps`` steps timed one by one with CUDA events around the kernel launch alone (the
+inputs stay in their device buffers); the median is reported with the speed-of-light fraction
+(bytes the step must read, with the distinct experts actually routed, over the read bandwidth
+measured in the same run; runtime/bench.py). Timing lives here, never in test asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from mkc.ir.lower import lower
+from mkc.ir.spec import load_spec
+from mkc.runtime.bench import format_table, measure_read_bandwidth, row, step_bytes, time_cuda, write_json
+from mkc.runtime.cuda_backend import CudaDecoder
+from mkc.runtime.weights import weight_shapes
+from mkc.schedule.scheduler import schedule
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def gpu_random_weights(spec, seed: int) -> dict[str, torch.Tensor]:
+    """normal(0, 0.02), norm weights 1 + normal(0, 0.05), made on the GPU in bf16."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    out = {}
+    for name, shape in weight_shapes(spec).items():
+        x = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g)
+        out[name] = x.mul_(0.05).add_(1.0) if name.endswith("norm") else x.mul_(0.02)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default=str(ROOT / "configs" / "north_mini_code.yaml"))
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--context", type=int, nargs="+", default=[8192])
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    spec = load_spec(a.config)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    bw = measure_read_bandwidth()
+    t0 = time.perf_counter()
+    weights = gpu_random_weights(spec, 2026)
+    torch.cuda.synchronize()
+    print(f"read bandwidth {bw / 1e12:.2f} TB/s; weights {sum(w.numel() for w in weights.values()) * 2 / 1e9:.1f} GB "
+          f"made in {time.perf_counter() - t0:.1f} s", flush=True)
+    rows = []
+    for batch in a.batch:
+        for context in a.context:
+            sc = schedule(lower(spec, batch, context, sms), spec.name)
+            dec = CudaDecoder(sc, spec, weights)
+            for layer in range(spec.num_layers):
+                for t in dec.kv_cache(layer):
+                    t.normal_()
+            tokens = torch.randint(0, spec.vocab_size, (batch,), dtype=torch.int32)
+            positions = torch.tensor([context - 1] * batch, dtype=torch.int32)
+            dec.step(tokens, positions)
+            times = time_cuda(dec.launch, reps=a.reps, warmup=2)
+            dec.check()
+            routed = [dec.buffers[f"L{i}.moe_experts"][dec.buffers[f"L{i}.moe_token_slots"].long()]
+                      for i, ls in enumerate(spec.layers) if ls.mlp == "moe"]
+            nbytes = step_bytes(spec, batch, context, routed)
+            r = row("mkc", batch, context, times, nbytes, bw)
+            rows.append(r)
+            print(f"batch {batch} context {context}: median {r.step_us:.1f} µs (min {min(times) * 1e6:.1f}, "
+                  f"max {max(times) * 1e6:.1f}), {r.tok_s:.0f} tok/s, {r.sol_fraction:.1%} SOL, kernel "
+                  f"{dec.artifact.name} ({dec.artifact.regs} regs, {dec.artifact.dynamic_smem} B smem), "
+                  f"spread {statistics.pstdev(times) * 1e6:.1f} µs", flush=True)
+            dec.close()
+            del dec
+            torch.cuda.empty_cache()
+    print(format_table(rows))
+    if a.json:
+        write_json(rows, a.json, {"gpu": torch.cuda.get_device_name(0), "read_bw": bw, "reps": a.reps})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,233 @@
+"""The GPU backend: load the megakernel's cubin and run decode steps with it.
+
+``CudaDecoder(schedule, spec, weights)`` owns, on torch's current CUDA device:
+
+* the module (``cuModuleLoadData`` of the NVRTC cubin, in torch's primary context);
+* every buffer of the schedule as a torch tensor (``buffers[name]``): weights in bf16, laid out
+  once at load (the lowering's logical layout), activations (poisoned with NaN / -1 at
+  allocation, so a read of something never written shows), the KV cache ``[B, kv_heads, ctx,
+  head_dim]`` per layer, the inputs and the outputs;
+* the task words (``mkc.codegen.taskwords``) and the buffer table in device memory;
+* the counters (uint32, zero at allocation, never reset: step ``s`` waits for ``target * s``) and
+  the abort word of the device watchdog.
+
+``step(tokens, positions)`` launches one persistent kernel (one CTA per SM, co-residency checked
+with the occupancy API at load) on torch's current stream, waits for it, and returns (logits,
+next_token). A task that waits longer than the watchdog (``MKC_WATCHDOG_MS``) on a counter makes
+every CTA exit; ``step`` then raises ``StepTimeout`` naming the task and the counter, and the
+decoder must be ``reset()`` (its counters are no longer in step) before it is used again.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from mkc import settings
+from mkc.codegen import KernelArtifact, build_kernel
+from mkc.codegen.render import CodegenOptions
+from mkc.codegen.taskwords import buffer_table, encode
+from mkc.ir.spec import ModelSpec
+from mkc.schedule.schedule import Schedule
+
+TORCH_DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32}
+ABORT_WORDS = 8  # flag, task id, counter, counter value, value needed, SM, -, -
+
+
+class CudaError(RuntimeError):
+    """A CUDA driver call failed (the message names the call and the error)."""
+
+
+class StepTimeout(RuntimeError):
+    """The device watchdog fired: a task waited too long on a counter (names both)."""
+
+
+def _check(result, what: str):
+    from cuda.bindings import driver
+
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        _, name = driver.cuGetErrorName(err)
+        raise CudaError(f"{what} failed: {name.decode() if isinstance(name, bytes) else name}")
+    if not rest:
+        return None
+    return rest[0] if len(rest) == 1 else tuple(rest)
+
+
+def cuda_available() -> bool:
+    """True when a CUDA driver and device are usable (cuInit raises without a driver)."""
+    try:
+        from cuda.bindings import driver
+
+        (err,) = driver.cuInit(0)
+        return err == driver.CUresult.CUDA_SUCCESS and torch.cuda.is_available()
+    except (ImportError, OSError, RuntimeError):  # no bindings, no driver library
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchConfig:
+    grid: int  # CTAs = the schedule's SM count (one per SM)
+    threads: int  # per CTA
+    dynamic_smem: int  # bytes
+
+
+class CudaDecoder:
+    """One schedule (batch, context bucket) on one GPU. Not thread-safe."""
+
+    def __init__(self, schedule: Schedule, spec: ModelSpec, weights: dict[str, torch.Tensor], *,
+                 artifact: KernelArtifact | None = None, options: CodegenOptions | None = None,
+                 device: torch.device | int | None = None):
+        from cuda.bindings import driver
+
+        self.schedule, self.spec = schedule, spec
+        self.device = torch.device("cuda", torch.cuda.current_device() if device is None else
+                                   torch.device(device).index or 0)
+        torch.cuda.init()
+        with torch.cuda.device(self.device):
+            torch.zeros(1, device=self.device)  # make torch create and bind the primary context
+            _check(driver.cuInit(0), "cuInit")
+            self._cu_device = _check(driver.cuDeviceGet(self.device.index), "cuDeviceGet")
+            self._ctx = _check(driver.cuDevicePrimaryCtxRetain(self._cu_device), "cuDevicePrimaryCtxRetain")
+            _check(driver.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
+            self.artifact = artifact or build_kernel(schedule, spec, options)
+            self._module = _check(driver.cuModuleLoadData(self.artifact.cubin), "cuModuleLoadData")
+            self._func = _check(driver.cuModuleGetFunction(self._module, self.artifact.kernel_name.encode()),
+                                "cuModuleGetFunction")
+            self.launch_config = self._configure()
+            self.buffers = self._allocate(weights)
+            words = encode(schedule)
+            dev = self.device
+            self._records = torch.from_numpy(words.records.reshape(-1)).to(dev)
+            self._queue_start = torch.from_numpy(words.queue_start).to(dev)
+            self._waits = torch.from_numpy(words.waits.reshape(-1)).to(dev)
+            table = buffer_table(schedule, words.buffer_names,
+                                 {n: self.buffers[n].data_ptr() for n in words.buffer_names})
+            self._table = torch.from_numpy(table.view(np.uint8).copy()).to(dev)
+            self._counters = torch.zeros(max(1, words.num_counters), dtype=torch.int32, device=dev)
+            self._abort = torch.zeros(ABORT_WORDS, dtype=torch.int32, device=dev)
+        self.steps = 0  # steps launched since the last reset
+        self.timeout_ns = settings.watchdog_ns()
+
+    # -- set-up ---------------------------------------------------------------------------------
+    def _configure(self) -> LaunchConfig:
+        from cuda.bindings import driver
+
+        art, sc = self.artifact, self.schedule
+        attr = driver.CUdevice_attribute
+        sms = _check(driver.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, self._cu_device),
+                     "cuDeviceGetAttribute")
+        smem_max = _check(driver.cuDeviceGetAttribute(
+            attr.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, self._cu_device), "cuDeviceGetAttribute")
+        if sc.num_sms > sms:
+            raise CudaError(f"the schedule has {sc.num_sms} persistent CTAs but the GPU has {sms} SMs: "
+                            f"compile with --num-sms {sms} or fewer")
+        if art.dynamic_smem + art.smem > smem_max:
+            raise CudaError(f"kernel {art.name} needs {art.dynamic_smem + art.smem} B of shared memory per CTA; "
+                            f"the GPU allows {smem_max}")
+        _check(driver.cuFuncSetAttribute(
+            self._func, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            art.dynamic_smem), "cuFuncSetAttribute")
+        per_sm = _check(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(self._func, art.threads, art.dynamic_smem),
+                        "cuOccupancyMaxActiveBlocksPerMultiprocessor")
+        if per_sm < 1:
+            raise CudaError(f"kernel {art.name} cannot be resident on an SM ({art.threads} threads, {art.regs} "
+                            f"registers, {art.dynamic_smem} B dynamic shared memory): the persistent CTAs "
+                            f"would deadlock")
+        return LaunchConfig(grid=sc.num_sms, threads=art.threads, dynamic_smem=art.dynamic_smem)
+
+    def _allocate(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for b in self.schedule.buffers.values():
+            dt = TORCH_DTYPES[b.dtype]
+            if b.kind == "weight":
+                if b.name not in weights:
+                    raise KeyError(f"weight {b.name} {list(b.shape)} is missing from the weights given "
+                                   f"(see runtime/weights.py for the logical names)")
+                w = weights[b.name]
+                if tuple(w.shape) != b.shape:
+                    raise ValueError(f"weight {b.name}: shape {tuple(w.shape)}, expected {b.shape}")
+                out[b.name] = w.to(device=self.device, dtype=dt).contiguous()
+            elif b.kind in ("state", "input"):
+                out[b.name] = torch.zeros(b.shape, dtype=dt, device=self.device)
+            else:  # act, output: poison, so an element read before it is written shows
+                t = torch.empty(b.shape, dtype=dt, device=self.device)
+                out[b.name] = t.fill_(-1) if dt == torch.int32 else t.fill_(float("nan"))
+        return out
+
+    # -- running --------------------------------------------------------------------------------
+    def kv_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (k, v) cache tensors of a layer, [B, kv_heads, ctx, head_dim] bf16 (live views)."""
+        return self.buffers[f"L{layer}.k_cache"], self.buffers[f"L{layer}.v_cache"]
+
+    def launch(self, tokens=None, positions=None) -> None:
+        """Enqueue one decode step on torch's current stream (asynchronous; see check()).
+
+        ``tokens`` / ``positions`` [B] (host or device) are copied into the input buffers first;
+        ``None`` reuses what the buffers hold (benchmarks time the kernel alone that way).
+        """
+        from cuda.bindings import driver
+
+        sc = self.schedule
+        for name, values in (("tokens", tokens), ("positions", positions)):
+            if values is None:
+                continue
+            v = torch.as_tensor(values, dtype=torch.int32).reshape(-1)
+            if v.numel() != sc.batch:
+                raise ValueError(f"step: got {v.numel()} {name}: expected {sc.batch} (the schedule's batch)")
+            limit = self.spec.vocab_size if name == "tokens" else sc.context
+            if v.device.type == "cpu" and (int(v.min()) < 0 or int(v.max()) >= limit):
+                what = "token ids" if name == "tokens" else "positions (the context bucket)"
+                raise ValueError(f"step: {name} {v.tolist()} outside [0, {limit}): {what}")
+            self.buffers[name].copy_(v, non_blocking=True)
+        self.steps += 1
+        cfg = self.launch_config
+        args = [ctypes.c_void_p(self._records.data_ptr()), ctypes.c_void_p(self._queue_start.data_ptr()),
+                ctypes.c_void_p(self._waits.data_ptr()), ctypes.c_void_p(self._table.data_ptr()),
+                ctypes.c_void_p(self._counters.data_ptr()), ctypes.c_void_p(self._abort.data_ptr()),
+                ctypes.c_uint32(self.steps), ctypes.c_uint64(self.timeout_ns)]
+        ptrs = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
+        stream = driver.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
+        _check(driver.cuLaunchKernel(self._func, cfg.grid, 1, 1, cfg.threads, 1, 1, cfg.dynamic_smem, stream,
+                                     ctypes.addressof(ptrs), 0), "cuLaunchKernel")
+
+    def check(self) -> None:
+        """Wait for the launched steps and raise StepTimeout if the watchdog fired."""
+        torch.cuda.current_stream(self.device).synchronize()
+        info = self._abort.tolist()
+        if info[0]:
+            sc = self.schedule
+            task, counter, value, need, sm = info[1:6]
+            t = sc.tasks[task] if 0 <= task < len(sc.tasks) else None
+            producers = sc.counters[counter].producers if 0 <= counter < len(sc.counters) else ()
+            names = ", ".join(sc.tasks[p].name for p in producers[:8]) + (" ..." if len(producers) > 8 else "")
+            raise StepTimeout(
+                f"decode step {self.steps}: task {task} ({t.name if t else '?'}, {t.op.name if t else '?'}) on "
+                f"SM {sm} waited more than {self.timeout_ns / 1e6:.0f} ms on counter {counter} "
+                f"(value {value & 0xffffffff}, needed {need & 0xffffffff}; producers: {names}). "
+                f"Call reset() before the next step.")
+
+    def step(self, tokens, positions) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step: (logits [B, vocab] float32, next_token [B] int64), on the GPU."""
+        self.launch(tokens, positions)
+        self.check()
+        return self.buffers["logits"].clone(), self.buffers["next_token"].long()
+
+    def close(self) -> None:
+        """Unload the module (the buffers go with the object)."""
+        from cuda.bindings import driver
+
+        if getattr(self, "_module", None) is not None:
+            torch.cuda.current_stream(self.device).synchronize()
+            _check(driver.cuModuleUnload(self._module), "cuModuleUnload")
+            self._module = None
+
+    def reset(self) -> None:
+        """Zero the counters and the abort word (after a StepTimeout); the KV cache is kept."""
+        torch.cuda.current_stream(self.device).synchronize()
+        self._counters.zero_()
+        self._abort.zero_()
+        self.steps = 0

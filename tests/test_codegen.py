@@ -1,0 +1,176 @@
+"""Codegen without a GPU: the kernel renders from the Opcode table, compiles with NVRTC to sm_90a,
+has no local-memory traffic (no LDL/STL in SASS: no spills, no stack arrays) and runs its GEMVs on
+the tensor cores; the cache is content-addressed; errors carry what a person needs."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import jinja2
+import numpy as np
+import pytest
+
+from mkc.codegen import CompileError, build_kernel, write_kernel
+from mkc.codegen import cvalues as cv
+from mkc.codegen.nvrtc import compile_cubin, parse_resources
+from mkc.codegen.render import (
+    TEMPLATE_DIR,
+    CodegenError,
+    environment,
+    kernel_config,
+    render_source,
+    template_context,
+)
+from mkc.codegen.sass import disassemble, find_cuobjdump, local_memory_ops, opcode_counts
+from mkc.codegen.taskwords import (
+    RECORD_WORDS,
+    W_ARGS,
+    W_OP,
+    W_OPERANDS,
+    W_SIGNAL,
+    W_WAIT_CNT,
+    W_WAIT_OFF,
+    encode,
+)
+from mkc.ir.lower import lower
+from mkc.ir.ops import OP_INFO, Opcode
+from mkc.ir.spec import load_spec
+from mkc.schedule.scheduler import schedule
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny.yaml"
+NMC = ROOT / "configs" / "north_mini_code.yaml"
+
+pytest.importorskip("cuda.bindings.nvrtc", reason="NVRTC (cuda-bindings) is not installed")
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("mkc-cache")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    spec = load_spec(TINY)
+    return spec, schedule(lower(spec, 2, 16, 8), spec.name)
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_nmc_kernel_compiles_without_local_memory(cache, batch):
+    """North Mini Code, context 8192, 132 SMs: a cubin with no LDL/STL, HMMA for the GEMVs."""
+    spec = load_spec(NMC)
+    sc = schedule(lower(spec, batch, 8192, 132), spec.name)
+    art = build_kernel(sc, spec, cache_dir=cache)
+    assert re.fullmatch(rf"north_mini_code-b{batch}-sm90a-[0-9a-f]{{8}}", art.name), art.name
+    assert art.spills == 0, f"{art.name}: ptxas reports {art.spills} bytes of spills\n{art.log}"
+    assert art.regs > 0 and art.dynamic_smem > 0
+    tool = find_cuobjdump()
+    assert tool, "cuobjdump not found: install nvidia-cuda-cuobjdump (the 'cuda' extra) or set CUDA_HOME"
+    sass = disassemble(art.cubin, tool)
+    local = local_memory_ops(sass)
+    assert not local, f"{art.name}: {len(local)} local-memory instructions, e.g.\n" + "\n".join(local[:10])
+    ops = opcode_counts(sass)
+    assert ops["HMMA"] > 0, "the GEMV tiles should run on the tensor cores (no HMMA in SASS)"
+
+
+def test_rendered_enum_and_dispatch_match_opcode(tiny):
+    spec, sc = tiny
+    src = render_source(kernel_config(sc, spec), "test")
+    enum = dict(re.findall(r"^\s*OP_([A-Z_]+) = (\d+),$", src, flags=re.MULTILINE))
+    assert enum == {op.name: str(int(op)) for op in Opcode}
+    for op in Opcode:
+        assert f"case OP_{op.name}: op_{op.name.lower()}(t, smem); break;" in src
+        roles = " ".join(f"static constexpr int {r} = {i};" for i, r in enumerate(OP_INFO[op].operands))
+        assert f"struct OPND_{op.name} {{ {roles}" in src
+
+
+def test_render_with_a_missing_variable_fails(tiny):
+    spec, sc = tiny
+    ctx = template_context(kernel_config(sc, spec), "test")
+    del ctx["head_dim"]
+    with pytest.raises(jinja2.UndefinedError, match="head_dim"):
+        environment().get_template("kernel.cu.j2").render(**ctx)
+
+
+def test_templates_are_found():
+    assert (TEMPLATE_DIR / "kernel.cu.j2").is_file()
+    assert {p.name for p in TEMPLATE_DIR.glob("*.cuh")} >= {"common.cuh", "gemv.cuh", "attention.cuh", "ops.cuh"}
+
+
+def test_cache_hit_and_files(tiny, tmp_path, monkeypatch):
+    spec, sc = tiny
+    monkeypatch.setenv("MKC_CACHE_DIR", str(tmp_path / "c"))
+    a = build_kernel(sc, spec)
+    entry = tmp_path / "c" / "kernels" / a.name
+    assert {p.name for p in entry.iterdir()} == {"kernel.cu", "kernel.cubin", "kernel.json"}
+    b = build_kernel(sc, spec)  # served from the cache
+    assert b.name == a.name and b.cubin == a.cubin and b.regs == a.regs
+    # the context bucket is data, not code: another context reuses the binary
+    c = build_kernel(schedule(lower(spec, 2, 40, 8), spec.name), spec)
+    assert c.name == a.name
+    # another batch is another binary
+    d = build_kernel(schedule(lower(spec, 3, 16, 8), spec.name), spec)
+    assert d.name != a.name and "-b3-" in d.name
+    files = write_kernel(sc, spec, tmp_path / "out")
+    assert set(files) == {"kernel.cu", "kernel.cubin", "kernel.json"}
+    assert files["kernel.cubin"].read_bytes() == a.cubin
+    assert not list((tmp_path / "c" / "kernels").glob("**/*.tmp"))
+
+
+def test_compile_error_carries_log_source_and_options(tmp_path):
+    opts = ["--gpu-architecture=sm_90a", "-std=c++17"]
+    with pytest.raises(CompileError) as e:
+        compile_cubin('extern "C" __global__ void k() { undefined_thing(); }', "broken", opts, tmp_path)
+    err = e.value
+    assert "undefined_thing" in err.log and err.options == opts
+    assert err.source_path == tmp_path / "broken.failed.cu" and err.source_path.is_file()
+    assert str(err.source_path) in str(err) and "sm_90a" in str(err)
+
+
+def test_resources_parsed_from_ptxas_log():
+    log = ("ptxas info    : Function properties for mkc_decode\n"
+           "ptxas         .     16 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads\n"
+           "ptxas info    : Used 200 registers, used 1 barriers, 128 bytes smem\n")
+    r = parse_resources(log, "mkc_decode")
+    assert (r.regs, r.smem, r.stack, r.spills) == (200, 128, 16, 12)
+
+
+def test_codegen_rejects_shapes_it_cannot_take(tiny):
+    import dataclasses
+
+    spec, sc = tiny
+    bad = dataclasses.replace(spec, attention=dataclasses.replace(spec.attention, qk_norm=True))
+    with pytest.raises(CodegenError, match="qk_norm"):
+        kernel_config(sc, bad)
+
+
+def test_task_words_encode_the_schedule(tiny):
+    _, sc = tiny
+    w = encode(sc)
+    assert w.records.shape == (len(sc.tasks), RECORD_WORDS)
+    assert w.queue_start[0] == 0 and w.queue_start[-1] == len(sc.tasks)
+    assert np.all(np.diff(w.queue_start) >= 0)
+    row = 0
+    for sm, queue in enumerate(sc.queues):
+        assert w.queue_start[sm] == row
+        for tid in queue:
+            r, t = w.records[row], sc.tasks[tid]
+            assert r[W_OP] == int(t.op) and r[W_SIGNAL] == sc.signals[tid]
+            waits = w.waits[r[W_WAIT_OFF]:r[W_WAIT_OFF] + r[W_WAIT_CNT]]
+            assert [tuple(x) for x in waits.tolist()] == [tuple(x) for x in sc.waits[tid]]
+            names = [w.buffer_names[i] if i >= 0 else "-" for i in r[W_OPERANDS:W_OPERANDS + len(t.operands)]]
+            assert names == list(t.operands)
+            assert list(r[W_ARGS:W_ARGS + len(t.args)]) == list(t.args)
+            row += 1
+
+
+def test_cvalues():
+    assert cv.c_float(1e-6) == "1e-06f" and cv.c_float(50000.0) == "50000.0f"
+    assert cv.c_bool(True) == "true" and cv.c_uint(5) == "5u"
+    with pytest.raises(ValueError):
+        cv.c_int(2**31)
+    with pytest.raises(ValueError):
+        cv.c_float(float("inf"))
+    with pytest.raises(ValueError):
+        cv.c_ident("not an identifier")
