@@ -41,6 +41,7 @@ from mkc.runtime.tool_calls import parse_tool_calls, tool_names
 
 log = logging.getLogger("mkc.server")
 
+DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 
 
@@ -384,15 +385,19 @@ class _Generation:
     async def outputs(self, poll_disconnect: bool = False) -> AsyncIterator[Output]:
         if self.rid is None:
             self.start()
+        checked = time.monotonic()
         try:
             while True:
                 if poll_disconnect:
-                    try:
-                        out = await asyncio.wait_for(self.queue.get(), timeout=0.5)
-                    except TimeoutError:
+                    # nothing is being sent: only asking the connection tells a client that left
+                    if time.monotonic() - checked > DISCONNECT_POLL_S:
+                        checked = time.monotonic()
                         if await self.request.is_disconnected():
                             log.info("client of %s went away", self.rid)
                             return
+                    try:
+                        out = await asyncio.wait_for(self.queue.get(), timeout=DISCONNECT_POLL_S)
+                    except TimeoutError:
                         continue
                 else:
                     out = await self.queue.get()

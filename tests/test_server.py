@@ -260,28 +260,29 @@ def test_concurrent_streams_match_alone(client):
         assert results[i] == (alone.choices[0].text, alone.choices[0].finish_reason), f"client {i}"
 
 
-def test_disconnect_frees_slot(server):
-    aborted = _metric(server, "mkc_requests_total")
-    port = int(server.rsplit(":", 1)[1])
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    conn.request("POST", "/v1/completions", json.dumps({"model": MODEL, "prompt": "long one", "max_tokens": 100,
-                                                        "stream": True, "ignore_eos": True}),
-                 {"Content-Type": "application/json"})
-    r = conn.getresponse()
-    assert r.status == 200
-    r.fp.readline()  # the first event has arrived: the request is running
-    conn.sock.shutdown(socket.SHUT_RDWR)
-    conn.close()
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        if _metric(server, "mkc_running_requests") == 0 and _metric(server, "mkc_requests_total") > aborted:
-            break
-        time.sleep(0.1)
-    assert _metric(server, "mkc_running_requests") == 0
-    assert _metric(server, "mkc_generated_tokens_total") > 0
-    with urllib.request.urlopen(server + "/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    assert 'mkc_requests_total{finish_reason="abort"}' in text
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnect_frees_slot(server, stream):
+    def aborted() -> float:
+        with urllib.request.urlopen(server + "/metrics", timeout=5) as r:
+            m = re.search(r'^mkc_requests_total{finish_reason="abort"} (\S+)$', r.read().decode(), re.MULTILINE)
+        return float(m.group(1)) if m else 0.0
+
+    def wait_for(cond, what: str) -> None:
+        deadline = time.monotonic() + 20
+        while not cond():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.05)
+
+    before = aborted()
+    body = json.dumps({"model": MODEL, "prompt": "long one", "max_tokens": 200, "stream": stream,
+                       "ignore_eos": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", int(server.rsplit(":", 1)[1])), timeout=30)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    wait_for(lambda: _metric(server, "mkc_running_requests") >= 1, "the request to run")
+    sock.close()
+    wait_for(lambda: _metric(server, "mkc_running_requests") == 0, "the slot to be freed")
+    assert aborted() == before + 1
 
 
 def test_metrics_exposed(server):
