@@ -25,7 +25,7 @@ def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 def _rope(x: torch.Tensor, pos: torch.Tensor, theta: float, style: str) -> torch.Tensor:
     """Rotate ``x`` [T, heads, D] (float32) to positions ``pos`` [T]."""
     d = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))  # [D/2]
+    inv = (1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))).to(x.device)  # [D/2]
     ang = pos.float()[:, None, None] * inv  # [T, 1, D/2]
     cos, sin = ang.cos(), ang.sin()
     if style == "interleaved":
@@ -33,6 +33,24 @@ def _rope(x: torch.Tensor, pos: torch.Tensor, theta: float, style: str) -> torch
         return torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
     a, b = x[..., : d // 2], x[..., d // 2:]
     return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+
+
+_F32_CHUNK = 1 << 24  # elements of a weight converted to float32 at once (64 MiB)
+
+
+def matmul_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x [T, K] @ w[N, K]^T`` with float32 accumulation and a float32 result, for any weight
+    dtype, without a float32 copy of the whole weight (an LM head can be gigabytes)."""
+    if w.dtype == torch.float32:
+        return x.float() @ w.T
+    if x.is_cuda:  # bf16 x bf16 -> fp32 out on the tensor cores, no rounding of the result
+        try:
+            return torch.mm(x.to(w.dtype), w.T, out_dtype=torch.float32)
+        except (RuntimeError, TypeError):
+            pass
+    rows = max(1, _F32_CHUNK // max(1, w.shape[1]))
+    x = x.float()
+    return torch.cat([x @ w[r:r + rows].float().T for r in range(0, w.shape[0], rows)], dim=-1)
 
 
 class Prefill:
@@ -52,8 +70,8 @@ class Prefill:
         """Round to the activation storage dtype, as a store to a "bf16" buffer does."""
         return x if self.act_dtype == torch.float32 else x.to(self.act_dtype).float()
 
-    def _wf(self, name: str) -> torch.Tensor:
-        return self.w[name].float()
+    def _mm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return matmul_f32(x, self.w[name])
 
     @torch.inference_mode()
     def run(self, token_ids: Sequence[int], start: int,
@@ -61,7 +79,8 @@ class Prefill:
         """Write K/V of ``token_ids`` at positions ``start..`` into ``kv[layer] = (k, v)``, each
         [kv_heads, context, head_dim] (positions below ``start`` already written); return the
         float32 logits [vocab] of the last token."""
-        ids = torch.as_tensor(list(token_ids), dtype=torch.long)
+        device = kv[0][0].device
+        ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=device)
         if ids.numel() == 0:
             raise ValueError("prefill: no tokens")
         ctx = kv[0][0].shape[1]
@@ -73,13 +92,12 @@ class Prefill:
         assert x is not None
         s = self.spec
         last = self._r(_rms_norm(x[-1:], self.w["final_norm"], s.norm_eps))
-        head = self._wf("embed" if s.tie_word_embeddings else "lm_head")
-        return (last @ head.T)[0] * s.logit_scale
+        return self._mm(last, "embed" if s.tie_word_embeddings else "lm_head")[0] * s.logit_scale
 
     def _chunk(self, ids: torch.Tensor, start: int, kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         s = self.spec
-        x = self._wf("embed")[ids]  # [T, H] residual stream, float32
-        pos = torch.arange(start, start + ids.numel())
+        x = self.w["embed"][ids].float()  # [T, H] residual stream, float32
+        pos = torch.arange(start, start + ids.numel(), device=ids.device)
         for i, ls in enumerate(s.layers):
             P = f"L{i}"
             n = self._r(_rms_norm(x, self.w[f"{P}.attn_norm"], s.norm_eps))  # [T, H]
@@ -97,7 +115,7 @@ class Prefill:
         ls = s.layers[layer]
         D, G, QH, T = a.head_dim, a.num_kv_heads, a.num_heads, n.shape[0]
         GS = QH // G
-        qkv = self._r(n @ self._wf(f"L{layer}.w_qkv").T)  # [T, (QH + 2G) * D]
+        qkv = self._r(self._mm(n, f"L{layer}.w_qkv"))  # [T, (QH + 2G) * D]
         q = qkv[:, :QH * D].view(T, QH, D)
         k = qkv[:, QH * D:(QH + G) * D].view(T, G, D)
         v = qkv[:, (QH + G) * D:].view(T, G, D)
@@ -112,7 +130,7 @@ class Prefill:
         k0 = max(0, p0 + 1 - window) if window else 0  # first key any query of the chunk attends
         keys = kc[:, k0:p1].float()  # [G, S, D]
         vals = vc[:, k0:p1].float()
-        kpos = torch.arange(k0, p1)
+        kpos = torch.arange(k0, p1, device=pos.device)
         allowed = kpos[None, :] <= pos[:, None]  # [T, S] causal
         if window:
             allowed &= kpos[None, :] > pos[:, None] - window
@@ -121,16 +139,16 @@ class Prefill:
         scores = scores.masked_fill(~allowed, float("-inf"))
         out = torch.softmax(scores, dim=-1) @ vals[:, None]  # [G, GS, T, D]
         out = self._r(out.permute(2, 0, 1, 3).reshape(T, QH * D))
-        return out @ self._wf(f"L{layer}.w_o").T
+        return self._mm(out, f"L{layer}.w_o")
 
     def _mlp(self, layer: int, n: torch.Tensor) -> torch.Tensor:
         s, P = self.spec, f"L{layer}"
         if s.layers[layer].mlp == "dense":
-            gate, up = (n @ self._wf(f"{P}.w_gate_up").T).chunk(2, dim=-1)
-            return self._r(F.silu(gate) * up) @ self._wf(f"{P}.w_down").T
+            gate, up = self._mm(n, f"{P}.w_gate_up").chunk(2, dim=-1)
+            return self._mm(self._r(F.silu(gate) * up), f"{P}.w_down")
         m = s.moe
         assert m is not None
-        logits = n @ self._wf(f"{P}.w_router").T  # [T, E]
+        logits = self._mm(n, f"{P}.w_router")  # [T, E]
         vals, experts = torch.topk(logits, m.top_k, dim=-1)  # [T, k]
         if m.scoring == "sigmoid":
             wts = torch.sigmoid(vals)
@@ -141,11 +159,10 @@ class Prefill:
         # each token sums its experts in ascending expert order, as the decode residual does
         order = experts.sort(dim=-1)
         experts, wts = order.values, wts.gather(1, order.indices)
-        parts = torch.zeros(n.shape[0], m.top_k, n.shape[1])  # [T, k, H]
+        parts = torch.zeros(n.shape[0], m.top_k, n.shape[1], device=n.device)  # [T, k, H]
         for e in torch.unique(experts).tolist():
             tok, slot = (experts == e).nonzero(as_tuple=True)
-            wgu = self.w[f"{P}.w_experts_gate_up"][e].float()
-            gate, up = (n[tok] @ wgu.T).chunk(2, dim=-1)
+            gate, up = matmul_f32(n[tok], self.w[f"{P}.w_experts_gate_up"][e]).chunk(2, dim=-1)
             h = self._r(F.silu(gate) * up)
-            parts[tok, slot] = wts[tok, slot, None] * (h @ self.w[f"{P}.w_experts_down"][e].float().T)
+            parts[tok, slot] = wts[tok, slot, None] * matmul_f32(h, self.w[f"{P}.w_experts_down"][e])
         return parts.sum(1)

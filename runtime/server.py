@@ -524,7 +524,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefix-cache", action="store_true", help="do not cache full prompt pages")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                         help="weights/activations (default: float32 on cpu, bfloat16 on cuda)")
-    parser.add_argument("--num-sms", type=int, default=8, help="persistent CTAs of the CPU schedule")
+    parser.add_argument("--num-sms", type=int, default=None,
+                        help="persistent CTAs of the schedule (default: 8 on cpu, every SM on cuda)")
     parser.add_argument("--cpu-threads", type=int, default=None,
                         help="torch intra-op threads (default: 1 with the cpu backend, whose per-tile ops "
                              "are too small to split; the torch default otherwise)")
@@ -546,7 +547,7 @@ def build_state(args: argparse.Namespace) -> ServerState:
     spec = load_spec(config)
     backend_name = args.backend
     if backend_name == "auto":
-        backend_name = "cuda" if torch.cuda.is_available() and _has_cuda_backend() else "cpu"
+        backend_name = "cuda" if _has_cuda_backend() else "cpu"
     threads = args.cpu_threads or (1 if backend_name == "cpu" else None)
     if threads:
         torch.set_num_threads(threads)
@@ -566,24 +567,25 @@ def build_state(args: argparse.Namespace) -> ServerState:
 
 
 def _has_cuda_backend() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("mkc.runtime.cuda_backend") is not None
+    try:
+        from mkc.runtime.cuda_backend import cuda_available
+    except ImportError:  # the cuda extra is not installed
+        return False
+    return cuda_available()
 
 
 def make_backend(name: str, spec: Any, weights: dict[str, Any], *, max_batch: int, context: int, dtype: Any,
-                 num_sms: int = 8) -> Any:
+                 num_sms: int | None = None) -> Any:
     """The decode backend by name; unknown names raise with the list of valid ones."""
-    if name == "cpu":
-        from mkc.runtime.cpu_backend import CpuBackend
+    from mkc.runtime.backends import CpuBackend, CudaBackend
 
-        return CpuBackend(spec, weights, max_batch=max_batch, context=context, num_sms=num_sms, dtype=dtype)
+    if name == "cpu":
+        return CpuBackend(spec, weights, max_batch=max_batch, context=context, num_sms=num_sms or 8, dtype=dtype)
     if name == "cuda":
         if not _has_cuda_backend():
-            raise ValueError("--backend cuda: mkc.runtime.cuda_backend is not available yet; use --backend cpu")
-        from mkc.runtime.cuda_backend import CudaBackend  # type: ignore[import-not-found]
-
-        return CudaBackend(spec, weights, max_batch=max_batch, context=context)
+            raise ValueError("--backend cuda: no usable CUDA device or driver bindings (pip install mkc[cuda]); "
+                             "use --backend cpu")
+        return CudaBackend(spec, weights, max_batch=max_batch, context=context, num_sms=num_sms)
     raise ValueError(f"--backend {name!r}: expected one of ['auto', 'cuda', 'cpu']")
 
 
