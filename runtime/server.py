@@ -544,6 +544,10 @@ def build_state(args: argparse.Namespace) -> ServerState:
     config = args.config or args.checkpoint
     if config is None:
         raise ValueError("--config is required with --random-weights")
+    if not 1 <= args.max_batch <= 8:
+        raise ValueError(f"--max-batch {args.max_batch}: expected 1 to 8 (the batch sizes the lowering supports)")
+    if args.context < 2 or args.page_size < 1:
+        raise ValueError(f"--context {args.context} / --page-size {args.page_size}: expected at least 2 / 1")
     spec = load_spec(config)
     backend_name = args.backend
     if backend_name == "auto":
