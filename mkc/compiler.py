@@ -69,7 +69,8 @@ def compile_to_folder(spec_path: str | Path, out_dir: str | Path, *, batch: int 
         files.update(write_kernel(sc, spec, out))
         times["kernel"] = time.perf_counter() - t0
     files["manifest.json"] = out / "manifest.json"
-    visualize.write_manifest(files["manifest.json"], spec_path=Path(spec_path), spec=spec,
+    spec_file = Path(spec_path) / "config.json" if Path(spec_path).is_dir() else Path(spec_path)  # a checkpoint folder
+    visualize.write_manifest(files["manifest.json"], spec_path=spec_file, spec=spec,
                              options={"batch": batch, "context": context, "num_sms": num_sms},
                              files={k: v for k, v in files.items() if k != "manifest.json"})
     return CompileResult(spec=spec, schedule=sc, files=files, timings=times)

@@ -40,8 +40,6 @@ class DenseReference:
     """
 
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor]):
-        if spec.attention.qk_norm:
-            raise NotImplementedError("DenseReference: qk_norm models are not supported")
         self.spec = spec
         self.w = {k: v.detach().float() for k, v in weights.items()}
         # cache[b][layer] = (k [n, kv_heads, head_dim], v [n, kv_heads, head_dim])
@@ -76,6 +74,9 @@ class DenseReference:
         q = qkv[:QH * D].view(QH, D)
         k = qkv[QH * D:(QH + G) * D].view(G, D)
         v = qkv[(QH + G) * D:].view(G, D)
+        if a.qk_norm:  # per-head RMSNorm over head_dim, one weight for all heads
+            q = _rms_norm(q, self.w[f"L{layer}.q_norm"], s.norm_eps)
+            k = _rms_norm(k, self.w[f"L{layer}.k_norm"], s.norm_eps)
         if ls.rope:
             cos, sin = _rope_cos_sin(pos, D, a.rope_theta, a.rope_style)
             q = q * cos + _rotate(q, a.rope_style) * sin
@@ -109,13 +110,13 @@ class DenseReference:
         m = s.moe
         assert m is not None
         logits = w[f"{P}.w_router"] @ n
-        vals, experts = torch.topk(logits, m.top_k)
-        if m.scoring == "softmax":
-            scores = torch.softmax(vals, dim=-1)
+        if m.scoring == "softmax":  # probabilities over all experts, then the top-k of them
+            scores, experts = torch.topk(torch.softmax(logits, dim=-1), m.top_k)
         else:
+            vals, experts = torch.topk(logits, m.top_k)
             scores = torch.sigmoid(vals)
-            if m.normalize_top_k:
-                scores = scores / scores.sum()
+        if m.normalize_top_k:
+            scores = scores / scores.sum()
         out = torch.zeros_like(n)
         for e, sc in sorted(zip(experts.tolist(), scores)):
             gate, up = (w[f"{P}.w_experts_gate_up"][e] @ n).chunk(2)

@@ -1,7 +1,9 @@
 """Hugging Face ``config.json`` → ModelSpec, one function per ``model_type``.
 
 Adding a family: write a ``_from_<model_type>`` function here and register it in ``IMPORTERS``;
-the lowering needs no change as long as the family is expressible in ModelSpec.
+the lowering needs no change as long as the family is expressible in ModelSpec (see
+docs/adding_a_model.md). Anything the importer cannot express (biases, scaled RoPE, ...) raises
+``SpecError`` naming the key rather than importing a model that would compute something else.
 """
 
 from __future__ import annotations
@@ -18,10 +20,16 @@ def _need(cfg: dict[str, Any], key: str, source: str) -> Any:
 
 
 def _rope_theta(cfg: dict[str, Any], source: str) -> float:
+    """The RoPE base; scaled variants (llama3, yarn, ...) and partial rotary are refused."""
     params = cfg.get("rope_parameters") or {}
-    if params.get("rope_type", "default") not in ("default",):
-        raise SpecError(f"{source}: 'rope_parameters.rope_type' = {params.get('rope_type')!r}: "
-                        f"expected 'default' (scaled RoPE variants are not supported yet)")
+    legacy = cfg.get("rope_scaling") or {}  # config.json files written before transformers 5
+    kind = params.get("rope_type", legacy.get("rope_type", legacy.get("type", "default")))
+    if kind != "default":
+        raise SpecError(f"{source}: rope_type = {kind!r}: expected 'default' (scaled RoPE variants are not "
+                        f"supported yet)")
+    if float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise SpecError(f"{source}: 'partial_rotary_factor' = {cfg.get('partial_rotary_factor')}: expected 1.0 "
+                        f"(RoPE over the whole head)")
     theta = params.get("rope_theta", cfg.get("rope_theta"))
     if theta is None:
         raise SpecError(f"{source}: missing key 'rope_theta'")
@@ -95,29 +103,42 @@ def _from_cohere2_moe(cfg: dict[str, Any], source: str) -> ModelSpec:
     return spec
 
 
-def _global_attention(cfg: dict[str, Any], source: str, *, qk_norm: bool) -> AttentionSpec:
-    """All-global attention with NeoX ("half") RoPE: the Llama / Qwen3 convention."""
-    if cfg.get("use_sliding_window"):
-        raise SpecError(f"{source}: 'use_sliding_window' = true: expected false (not supported for "
-                        f"model_type {cfg.get('model_type')!r} yet)")
+def _attention(cfg: dict[str, Any], source: str, *, qk_norm: bool, window: int | None = None) -> AttentionSpec:
+    """Attention with NeoX ("half") RoPE on every layer: the Llama / Qwen3 / Mixtral convention.
+    ``window``: the sliding window of every layer (Mixtral), None for all-global attention."""
     if cfg.get("attention_bias"):
-        raise SpecError(f"{source}: 'attention_bias' = true: expected false")
+        raise SpecError(f"{source}: 'attention_bias' = true: expected false (q/k/v biases are not supported)")
     heads = _need(cfg, "num_attention_heads", source)
     return AttentionSpec(
         num_heads=heads,
         num_kv_heads=cfg.get("num_key_value_heads") or heads,
         head_dim=cfg.get("head_dim") or _need(cfg, "hidden_size", source) // heads,
-        sliding_window=int(_need(cfg, "max_position_embeddings", source)),  # unused: no sliding layers
+        # all-global models never read the window: the longest context keeps it meaningful
+        sliding_window=int(window or _need(cfg, "max_position_embeddings", source)),
         rope_theta=_rope_theta(cfg, source),
         rope_style="half",
         qk_norm=qk_norm,
     )
 
 
+def _no_sliding_window(cfg: dict[str, Any], source: str) -> None:
+    """Qwen3 families: sliding attention exists in the config but is off in every published model."""
+    if cfg.get("use_sliding_window"):
+        raise SpecError(f"{source}: 'use_sliding_window' = true: expected false (not supported for "
+                        f"model_type {cfg.get('model_type')!r} yet)")
+    odd = [i for i, t in enumerate(cfg.get("layer_types") or []) if t != "full_attention"]
+    if odd:
+        raise SpecError(f"{source}: 'layer_types'[{odd[0]}] = {cfg['layer_types'][odd[0]]!r}: expected "
+                        f"'full_attention' on every layer")
+
+
 def _sequential(cfg: dict[str, Any], source: str, *, name: str, attention: AttentionSpec,
-                moe: MoESpec | None, mlp_kinds: list[str], dense_inter: int) -> ModelSpec:
+                moe: MoESpec | None, mlp_kinds: list[str], dense_inter: int, sliding: bool = False) -> ModelSpec:
+    """A pre-norm sequential block: x += attn(norm(x)); x += mlp(post_attention_norm(x))."""
     if cfg.get("hidden_act", "silu") != "silu":
         raise SpecError(f"{source}: 'hidden_act' = {cfg.get('hidden_act')!r}: expected 'silu'")
+    if cfg.get("mlp_bias"):
+        raise SpecError(f"{source}: 'mlp_bias' = true: expected false")
     return ModelSpec(
         name=name,
         architecture=str(cfg.get("model_type")),
@@ -132,37 +153,51 @@ def _sequential(cfg: dict[str, Any], source: str, *, name: str, attention: Atten
         dense_intermediate=dense_inter if "dense" in mlp_kinds else 0,
         attention=attention,
         moe=moe,
-        layers=tuple(LayerSpec(attention="global", rope=True, mlp=k) for k in mlp_kinds),
+        layers=tuple(LayerSpec(attention="sliding" if sliding else "global", rope=True, mlp=k) for k in mlp_kinds),
     )
 
 
 def _from_llama(cfg: dict[str, Any], source: str) -> ModelSpec:
+    """Llama (SmolLM2, TinyLlama, ...) and Qwen3 dense (the same, plus qk-norm)."""
     n = _need(cfg, "num_hidden_layers", source)
-    if cfg.get("mlp_bias"):
-        raise SpecError(f"{source}: 'mlp_bias' = true: expected false")
-    return _sequential(cfg, source, name=str(cfg.get("model_type")),
-                       attention=_global_attention(cfg, source, qk_norm=cfg.get("model_type") == "qwen3"),
+    qwen3 = cfg.get("model_type") == "qwen3"
+    if qwen3:
+        _no_sliding_window(cfg, source)
+    return _sequential(cfg, source, name=str(cfg.get("model_type")), attention=_attention(cfg, source, qk_norm=qwen3),
                        moe=None, mlp_kinds=["dense"] * n, dense_inter=_need(cfg, "intermediate_size", source))
 
 
 def _from_qwen3_moe(cfg: dict[str, Any], source: str) -> ModelSpec:
     n = _need(cfg, "num_hidden_layers", source)
+    _no_sliding_window(cfg, source)
     step = cfg.get("decoder_sparse_step", 1)
     only_mlp = set(cfg.get("mlp_only_layers") or [])
-    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))  # save_pretrained writes the latter
     if experts is None:
         raise SpecError(f"{source}: missing key 'num_experts' (or 'num_local_experts')")
     kinds = ["moe" if i not in only_mlp and experts > 0 and (i + 1) % step == 0 else "dense" for i in range(n)]
     moe = MoESpec(num_experts=experts, top_k=_need(cfg, "num_experts_per_tok", source),
                   intermediate=_need(cfg, "moe_intermediate_size", source), scoring="softmax",
-                  normalize_top_k=bool(cfg.get("norm_topk_prob", False)))
-    return _sequential(cfg, source, name="qwen3_moe", attention=_global_attention(cfg, source, qk_norm=True),
+                  normalize_top_k=bool(cfg.get("norm_topk_prob", False))) if "moe" in kinds else None
+    return _sequential(cfg, source, name="qwen3_moe", attention=_attention(cfg, source, qk_norm=True),
                        moe=moe, mlp_kinds=kinds, dense_inter=int(cfg.get("intermediate_size") or 0))
+
+
+def _from_mixtral(cfg: dict[str, Any], source: str) -> ModelSpec:
+    """Mixtral: every layer MoE, softmax over all experts renormalised over the top-k; a
+    non-null ``sliding_window`` makes every layer sliding."""
+    n = _need(cfg, "num_hidden_layers", source)
+    window = cfg.get("sliding_window")
+    moe = MoESpec(num_experts=_need(cfg, "num_local_experts", source), top_k=_need(cfg, "num_experts_per_tok", source),
+                  intermediate=_need(cfg, "intermediate_size", source), scoring="softmax", normalize_top_k=True)
+    return _sequential(cfg, source, name="mixtral", attention=_attention(cfg, source, qk_norm=False, window=window),
+                       moe=moe, mlp_kinds=["moe"] * n, dense_inter=0, sliding=window is not None)
 
 
 IMPORTERS: dict[str, Callable[[dict[str, Any], str], ModelSpec]] = {
     "cohere2_moe": _from_cohere2_moe,
     "llama": _from_llama,
+    "mixtral": _from_mixtral,
     "qwen3": _from_llama,
     "qwen3_moe": _from_qwen3_moe,
 }

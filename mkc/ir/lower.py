@@ -159,14 +159,19 @@ class _Lowerer:
         q = self.buf(f"{P}.q", (B, QH * D), "bf16", "act", "[B, heads * head_dim] after RoPE")
         kc = self.buf(f"{P}.k_cache", (B, G, C, D), "bf16", "state", "[B, kv_heads, ctx, head_dim]")
         vc = self.buf(f"{P}.v_cache", (B, G, C, D), "bf16", "state", "[B, kv_heads, ctx, head_dim]")
+        # qk-norm: per-head RMSNorm of q and k before RoPE, weights shared by every head
+        qn = self.buf(f"{P}.q_norm", (D,), "bf16", "weight", "[head_dim]") if a.qk_norm else None
+        kn = self.buf(f"{P}.k_norm", (D,), "bf16", "weight", "[head_dim]") if a.qk_norm else None
         for g in range(G):
             qcols = (g * GS * D, (g + 1) * GS * D)
             kcols = (QH * D + g * D, QH * D + (g + 1) * D)
             vcols = ((QH + G + g) * D, (QH + G + g + 1) * D)
             self.emit(Opcode.ROPE_APPEND, layer, f"{P}.rope_append[kv{g}]",
-                      {"qkv": qkv, "positions": positions, "q": q, "k_cache": kc, "v_cache": vc},
+                      {"qkv": qkv, "positions": positions, "q": q, "k_cache": kc, "v_cache": vc,
+                       "q_norm": qn, "k_norm": kn},
                       {"kv_head": g, "rope": int(ls.rope)},
-                      [box(qkv, None, qcols), box(qkv, None, kcols), box(qkv, None, vcols), full(positions)],
+                      [box(qkv, None, qcols), box(qkv, None, kcols), box(qkv, None, vcols), full(positions),
+                       *(full(w) for w in (qn, kn) if w is not None)],
                       [box(q, None, qcols), box(kc, None, (g, g + 1), None, None),
                        box(vc, None, (g, g + 1), None, None)],
                       act_bytes=B * (2 * GS + 4) * D * 2)

@@ -15,7 +15,7 @@ class Opcode(IntEnum):
     RMSNORM = 2  # out[b, :] = x[b, :] * rsqrt(mean(x[b]^2) + eps) * w
     LINEAR = 3  # out[slab, b, col0 + i] = sum_k x[b, k0 + k] * w[row0 + i, k0 + k]
     SWIGLU = 4  # h[b, col0 + i] = silu(x . w[row0 + i]) * (x . w[up_row0 + i])
-    ROPE_APPEND = 5  # q = rope(q); k = rope(k); k, v appended to the KV cache at positions[b]
+    ROPE_APPEND = 5  # q, k = rope(qk_norm(q, k)); k, v appended to the KV cache at positions[b]
     ATTN_SPLIT = 6  # partial softmax(q k^T) v over one key range of one (sequence, KV head)
     ATTN_COMBINE = 7  # merge the split partials of one KV head into attn[b, heads of the group]
     TOPK = 8  # routing: top-k experts per token, the distinct-expert list, per-slot weights
@@ -37,7 +37,9 @@ OP_INFO: dict[Opcode, OpInfo] = {
     Opcode.RMSNORM: OpInfo(("x", "weight", "out"), ()),
     Opcode.LINEAR: OpInfo(("x", "weight", "out"), ("row0", "rows", "k0", "k", "col0", "slab")),
     Opcode.SWIGLU: OpInfo(("x", "weight", "out"), ("row0", "rows", "up_row0", "col0")),
-    Opcode.ROPE_APPEND: OpInfo(("qkv", "positions", "q", "k_cache", "v_cache"), ("kv_head", "rope")),
+    # q_norm / k_norm: per-head RMSNorm weights [head_dim] of qk-norm models ("-" without qk-norm)
+    Opcode.ROPE_APPEND: OpInfo(("qkv", "positions", "q", "k_cache", "v_cache", "q_norm", "k_norm"),
+                               ("kv_head", "rope")),
     Opcode.ATTN_SPLIT: OpInfo(("q", "k_cache", "v_cache", "positions", "part_o", "part_ml"),
                               ("seq", "kv_head", "split", "split_keys", "window")),
     Opcode.ATTN_COMBINE: OpInfo(("part_o", "part_ml", "positions", "out"),

@@ -285,7 +285,8 @@ def check_shapes(spec: ModelSpec, source: str = "<spec>") -> None:
 
 
 def load_spec(path: str | Path) -> ModelSpec:
-    """Load a YAML model description, a Hugging Face ``config.json``, or a checkpoint folder."""
+    """Load a YAML model description, a Hugging Face ``config.json``, a checkpoint folder, or the
+    metadata of a llama.cpp ``.gguf`` file."""
     p = Path(path)
     if p.is_dir():
         cfg = p / "config.json"
@@ -295,6 +296,11 @@ def load_spec(path: str | Path) -> ModelSpec:
         p = cfg
     if not p.exists():
         raise SpecError(f"{p}: no such file: expected a YAML model file or a checkpoint folder")
+    if p.suffix == ".gguf":
+        from mkc.ir.gguf_config import hf_config_from_gguf
+        from mkc.ir.hf import spec_from_hf_config
+        cfg = hf_config_from_gguf(p)
+        return spec_from_hf_config(cfg, source=str(p), name=cfg.pop("_name"))
     text = p.read_text()
     if p.suffix == ".json":
         try:

@@ -113,15 +113,29 @@ def _swiglu(t: Task, bufs: Tensors, w: Tensors, spec: ModelSpec) -> None:
     _store(_operand(t, "out", bufs, w)[:, col0:col0 + rows], h)
 
 
+def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    """qk-norm: RMSNorm of each head of ``x`` [..., head_dim] (float32) with ``weight`` [head_dim].
+
+    As transformers' Qwen3RMSNorm: the normalisation in float32, rounded to the activation dtype
+    ``dtype``, times the weight, rounded again (both no-ops in a float32 run). Float32 out.
+    """
+    normed = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+    return (weight.to(dtype) * normed).float()
+
+
 def _rope_append(t: Task, bufs: Tensors, w: Tensors, spec: ModelSpec) -> None:
     a = spec.attention
-    if a.qk_norm:
-        raise NotImplementedError(f"task {t.name}: qk_norm is not lowered yet (no task normalises q and k)")
     g, rope = t.arg("kv_head"), t.arg("rope")
     D, G, QH, GS = a.head_dim, a.num_kv_heads, a.num_heads, spec.group_size
     qkv = _operand(t, "qkv", bufs, w)  # [B, (QH + 2G) * D]
     positions = _operand(t, "positions", bufs, w)  # [B]
     q_out, kc, vc = (_operand(t, r, bufs, w) for r in ("q", "k_cache", "v_cache"))
+    qk_norm = t.operand("q_norm") != "-"
+    if qk_norm != a.qk_norm or qk_norm != (t.operand("k_norm") != "-"):
+        raise ValueError(f"task {t.name}: q_norm/k_norm operands {t.operand('q_norm')}, {t.operand('k_norm')} "
+                         f"disagree with attention.qk_norm = {a.qk_norm}")
+    if qk_norm:
+        qn, kn = _operand(t, "q_norm", bufs, w), _operand(t, "k_norm", bufs, w)  # [D] each
     qcols = slice(g * GS * D, (g + 1) * GS * D)
     kcols = slice(QH * D + g * D, QH * D + (g + 1) * D)
     vcols = slice((QH + G + g) * D, (QH + G + g + 1) * D)
@@ -129,6 +143,9 @@ def _rope_append(t: Task, bufs: Tensors, w: Tensors, spec: ModelSpec) -> None:
         pos = int(positions[b])
         q = _f(qkv[b, qcols]).view(GS, D)
         k = _f(qkv[b, kcols])
+        if qk_norm:
+            q = head_rms_norm(q, _f(qn), spec.norm_eps, qkv.dtype)
+            k = head_rms_norm(k, _f(kn), spec.norm_eps, qkv.dtype)
         if rope:
             q = apply_rope(q, pos, a.rope_theta, a.rope_style)
             k = apply_rope(k, pos, a.rope_theta, a.rope_style)
@@ -180,17 +197,30 @@ def _attn_combine(t: Task, bufs: Tensors, w: Tensors, spec: ModelSpec) -> None:
     _store(_operand(t, "out", bufs, w)[:, g * GS * D:(g + 1) * GS * D], o.reshape(o.shape[0], GS * D))
 
 
+def _top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, indices) of the k largest ``scores`` [B, E] per row, ties to the lowest index
+    (a stable sort: torch.topk leaves the order of ties unspecified)."""
+    vals, idx = torch.sort(scores, dim=-1, descending=True, stable=True)
+    return vals[:, :k], idx[:, :k]
+
+
 def route(logits: torch.Tensor, top_k: int, scoring: str, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per token: (expert ids [B, k], weights [B, k] float32) from router logits [B, E]."""
-    vals, idx = torch.topk(logits, top_k, dim=-1)
+    """Per token: (expert ids [B, k], weights [B, k] float32) from router logits [B, E].
+
+    "sigmoid": the top-k logits, weight sigmoid(logit). "softmax": probabilities = softmax over
+    all experts, the top-k of those (as transformers' Qwen3-MoE / Mixtral routers). Then, if
+    ``normalize``, the k weights are divided by their sum (softmax + normalize = softmax over the
+    top-k logits). Ties go to the lowest expert index.
+    """
     if scoring == "sigmoid":
+        vals, idx = _top_k(logits, top_k)
         wts = torch.sigmoid(vals)
-        if normalize:
-            wts = wts / wts.sum(-1, keepdim=True)
     elif scoring == "softmax":
-        wts = torch.softmax(vals, dim=-1)
+        wts, idx = _top_k(torch.softmax(logits, dim=-1), top_k)
     else:
         raise ValueError(f"router scoring {scoring!r}: expected 'sigmoid' or 'softmax'")
+    if normalize:
+        wts = wts / wts.sum(-1, keepdim=True)
     return idx, wts
 
 
