@@ -38,6 +38,35 @@ def gpu_random_weights(spec, seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def profile_summary(dec: CudaDecoder, path: str) -> str:
+    """One profiled step: where the SMs' time goes, per op (run = signalled - started, wait =
+    started - began waiting), and the step's span; the per-task timeline is saved to ``path``."""
+    import numpy as np
+
+    dec.launch(profile=True)
+    dec.check()
+    tl = dec.timeline()
+    tasks = dec.schedule.tasks
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(path, op=np.array([int(t.op) for t in tasks]), layer=np.array([t.layer for t in tasks]), **tl)
+    span = tl["end"].max()
+    run, wait = tl["end"] - tl["start"], tl["start"] - tl["wait"]
+    lines = [(f"profiled step: span {span:.1f} µs over {len(set(tl['sm'].tolist()))} SMs; SM time running "
+             f"{run.sum() / (span * dec.schedule.num_sms):.1%}, waiting {wait.sum() / (span * dec.schedule.num_sms):.1%}"),
+             f"{'op':<14} {'tasks':>6} {'run µs':>10} {'mean':>8} {'max':>8} {'wait µs':>10} {'GB/s/task':>10}"]
+    ops = sorted({t.op for t in tasks}, key=lambda o: -sum(run[i] for i, t in enumerate(tasks) if t.op == o))
+    for op in ops:
+        idx = np.array([i for i, t in enumerate(tasks) if t.op == op])
+        by = np.array([tasks[i].weight_bytes + tasks[i].act_bytes for i in idx], dtype=np.float64)
+        bw = (by / np.maximum(run[idx], 1e-3)).mean() / 1e3
+        lines.append(f"{op.name:<14} {len(idx):>6} {run[idx].sum():>10.0f} {run[idx].mean():>8.2f} "
+                     f"{run[idx].max():>8.2f} {wait[idx].sum():>10.0f} {bw:>10.1f}")
+    per_layer = [tl["end"][[i for i, t in enumerate(tasks) if t.layer == L]].max() for L in range(-1, max(t.layer for t in tasks) + 1)]
+    lines.append("layer ends (µs): " + " ".join(f"{x:.0f}" for x in per_layer[:8]) + " ... " +
+                 " ".join(f"{x:.0f}" for x in per_layer[-3:]))
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=str(ROOT / "configs" / "north_mini_code.yaml"))
@@ -45,6 +74,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, nargs="+", default=[8192])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", default=None, help="folder: per-task timeline (npz) and per-op summary")
     a = ap.parse_args()
     spec = load_spec(a.config)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -76,6 +106,8 @@ def main() -> None:
                   f"max {max(times) * 1e6:.1f}), {r.tok_s:.0f} tok/s, {r.sol_fraction:.1%} SOL, kernel "
                   f"{dec.artifact.name} ({dec.artifact.regs} regs, {dec.artifact.dynamic_smem} B smem), "
                   f"spread {statistics.pstdev(times) * 1e6:.1f} µs", flush=True)
+            if a.profile:
+                print(profile_summary(dec, f"{a.profile}/timeline-b{batch}-c{context}.npz"), flush=True)
             dec.close()
             del dec
             torch.cuda.empty_cache()

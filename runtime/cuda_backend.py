@@ -111,6 +111,7 @@ class CudaDecoder:
             self._abort = torch.zeros(ABORT_WORDS, dtype=torch.int32, device=dev)
         self.steps = 0  # steps launched since the last reset
         self.timeout_ns = settings.watchdog_ns()
+        self._prof: torch.Tensor | None = None  # [records * 3] int64 %globaltimer, queue order
 
     # -- set-up ---------------------------------------------------------------------------------
     def _configure(self) -> LaunchConfig:
@@ -163,11 +164,12 @@ class CudaDecoder:
         """The (k, v) cache tensors of a layer, [B, kv_heads, ctx, head_dim] bf16 (live views)."""
         return self.buffers[f"L{layer}.k_cache"], self.buffers[f"L{layer}.v_cache"]
 
-    def launch(self, tokens=None, positions=None) -> None:
+    def launch(self, tokens=None, positions=None, *, profile: bool = False) -> None:
         """Enqueue one decode step on torch's current stream (asynchronous; see check()).
 
         ``tokens`` / ``positions`` [B] (host or device) are copied into the input buffers first;
         ``None`` reuses what the buffers hold (benchmarks time the kernel alone that way).
+        ``profile`` records each task's wait and run times (see timeline()).
         """
         from cuda.bindings import driver
 
@@ -188,11 +190,35 @@ class CudaDecoder:
         args = [ctypes.c_void_p(self._records.data_ptr()), ctypes.c_void_p(self._queue_start.data_ptr()),
                 ctypes.c_void_p(self._waits.data_ptr()), ctypes.c_void_p(self._table.data_ptr()),
                 ctypes.c_void_p(self._counters.data_ptr()), ctypes.c_void_p(self._abort.data_ptr()),
-                ctypes.c_uint32(self.steps), ctypes.c_uint64(self.timeout_ns)]
+                ctypes.c_uint32(self.steps), ctypes.c_uint64(self.timeout_ns),
+                ctypes.c_void_p(self._profile_buffer().data_ptr() if profile else 0)]
         ptrs = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
         stream = driver.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
         _check(driver.cuLaunchKernel(self._func, cfg.grid, 1, 1, cfg.threads, 1, 1, cfg.dynamic_smem, stream,
                                      ctypes.addressof(ptrs), 0), "cuLaunchKernel")
+
+    def _profile_buffer(self) -> torch.Tensor:
+        if self._prof is None:
+            self._prof = torch.zeros(3 * len(self.schedule.tasks), dtype=torch.int64, device=self.device)
+        return self._prof
+
+    def timeline(self) -> dict[str, np.ndarray]:
+        """Per task of the last profiled step (see launch(profile=True)), in task-id order:
+        ``sm``, and ``wait``, ``start``, ``end`` in µs from the earliest wait: the wait for the
+        inputs began, the task began running, its counter was signalled."""
+        if self._prof is None:
+            raise RuntimeError("timeline(): no profiled step yet (launch(..., profile=True))")
+        torch.cuda.current_stream(self.device).synchronize()
+        raw = self._prof.view(-1, 3).cpu().numpy().astype(np.float64)
+        order = np.concatenate([np.asarray(q, dtype=np.int64) for q in self.schedule.queues] or [np.zeros(0)])
+        sm = np.concatenate([np.full(len(q), i) for i, q in enumerate(self.schedule.queues)] or [np.zeros(0)])
+        t0 = raw[:, 0].min()
+        out = {"sm": np.empty(len(order), dtype=np.int64)}
+        for j, name in enumerate(("wait", "start", "end")):
+            out[name] = np.empty(len(order))
+            out[name][order] = (raw[:, j] - t0) / 1e3
+        out["sm"][order] = sm
+        return out
 
     def check(self) -> None:
         """Wait for the launched steps and raise StepTimeout if the watchdog fired."""

@@ -75,6 +75,14 @@ __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
 
 __device__ __forceinline__ void store_bf16(bf16* p, float v) { *p = __float2bfloat16_rn(v); }
 
+// v rounded to the nearest bf16, as a float
+__device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+
+// Ask L2 to fetch [p, p + bytes) (16-byte aligned, a multiple of 16): a hint, never a fault.
+__device__ __forceinline__ void prefetch_l2(const void* p, u32 bytes) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
+
 // ---- counters ------------------------------------------------------------------------------------
 
 __device__ __forceinline__ u32 ld_acquire_gpu(const u32* p) {

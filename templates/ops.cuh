@@ -242,37 +242,60 @@ __device__ __forceinline__ void rope_sincos(int pos, int p, float& sn, float& cs
     __sincosf(r, &sn, &cs);
 }
 
-// q = rope(q), k = rope(k) of KV head g for every sequence; k and v appended at positions[b]
-__device__ void op_rope_append(const Task& t, unsigned char*) {
+// q = rope(qk_norm(q)), k = rope(qk_norm(k)) of KV head g for every sequence; k and v appended at
+// positions[b]. qk-norm (when the task has q_norm / k_norm weights): per-head RMSNorm in float,
+// rounded to bf16, times the bf16 weight, rounded again (as transformers), then RoPE in float.
+__device__ void op_rope_append(const Task& t, unsigned char* smem) {
     using O = OPND_ROPE_APPEND;
     using A = ARG_ROPE_APPEND;
     const int g = t.arg(A::kv_head);
     const bool rope = t.arg(A::rope) != 0;
+    const bool qk_norm = t.has(O::q_norm);
     const int qkv_ld = t.dim(O::qkv, 1), q_ld = t.dim(O::q, 1);
     const int ctx = t.dim(O::k_cache, 2), kv_heads = t.dim(O::k_cache, 3);
     const int q_heads = q_ld / HEAD_DIM;
     constexpr int HALF = HEAD_DIM / 2;
     constexpr int ROWS = GROUP + 2;  // GROUP query heads, the key head, the value head
     const bf16* qkv = t.ptr<bf16>(O::qkv);
+    auto src_row = [&](int b, int j) -> const bf16* {
+        const int head = j < GROUP ? g * GROUP + j : (j == GROUP ? q_heads + g : q_heads + kv_heads + g);
+        return qkv + (size_t)b * qkv_ld + (size_t)head * HEAD_DIM;
+    };
+    float* rinv = reinterpret_cast<float*>(smem);  // [BATCH][GROUP + 1] qk-norm factors
+    if (qk_norm) {
+        const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+        for (int r = warp; r < BATCH * (GROUP + 1); r += NUM_WARPS) {
+            const bf16* src = src_row(r / (GROUP + 1), r % (GROUP + 1));
+            float ss = 0.f;
+            for (int i = lane; i < HEAD_DIM; i += 32) {
+                const float v = ld_act_bf16(src + i);
+                ss += v * v;
+            }
+            ss = warp_sum(ss);
+            if (lane == 0) rinv[r] = rsqrtf(ss / (float)HEAD_DIM + NORM_EPS);
+        }
+        __syncthreads();
+    }
+    const bf16* qn = t.ptr<bf16>(O::q_norm);
+    const bf16* kn = t.ptr<bf16>(O::k_norm);
     for (int i = threadIdx.x; i < BATCH * ROWS * HALF; i += NUM_THREADS) {
         const int b = i / (ROWS * HALF), j = (i / HALF) % ROWS, p = i % HALF;
         const int pos = ld_act_i32(t.ptr<int>(O::positions) + b);
-        const bf16* src;
+        const bf16* src = src_row(b, j);
         bf16* dst;
         const size_t cache_row = (((size_t)b * kv_heads + g) * ctx + pos) * HEAD_DIM;
-        if (j < GROUP) {
-            src = qkv + (size_t)b * qkv_ld + (size_t)(g * GROUP + j) * HEAD_DIM;
-            dst = t.ptr<bf16>(O::q) + (size_t)b * q_ld + (size_t)(g * GROUP + j) * HEAD_DIM;
-        } else if (j == GROUP) {
-            src = qkv + (size_t)b * qkv_ld + (size_t)(q_heads + g) * HEAD_DIM;
-            dst = t.ptr<bf16>(O::k_cache) + cache_row;
-        } else {
-            src = qkv + (size_t)b * qkv_ld + (size_t)(q_heads + kv_heads + g) * HEAD_DIM;
-            dst = t.ptr<bf16>(O::v_cache) + cache_row;
-        }
+        if (j < GROUP) dst = t.ptr<bf16>(O::q) + (size_t)b * q_ld + (size_t)(g * GROUP + j) * HEAD_DIM;
+        else if (j == GROUP) dst = t.ptr<bf16>(O::k_cache) + cache_row;
+        else dst = t.ptr<bf16>(O::v_cache) + cache_row;
         const int ia = ROPE_INTERLEAVED ? 2 * p : p;
         const int ib = ROPE_INTERLEAVED ? 2 * p + 1 : p + HALF;
-        const float a = ld_act_bf16(src + ia), c = ld_act_bf16(src + ib);
+        float a = ld_act_bf16(src + ia), c = ld_act_bf16(src + ib);
+        if (qk_norm && j <= GROUP) {
+            const float r = rinv[b * (GROUP + 1) + j];
+            const bf16* w = j < GROUP ? qn : kn;
+            a = bf16_round(bf16_round(a * r) * __bfloat162float(w[ia]));
+            c = bf16_round(bf16_round(c * r) * __bfloat162float(w[ib]));
+        }
         if (rope && j <= GROUP) {
             float sn, cs;
             rope_sincos(pos, p, sn, cs);
@@ -286,7 +309,8 @@ __device__ void op_rope_append(const Task& t, unsigned char*) {
 }
 
 // Routing of every token: top-k of its router logits (ties: the smaller expert index), weights
-// (sigmoid of the logit, or softmax over the top-k; optionally renormalised), the ascending list
+// (sigmoid of the logit, or the softmax over all experts; optionally renormalised over the top-k),
+// the ascending list
 // of distinct experts (slots), their count, weights[slot, b] (0 = not routed) and token_slots.
 __device__ void op_topk(const Task& t, unsigned char* smem) {
     using O = OPND_TOPK;
@@ -304,6 +328,15 @@ __device__ void op_topk(const Task& t, unsigned char* smem) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     for (int b = warp; b < BATCH; b += NUM_WARPS) {
         float* row = lg + b * experts_n;
+        // softmax scoring: the normaliser over every expert (selection is by logit either way)
+        float denom = 0.f;
+        if (!ROUTER_SIGMOID) {
+            float mx = -INFINITY;
+            for (int e = lane; e < experts_n; e += 32) mx = fmaxf(mx, row[e]);
+            mx = warp_max(mx);
+            for (int e = lane; e < experts_n; e += 32) denom += expf(row[e] - mx);
+            denom = warp_sum(denom);
+        }
         float vals[TOP_K];
         for (int k = 0; k < TOP_K; ++k) {
             float v = -INFINITY;
@@ -320,11 +353,11 @@ __device__ void op_topk(const Task& t, unsigned char* smem) {
         if (lane == 0) {
             float w[TOP_K], sum = 0.f;
             for (int k = 0; k < TOP_K; ++k) {
-                w[k] = ROUTER_SIGMOID ? 1.f / (1.f + expf(-vals[k])) : expf(vals[k] - vals[0]);
+                // vals[0] is the row maximum: softmax = exp(l - max) / sum over all experts
+                w[k] = ROUTER_SIGMOID ? 1.f / (1.f + expf(-vals[k])) : expf(vals[k] - vals[0]) / denom;
                 sum += w[k];
             }
-            const bool norm = NORMALIZE_TOP_K || !ROUTER_SIGMOID;
-            for (int k = 0; k < TOP_K; ++k) selw[b * TOP_K + k] = norm ? w[k] / sum : w[k];
+            for (int k = 0; k < TOP_K; ++k) selw[b * TOP_K + k] = NORMALIZE_TOP_K ? w[k] / sum : w[k];
         }
     }
     __syncthreads();
@@ -376,5 +409,57 @@ __device__ void op_residual(const Task& t, unsigned char*) {
             v += ld_act_f32(routed + (size_t)s * BATCH * hidden + bc);
         }
         out[bc] = v;
+    }
+}
+
+// ---- prefetch before wait -----------------------------------------------------------------------
+// While thread 0 waits for a task's inputs, the other threads ask L2 for the start of the task's
+// immutable weights (at most PREFETCH_BYTES), so its stream starts as soon as the wait ends.
+// Expert tasks prefetch nothing: the routed expert is known only once the routing is read.
+
+__device__ __forceinline__ void prefetch_rows(const bf16* w, int rows, int row_elems, int ld, int budget) {
+    constexpr int CHUNK = 4096;
+    const int row_bytes = row_elems * 2;
+    rows = min(rows, max(1, budget / row_bytes));
+    const int lanes = NUM_THREADS - 1, me = (int)threadIdx.x - 1;
+    if (row_elems == ld) {  // contiguous rows: one range, in 4 KB pieces
+        const long long total = (long long)rows * row_bytes;
+        for (long long off = (long long)me * CHUNK; off < total; off += (long long)lanes * CHUNK)
+            prefetch_l2(reinterpret_cast<const char*>(w) + off, (u32)min((long long)CHUNK, total - off));
+    } else {
+        for (int r = me; r < rows; r += lanes) prefetch_l2(w + (size_t)r * ld, (u32)row_bytes);
+    }
+}
+
+// Called by threads 1.. of the CTA (thread 0 is waiting) before the task's counters are met.
+__device__ void prefetch_weights(const Task& t) {
+    switch (t.op()) {
+        case OP_LINEAR: {
+            using O = OPND_LINEAR;
+            using A = ARG_LINEAR;
+            const int ld = t.dim(O::weight, 1);
+            prefetch_rows(t.ptr<bf16>(O::weight) + (size_t)t.arg(A::row0) * ld + t.arg(A::k0), t.arg(A::rows),
+                          t.arg(A::k), ld, PREFETCH_BYTES);
+            break;
+        }
+        case OP_SWIGLU: {
+            using O = OPND_SWIGLU;
+            using A = ARG_SWIGLU;
+            const int ld = t.dim(O::weight, 1);
+            const bf16* w = t.ptr<bf16>(O::weight);
+            prefetch_rows(w + (size_t)t.arg(A::row0) * ld, t.arg(A::rows), ld, ld, PREFETCH_BYTES / 2);
+            prefetch_rows(w + (size_t)t.arg(A::up_row0) * ld, t.arg(A::rows), ld, ld, PREFETCH_BYTES / 2);
+            break;
+        }
+        case OP_LM_HEAD: {
+            using O = OPND_LM_HEAD;
+            using A = ARG_LM_HEAD;
+            const int ld = t.dim(O::weight, 1);
+            prefetch_rows(t.ptr<bf16>(O::weight) + (size_t)t.arg(A::row0) * ld, t.arg(A::rows), ld, ld,
+                          PREFETCH_BYTES);
+            break;
+        }
+        default:
+            break;
     }
 }

@@ -45,6 +45,11 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return _bf(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.float())
 
 
+def head_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """qk-norm of each head of x [B, heads, D]: normalised, rounded, times the weight, rounded."""
+    return _bf(_bf(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)) * w.float())
+
+
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, style: str) -> torch.Tensor:
     """x [B, heads, D] (bf16-valued f32) rotated at positions [B]; bf16-valued result."""
     d = x.shape[-1]
@@ -72,12 +77,16 @@ def _mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def mirror_step(spec: ModelSpec, weights: dict[str, torch.Tensor], kv: list[tuple[torch.Tensor, torch.Tensor]],
                 tokens: torch.Tensor, positions: torch.Tensor, *,
-                forced: dict[int, torch.Tensor] | None = None) -> MirrorResult:
+                forced: dict[int, torch.Tensor] | None = None,
+                layer_inputs: list[torch.Tensor] | None = None) -> MirrorResult:
     """One decode step. ``kv[layer] = (k_cache, v_cache)`` [B, G, ctx, D] hold the keys of the
     positions below ``positions`` (read only: the current key/value are used from registers).
     ``forced[layer]`` = [B, k] experts to use instead of the mirror's own top-k (see module doc);
     every disagreement is recorded in ``route_flips`` with how far below the mirror's k-th logit
     the kernel's extra expert lies (a near-tie when small).
+    ``layer_inputs`` (num_layers + 1 tensors [B, H]): teacher-force the residual stream, layer i
+    starting from ``layer_inputs[i]`` (the kernel's) and the head from the last one, so each
+    layer is compared on its own, without the bf16 noise of the layers before it.
     """
     a = spec.attention
     D, G, QH = a.head_dim, a.num_kv_heads, a.num_heads
@@ -89,11 +98,16 @@ def mirror_step(spec: ModelSpec, weights: dict[str, torch.Tensor], kv: list[tupl
     res = MirrorResult(logits=torch.empty(0), next_token=torch.empty(0))
     for i, ls in enumerate(spec.layers):
         P = f"L{i}"
+        if layer_inputs is not None:
+            x = layer_inputs[i].to(dev).float()
         n = rms_norm(x, weights[f"{P}.attn_norm"], spec.norm_eps)
         qkv = _bf(_mm(n, weights[f"{P}.w_qkv"]))
         q = qkv[:, : QH * D].view(B, QH, D)
         k = qkv[:, QH * D:(QH + G) * D].view(B, G, D)
         v = qkv[:, (QH + G) * D:].view(B, G, D)
+        if a.qk_norm:
+            q = head_rms_norm(q, weights[f"{P}.q_norm"], spec.norm_eps)
+            k = head_rms_norm(k, weights[f"{P}.k_norm"], spec.norm_eps)
         if ls.rope:
             q, k = rope(q, positions, a.rope_theta, a.rope_style), rope(k, positions, a.rope_theta, a.rope_style)
         res.kv_new.append((k, v))
@@ -123,6 +137,8 @@ def mirror_step(spec: ModelSpec, weights: dict[str, torch.Tensor], kv: list[tupl
             out = out + _moe(spec, weights, i, n, res, forced)
         x = out
         res.x.append(x)
+    if layer_inputs is not None:
+        x = layer_inputs[len(spec.layers)].to(dev).float()
     fn = rms_norm(x, weights["final_norm"], spec.norm_eps)
     head = weights["embed"] if spec.tie_word_embeddings else weights["lm_head"]
     res.logits = _mm(fn, head) * spec.logit_scale

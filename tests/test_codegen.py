@@ -139,10 +139,29 @@ def test_resources_parsed_from_ptxas_log():
 def test_codegen_rejects_shapes_it_cannot_take(tiny):
     import dataclasses
 
+    from mkc.codegen import CodegenOptions
+
     spec, sc = tiny
-    bad = dataclasses.replace(spec, attention=dataclasses.replace(spec.attention, qk_norm=True))
-    with pytest.raises(CodegenError, match="qk_norm"):
-        kernel_config(sc, bad)
+    with pytest.raises(CodegenError, match="threads"):
+        kernel_config(sc, spec, CodegenOptions(threads=100))
+    wide = dataclasses.replace(spec, attention=dataclasses.replace(spec.attention, num_heads=64, num_kv_heads=2))
+    with pytest.raises(CodegenError, match="query heads per KV head"):
+        kernel_config(sc, wide)
+
+
+def test_variants_compile_without_local_memory(cache):
+    """qk-norm, NeoX RoPE and softmax routing with renormalisation (the Qwen3-MoE family) take the
+    other branches of the device code: they must compile cleanly too."""
+    import dataclasses
+
+    base = load_spec(TINY)
+    spec = dataclasses.replace(
+        base, name="tiny_variant",
+        attention=dataclasses.replace(base.attention, qk_norm=True, rope_style="half"),
+        moe=dataclasses.replace(base.moe, scoring="softmax", normalize_top_k=True))
+    art = build_kernel(schedule(lower(spec, 4, 32, 16), spec.name), spec, cache_dir=cache)
+    assert art.spills == 0
+    assert not local_memory_ops(disassemble(art.cubin))
 
 
 def test_task_words_encode_the_schedule(tiny):

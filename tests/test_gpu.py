@@ -11,7 +11,12 @@ output, SwiGLU hidden states, final norm) and accumulate in fp32; they differ on
 order (~1e-6 relative), which now and then flips one bf16 rounding (2^-8 relative on that
 element). Through the layers such flips average out to ~1e-3 relative in L2, so:
 
-* logits and residual stream: relative L2 error <= 1e-2 (a real bug gives O(1));
+* layer by layer, each layer fed the kernel's residual stream (teacher forcing): its update of
+  the residual stream, its attention output, the logits from the kernel's last residual and the
+  appended KV rows agree to relative L2 <= 1e-2 (measured ~1e-4; a real bug gives O(1));
+* end to end (only the routing teacher-forced), the flips compound: through North Mini Code's 49
+  layers the logits drift by ~2e-2 relative L2 (measured 1.8e-2 at batch 1, context 8192, with
+  every layer individually at ~1e-4), so the budget is 5e-2;
 * next token: equal, unless the reference's top-2 logits are closer than twice the max abs error;
 * routing: the kernel's experts equal the reference's top-k, except near-ties, where the
   kernel's extra expert is below the reference's k-th logit by at most 2% of the logits' std
@@ -37,7 +42,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
 NMC = ROOT / "configs" / "north_mini_code.yaml"
 
-REL_TOL = 1e-2  # logits, residual stream, KV rows: relative L2 (see module doc)
+REL_TOL = 1e-2  # one layer's update, attention, logits from the kernel's residual, KV rows (module doc)
+FREE_TOL = 5e-2  # logits end to end through every layer (module doc)
 TIE_TOL = 0.02  # routing near-tie: fraction of the router logits' std
 NMC_CONTEXTS = (1, 100, 4096, 4097, 8192)
 NMC_BATCHES = (1, 2, 4, 8)
@@ -188,8 +194,6 @@ def test_tiny_step_matches_cpu_executor(tiny, num_sms, batch):
 def test_tiny_decode_sequence_matches_mirror(tiny, num_sms, batch):
     """24 consecutive steps from position 0 (the kernel's own KV appends feed later steps, the
     window of 8 slides): every step matches the mirror reading the kernel's KV cache."""
-    from kernel_mirror import mirror_step
-
     from mkc.runtime.cuda_backend import CudaDecoder
 
     spec, weights = tiny
@@ -201,15 +205,8 @@ def test_tiny_decode_sequence_matches_mirror(tiny, num_sms, batch):
     for p in range(context):
         tokens = torch.randint(0, spec.vocab_size, (batch,), generator=gen, dtype=torch.int32)
         positions = torch.full((batch,), p, dtype=torch.int32)
-        kv_before = [tuple(t.clone() for t in dec.kv_cache(i)) for i in range(spec.num_layers)]
         lg, nt = dec.step(tokens, positions)
-        forced = {i: routing(dec, spec, i) for i, ls in enumerate(spec.layers) if ls.mlp == "moe"}
-        res = mirror_step(spec, wgpu, kv_before, tokens.cuda(), positions.cuda(), forced=forced)
-        what = f"tiny b{batch} step at position {p}"
-        check_routing_flips(res.route_flips, res, what)
-        err = rel_err(lg, res.logits)
-        assert err <= REL_TOL, f"{what}: logits rel err {err:.3g} > {REL_TOL}"
-        check_next_token(nt, res.logits, float((lg - res.logits).abs().max()), what)
+        check_against_mirror(dec, spec, wgpu, tokens, positions, lg, nt, f"tiny b{batch} step at position {p}")
 
 
 def test_tiny_deterministic(tiny, num_sms):
@@ -293,31 +290,44 @@ def nmc_decoder(spec, weights, batch: int, context: int, num_sms: int):
 @pytest.mark.parametrize("context", NMC_CONTEXTS)
 @pytest.mark.parametrize("batch", NMC_BATCHES)
 def test_nmc_matches_mirror(nmc_weights, num_sms, batch, context):
-    from kernel_mirror import mirror_step
-
     spec, weights = nmc_weights
     dec = nmc_decoder(spec, weights, batch, context, num_sms)
     tokens = torch.randint(0, spec.vocab_size, (batch,), dtype=torch.int32)
     positions = nmc_positions(batch, context)
-    kv = [dec.kv_cache(i) for i in range(spec.num_layers)]  # rows < position are not touched
     lg, nt = dec.step(tokens, positions)
+    check_against_mirror(dec, spec, weights, tokens, positions, lg, nt, f"NMC b{batch} ctx {context}")
+
+
+def check_against_mirror(dec, spec, weights, tokens, positions, lg, nt, what: str) -> None:
+    """Layer by layer with the kernel's residual stream as input (tight), and end to end with
+    only the routing teacher-forced (looser: bf16 noise compounds over the layers)."""
+    from kernel_mirror import mirror_step
+
+    L = spec.num_layers
+    kv = [dec.kv_cache(i) for i in range(L)]  # rows below each position are not written by a step
     forced = {i: routing(dec, spec, i) for i, ls in enumerate(spec.layers) if ls.mlp == "moe"}
-    res = mirror_step(spec, weights, kv, tokens.cuda(), positions.cuda(), forced=forced)
-    what = f"NMC b{batch} ctx {context}"
-    layers = [f"  L{i}: x {rel_err(dec.buffers[f'L{i + 1}.x'], res.x[i]):.3g}  attn "
-              f"{rel_err(dec.buffers[f'L{i}.attn'].float(), res.attn[i]):.3g}" for i in range(spec.num_layers)]
-    report = "\n".join(layers)
+    xs = [dec.buffers[f"L{i}.x"] for i in range(L + 1)]
+    res = mirror_step(spec, weights, kv, tokens.cuda(), positions.cuda(), forced=forced, layer_inputs=xs)
     flips = check_routing_flips(res.route_flips, res, what)
+    upd = [rel_err(xs[i + 1] - xs[i], res.x[i] - xs[i]) for i in range(L)]
+    att = [rel_err(dec.buffers[f"L{i}.attn"].float(), res.attn[i]) for i in range(L)]
+    report = "\n".join(f"  L{i}: update {upd[i]:.3g}  attn {att[i]:.3g}" for i in range(L))
     err = rel_err(lg, res.logits)
-    print(f"{what}: logits rel err {err:.3g}, routing near-tie flips {flips}, "
-          f"distinct experts/layer {sum(int(dec.buffers[f'L{i}.moe_count']) for i in forced) / len(forced):.1f}")
-    assert err <= REL_TOL, f"{what}: logits rel err {err:.3g} > {REL_TOL}; per layer:\n{report}"
+    free = mirror_step(spec, weights, kv, tokens.cuda(), positions.cuda(), forced=forced)
+    err_free = rel_err(lg, free.logits)
+    count = [int(dec.buffers[f"L{i}.moe_count"]) for i in forced]
+    print(f"{what}: logits rel err {err:.3g} (layer-forced), {err_free:.3g} (free-running); worst layer update "
+          f"{max(upd):.3g}, attention {max(att):.3g}; near-tie routing flips {flips}; distinct experts/layer "
+          f"{sum(count) / max(1, len(count)):.1f}")
+    assert max(upd) <= REL_TOL and max(att) <= REL_TOL, f"{what}: a layer disagrees with the mirror:\n{report}"
+    assert err <= REL_TOL, f"{what}: logits rel err {err:.3g} > {REL_TOL} from the kernel's final residual"
+    assert err_free <= FREE_TOL, f"{what}: free-running logits rel err {err_free:.3g} > {FREE_TOL}\n{report}"
     check_next_token(nt, res.logits, float((lg - res.logits).abs().max()), what)
-    for i in range(spec.num_layers):
-        kc, vc = dec.kv_cache(i)
+    rows = torch.arange(tokens.numel(), device=lg.device)
+    pos = positions.to(lg.device).long()
+    for i in range(L):
+        kc, vc = kv[i]
         k_new, v_new = res.kv_new[i]
-        rows = torch.arange(batch, device=kc.device)
-        pos = positions.cuda().long()
         ek, ev = rel_err(kc[rows, :, pos].float(), k_new), rel_err(vc[rows, :, pos].float(), v_new)
         assert ek <= REL_TOL and ev <= REL_TOL, f"{what}: layer {i} appended KV rel err k {ek:.3g} v {ev:.3g}"
 

@@ -46,6 +46,7 @@ class CodegenOptions:
     threads: int = 256  # threads per CTA (8 warps); at most 255 registers each at 1 CTA / SM
     gemv_unroll: int = 4  # 64-wide k blocks in flight per warp (halved for two row sets)
     spin_limit: int = 1 << 26  # polls of one counter wait before the device watchdog fires
+    prefetch_bytes: int = 128 * 1024  # weights a task asks L2 for while it waits (cost.py: PREFETCH_BYTES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +71,7 @@ class KernelConfig:
     num_experts: int
     moe_slots: int
     spin_limit: int
+    prefetch_bytes: int
 
     @property
     def warps(self) -> int:
@@ -87,9 +89,10 @@ class KernelConfig:
         kl = self.threads // (self.head_dim // 8)
         attn = (self.group * self.head_dim + self.group * self.threads + kl * self.head_dim + 3 * self.group) * f
         combine = self.batch * self.group * self.max_splits * f
+        rope = self.batch * (self.group + 1) * f
         topk = (self.batch * self.num_experts + self.num_experts + 2 * self.batch * self.top_k
                 + self.moe_slots * self.batch) * f
-        return _round(max(gemv, attn, combine, topk), 128)
+        return _round(max(gemv, attn, combine, topk, rope), 128)
 
 
 def _round(n: int, a: int) -> int:
@@ -117,8 +120,6 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         raise CodegenError(f"threads = {options.threads}: expected a multiple of 32 in [64, 1024]")
     if not 1 <= schedule.batch <= 8:
         raise CodegenError(f"batch = {schedule.batch}: the GEMV tiles hold 1 to 8 tokens")
-    if a.qk_norm:
-        raise CodegenError(f"{spec.name}: 'attention.qk_norm' = true is not lowered yet: expected false")
     if a.head_dim % 8 or options.threads % (a.head_dim // 8):
         raise CodegenError(f"'attention.head_dim' = {a.head_dim}: expected a multiple of 8 dividing "
                            f"{options.threads} threads into 16-byte lanes")
@@ -150,7 +151,8 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         router_sigmoid=(moe.scoring == "sigmoid") if moe else True,
         normalize_top_k=moe.normalize_top_k if moe else False, gemv_unroll=options.gemv_unroll,
         gemv_max_k=max_k, max_splits=schedule.num_sms, num_experts=moe.num_experts if moe else 1,
-        moe_slots=min(moe.num_experts, schedule.batch * moe.top_k) if moe else 1, spin_limit=options.spin_limit)
+        moe_slots=min(moe.num_experts, schedule.batch * moe.top_k) if moe else 1, spin_limit=options.spin_limit,
+        prefetch_bytes=options.prefetch_bytes)
     if cfg.smem_bytes > MAX_SMEM_BYTES:
         raise CodegenError(f"shared memory {cfg.smem_bytes} B (widest GEMV k = {max_k}, batch = {cfg.batch}): "
                            f"expected at most {MAX_SMEM_BYTES} B")
@@ -188,6 +190,7 @@ def template_context(cfg: KernelConfig, banner: str) -> dict[str, Any]:
         "gemv_xs_bytes": cv.c_int(cfg.gemv_xs_bytes),
         "smem_bytes": cv.c_int(cfg.smem_bytes),
         "spin_limit": cv.c_uint(cfg.spin_limit),
+        "prefetch_bytes": cv.c_int(cfg.prefetch_bytes),
         "max_rank": cv.c_int(MAX_RANK),
         "dtypes": [(cv.c_ident(f"DT_{k.upper()}"), cv.c_int(v)) for k, v in DTYPE_CODES.items()],
         "record_words": [(cv.c_ident(k), cv.c_int(v)) for k, v in RECORD_LAYOUT],
