@@ -59,12 +59,15 @@ def _check(spec: ModelSpec, prompts: list[list[int]], max_new_tokens: int, backe
 
 def greedy_generate_batch(spec: ModelSpec, weights: dict[str, torch.Tensor], prompts: list[list[int]],
                           max_new_tokens: int, *, dtype: torch.dtype = torch.float32, backend: str = "cpu",
-                          context: int | None = None, num_sms: int = 8, seed: int | None = None) -> list[list[int]]:
+                          context: int | None = None, num_sms: int = 8, seed: int | None = None,
+                          poison_weights: bool = True) -> list[list[int]]:
     """Greedy-decode ``max_new_tokens`` for each prompt together (batch = len(prompts)).
 
     Every sequence advances one position per step, so a sequence with a shorter prompt starts
     generating earlier; a finished sequence keeps stepping on its last token (results ignored)
     until the longest is done. ``seed`` seeds the interleavings (step s uses seed + s).
+    ``poison_weights=False`` skips the executor's poisoned weight copies (one full copy of a
+    matrix per distinct tile: ~1 GB and ~10 s for a 135M model; the tiny tests keep it on).
     """
     _check(spec, prompts, max_new_tokens, backend)
     steps = max(len(p) for p in prompts) + max_new_tokens - 1
@@ -74,7 +77,7 @@ def greedy_generate_batch(spec: ModelSpec, weights: dict[str, torch.Tensor], pro
     B = len(prompts)
     if backend == "cpu":
         sc = schedule(lower(spec, B, ctx, num_sms), spec.name)
-        ex = CpuExecutor(sc, spec, weights, dtype=dtype)
+        ex = CpuExecutor(sc, spec, weights, dtype=dtype, poison_weights=poison_weights)
 
         def run(tokens: list[int], pos: int, i: int) -> list[int]:
             _, nxt = ex.step(tokens, [pos] * B, seed=None if seed is None else seed + i)
@@ -101,7 +104,7 @@ def greedy_generate_batch(spec: ModelSpec, weights: dict[str, torch.Tensor], pro
 
 def greedy_generate(spec: ModelSpec, weights: dict[str, torch.Tensor], prompt_ids: list[int], max_new_tokens: int,
                     *, dtype: torch.dtype = torch.float32, backend: str = "cpu", context: int | None = None,
-                    num_sms: int = 8, seed: int | None = None) -> list[int]:
+                    num_sms: int = 8, seed: int | None = None, poison_weights: bool = True) -> list[int]:
     """Greedy-decode ``max_new_tokens`` after ``prompt_ids``; returns the generated ids only.
 
     Compiles for batch 1 and a context bucket (the next power of two >= prompt + new tokens, at
@@ -110,4 +113,4 @@ def greedy_generate(spec: ModelSpec, weights: dict[str, torch.Tensor], prompt_id
     """
     return greedy_generate_batch(spec, weights, [list(prompt_ids)], max_new_tokens, dtype=dtype, backend=backend,
                                  context=context or context_bucket(len(prompt_ids) + max_new_tokens),
-                                 num_sms=num_sms, seed=seed)[0]
+                                 num_sms=num_sms, seed=seed, poison_weights=poison_weights)[0]

@@ -226,7 +226,9 @@ class _GGUF:
         except ImportError:
             raise CheckpointError(f"{path}: reading a GGUF file needs the 'gguf' package: pip install gguf") from None
         self.path, self._gguf = path, gguf
-        self.tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+        reader = gguf.GGUFReader(str(path))  # parses every metadata field: seconds for a vocabulary
+        self.arch = reader.fields["general.architecture"].contents()
+        self.tensors = {t.name: t for t in reader.tensors}
 
     def has(self, name: str) -> bool:
         return name in self.tensors
@@ -253,11 +255,7 @@ def load_gguf(path: str | Path, spec: ModelSpec, dtype: torch.dtype = torch.bflo
     un-permuted here (``unpermute_llama_qk``) so the spec's NeoX RoPE applies as in transformers.
     Raises ``CheckpointError`` naming the tensor when one is missing or misshapen.
     """
-    from mkc.ir.gguf_config import read_metadata
-
-    p = Path(path)
-    g = _GGUF(p)
-    arch = read_metadata(p)[0].get("general.architecture")
+    g = _GGUF(Path(path))
     a, H = spec.attention, spec.hidden_size
     D, QH, G = a.head_dim, a.num_heads, a.num_kv_heads
     shapes = weight_shapes(spec)
@@ -272,7 +270,7 @@ def load_gguf(path: str | Path, spec: ModelSpec, dtype: torch.dtype = torch.bflo
         P, B = f"L{i}", f"blk.{i}"
         q = get(f"{B}.attn_q.weight", f"{P}.w_qkv", (QH * D, H))
         k = get(f"{B}.attn_k.weight", f"{P}.w_qkv", (G * D, H))
-        if arch == "llama":
+        if g.arch == "llama":
             q, k = unpermute_llama_qk(q, QH), unpermute_llama_qk(k, G)
         out[f"{P}.w_qkv"] = torch.cat([q, k, get(f"{B}.attn_v.weight", f"{P}.w_qkv", (G * D, H))])
         if ls.mlp == "dense":
