@@ -9,25 +9,41 @@
 #pragma once
 
 constexpr int ATT_DC = HEAD_DIM / 8;           // 16-byte chunks per K/V row
+// Q.K on the tensor cores when the head fits the GEMV tile (k = head_dim, a multiple of 64; the
+// query heads of the group as the 8 columns): the key rows are the A operand, like weight rows.
+constexpr bool ATT_MMA = HEAD_DIM % 64 == 0 && GROUP <= 8;
+constexpr int ATT_QX_BYTES = (8 * (HEAD_DIM + 8) * 2 + 127) / 128 * 128;  // q heads staged as bf16
+constexpr int ATT_GRED_FLOATS = NUM_WARPS * 4 * 32;                      // GEMV k-split reduction
 constexpr int ATT_KL = NUM_THREADS / ATT_DC;    // key lanes of the P.V phase
 constexpr int ATT_CHUNK = NUM_THREADS;          // keys per pass (one per thread in the Q.K phase)
 static_assert(HEAD_DIM % 8 == 0 && NUM_THREADS % ATT_DC == 0, "attention: head_dim / threads");
+
+// [lo, hi) of the keys this split attends (empty when lo >= hi)
+__device__ __forceinline__ void attn_key_range(const Task& t, int& lo, int& hi) {
+    using O = OPND_ATTN_SPLIT;
+    using A = ARG_ATTN_SPLIT;
+    const int pos = ld_act_i32(t.ptr<int>(O::positions) + t.arg(A::seq));
+    const int window = t.arg(A::window), split_keys = t.arg(A::split_keys);
+    const int base = window > 0 ? max(0, pos - window + 1) : 0;
+    lo = base + t.arg(A::split) * split_keys;
+    hi = min(pos + 1, lo + split_keys);
+}
 
 __device__ void op_attn_split(const Task& t, unsigned char* smem) {
     using O = OPND_ATTN_SPLIT;
     using A = ARG_ATTN_SPLIT;
     const int b = t.arg(A::seq), g = t.arg(A::kv_head), sp = t.arg(A::split);
-    const int split_keys = t.arg(A::split_keys), window = t.arg(A::window);
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    const int pos = ld_act_i32(t.ptr<int>(O::positions) + b);
     const int ctx = t.dim(O::k_cache, 2), kv_heads = t.dim(O::k_cache, 3);
-    const int base = window > 0 ? max(0, pos - window + 1) : 0;
-    const int lo = base + sp * split_keys, hi = min(pos + 1, lo + split_keys);
+    int lo, hi;
+    attn_key_range(t, lo, hi);
     const size_t row0 = ((size_t)b * kv_heads + g) * ctx;
     const bf16* kc = t.ptr<bf16>(O::k_cache) + row0 * HEAD_DIM;
     const bf16* vc = t.ptr<bf16>(O::v_cache) + row0 * HEAD_DIM;
 
-    float* qs = reinterpret_cast<float*>(smem);   // [GROUP][HEAD_DIM], pre-scaled
+    bf16* qx = reinterpret_cast<bf16*>(smem);     // [8][HEAD_DIM + 8] q heads, the MMA's B operand
+    float* gred = reinterpret_cast<float*>(smem + ATT_QX_BYTES);  // [ATT_GRED_FLOATS]
+    float* qs = gred + ATT_GRED_FLOATS;           // [GROUP][HEAD_DIM], pre-scaled (CUDA-core path)
     float* sc = qs + GROUP * HEAD_DIM;            // [GROUP][ATT_CHUNK] scores, then probabilities
     float* red = sc + GROUP * ATT_CHUNK;          // [ATT_KL][HEAD_DIM]
     float* st_m = red + ATT_KL * HEAD_DIM;        // [GROUP] running max
@@ -35,7 +51,9 @@ __device__ void op_attn_split(const Task& t, unsigned char* smem) {
     float* st_a = st_l + GROUP;                   // [GROUP] rescale of this pass
 
     const bf16* q = t.ptr<bf16>(O::q) + (size_t)b * t.dim(O::q, 1) + (size_t)g * GROUP * HEAD_DIM;
-    for (int i = tid; i < GROUP * HEAD_DIM; i += NUM_THREADS) qs[i] = ld_act_bf16(q + i) * ATTN_SCALE;
+    if constexpr (ATT_MMA) stage_x(qx, q, HEAD_DIM, 0, HEAD_DIM, GROUP);
+    else
+        for (int i = tid; i < GROUP * HEAD_DIM; i += NUM_THREADS) qs[i] = ld_act_bf16(q + i) * ATTN_SCALE;
     if (tid < GROUP) { st_m[tid] = -INFINITY; st_l[tid] = 0.f; }
     __syncthreads();
 
@@ -48,8 +66,14 @@ __device__ void op_attn_split(const Task& t, unsigned char* smem) {
 
     for (int c0 = lo; c0 < hi; c0 += ATT_CHUNK) {
         const int n = min(ATT_CHUNK, hi - c0);
-        // scores: one key per thread
-        if (tid < n) {
+        if constexpr (ATT_MMA) {  // scores on the tensor cores: key rows x the group's query heads
+            const bf16* const kw[1] = {kc + (size_t)c0 * HEAD_DIM};
+            auto epi = [&](int r0, float (&acc)[1][4]) {
+                for_fragment(r0, acc[0], n, [&](int key, int h, float v) { sc[h * ATT_CHUNK + key] = v * ATTN_SCALE; },
+                             GROUP);
+            };
+            gemv_tile<1, decltype(epi), false>(kw, HEAD_DIM, n, HEAD_DIM, qx, gred, epi);
+        } else if (tid < n) {  // scores on the CUDA cores: one key per thread
             const bf16* kr = kc + (size_t)(c0 + tid) * HEAD_DIM;
             float s[GROUP];
 #pragma unroll
@@ -98,6 +122,7 @@ __device__ void op_attn_split(const Task& t, unsigned char* smem) {
 #pragma unroll
             for (int e = 0; e < 8; ++e) o[h][e] *= a;
         }
+#pragma unroll 4
         for (int j = kl; j < n; j += ATT_KL) {
             float vf[8];
             unpack8(ld_act16(vc + (size_t)(c0 + j) * HEAD_DIM + dc * 8), vf);
@@ -143,20 +168,24 @@ __device__ void op_attn_combine(const Task& t, unsigned char* smem) {
     const float* po = t.ptr<float>(O::part_o);
     const float* pml = t.ptr<float>(O::part_ml);
     float* coef = reinterpret_cast<float*>(smem);  // [BATCH][GROUP][splits]
-    for (int i = threadIdx.x; i < BATCH * GROUP; i += NUM_THREADS) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (int i = warp; i < BATCH * GROUP; i += NUM_WARPS) {  // one warp per (sequence, head)
         const int b = i / GROUP, h = i % GROUP;
         const float* ml = pml + (((size_t)b * kv_heads + g) * splits * GROUP + h) * 2;
         float m = -INFINITY;
-        for (int s = 0; s < splits; ++s) m = fmaxf(m, ld_act_f32(ml + (size_t)s * GROUP * 2));
+        for (int s = lane; s < splits; s += 32) m = fmaxf(m, ld_act_f32(ml + (size_t)s * GROUP * 2));
+        m = warp_max(m);
         float l = 0.f;
-        for (int s = 0; s < splits; ++s) {
+        for (int s = lane; s < splits; s += 32) {
             const float ms = ld_act_f32(ml + (size_t)s * GROUP * 2);
             const float c = ms == -INFINITY ? 0.f : __expf(ms - m);
             coef[i * splits + s] = c;
             l += c * ld_act_f32(ml + (size_t)s * GROUP * 2 + 1);
         }
+        l = warp_sum(l);
         const float inv = 1.f / l;
-        for (int s = 0; s < splits; ++s) coef[i * splits + s] *= inv;
+        __syncwarp();
+        for (int s = lane; s < splits; s += 32) coef[i * splits + s] *= inv;
     }
     __syncthreads();
     bf16* out = t.ptr<bf16>(O::out);
@@ -166,6 +195,7 @@ __device__ void op_attn_combine(const Task& t, unsigned char* smem) {
         const float* src = po + ((size_t)b * kv_heads + g) * splits * GROUP * HEAD_DIM + hd;
         const float* c = coef + (b * GROUP + h) * splits;
         float acc = 0.f;
+#pragma unroll 8
         for (int s = 0; s < splits; ++s) acc += c[s] * ld_act_f32(src + (size_t)s * GROUP * HEAD_DIM);
         store_bf16(out + (size_t)b * out_ld + (size_t)g * GROUP * HEAD_DIM + hd, acc);
     }

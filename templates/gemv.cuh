@@ -25,19 +25,28 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], u32 a0, u32 a1, u32 a2,
 // token rows start in different banks, so B-fragment loads are conflict-free.
 __device__ __forceinline__ int xs_ld(int k) { return k + 8; }
 
-// Stage x[:, k0:k0+k] (bf16 [BATCH, x_ld]) into shared memory as 8 rows (tokens >= BATCH zero).
-__device__ __forceinline__ void stage_x(bf16* xs, const bf16* x, int x_ld, int k0, int k) {
+// Stage x[:, k0:k0+k] (bf16 [nrows, x_ld]) into shared memory as the 8 columns of the B operand
+// (columns >= nrows zero): the tokens of a GEMV, or the query heads of an attention tile.
+__device__ __forceinline__ void stage_x(bf16* xs, const bf16* x, int x_ld, int k0, int k, int nrows = BATCH) {
     const int ld = xs_ld(k), chunks = k / 8;
     for (int i = threadIdx.x; i < 8 * chunks; i += NUM_THREADS) {
         const int n = i / chunks, c = i - n * chunks;
-        const uint4 v = n < BATCH ? ld_act16(x + (size_t)n * x_ld + k0 + c * 8) : zero4();
+        const uint4 v = n < nrows ? ld_act16(x + (size_t)n * x_ld + k0 + c * 8) : zero4();
         *reinterpret_cast<uint4*>(xs + n * ld + c * 8) = v;
     }
 }
 
+// A-operand rows: immutable weights take the non-coherent streaming path (NC); rows written
+// earlier in this launch (the KV cache) take the coherent L2 path.
+template <bool NC>
+__device__ __forceinline__ uint4 ld_rows16(const bf16* p) {
+    if constexpr (NC) return ldg_stream(p);
+    else return ld_act16(p);
+}
+
 // Accumulate one warp item: rows (g, g + 8) of each of the NACC weight row sets over the blocks
 // kb_begin, kb_begin + kb_step, ... < kb_end (64 elements each).
-template <int NACC>
+template <int NACC, bool NC = true>
 __device__ __forceinline__ void gemv_item(const bf16* const (&w0)[NACC], const bf16* const (&w1)[NACC], bool v0,
                                           bool v1, const bf16* xrow, int kb_begin, int kb_step, int kb_end,
                                           float (&acc)[NACC][4]) {
@@ -51,10 +60,10 @@ __device__ __forceinline__ void gemv_item(const bf16* const (&w0)[NACC], const b
             const int k = kbu * 64;
 #pragma unroll
             for (int a = 0; a < NACC; ++a) {
-                wv[u][a][0][0] = (in && v0) ? ldg_stream(w0[a] + k) : zero4();
-                wv[u][a][0][1] = (in && v0) ? ldg_stream(w0[a] + k + 8) : zero4();
-                wv[u][a][1][0] = (in && v1) ? ldg_stream(w1[a] + k) : zero4();
-                wv[u][a][1][1] = (in && v1) ? ldg_stream(w1[a] + k + 8) : zero4();
+                wv[u][a][0][0] = (in && v0) ? ld_rows16<NC>(w0[a] + k) : zero4();
+                wv[u][a][0][1] = (in && v0) ? ld_rows16<NC>(w0[a] + k + 8) : zero4();
+                wv[u][a][1][0] = (in && v1) ? ld_rows16<NC>(w1[a] + k) : zero4();
+                wv[u][a][1][1] = (in && v1) ? ld_rows16<NC>(w1[a] + k + 8) : zero4();
             }
         }
 #pragma unroll
@@ -84,7 +93,7 @@ __device__ __forceinline__ void gemv_item(const bf16* const (&w0)[NACC], const b
 // 32 lanes of one warp as epi(r0, acc) with acc[a] = {(r0, n), (r0, n + 1), (r0 + 8, n),
 // (r0 + 8, n + 1)} where n = 2 * (lane % 4); r0 may be past `rows` (the epilogue checks).
 // Every thread of the CTA must call this (it may synchronise); `red` holds GEMV_RED_FLOATS.
-template <int NACC, class Epi>
+template <int NACC, class Epi, bool NC = true>
 __device__ __forceinline__ void gemv_tile(const bf16* const (&w)[NACC], int w_ld, int rows, int k, const bf16* xs,
                                           float* red, Epi epi) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
@@ -103,7 +112,7 @@ __device__ __forceinline__ void gemv_tile(const bf16* const (&w)[NACC], int w_ld
                 w1[a] = w[a] + (size_t)r1 * w_ld + q * 16;
             }
             float acc[NACC][4] = {};
-            gemv_item<NACC>(w0, w1, r0 < rows, r1 < rows, xrow, 0, 1, blocks, acc);
+            gemv_item<NACC, NC>(w0, w1, r0 < rows, r1 < rows, xrow, 0, 1, blocks, acc);
             epi(r0, acc);
         }
         return;
@@ -120,7 +129,7 @@ __device__ __forceinline__ void gemv_tile(const bf16* const (&w)[NACC], int w_ld
             w0[a] = w[a] + (size_t)r0 * w_ld + q * 16;
             w1[a] = w[a] + (size_t)r1 * w_ld + q * 16;
         }
-        gemv_item<NACC>(w0, w1, r0 < rows, r1 < rows, xrow, part, ks, blocks, acc);
+        gemv_item<NACC, NC>(w0, w1, r0 < rows, r1 < rows, xrow, part, ks, blocks, acc);
         if (part != 0) {
 #pragma unroll
             for (int a = 0; a < NACC; ++a)
@@ -136,5 +145,16 @@ __device__ __forceinline__ void gemv_tile(const bf16* const (&w)[NACC], int w_ld
 #pragma unroll
                 for (int i = 0; i < 4; ++i) acc[a][i] += red[(((warp + p) * NACC + a) * 4 + i) * 32 + lane];
         epi(grp * 16 + g, acc);
+    }
+}
+
+// The 4 accumulator entries of a GEMV fragment as (row, column, value), rows < rows, cols < cols.
+template <class F>
+__device__ __forceinline__ void for_fragment(int r0, const float (&c)[4], int rows, F f, int cols = BATCH) {
+    const int n = 2 * (threadIdx.x % 4);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int r = r0 + (i >= 2 ? 8 : 0), col = n + (i & 1);
+        if (r < rows && col < cols) f(r, col, c[i]);
     }
 }

@@ -6,17 +6,6 @@
 
 __device__ __forceinline__ float silu(float v) { return v / (1.f + expf(-v)); }
 
-// Epilogue helper: the 4 accumulator entries of a GEMV fragment as (row, token, value).
-template <class F>
-__device__ __forceinline__ void for_fragment(int r0, const float (&c)[4], int rows, F f) {
-    const int n = 2 * (threadIdx.x % 4);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const int r = r0 + (i >= 2 ? 8 : 0), tok = n + (i & 1);
-        if (r < rows && tok < BATCH) f(r, tok, c[i]);
-    }
-}
-
 __device__ __forceinline__ bf16* gemv_xs(unsigned char* smem) { return reinterpret_cast<bf16*>(smem); }
 __device__ __forceinline__ float* gemv_red(unsigned char* smem) {
     return reinterpret_cast<float*>(smem + GEMV_XS_BYTES);
@@ -36,25 +25,44 @@ __device__ void op_embed(const Task& t, unsigned char*) {
     }
 }
 
-// out[b, :] = x[b, :] * rsqrt(mean(x[b]^2) + eps) * w   (x f32, out bf16); one warp per token
-__device__ void op_rmsnorm(const Task& t, unsigned char*) {
+// out[b, :] = x[b, :] * rsqrt(mean(x[b]^2) + eps) * w   (x f32, out bf16). The whole CTA works
+// on every token (it sits on the critical path of each layer): 16-byte loads, a block reduction.
+__device__ void op_rmsnorm(const Task& t, unsigned char* smem) {
     using O = OPND_RMSNORM;
-    const int hidden = t.dim(O::x, 1);
+    const int hidden = t.dim(O::x, 1), quads = hidden / 4;
     const float* x = t.ptr<float>(O::x);
     const bf16* w = t.ptr<bf16>(O::weight);
     bf16* out = t.ptr<bf16>(O::out);
+    float* part = reinterpret_cast<float*>(smem);  // [NUM_WARPS][BATCH], then [BATCH] factors
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    for (int b = warp; b < BATCH; b += NUM_WARPS) {
-        const float* xb = x + (size_t)b * hidden;
-        float ss = 0.f;
-        for (int i = lane; i < hidden; i += 32) {
-            const float v = ld_act_f32(xb + i);
-            ss += v * v;
+    float ss[BATCH];
+#pragma unroll
+    for (int b = 0; b < BATCH; ++b) {
+        ss[b] = 0.f;
+        for (int c = threadIdx.x; c < quads; c += NUM_THREADS) {
+            const float4 v = __ldcg(reinterpret_cast<const float4*>(x + (size_t)b * hidden) + c);
+            ss[b] += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
         }
-        ss = warp_sum(ss);
-        const float r = rsqrtf(ss / (float)hidden + NORM_EPS);
-        for (int i = lane; i < hidden; i += 32)
-            store_bf16(out + (size_t)b * hidden + i, ld_act_f32(xb + i) * r * __bfloat162float(w[i]));
+        ss[b] = warp_sum(ss[b]);
+        if (lane == 0) part[warp * BATCH + b] = ss[b];
+    }
+    __syncthreads();
+    float* factor = part + NUM_WARPS * BATCH;
+    if (threadIdx.x < BATCH) {
+        float tot = 0.f;
+        for (int i = 0; i < NUM_WARPS; ++i) tot += part[i * BATCH + threadIdx.x];
+        factor[threadIdx.x] = rsqrtf(tot / (float)hidden + NORM_EPS);
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < BATCH * quads; i += NUM_THREADS) {
+        const int b = i / quads, c = i - b * quads;
+        const float r = factor[b];
+        const float4 v = __ldcg(reinterpret_cast<const float4*>(x + (size_t)b * hidden) + c);
+        const uint2 wv = *reinterpret_cast<const uint2*>(w + 4 * c);
+        uint2 o;
+        o.x = pack_bf16x2(v.x * r * bf_lo(wv.x), v.y * r * bf_hi(wv.x));
+        o.y = pack_bf16x2(v.z * r * bf_lo(wv.y), v.w * r * bf_hi(wv.y));
+        *reinterpret_cast<uint2*>(out + (size_t)b * hidden + 4 * c) = o;
     }
 }
 
@@ -363,15 +371,22 @@ __device__ void op_topk(const Task& t, unsigned char* smem) {
     __syncthreads();
     if (threadIdx.x < BATCH * TOP_K) used[sel[threadIdx.x]] = 1;
     __syncthreads();
-    if (threadIdx.x == 0) {
-        int n = 0;
-        for (int e = 0; e < experts_n; ++e)
-            if (used[e]) used[e] = ++n;
+    if (warp == 0) {  // slots: the used experts in ascending order (a ballot prefix sum)
         int* ex = t.ptr<int>(O::experts);
-        for (int e = 0; e < experts_n; ++e)
-            if (used[e]) ex[used[e] - 1] = e;
-        for (int s = n; s < slots; ++s) ex[s] = -1;
-        *t.ptr<int>(O::count) = n;
+        int n = 0;
+        for (int e0 = 0; e0 < experts_n; e0 += 32) {
+            const int e = e0 + lane;
+            const bool u = e < experts_n && used[e] != 0;
+            const unsigned m = __ballot_sync(0xffffffffu, u);
+            if (u) {
+                const int s = n + __popc(m & ((1u << lane) - 1u));
+                used[e] = s + 1;
+                ex[s] = e;
+            }
+            n += __popc(m);
+        }
+        for (int s = n + lane; s < slots; s += 32) ex[s] = -1;
+        if (lane == 0) *t.ptr<int>(O::count) = n;
     }
     __syncthreads();
     int* ts = t.ptr<int>(O::token_slots);
@@ -457,6 +472,16 @@ __device__ void prefetch_weights(const Task& t) {
             const int ld = t.dim(O::weight, 1);
             prefetch_rows(t.ptr<bf16>(O::weight) + (size_t)t.arg(A::row0) * ld, t.arg(A::rows), ld, ld,
                           PREFETCH_BYTES);
+            break;
+        }
+        case OP_ATTN_SPLIT: {  // the split's K and V rows (positions are inputs: known before the wait)
+            using O = OPND_ATTN_SPLIT;
+            using A = ARG_ATTN_SPLIT;
+            int lo, hi;
+            attn_key_range(t, lo, hi);
+            const size_t row0 = ((size_t)t.arg(A::seq) * t.dim(O::k_cache, 3) + t.arg(A::kv_head)) * t.dim(O::k_cache, 2);
+            prefetch_rows(t.ptr<bf16>(O::k_cache) + (row0 + lo) * HEAD_DIM, hi - lo, HEAD_DIM, HEAD_DIM, PREFETCH_BYTES / 2);
+            prefetch_rows(t.ptr<bf16>(O::v_cache) + (row0 + lo) * HEAD_DIM, hi - lo, HEAD_DIM, HEAD_DIM, PREFETCH_BYTES / 2);
             break;
         }
         default:

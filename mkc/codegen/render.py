@@ -44,7 +44,7 @@ class CodegenError(ValueError):
 @dataclass(frozen=True, slots=True)
 class CodegenOptions:
     threads: int = 256  # threads per CTA (8 warps); at most 255 registers each at 1 CTA / SM
-    gemv_unroll: int = 4  # 64-wide k blocks in flight per warp (halved for two row sets)
+    gemv_unroll: int = 8  # 64-wide k blocks in flight per warp (halved for two row sets)
     spin_limit: int = 1 << 26  # polls of one counter wait before the device watchdog fires
     prefetch_bytes: int = 128 * 1024  # weights a task asks L2 for while it waits (cost.py: PREFETCH_BYTES)
 
@@ -87,12 +87,15 @@ class KernelConfig:
         f = 4
         gemv = self.gemv_xs_bytes + self.warps * 2 * 4 * 32 * f
         kl = self.threads // (self.head_dim // 8)
-        attn = (self.group * self.head_dim + self.group * self.threads + kl * self.head_dim + 3 * self.group) * f
+        qx = _round(8 * (self.head_dim + 8) * 2, 128)
+        attn = qx + (self.warps * 4 * 32 + self.group * self.head_dim + self.group * self.threads
+                     + kl * self.head_dim + 3 * self.group) * f
         combine = self.batch * self.group * self.max_splits * f
         rope = self.batch * (self.group + 1) * f
+        norm = (self.warps + 1) * self.batch * f
         topk = (self.batch * self.num_experts + self.num_experts + 2 * self.batch * self.top_k
                 + self.moe_slots * self.batch) * f
-        return _round(max(gemv, attn, combine, topk, rope), 128)
+        return _round(max(gemv, attn, combine, topk, rope, norm), 128)
 
 
 def _round(n: int, a: int) -> int:
@@ -124,8 +127,10 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         raise CodegenError(f"'attention.head_dim' = {a.head_dim}: expected a multiple of 8 dividing "
                            f"{options.threads} threads into 16-byte lanes")
     group = a.num_heads // a.num_kv_heads
-    if group > 16:
-        raise CodegenError(f"{group} query heads per KV head: the attention tile holds at most 16")
+    if group > 8:
+        raise CodegenError(f"{group} query heads per KV head: the attention tile holds at most 8")
+    if spec.hidden_size % 8:
+        raise CodegenError(f"'hidden_size' = {spec.hidden_size}: expected a multiple of 8 (16-byte rows)")
     moe = spec.moe
     top_k = moe.top_k if moe else 1
     if schedule.batch * top_k > options.threads:
