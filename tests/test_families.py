@@ -201,3 +201,74 @@ def test_cli_compiles_a_checkpoint_folder(tmp_path):
                        capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     assert "safe" in r.stdout or "predicted step" in r.stdout
+
+
+# ----------------------------------------------------------------------------------------------
+# importers and full-size configs
+
+# published parameter counts (model cards), to 3 significant digits
+FULL_SIZE = {"smollm2_135m.yaml": 0.1345e9, "qwen3_0_6b.yaml": 0.596e9, "qwen3_30b_a3b.yaml": 30.5e9,
+             "mixtral_8x7b.yaml": 46.7e9, "tinyllama_1_1b.yaml": 1.10e9}
+
+
+@pytest.mark.parametrize("config,params", FULL_SIZE.items())
+def test_full_size_configs_have_the_published_parameter_count(config, params):
+    from math import prod
+
+    from mkc.runtime.weights import weight_shapes
+
+    total = sum(prod(s) for s in weight_shapes(load_spec(CONFIGS / config)).values())
+    assert total == pytest.approx(params, rel=0.005), f"{config}: {total / 1e9:.4f}B parameters"
+
+
+def _llama_cfg(**kw):
+    return {"model_type": "llama", "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 2048, "rope_theta": 10000.0, "hidden_act": "silu", **kw}
+
+
+@pytest.mark.parametrize("cfg,needle", [
+    (_llama_cfg(rope_scaling={"rope_type": "llama3", "factor": 32.0}), "llama3"),  # Llama 3.1/3.2
+    (_llama_cfg(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}), "yarn"),
+    (_llama_cfg(attention_bias=True), "attention_bias"),
+    (_llama_cfg(mlp_bias=True), "mlp_bias"),
+    (_llama_cfg(hidden_act="gelu"), "hidden_act"),
+    (_llama_cfg(model_type="qwen3", head_dim=32, use_sliding_window=True), "use_sliding_window"),
+    (_llama_cfg(model_type="qwen3", head_dim=32, layer_types=["full_attention", "sliding_attention"]), "layer_types"),
+    (_llama_cfg(model_type="olmoe"), "model_type"),  # qk-norm over all heads at once: not expressible
+])
+def test_importer_refuses_what_it_cannot_express(cfg, needle):
+    from mkc.ir.hf import spec_from_hf_config
+    from mkc.ir.spec import SpecError
+
+    with pytest.raises(SpecError, match=needle):
+        spec_from_hf_config(cfg)
+
+
+def test_importer_legacy_keys_and_mixtral_without_window():
+    from mkc.ir.hf import spec_from_hf_config
+
+    s = spec_from_hf_config(_llama_cfg(rope_scaling=None, tie_word_embeddings=True))  # a pre-5.x config.json
+    assert s.tie_word_embeddings and s.attention.rope_theta == 10000.0 and s.attention.head_dim == 32
+    assert s.block == "sequential" and s.moe is None and all(x == s.layers[0] for x in s.layers)
+    m = spec_from_hf_config({**_llama_cfg(model_type="mixtral", num_local_experts=8, num_experts_per_tok=2),
+                             "sliding_window": None})
+    assert {x.attention for x in m.layers} == {"global"} and m.moe.normalize_top_k and m.moe.scoring == "softmax"
+
+
+@pytest.mark.parametrize("config", ["qwen3_moe_tiny.yaml", "mixtral_tiny.yaml"])
+def test_torch_baseline_matches_dense_reference(config):
+    """The PyTorch baseline decode step (bench baseline) on qk-norm, softmax routing and
+    all-sliding layers, against the dense reference."""
+    from mkc.runtime.torch_decode import TorchDecoder
+
+    spec = load_spec(CONFIGS / config)
+    w = random_weights(spec, 0, torch.float32, std=0.1)
+    ref, dec = DenseReference(spec, w), TorchDecoder(spec, w, batch=2, context=32, dtype=torch.float32)
+    g = torch.Generator().manual_seed(1)
+    for pos in range(12):
+        tokens = torch.randint(0, spec.vocab_size, (2,), generator=g)
+        positions = torch.tensor([pos, max(0, pos - 3)])
+        a, b = ref.step(tokens, positions), dec.step(tokens, positions)
+        err = (a - b).abs().max().item()
+        assert err < 1e-4, f"step {pos}: max error {err:.3g} > budget 1e-4 (float32 both sides)"
