@@ -24,7 +24,7 @@ gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF file")
 
-from test_families import build_checkpoint, hf_greedy  # noqa: E402
+from test_families import build_checkpoint, hf_greedy
 
 Q = gguf.GGMLQuantizationType
 
@@ -105,9 +105,9 @@ def hf_weights(model, spec) -> dict[str, torch.Tensor]:
 
 def assert_same_weights(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> None:
     assert ours.keys() == theirs.keys(), ours.keys() ^ theirs.keys()
-    for k in ours:
+    for k, x in ours.items():
         # both dequantise the same blocks with gguf's numpy code: bit-identical
-        assert torch.equal(ours[k], theirs[k].float()), f"{k}: max diff {(ours[k] - theirs[k]).abs().max().item():.3g}"
+        assert torch.equal(x, theirs[k].float()), f"{k}: max diff {(x - theirs[k]).abs().max().item():.3g}"
 
 
 def test_unpermute_inverts_llama_cpp():
@@ -120,7 +120,7 @@ def tiny_gguf(request, tmp_path_factory):
     arch = request.param
     # transformers' GGUF reader ignores qwen3.attention.key_length and takes Qwen3Config's default
     # head_dim of 128 (every published Qwen3 has it): give the tiny Qwen3 that head size
-    shape = dict(head_dim=128, num_attention_heads=2, num_key_value_heads=1) if arch == "qwen3" else {}
+    shape = {"head_dim": 128, "num_attention_heads": 2, "num_key_value_heads": 1} if arch == "qwen3" else {}
     folder = build_checkpoint(arch, tmp_path_factory.mktemp(f"{arch}_hf"), **shape)
     path = folder / f"tiny-{arch}.Q4_1.gguf"
     write_gguf(folder, path, arch)
@@ -130,7 +130,7 @@ def tiny_gguf(request, tmp_path_factory):
 
 
 def test_tiny_gguf_spec_and_weights_match_transformers(tiny_gguf):
-    arch, folder, path, model = tiny_gguf
+    _, folder, path, model = tiny_gguf
     spec = load_spec(path)
     want = load_spec(folder)  # the safetensors twin's config.json
     assert spec.tie_word_embeddings == want.tie_word_embeddings
