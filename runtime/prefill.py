@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from mkc.ir.spec import ModelSpec
+from mkc.schedule.cpu_ops import head_rms_norm, route
 
 
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -62,8 +63,6 @@ class Prefill:
 
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], *,
                  act_dtype: torch.dtype = torch.float32, chunk: int = 256):
-        if spec.attention.qk_norm:
-            raise NotImplementedError("prefill: qk_norm models are not supported yet")
         self.spec, self.w, self.act_dtype, self.chunk = spec, weights, act_dtype, chunk
 
     def _r(self, x: torch.Tensor) -> torch.Tensor:
@@ -119,6 +118,9 @@ class Prefill:
         q = qkv[:, :QH * D].view(T, QH, D)
         k = qkv[:, QH * D:(QH + G) * D].view(T, G, D)
         v = qkv[:, (QH + G) * D:].view(T, G, D)
+        if a.qk_norm:  # per-head RMSNorm, rounded as the ROPE_APPEND task rounds it
+            q = head_rms_norm(q, self.w[f"L{layer}.q_norm"].float(), s.norm_eps, self.act_dtype)
+            k = head_rms_norm(k, self.w[f"L{layer}.k_norm"].float(), s.norm_eps, self.act_dtype)
         if ls.rope:
             q = self._r(_rope(q, pos, a.rope_theta, a.rope_style))
             k = _rope(k, pos, a.rope_theta, a.rope_style)
@@ -149,13 +151,7 @@ class Prefill:
         m = s.moe
         assert m is not None
         logits = self._mm(n, f"{P}.w_router")  # [T, E]
-        vals, experts = torch.topk(logits, m.top_k, dim=-1)  # [T, k]
-        if m.scoring == "sigmoid":
-            wts = torch.sigmoid(vals)
-            if m.normalize_top_k:
-                wts = wts / wts.sum(-1, keepdim=True)
-        else:
-            wts = torch.softmax(vals, dim=-1)
+        experts, wts = route(logits, m.top_k, m.scoring, m.normalize_top_k)  # [T, k] each, as the TOPK task
         # each token sums its experts in ascending expert order, as the decode residual does
         order = experts.sort(dim=-1)
         experts, wts = order.values, wts.gather(1, order.indices)
