@@ -190,13 +190,24 @@ __device__ void op_attn_combine(const Task& t, unsigned char* smem) {
     __syncthreads();
     bf16* out = t.ptr<bf16>(O::out);
     const int out_ld = t.dim(O::out, 1);
-    for (int i = threadIdx.x; i < BATCH * GROUP * HEAD_DIM; i += NUM_THREADS) {
-        const int b = i / (GROUP * HEAD_DIM), hd = i % (GROUP * HEAD_DIM), h = hd / HEAD_DIM;
-        const float* src = po + ((size_t)b * kv_heads + g) * splits * GROUP * HEAD_DIM + hd;
+    constexpr int QUADS = GROUP * HEAD_DIM / 4;  // 16-byte pieces of one sequence's output
+    for (int i = threadIdx.x; i < BATCH * QUADS; i += NUM_THREADS) {
+        const int b = i / QUADS, hd = (i % QUADS) * 4, h = hd / HEAD_DIM;
+        const float4* src = reinterpret_cast<const float4*>(po + ((size_t)b * kv_heads + g) * splits * GROUP * HEAD_DIM + hd);
         const float* c = coef + (b * GROUP + h) * splits;
-        float acc = 0.f;
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 8
-        for (int s = 0; s < splits; ++s) acc += c[s] * ld_act_f32(src + (size_t)s * GROUP * HEAD_DIM);
-        store_bf16(out + (size_t)b * out_ld + (size_t)g * GROUP * HEAD_DIM + hd, acc);
+        for (int s = 0; s < splits; ++s) {
+            const float4 v = __ldcg(src + (size_t)s * (GROUP * HEAD_DIM / 4));
+            const float cs = c[s];
+            acc.x += cs * v.x;
+            acc.y += cs * v.y;
+            acc.z += cs * v.z;
+            acc.w += cs * v.w;
+        }
+        uint2 o;
+        o.x = pack_bf16x2(acc.x, acc.y);
+        o.y = pack_bf16x2(acc.z, acc.w);
+        *reinterpret_cast<uint2*>(out + (size_t)b * out_ld + (size_t)g * GROUP * HEAD_DIM + hd) = o;
     }
 }

@@ -44,47 +44,70 @@ __device__ __forceinline__ uint4 ld_rows16(const bf16* p) {
     else return ld_act16(p);
 }
 
+// Loads of one batch of U 64-wide blocks (kb, kb + kb_step, ...) of rows (g, g + 8) of every row
+// set; blocks past kb_end (or rows past the tile) load zeros without touching memory.
+template <int U, int NACC, bool NC>
+__device__ __forceinline__ void gemv_load(uint4 (&wv)[U][NACC][2][2], const bf16* const (&w0)[NACC],
+                                          const bf16* const (&w1)[NACC], bool v0, bool v1, int kb, int kb_step,
+                                          int kb_end) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const int kbu = kb + u * kb_step;
+        const bool in = kbu < kb_end;
+        const int k = kbu * 64;
+#pragma unroll
+        for (int a = 0; a < NACC; ++a) {
+            wv[u][a][0][0] = (in && v0) ? ld_rows16<NC>(w0[a] + k) : zero4();
+            wv[u][a][0][1] = (in && v0) ? ld_rows16<NC>(w0[a] + k + 8) : zero4();
+            wv[u][a][1][0] = (in && v1) ? ld_rows16<NC>(w1[a] + k) : zero4();
+            wv[u][a][1][1] = (in && v1) ? ld_rows16<NC>(w1[a] + k + 8) : zero4();
+        }
+    }
+}
+
+// The tensor-core work of one loaded batch (see the file comment for the k permutation).
+template <int U, int NACC>
+__device__ __forceinline__ void gemv_mma(const uint4 (&wv)[U][NACC][2][2], const bf16* xrow, int kb, int kb_step,
+                                         int kb_end, float (&acc)[NACC][4]) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const int kbu = kb + u * kb_step;
+        if (kbu < kb_end) {
+            const int k = kbu * 64;
+            const uint4 xa = lds16(xrow + k), xb = lds16(xrow + k + 8);
+            const u32 xw[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+#pragma unroll
+            for (int a = 0; a < NACC; ++a) {
+                const uint4 l0 = wv[u][a][0][0], l1 = wv[u][a][0][1];
+                const uint4 h0 = wv[u][a][1][0], h1 = wv[u][a][1][1];
+                const u32 lo[8] = {l0.x, l0.y, l0.z, l0.w, l1.x, l1.y, l1.z, l1.w};
+                const u32 hi[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
+#pragma unroll
+                for (int s = 0; s < 4; ++s)
+                    mma_16816(acc[a], lo[2 * s], hi[2 * s], lo[2 * s + 1], hi[2 * s + 1], xw[2 * s], xw[2 * s + 1]);
+            }
+        }
+    }
+}
+
 // Accumulate one warp item: rows (g, g + 8) of each of the NACC weight row sets over the blocks
-// kb_begin, kb_begin + kb_step, ... < kb_end (64 elements each).
+// kb_begin, kb_begin + kb_step, ... < kb_end (64 elements each). Software-pipelined over two
+// register batches of U blocks: the loads of one batch are in flight while the other is
+// multiplied, so the stream never drains between batches.
 template <int NACC, bool NC = true>
 __device__ __forceinline__ void gemv_item(const bf16* const (&w0)[NACC], const bf16* const (&w1)[NACC], bool v0,
                                           bool v1, const bf16* xrow, int kb_begin, int kb_step, int kb_end,
                                           float (&acc)[NACC][4]) {
-    constexpr int U = GEMV_UNROLL / NACC > 0 ? GEMV_UNROLL / NACC : 1;
-    for (int kb = kb_begin; kb < kb_end; kb += U * kb_step) {
-        uint4 wv[U][NACC][2][2];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int kbu = kb + u * kb_step;
-            const bool in = kbu < kb_end;
-            const int k = kbu * 64;
-#pragma unroll
-            for (int a = 0; a < NACC; ++a) {
-                wv[u][a][0][0] = (in && v0) ? ld_rows16<NC>(w0[a] + k) : zero4();
-                wv[u][a][0][1] = (in && v0) ? ld_rows16<NC>(w0[a] + k + 8) : zero4();
-                wv[u][a][1][0] = (in && v1) ? ld_rows16<NC>(w1[a] + k) : zero4();
-                wv[u][a][1][1] = (in && v1) ? ld_rows16<NC>(w1[a] + k + 8) : zero4();
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int kbu = kb + u * kb_step;
-            if (kbu < kb_end) {
-                const int k = kbu * 64;
-                const uint4 xa = lds16(xrow + k), xb = lds16(xrow + k + 8);
-                const u32 xw[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
-#pragma unroll
-                for (int a = 0; a < NACC; ++a) {
-                    const uint4 l0 = wv[u][a][0][0], l1 = wv[u][a][0][1];
-                    const uint4 h0 = wv[u][a][1][0], h1 = wv[u][a][1][1];
-                    const u32 lo[8] = {l0.x, l0.y, l0.z, l0.w, l1.x, l1.y, l1.z, l1.w};
-                    const u32 hi[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
-#pragma unroll
-                    for (int s = 0; s < 4; ++s)
-                        mma_16816(acc[a], lo[2 * s], hi[2 * s], lo[2 * s + 1], hi[2 * s + 1], xw[2 * s], xw[2 * s + 1]);
-                }
-            }
-        }
+    constexpr int U = GEMV_UNROLL / NACC / 2 > 0 ? GEMV_UNROLL / NACC / 2 : 1;
+    const int batch = U * kb_step;
+    uint4 wa[U][NACC][2][2], wb[U][NACC][2][2];
+    gemv_load<U, NACC, NC>(wa, w0, w1, v0, v1, kb_begin, kb_step, kb_end);
+    for (int kb = kb_begin; kb < kb_end; kb += 2 * batch) {
+        gemv_load<U, NACC, NC>(wb, w0, w1, v0, v1, kb + batch, kb_step, kb_end);
+        gemv_mma<U, NACC>(wa, xrow, kb, kb_step, kb_end, acc);
+        if (kb + batch >= kb_end) break;
+        gemv_load<U, NACC, NC>(wa, w0, w1, v0, v1, kb + 2 * batch, kb_step, kb_end);
+        gemv_mma<U, NACC>(wb, xrow, kb + batch, kb_step, kb_end, acc);
     }
 }
 
