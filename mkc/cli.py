@@ -52,6 +52,14 @@ def _ids(v: str) -> list[int]:
     return ids
 
 
+def _batches(v: str) -> list[int]:
+    return [_batch(x) for x in v.split(",") if x.strip()]
+
+
+def _contexts(v: str) -> list[int]:
+    return [_positive(x) for x in v.split(",") if x.strip()]
+
+
 # -- commands -------------------------------------------------------------------------------------
 
 
@@ -139,6 +147,12 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(a: argparse.Namespace) -> int:
+    from mkc.runtime.bench import bench_main
+
+    return bench_main(a)
+
+
 # -- parser ---------------------------------------------------------------------------------------
 
 
@@ -178,6 +192,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     g.add_argument("--json", action="store_true", help='print {"tokens": [...]} (generated ids only)')
     g.set_defaults(fn=cmd_generate)
+
+    b = sub.add_parser("bench", help="decode step time on a GPU: megakernel beside a CUDA-graph PyTorch baseline")
+    b.add_argument("--config", required=True, help="model YAML or checkpoint folder")
+    bw = b.add_mutually_exclusive_group(required=True)
+    bw.add_argument("--checkpoint", help="folder of safetensors files")
+    bw.add_argument("--random-weights", action="store_true", help="random bf16 weights made on the GPU")
+    b.add_argument("--seed", type=int, default=2026)
+    b.add_argument("--batch", type=_batches, default="1,2,4,8", help="comma-separated batch sizes (default 1,2,4,8)")
+    b.add_argument("--context", type=_contexts, default="8192", help="comma-separated contexts (default 8192)")
+    b.add_argument("--reps", type=_positive, default=20, help="timed steps per point (median reported)")
+    b.add_argument("--profile", action="store_true", help="also write a per-task Perfetto trace of a real step")
+    b.add_argument("-o", "--output", default="build/bench", help="folder for bench.json and traces")
+    b.set_defaults(fn=cmd_bench)
 
     try:
         from mkc.runtime.server import add_serve_arguments, serve_main

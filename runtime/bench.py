@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -53,7 +54,6 @@ def measure_read_bandwidth(nbytes: int = 4 << 30, reps: int = 10) -> float:
     """Bytes/s of a torch sum over ``nbytes`` on the current GPU (DESIGN.md's ceiling)."""
     x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
     times = time_cuda(lambda: x.sum(dtype=torch.float32), reps=reps)
-    del x
     return nbytes / statistics.median(times)
 
 
@@ -120,3 +120,126 @@ def format_table(rows: list[Row]) -> str:
 
 def write_json(rows: list[Row], path: str | Path, meta: dict) -> None:
     Path(path).write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1))
+
+
+# -- mkc bench ------------------------------------------------------------------------------------
+
+
+def device_random_weights(spec: ModelSpec, seed: int, device: str = "cuda") -> dict[str, torch.Tensor]:
+    """normal(0, 0.02) bf16 weights (norms 1 + normal(0, 0.05)) made on the device: North Mini
+    Code's 61 GB take seconds on a GPU and would take many minutes on the host."""
+    from mkc.runtime.weights import weight_shapes
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    out = {}
+    for name, shape in weight_shapes(spec).items():
+        x = torch.randn(shape, device=device, dtype=torch.bfloat16, generator=g)
+        out[name] = x.mul_(0.05).add_(1.0) if name.endswith("norm") else x.mul_(0.02)
+    return out
+
+
+def _kv_bytes(spec: ModelSpec, batch: int, context: int) -> int:
+    a = spec.attention
+    return spec.num_layers * batch * a.num_kv_heads * context * a.head_dim * 2 * BF16
+
+
+def run_bench(spec: ModelSpec, weights: dict[str, torch.Tensor], batches: list[int], contexts: list[int], *,
+              reps: int = 20, profile_dir: Path | None = None, log=print) -> list[Row]:
+    """Megakernel and CUDA-graph PyTorch baseline, side by side, per (batch, context)."""
+    from mkc.ir.lower import lower
+    from mkc.runtime.cuda_backend import CudaDecoder
+    from mkc.schedule.scheduler import schedule
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    bw = measure_read_bandwidth()
+    log(f"read bandwidth {bw / 1e12:.2f} TB/s (torch sum over 4 GiB, this run)")
+    rows: list[Row] = []
+    for batch in batches:
+        for context in contexts:
+            free, _ = torch.cuda.mem_get_info()
+            if 2.2 * _kv_bytes(spec, batch, context) > free:
+                log(f"batch {batch} context {context}: skipped, two KV caches of "
+                    f"{_kv_bytes(spec, batch, context) / 1e9:.1f} GB do not fit in {free / 1e9:.1f} GB free")
+                continue
+            tokens = torch.randint(0, spec.vocab_size, (batch,), dtype=torch.int32)
+            positions = torch.full((batch,), context - 1, dtype=torch.int32)
+            sc = schedule(lower(spec, batch, context, sms), spec.name)
+            dec = CudaDecoder(sc, spec, weights)
+            for layer in range(spec.num_layers):
+                for t in dec.kv_cache(layer):
+                    t.normal_()
+            dec.step(tokens, positions)
+            times = time_cuda(dec.launch, reps=reps, warmup=2)
+            dec.check()
+            routed = [dec.buffers[f"L{i}.moe_experts"][dec.buffers[f"L{i}.moe_token_slots"].long()]
+                      for i, ls in enumerate(spec.layers) if ls.mlp == "moe"]
+            nbytes = step_bytes(spec, batch, context, routed)
+            rows.append(row("mkc", batch, context, times, nbytes, bw))
+            if profile_dir is not None:
+                _write_profile(dec, sc, spec, Path(profile_dir) / f"trace-b{batch}-c{context}.json")
+            dec.close()
+            del dec
+            torch.cuda.empty_cache()
+            replay, base = graph_baseline(spec, weights, batch, context)
+            btimes = time_cuda(replay, reps=reps, warmup=2)
+            routed = [r.clone() for r in base.routed]
+            rows.append(row("torch+graph", batch, context, btimes, step_bytes(spec, batch, context, routed), bw))
+            del replay, base
+            torch.cuda.empty_cache()
+            m, b = rows[-2], rows[-1]
+            log(f"batch {batch} context {context}: mkc {m.step_us:.1f} µs ({m.sol_fraction:.1%} SOL), "
+                f"torch+graph {b.step_us:.1f} µs ({b.sol_fraction:.1%} SOL), speed-up {b.step_us / m.step_us:.2f}x")
+    return rows
+
+
+def _write_profile(dec, sc, spec: ModelSpec, path: Path) -> None:
+    """A real step's per-task timeline as a Perfetto trace (same layout as mkc compile's)."""
+    dec.launch(profile=True)
+    dec.check()
+    tl = dec.timeline()
+    events = []
+    for sm in range(len(sc.queues)):
+        events.append({"ph": "M", "name": "thread_name", "pid": 1, "tid": sm, "args": {"name": f"SM {sm}"}})
+    for t in sc.tasks:
+        i = t.id
+        if tl["start"][i] > tl["wait"][i]:
+            events.append({"ph": "X", "name": "wait", "cat": "wait", "pid": 1, "tid": int(tl["sm"][i]),
+                           "ts": float(tl["wait"][i]), "dur": float(tl["start"][i] - tl["wait"][i])})
+        events.append({"ph": "X", "name": t.name, "cat": t.op.name, "pid": 1, "tid": int(tl["sm"][i]),
+                       "ts": float(tl["start"][i]), "dur": max(0.001, float(tl["end"][i] - tl["start"][i])),
+                       "args": {"layer": t.layer, "bytes": t.weight_bytes + t.act_bytes}})
+    events.insert(0, {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "measured step (H200)"}})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ns"}))
+    share: dict[str, float] = {}
+    for t in sc.tasks:
+        share[t.op.name] = share.get(t.op.name, 0.0) + float(tl["end"][t.id] - tl["start"][t.id])
+    total = sum(share.values()) or 1.0
+    lines = [f"{op:<14} {v / total:6.1%}" for op, v in sorted(share.items(), key=lambda kv: -kv[1])]
+    path.with_suffix(".ops.txt").write_text("share of SM-busy time per op\n" + "\n".join(lines) + "\n")
+
+
+def bench_main(a) -> int:
+    from mkc.ir.spec import load_spec
+    from mkc.runtime.cuda_backend import cuda_available
+
+    spec = load_spec(a.config)
+    batches, contexts = a.batch, a.context
+    if not cuda_available():
+        print("mkc: error: bench needs a CUDA GPU and none is usable here: expected an H100/H200 (sm_90a)",
+              file=sys.stderr)
+        return 2
+    if a.checkpoint:
+        from mkc.runtime.weights import load_checkpoint
+
+        weights = {k: v.cuda() for k, v in load_checkpoint(a.checkpoint, spec, torch.bfloat16).items()}
+    else:
+        weights = device_random_weights(spec, a.seed)
+    out = Path(a.output)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = run_bench(spec, weights, batches, contexts, reps=a.reps, profile_dir=out if a.profile else None)
+    print(format_table(rows))
+    write_json(rows, out / "bench.json", {"gpu": torch.cuda.get_device_name(0), "model": spec.name,
+                                          "reps": a.reps, "weights": "checkpoint" if a.checkpoint else "random"})
+    print(f"wrote {out / 'bench.json'}")
+    return 0
