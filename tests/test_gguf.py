@@ -35,7 +35,7 @@ def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_gguf(folder: Path, path: Path, arch: str) -> None:
-    """Convert a tiny transformers checkpoint (llama or qwen3) to GGUF as llama.cpp would:
+    """Convert a tiny transformers checkpoint (llama, qwen3, qwen3moe) to GGUF as llama.cpp would:
     llama.cpp tensor names, Q/K permuted for ``llama``, the embedding in Q8_0, the other
     matrices in Q4_1, norms in F32."""
     from safetensors.torch import load_file
@@ -56,6 +56,10 @@ def write_gguf(folder: Path, path: Path, arch: str) -> None:
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
+    if arch == "qwen3moe":
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
 
     def put(name: str, x: np.ndarray, qtype=None) -> None:
         if qtype is None:
@@ -79,6 +83,12 @@ def write_gguf(folder: Path, path: Path, arch: str) -> None:
             if arch == "llama" and cpp in ("attn_q", "attn_k"):
                 x = llama_cpp_permute(x, cfg.num_attention_heads if cpp == "attn_q" else cfg.num_key_value_heads)
             put(f"blk.{i}.{cpp}.weight", x, None if x.ndim == 1 else Q.Q4_1)
+        X = f"model.layers.{i}.mlp"
+        if f"{X}.gate.weight" in sd:  # experts stacked [E, rows, cols], the router in F32
+            put(f"blk.{i}.ffn_gate_inp.weight", sd[f"{X}.gate.weight"])
+            for proj, cpp in (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"), ("down_proj", "ffn_down_exps")):
+                put(f"blk.{i}.{cpp}.weight", np.stack([sd[f"{X}.experts.{e}.{proj}.weight"]
+                                                       for e in range(cfg.num_experts)]), Q.Q8_0)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -94,7 +104,12 @@ def hf_weights(model, spec) -> dict[str, torch.Tensor]:
     for i in range(spec.num_layers):
         T, P = f"model.layers.{i}", f"L{i}"
         out[f"{P}.w_qkv"] = torch.cat([sd[f"{T}.self_attn.{x}_proj.weight"] for x in "qkv"])
-        out[f"{P}.w_gate_up"] = torch.cat([sd[f"{T}.mlp.gate_proj.weight"], sd[f"{T}.mlp.up_proj.weight"]])
+        if f"{T}.mlp.gate_proj.weight" in sd:
+            out[f"{P}.w_gate_up"] = torch.cat([sd[f"{T}.mlp.gate_proj.weight"], sd[f"{T}.mlp.up_proj.weight"]])
+        else:  # transformers keeps experts fused: gate_up_proj [E, 2I, H], down_proj [E, H, I]
+            out[f"{P}.w_router"] = sd[f"{T}.mlp.gate.weight"]
+            out[f"{P}.w_experts_gate_up"] = sd[f"{T}.mlp.experts.gate_up_proj"]
+            out[f"{P}.w_experts_down"] = sd[f"{T}.mlp.experts.down_proj"]
         for logical, hf in (("attn_norm", "input_layernorm"), ("mlp_norm", "post_attention_layernorm"),
                             ("w_o", "self_attn.o_proj"), ("w_down", "mlp.down_proj"), ("q_norm", "self_attn.q_norm"),
                             ("k_norm", "self_attn.k_norm")):
@@ -115,13 +130,20 @@ def test_unpermute_inverts_llama_cpp():
     assert torch.equal(unpermute_llama_qk(torch.from_numpy(llama_cpp_permute(x, 6)), 6), torch.from_numpy(x))
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+# GGUF architecture → (tests/test_families.py family, shape overrides). transformers' GGUF reader
+# ignores qwen3.attention.key_length and takes Qwen3Config's default head_dim of 128 (every
+# published Qwen3 has it); for qwen3moe it knows neither the expert width (default 768) nor
+# mlp_only_layers: the tiny models get those values.
+TINY_GGUF = {"llama": ("llama", {}),
+             "qwen3": ("qwen3", {"head_dim": 128, "num_attention_heads": 2, "num_key_value_heads": 1}),
+             "qwen3moe": ("qwen3_moe", {"moe_intermediate_size": 768, "mlp_only_layers": [], "num_hidden_layers": 2})}
+
+
+@pytest.fixture(scope="module", params=sorted(TINY_GGUF))
 def tiny_gguf(request, tmp_path_factory):
     arch = request.param
-    # transformers' GGUF reader ignores qwen3.attention.key_length and takes Qwen3Config's default
-    # head_dim of 128 (every published Qwen3 has it): give the tiny Qwen3 that head size
-    shape = {"head_dim": 128, "num_attention_heads": 2, "num_key_value_heads": 1} if arch == "qwen3" else {}
-    folder = build_checkpoint(arch, tmp_path_factory.mktemp(f"{arch}_hf"), **shape)
+    family, shape = TINY_GGUF[arch]
+    folder = build_checkpoint(family, tmp_path_factory.mktemp(f"{arch}_hf"), **shape)
     path = folder / f"tiny-{arch}.Q4_1.gguf"
     write_gguf(folder, path, arch)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=path.name, dtype=torch.float32,
