@@ -12,7 +12,7 @@ constexpr int ATT_DC = HEAD_DIM / 8;           // 16-byte chunks per K/V row
 // Q.K on the tensor cores when the head fits the GEMV tile (k = head_dim, a multiple of 64; the
 // query heads of the group as the 8 columns): the key rows are the A operand, like weight rows.
 constexpr bool ATT_MMA = HEAD_DIM % 64 == 0 && GROUP <= 8;
-constexpr int ATT_QX_BYTES = (8 * (HEAD_DIM + 8) * 2 + 127) / 128 * 128;  // q heads staged as bf16
+constexpr int ATT_QX_BYTES = (8 * (HEAD_DIM + XS_PAD) * 2 + 127) / 128 * 128;  // q heads staged as bf16
 constexpr int ATT_GRED_FLOATS = NUM_WARPS * 4 * 32;                      // GEMV k-split reduction
 constexpr int ATT_KL = NUM_THREADS / ATT_DC;    // key lanes of the P.V phase
 constexpr int ATT_CHUNK = NUM_THREADS;          // keys per pass (one per thread in the Q.K phase)
@@ -41,7 +41,7 @@ __device__ void op_attn_split(const Task& t, unsigned char* smem) {
     const bf16* kc = t.ptr<bf16>(O::k_cache) + row0 * HEAD_DIM;
     const bf16* vc = t.ptr<bf16>(O::v_cache) + row0 * HEAD_DIM;
 
-    bf16* qx = reinterpret_cast<bf16*>(smem);     // [8][HEAD_DIM + 8] q heads, the MMA's B operand
+    bf16* qx = reinterpret_cast<bf16*>(smem);     // [8][HEAD_DIM + XS_PAD] q heads, the MMA's B operand
     float* gred = reinterpret_cast<float*>(smem + ATT_QX_BYTES);  // [ATT_GRED_FLOATS]
     float* qs = gred + ATT_GRED_FLOATS;           // [GROUP][HEAD_DIM], pre-scaled (CUDA-core path)
     float* sc = qs + GROUP * HEAD_DIM;            // [GROUP][ATT_CHUNK] scores, then probabilities

@@ -2,12 +2,13 @@
 // mma), the tokens the B operand (n = 8 columns; tokens >= BATCH are zero), fp32 accumulation.
 //
 // The reduction dimension k is permuted so that every lane loads its A fragment with 16-byte
-// vector loads straight from global memory: lane (g = lane / 4, q = lane % 4) loads 16
-// consecutive elements [64 kb + 16 q, +16) of rows g and g + 8; mma step s of a 64-wide block
-// feeds it words 2s (logical k 2q, 2q+1) and 2s+1 (logical k 2q+8, 2q+9). The B fragment (the
-// activations, staged in shared memory) uses the same permutation, so the dot products are
-// exact sums over all k in a different order. Nothing is reshuffled in memory: weights stay in
-// their checkpoint layout [rows, k].
+// vector loads straight from global memory: lane (g = lane / 4, q = lane % 4) loads elements
+// [64 kb + 8 q, +8) and [64 kb + 32 + 8 q, +8) of rows g and g + 8, so each load instruction
+// reads whole 64-byte runs of 8 rows (full 32-byte sectors); mma step s of the block feeds it
+// words 2s (logical k 2q, 2q+1) and 2s+1 (logical k 2q+8, 2q+9) of those 16 elements. The B
+// fragment (the activations, staged in shared memory) uses the same permutation, so the dot
+// products are exact sums over all k in a different order. Nothing is reshuffled in memory:
+// weights stay in their checkpoint layout [rows, k].
 //
 // Work split: a tile of `rows` rows is 16-row groups (one per warp item); when there are fewer
 // groups than warps, k is split over up to KS warps and reduced through shared memory in a fixed
@@ -21,9 +22,11 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], u32 a0, u32 a1, u32 a2,
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// Shared-memory row stride of the staged activations, in elements: the 16-byte pad makes the 8
-// token rows start in different banks, so B-fragment loads are conflict-free.
-__device__ __forceinline__ int xs_ld(int k) { return k + 8; }
+// Shared-memory row stride of the staged activations, in elements: the 64-byte pad puts rows g
+// and g + 1 in opposite halves of the 128-byte bank window, so each quarter-warp's B-fragment
+// loads (lanes of two rows, 64 contiguous bytes each) are conflict-free.
+constexpr int XS_PAD = 32;
+__device__ __forceinline__ int xs_ld(int k) { return k + XS_PAD; }
 
 // Stage x[:, k0:k0+k] (bf16 [nrows, x_ld]) into shared memory as the 8 columns of the B operand
 // (columns >= nrows zero): the tokens of a GEMV, or the query heads of an attention tile.
@@ -58,9 +61,9 @@ __device__ __forceinline__ void gemv_load(uint4 (&wv)[U][NACC][2][2], const bf16
 #pragma unroll
         for (int a = 0; a < NACC; ++a) {
             wv[u][a][0][0] = (in && v0) ? ld_rows16<NC>(w0[a] + k) : zero4();
-            wv[u][a][0][1] = (in && v0) ? ld_rows16<NC>(w0[a] + k + 8) : zero4();
+            wv[u][a][0][1] = (in && v0) ? ld_rows16<NC>(w0[a] + k + 32) : zero4();
             wv[u][a][1][0] = (in && v1) ? ld_rows16<NC>(w1[a] + k) : zero4();
-            wv[u][a][1][1] = (in && v1) ? ld_rows16<NC>(w1[a] + k + 8) : zero4();
+            wv[u][a][1][1] = (in && v1) ? ld_rows16<NC>(w1[a] + k + 32) : zero4();
         }
     }
 }
@@ -74,7 +77,7 @@ __device__ __forceinline__ void gemv_mma(const uint4 (&wv)[U][NACC][2][2], const
         const int kbu = kb + u * kb_step;
         if (kbu < kb_end) {
             const int k = kbu * 64;
-            const uint4 xa = lds16(xrow + k), xb = lds16(xrow + k + 8);
+            const uint4 xa = lds16(xrow + k), xb = lds16(xrow + k + 32);
             const u32 xw[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
 #pragma unroll
             for (int a = 0; a < NACC; ++a) {
@@ -123,7 +126,7 @@ __device__ __forceinline__ void gemv_tile(const bf16* const (&w)[NACC], int w_ld
     const int groups = (rows + 15) / 16, blocks = k / 64;
     int ks = 1;
     while (ks * 2 * groups <= NUM_WARPS && ks * 2 <= blocks) ks *= 2;
-    const bf16* xrow = xs + g * xs_ld(k) + q * 16;
+    const bf16* xrow = xs + g * xs_ld(k) + q * 8;
     if (ks == 1) {
         for (int grp = warp; grp < groups; grp += NUM_WARPS) {
             const int r0 = grp * 16 + g, r1 = r0 + 8;
@@ -131,8 +134,8 @@ __device__ __forceinline__ void gemv_tile(const bf16* const (&w)[NACC], int w_ld
             const bf16* w1[NACC];
 #pragma unroll
             for (int a = 0; a < NACC; ++a) {
-                w0[a] = w[a] + (size_t)r0 * w_ld + q * 16;
-                w1[a] = w[a] + (size_t)r1 * w_ld + q * 16;
+                w0[a] = w[a] + (size_t)r0 * w_ld + q * 8;
+                w1[a] = w[a] + (size_t)r1 * w_ld + q * 8;
             }
             float acc[NACC][4] = {};
             gemv_item<NACC, NC>(w0, w1, r0 < rows, r1 < rows, xrow, 0, 1, blocks, acc);
@@ -149,8 +152,8 @@ __device__ __forceinline__ void gemv_tile(const bf16* const (&w)[NACC], int w_ld
         const bf16* w1[NACC];
 #pragma unroll
         for (int a = 0; a < NACC; ++a) {
-            w0[a] = w[a] + (size_t)r0 * w_ld + q * 16;
-            w1[a] = w[a] + (size_t)r1 * w_ld + q * 16;
+            w0[a] = w[a] + (size_t)r0 * w_ld + q * 8;
+            w1[a] = w[a] + (size_t)r1 * w_ld + q * 8;
         }
         gemv_item<NACC, NC>(w0, w1, r0 < rows, r1 < rows, xrow, part, ks, blocks, acc);
         if (part != 0) {

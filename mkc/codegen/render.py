@@ -79,7 +79,7 @@ class KernelConfig:
 
     @property
     def gemv_xs_bytes(self) -> int:
-        return _round(8 * (self.gemv_max_k + 8) * 2, 128)
+        return _round(8 * (self.gemv_max_k + 32) * 2, 128)  # gemv.cuh: xs_ld = k + XS_PAD
 
     @property
     def smem_bytes(self) -> int:
@@ -87,7 +87,7 @@ class KernelConfig:
         f = 4
         gemv = self.gemv_xs_bytes + self.warps * 2 * 4 * 32 * f
         kl = self.threads // (self.head_dim // 8)
-        qx = _round(8 * (self.head_dim + 8) * 2, 128)
+        qx = _round(8 * (self.head_dim + 32) * 2, 128)
         attn = qx + (self.warps * 4 * 32 + self.group * self.head_dim + self.group * self.threads
                      + kl * self.head_dim + 3 * self.group) * f
         combine = self.batch * self.group * self.max_splits * f
