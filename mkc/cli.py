@@ -175,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.set_defaults(fn=cmd_check)
 
     h = sub.add_parser("import-hf", help="write the YAML equivalent of a Hugging Face config.json")
-    h.add_argument("config", help="config.json or checkpoint folder")
+    h.add_argument("config", help="config.json, checkpoint folder, or .gguf file")
     h.add_argument("-o", "--output", help="YAML file to write (default: stdout)")
     h.add_argument("--name", help="model name to use in the YAML")
     h.set_defaults(fn=cmd_import_hf)
