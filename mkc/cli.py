@@ -139,7 +139,10 @@ def cmd_generate(a: argparse.Namespace) -> int:
     bad = [i for i in a.prompt_ids if i >= spec.vocab_size]
     if bad:
         raise UsageError(f"--prompt-ids: {bad[0]} is outside the vocabulary: expected ids < {spec.vocab_size}")
-    tokens = greedy_generate(spec, weights, a.prompt_ids, a.max_new_tokens, dtype=dtype, backend=a.backend)
+    try:
+        tokens = greedy_generate(spec, weights, a.prompt_ids, a.max_new_tokens, dtype=dtype, backend=a.backend)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     if a.json:
         print(json.dumps({"tokens": tokens}))
     else:

@@ -10,14 +10,14 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from mkc.runtime.reference import DenseReference
 
 from mkc.ir.lower import lower
 from mkc.ir.spec import ModelSpec
+from mkc.runtime.reference import DenseReference
 from mkc.schedule.executor import CpuExecutor
 from mkc.schedule.scheduler import schedule
 
-BACKENDS = ("cpu", "reference")
+BACKENDS = ("cpu", "cuda", "reference")
 MIN_CONTEXT = 64
 
 
@@ -43,8 +43,7 @@ def _single_thread():
 
 def _check(spec: ModelSpec, prompts: list[list[int]], max_new_tokens: int, backend: str) -> None:
     if backend not in BACKENDS:
-        hint = " (the GPU runtime is not wired into greedy generation yet)" if backend == "cuda" else ""
-        raise ValueError(f"backend {backend!r}: expected one of {list(BACKENDS)}{hint}")
+        raise ValueError(f"backend {backend!r}: expected one of {list(BACKENDS)}")
     if not 1 <= len(prompts) <= 8:
         raise ValueError(f"{len(prompts)} prompts: expected 1 to 8 (the batch sizes the lowering supports)")
     if max_new_tokens < 1:
@@ -82,6 +81,8 @@ def greedy_generate_batch(spec: ModelSpec, weights: dict[str, torch.Tensor], pro
         def run(tokens: list[int], pos: int, i: int) -> list[int]:
             _, nxt = ex.step(tokens, [pos] * B, seed=None if seed is None else seed + i)
             return nxt.tolist()
+    elif backend == "cuda":
+        run = _cuda_runner(spec, weights, B, ctx)
     else:
         ref = DenseReference(spec, weights)
 
@@ -102,6 +103,23 @@ def greedy_generate_batch(spec: ModelSpec, weights: dict[str, torch.Tensor], pro
     return out
 
 
+def _cuda_runner(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context: int):
+    """The megakernel for (batch, context) on the current GPU, one CTA per SM (bf16 weights)."""
+    from mkc.runtime.cuda_backend import CudaDecoder, cuda_available
+
+    if not cuda_available():
+        raise ValueError("backend 'cuda': no usable CUDA GPU here: expected an H100/H200 (sm_90a)")
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    sc = schedule(lower(spec, batch, context, sms), spec.name)
+    dec = CudaDecoder(sc, spec, {k: v.to("cuda", torch.bfloat16) for k, v in weights.items()})
+
+    def run(tokens: list[int], pos: int, i: int) -> list[int]:
+        _, nxt = dec.step(tokens, [pos] * batch)
+        return nxt.tolist()
+
+    return run
+
+
 def greedy_generate(spec: ModelSpec, weights: dict[str, torch.Tensor], prompt_ids: list[int], max_new_tokens: int,
                     *, dtype: torch.dtype = torch.float32, backend: str = "cpu", context: int | None = None,
                     num_sms: int = 8, seed: int | None = None, poison_weights: bool = True) -> list[int]:
@@ -109,7 +127,8 @@ def greedy_generate(spec: ModelSpec, weights: dict[str, torch.Tensor], prompt_id
 
     Compiles for batch 1 and a context bucket (the next power of two >= prompt + new tokens, at
     least 64) unless ``context`` is given, then runs every token through the CPU executor
-    (``backend="cpu"``) or the dense reference (``backend="reference"``).
+    (``backend="cpu"``), the megakernel on the GPU (``backend="cuda"``, bf16) or the dense
+    reference (``backend="reference"``).
     """
     return greedy_generate_batch(spec, weights, [list(prompt_ids)], max_new_tokens, dtype=dtype, backend=backend,
                                  context=context or context_bucket(len(prompt_ids) + max_new_tokens),
