@@ -81,8 +81,9 @@ def test_moe_slots_cover_batch_times_top_k(tiny):
 
 
 def test_tiling_rule():
-    assert row_tile(6144, 4096, 1, 132, boundary=128) == 64  # QKV: wgmma-sized, inside one head
-    assert row_tile(262144, 4096, 1, 132) % 64 == 0
+    assert row_tile(6144, 4096, 1, 132, boundary=128) == 64  # QKV: one wave, inside one head
+    assert row_tile(262144, 4096, 1, 132) % 16 == 0  # mma m16 rows
+    assert row_tile(128, 4096, 1, 132) == 16  # the router: 8 tasks of 64 KiB, not 2 of 256 KiB
     assert row_tile(96, 256, 1, 8, 32) == 96  # tiny op: one task (min bytes per task)
 
 

@@ -6,9 +6,9 @@ One rule for every model, stated here and in docs/tiling.md:
   at batch 1) is split into about ``num_sms`` tasks, so one wave of tasks covers every SM; but no
   task streams less than ``MIN_TASK_BYTES`` (a task costs ~1 µs of counter traffic, which must
   stay small next to its stream: 32 KiB at ~30 GB/s per SM is ~1 µs).
-* Tile rows are a multiple of ``ROW_ALIGN`` (64: the swap-AB ``wgmma m64nNk16`` tile) where the
-  op has that many rows, and never straddle a natural boundary (a head for QKV), so that
-  dependencies can be as fine as the math allows.
+* Tile rows are a multiple of ``ROW_ALIGN`` (16: the swap-AB ``mma m16n8k16`` warp tile the GEMV
+  device function uses) where the op has that many rows, and never straddle a natural boundary
+  (a head for QKV), so that dependencies can be as fine as the math allows.
 * Attention is split along the keys (flash-decoding) so that the attention tasks of one layer
   fill about one wave, with at least ``MIN_ATTN_KEYS`` keys per split.
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 
 MIN_TASK_BYTES = 32 * 1024
-ROW_ALIGN = 64
+ROW_ALIGN = 16
 MIN_ATTN_KEYS = 64
 KEY_ALIGN = 64
 
@@ -44,8 +44,8 @@ def row_tile(rows: int, row_bytes: int, instances: int, num_sms: int, boundary: 
     align = _align_for(rows, boundary)
     tile = max(align, math.ceil(tile / align) * align)
     if tile < boundary:
-        while boundary % tile:  # shrink to a divisor of the boundary
-            tile -= align
+        while boundary % tile:  # grow to a divisor of the boundary: never more tasks than wanted
+            tile += align
     else:
         tile = math.ceil(tile / boundary) * boundary
     return min(tile, rows)

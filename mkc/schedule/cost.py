@@ -4,6 +4,13 @@ The ceilings are the measured numbers of DESIGN.md (H200, 132 SMs, 2026-11-29). 
 streams at once each gets an equal share of HBM bandwidth, so a task's streaming time is its bytes
 over (bandwidth / num_sms). A task's weights are immutable, so up to ``PREFETCH_BYTES`` of them
 are loaded before its wait completes ("prefetch before wait").
+
+Every task also pays a fixed time that does not depend on its bytes: the counter hand-off, staging
+its inputs, reductions, dependent reads of the routing. ``OP_FIXED_US`` holds it per opcode, as
+measured from per-task timelines of the megakernel (``mkc bench --profile``; H200, batch 1,
+context 8192, 2026-11-29 20:06 UTC: a task's run time minus its bytes at the per-SM bandwidth).
+Small ops on the critical chain (top-k, combine, norm) are dominated by it, so without it the
+scheduler would queue the attention chain behind bulky expert tiles.
 """
 
 from __future__ import annotations
@@ -25,6 +32,18 @@ class Ceilings:
 
 
 H200 = Ceilings()
+
+# fixed time per task (µs) beyond its bytes, measured (see the module docstring); others: 1 µs
+OP_FIXED_US: dict[str, float] = {
+    "RMSNORM": 3.0,
+    "TOPK": 8.0,
+    "ROPE_APPEND": 4.0,
+    "ATTN_SPLIT": 6.0,
+    "ATTN_COMBINE": 7.0,
+    "EXPERT_SWIGLU": 2.0,
+    "EXPERT_DOWN": 3.0,
+}
+DEFAULT_FIXED_US = 1.0
 PREFETCH_BYTES = 96 * 1024  # shared-memory ring a task may fill before its inputs are ready
 
 
@@ -32,7 +51,8 @@ def task_time(t: Task, num_sms: int, c: Ceilings = H200) -> float:
     """Seconds for task t on one SM while all num_sms SMs stream."""
     per_sm_bw = c.read_bw / max(num_sms, 1)
     per_sm_flops = c.tensor_flops / c.sms
-    return max((t.weight_bytes + t.act_bytes) / per_sm_bw, t.flops / per_sm_flops) + c.task_overhead
+    fixed = OP_FIXED_US.get(t.op.name, DEFAULT_FIXED_US) * 1e-6
+    return max((t.weight_bytes + t.act_bytes) / per_sm_bw, t.flops / per_sm_flops) + fixed
 
 
 def prefetchable_time(t: Task, num_sms: int, c: Ceilings = H200) -> float:
