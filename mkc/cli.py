@@ -159,6 +159,15 @@ def cmd_bench(a: argparse.Namespace) -> int:
 # -- parser ---------------------------------------------------------------------------------------
 
 
+def _model_arguments(p: argparse.ArgumentParser, *, seed: int) -> None:
+    """--config and where the weights come from (a checkpoint, or random with a seed)."""
+    p.add_argument("--config", required=True, help="model YAML, checkpoint folder, or .gguf file")
+    w = p.add_mutually_exclusive_group(required=True)
+    w.add_argument("--checkpoint", help="safetensors folder (transformers tensor names) or .gguf file")
+    w.add_argument("--random-weights", action="store_true", help="random weights (see --seed)")
+    p.add_argument("--seed", type=int, default=seed, help=f"seed of the random weights (default {seed})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mkc", description="Compile an LLM decode step into one persistent GPU kernel.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -184,11 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     h.set_defaults(fn=cmd_import_hf)
 
     g = sub.add_parser("generate", help="greedy decoding through the compiled schedule")
-    g.add_argument("--config", required=True, help="model YAML or checkpoint folder")
-    w = g.add_mutually_exclusive_group(required=True)
-    w.add_argument("--checkpoint", help="folder of safetensors files (transformers tensor names)")
-    w.add_argument("--random-weights", action="store_true", help="random weights (see --seed)")
-    g.add_argument("--seed", type=int, default=0)
+    _model_arguments(g, seed=0)
     g.add_argument("--prompt-ids", type=_ids, required=True, help="comma-separated token ids")
     g.add_argument("--max-new-tokens", type=_positive, default=16)
     g.add_argument("--backend", choices=("cpu", "cuda"), default="cpu")
@@ -197,11 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(fn=cmd_generate)
 
     b = sub.add_parser("bench", help="decode step time on a GPU: megakernel beside a CUDA-graph PyTorch baseline")
-    b.add_argument("--config", required=True, help="model YAML or checkpoint folder")
-    bw = b.add_mutually_exclusive_group(required=True)
-    bw.add_argument("--checkpoint", help="folder of safetensors files")
-    bw.add_argument("--random-weights", action="store_true", help="random bf16 weights made on the GPU")
-    b.add_argument("--seed", type=int, default=2026)
+    _model_arguments(b, seed=2026)
     b.add_argument("--batch", type=_batches, default="1,2,4,8", help="comma-separated batch sizes (default 1,2,4,8)")
     b.add_argument("--context", type=_contexts, default="8192", help="comma-separated contexts (default 8192)")
     b.add_argument("--reps", type=_positive, default=20, help="timed steps per point (median reported)")
