@@ -29,7 +29,10 @@ MKC_WATCHDOG_MS = EnvVar("MKC_WATCHDOG_MS", "2000",
 CUDA_HOME = EnvVar("CUDA_HOME", "/usr/local/cuda",
                    "CUDA toolkit root: header fallback when the NVIDIA wheels are absent; cuobjdump")
 
-ALL: tuple[EnvVar, ...] = (MKC_CACHE_DIR, MKC_WATCHDOG_MS, CUDA_HOME)
+MKC_TEST_SERVE_BACKEND = EnvVar("MKC_TEST_SERVE_BACKEND", "cpu",
+                                "backend the server tests start (cpu anywhere; cuda on an H100/H200)")
+
+ALL: tuple[EnvVar, ...] = (MKC_CACHE_DIR, MKC_WATCHDOG_MS, CUDA_HOME, MKC_TEST_SERVE_BACKEND)
 
 
 def cache_dir() -> Path:

@@ -23,11 +23,14 @@ import openai
 import pytest
 import torch
 
+from mkc import settings
 from mkc.runtime.tool_calls import parse_tool_calls
 
 ROOT = Path(__file__).resolve().parents[1]
 CONTEXT = 256
 MODEL = "tiny"
+# cpu everywhere; MKC_TEST_SERVE_BACKEND=cuda runs the same client tests against the megakernel
+BACKEND = settings.MKC_TEST_SERVE_BACKEND.get()
 
 
 def _free_port() -> int:
@@ -43,7 +46,7 @@ def _serve(log_dir: Path, *args: str):
     log_path = log_dir / "server.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "mkc.runtime.server", *args, "--backend", "cpu", "--host", "127.0.0.1",
+            [sys.executable, "-m", "mkc.runtime.server", *args, "--backend", BACKEND, "--host", "127.0.0.1",
              "--port", str(port), "--max-batch", "8", "--context", str(CONTEXT), "--log-level", "warning"],
             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         try:
