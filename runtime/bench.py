@@ -175,6 +175,10 @@ def run_bench(spec: ModelSpec, weights: dict[str, torch.Tensor], batches: list[i
                       for i, ls in enumerate(spec.layers) if ls.mlp == "moe"]
             nbytes = step_bytes(spec, batch, context, routed)
             rows.append(row("mkc", batch, context, times, nbytes, bw))
+            art = dec.artifact
+            log(f"batch {batch}: kernel {art.name}: {art.regs} registers/thread, {art.dynamic_smem} B dynamic + "
+                f"{art.smem} B static shared memory per CTA, {dec.launch_config.threads} threads, "
+                f"grid {dec.launch_config.grid}")
             if profile_dir is not None:
                 _write_profile(dec, sc, spec, Path(profile_dir) / f"trace-b{batch}-c{context}.json")
             dec.close()

@@ -66,6 +66,16 @@ __device__ void op_attn_split(const Task& t, unsigned char* smem) {
 
     for (int c0 = lo; c0 < hi; c0 += ATT_CHUNK) {
         const int n = min(ATT_CHUNK, hi - c0);
+        // ask L2 for the next chunk's K and V rows while this one is processed (the first chunk was
+        // prefetched before the wait)
+        if (c0 + ATT_CHUNK < hi && tid < 2 * ATT_CHUNK * HEAD_DIM * 2 / 4096) {
+            const int half = ATT_CHUNK * HEAD_DIM * 2 / 4096;  // 4 KB pieces of one chunk of K (or V)
+            const int nb = min(ATT_CHUNK, hi - c0 - ATT_CHUNK) * HEAD_DIM * 2;  // bytes of the next chunk
+            const int off = (tid % half) * 4096;
+            if (off < nb)
+                prefetch_l2(reinterpret_cast<const char*>((tid < half ? kc : vc) + (size_t)(c0 + ATT_CHUNK) * HEAD_DIM) + off,
+                            (u32)min(4096, nb - off));
+        }
         if constexpr (ATT_MMA) {  // scores on the tensor cores: key rows x the group's query heads
             const bf16* const kw[1] = {kc + (size_t)c0 * HEAD_DIM};
             auto epi = [&](int r0, float (&acc)[1][4]) {
@@ -122,7 +132,7 @@ __device__ void op_attn_split(const Task& t, unsigned char* smem) {
 #pragma unroll
             for (int e = 0; e < 8; ++e) o[h][e] *= a;
         }
-#pragma unroll 4
+#pragma unroll 8
         for (int j = kl; j < n; j += ATT_KL) {
             float vf[8];
             unpack8(ld_act16(vc + (size_t)(c0 + j) * HEAD_DIM + dc * 8), vf);
@@ -160,6 +170,9 @@ __device__ void op_attn_split(const Task& t, unsigned char* smem) {
 }
 
 // attn[b, heads of group g] = sum_s o_s exp(m_s - M) / sum_s l_s exp(m_s - M), for every sequence.
+// One warp per (sequence, head) reads each split's (m, l) once (online max / sum per lane, then
+// across the warp); the sum runs split by split over compile-time items per thread, so the loads
+// of several splits and items are in flight together.
 __device__ void op_attn_combine(const Task& t, unsigned char* smem) {
     using O = OPND_ATTN_COMBINE;
     using A = ARG_ATTN_COMBINE;
@@ -167,47 +180,69 @@ __device__ void op_attn_combine(const Task& t, unsigned char* smem) {
     const int kv_heads = t.dim(O::part_o, 4);
     const float* po = t.ptr<float>(O::part_o);
     const float* pml = t.ptr<float>(O::part_ml);
-    float* coef = reinterpret_cast<float*>(smem);  // [BATCH][GROUP][splits]
+    float* coef = reinterpret_cast<float*>(smem);  // [BATCH][GROUP][splits]: m_s, then the weights
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    for (int i = warp; i < BATCH * GROUP; i += NUM_WARPS) {  // one warp per (sequence, head)
+    for (int i = warp; i < BATCH * GROUP; i += NUM_WARPS) {
         const int b = i / GROUP, h = i % GROUP;
         const float* ml = pml + (((size_t)b * kv_heads + g) * splits * GROUP + h) * 2;
-        float m = -INFINITY;
-        for (int s = lane; s < splits; s += 32) m = fmaxf(m, ld_act_f32(ml + (size_t)s * GROUP * 2));
-        m = warp_max(m);
-        float l = 0.f;
+        float m_lane = -INFINITY, l_lane = 0.f;
+#pragma unroll 4
         for (int s = lane; s < splits; s += 32) {
-            const float ms = ld_act_f32(ml + (size_t)s * GROUP * 2);
-            const float c = ms == -INFINITY ? 0.f : __expf(ms - m);
-            coef[i * splits + s] = c;
-            l += c * ld_act_f32(ml + (size_t)s * GROUP * 2 + 1);
+            const float2 v = __ldcg(reinterpret_cast<const float2*>(ml + (size_t)s * GROUP * 2));
+            coef[i * splits + s] = v.x;
+            if (v.x != -INFINITY) {  // an empty split (m = -inf, l = 0) weighs nothing
+                const float mn = fmaxf(m_lane, v.x);
+                l_lane = l_lane * __expf(m_lane - mn) + v.y * __expf(v.x - mn);
+                m_lane = mn;
+            }
         }
-        l = warp_sum(l);
+        const float m = warp_max(m_lane);
+        const float l = warp_sum(m_lane == -INFINITY ? 0.f : l_lane * __expf(m_lane - m));
         const float inv = 1.f / l;
         __syncwarp();
-        for (int s = lane; s < splits; s += 32) coef[i * splits + s] *= inv;
+        for (int s = lane; s < splits; s += 32) {
+            const float ms = coef[i * splits + s];
+            coef[i * splits + s] = ms == -INFINITY ? 0.f : __expf(ms - m) * inv;
+        }
     }
     __syncthreads();
     bf16* out = t.ptr<bf16>(O::out);
     const int out_ld = t.dim(O::out, 1);
     constexpr int QUADS = GROUP * HEAD_DIM / 4;  // 16-byte pieces of one sequence's output
-    for (int i = threadIdx.x; i < BATCH * QUADS; i += NUM_THREADS) {
+    constexpr int ITEMS = (BATCH * QUADS + NUM_THREADS - 1) / NUM_THREADS;
+    constexpr int SPLIT_UNROLL = ITEMS >= 4 ? 2 : 8 / ITEMS;
+    const float4* src[ITEMS];
+    const float* cf[ITEMS];
+    float4 acc[ITEMS];
+#pragma unroll
+    for (int j = 0; j < ITEMS; ++j) {
+        const int i = min((int)threadIdx.x + j * NUM_THREADS, BATCH * QUADS - 1);  // clamped: stored only if valid
         const int b = i / QUADS, hd = (i % QUADS) * 4, h = hd / HEAD_DIM;
-        const float4* src = reinterpret_cast<const float4*>(po + ((size_t)b * kv_heads + g) * splits * GROUP * HEAD_DIM + hd);
-        const float* c = coef + (b * GROUP + h) * splits;
-        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 8
-        for (int s = 0; s < splits; ++s) {
-            const float4 v = __ldcg(src + (size_t)s * (GROUP * HEAD_DIM / 4));
-            const float cs = c[s];
-            acc.x += cs * v.x;
-            acc.y += cs * v.y;
-            acc.z += cs * v.z;
-            acc.w += cs * v.w;
+        src[j] = reinterpret_cast<const float4*>(po + ((size_t)b * kv_heads + g) * splits * GROUP * HEAD_DIM + hd);
+        cf[j] = coef + (b * GROUP + h) * splits;
+        acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll SPLIT_UNROLL
+    for (int s = 0; s < splits; ++s) {
+#pragma unroll
+        for (int j = 0; j < ITEMS; ++j) {
+            const float4 v = __ldcg(src[j] + (size_t)s * (GROUP * HEAD_DIM / 4));
+            const float cs = cf[j][s];
+            acc[j].x += cs * v.x;
+            acc[j].y += cs * v.y;
+            acc[j].z += cs * v.z;
+            acc[j].w += cs * v.w;
         }
-        uint2 o;
-        o.x = pack_bf16x2(acc.x, acc.y);
-        o.y = pack_bf16x2(acc.z, acc.w);
-        *reinterpret_cast<uint2*>(out + (size_t)b * out_ld + (size_t)g * GROUP * HEAD_DIM + hd) = o;
+    }
+#pragma unroll
+    for (int j = 0; j < ITEMS; ++j) {
+        const int i = threadIdx.x + j * NUM_THREADS;
+        if (i < BATCH * QUADS) {
+            const int b = i / QUADS, hd = (i % QUADS) * 4;
+            uint2 o;
+            o.x = pack_bf16x2(acc[j].x, acc[j].y);
+            o.y = pack_bf16x2(acc[j].z, acc[j].w);
+            *reinterpret_cast<uint2*>(out + (size_t)b * out_ld + (size_t)g * GROUP * HEAD_DIM + hd) = o;
+        }
     }
 }

@@ -83,6 +83,30 @@ __device__ __forceinline__ void prefetch_l2(const void* p, u32 bytes) {
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
 }
 
+// Plain L2 prefetch of the 128-byte line holding p (an LSU hint, never a fault).
+__device__ __forceinline__ void prefetch_line_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
+// 4-byte asynchronous copy global -> shared (completes at cp_async_wait_all of the issuing thread).
+__device__ __forceinline__ void cp_async4(void* smem_dst, const void* gsrc) {
+    const u32 d = (u32)__cvta_generic_to_shared(smem_dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(gsrc) : "memory");
+}
+
+// 16-byte asynchronous copy global -> shared (both 16-byte aligned).
+__device__ __forceinline__ void cp_async16(void* smem_dst, const void* gsrc) {
+    const u32 d = (u32)__cvta_generic_to_shared(smem_dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(gsrc) : "memory");
+}
+
+__device__ __forceinline__ void cp_async16_ca(void* smem_dst, const void* gsrc) {
+    const u32 d = (u32)__cvta_generic_to_shared(smem_dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" ::"r"(d), "l"(gsrc) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
 // ---- counters ------------------------------------------------------------------------------------
 
 __device__ __forceinline__ u32 ld_acquire_gpu(const u32* p) {
@@ -147,14 +171,20 @@ struct BufDesc {
     int dtype;            // DT_BF16 | DT_F32 | DT_I32
 };
 
+constexpr int MAX_OPERANDS = W_ARGS - W_OPERANDS;
+static_assert(sizeof(BufDesc) == 32, "BufDesc layout is shared with mkc/codegen/taskwords.py");
+
 struct Task {
     const int* w;            // this task's record (shared-memory copy)
-    const BufDesc* bufs;     // the buffer table
+    const BufDesc* d;        // its operands' buffer descriptors by role (shared-memory copy; absent: garbage)
+    const BufDesc* bufs;     // the global buffer table (DESC_MODE 0)
 
     __device__ __forceinline__ int op() const { return w[W_OP]; }
     __device__ __forceinline__ int arg(int i) const { return w[W_ARGS + i]; }
     __device__ __forceinline__ bool has(int operand) const { return w[W_OPERANDS + operand] >= 0; }
-    __device__ __forceinline__ const BufDesc& buf(int operand) const { return bufs[w[W_OPERANDS + operand]]; }
+    __device__ __forceinline__ const BufDesc& buf(int operand) const {
+        return DESC_MODE == 0 ? bufs[w[W_OPERANDS + operand]] : d[operand];
+    }
     template <class T>
     __device__ __forceinline__ T* ptr(int operand) const {
         return has(operand) ? reinterpret_cast<T*>(buf(operand).ptr) : nullptr;

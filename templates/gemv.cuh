@@ -93,68 +93,132 @@ __device__ __forceinline__ void gemv_mma(const uint4 (&wv)[U][NACC][2][2], const
     }
 }
 
+// 64-wide blocks per register batch of a warp item with NACC row sets (two batches are in flight).
+template <int NACC>
+__host__ __device__ constexpr int gemv_batch_blocks() { return GEMV_UNROLL / NACC / 2 > 0 ? GEMV_UNROLL / NACC / 2 : 1; }
+
+// Register batches a warp asks L2 for ahead of its loads (prefetch.global.L2 of the 128-byte line
+// of each row and block; the 4 lanes of a row name the same line, which the LSU merges): with the
+// two batches in registers, ~(2 + GEMV_PF_BATCHES) batches are in flight, so a tile streams at
+// the memory system's rate rather than one batch per memory latency.
+
+template <int U, int NACC>
+__device__ __forceinline__ void gemv_prefetch(const bf16* const (&w0)[NACC], const bf16* const (&w1)[NACC], bool v0,
+                                              bool v1, int kb, int kb_step, int kb_end) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const int kbu = kb + u * kb_step;
+        if (kbu < kb_end) {
+#pragma unroll
+            for (int a = 0; a < NACC; ++a) {
+                if (v0) prefetch_line_l2(w0[a] + kbu * 64);
+                if (v1) prefetch_line_l2(w1[a] + kbu * 64);
+            }
+        }
+    }
+}
+
 // Accumulate one warp item: rows (g, g + 8) of each of the NACC weight row sets over the blocks
 // kb_begin, kb_begin + kb_step, ... < kb_end (64 elements each). Software-pipelined over two
 // register batches of U blocks: the loads of one batch are in flight while the other is
-// multiplied, so the stream never drains between batches.
+// multiplied, so the stream never drains between batches; for weights (NC), L2 prefetches run
+// GEMV_PF_BATCHES batches further ahead (the first 2 + GEMV_PF_BATCHES: gemv_prefetch_head).
 template <int NACC, bool NC = true>
 __device__ __forceinline__ void gemv_item(const bf16* const (&w0)[NACC], const bf16* const (&w1)[NACC], bool v0,
                                           bool v1, const bf16* xrow, int kb_begin, int kb_step, int kb_end,
                                           float (&acc)[NACC][4]) {
-    constexpr int U = GEMV_UNROLL / NACC / 2 > 0 ? GEMV_UNROLL / NACC / 2 : 1;
+    constexpr int U = gemv_batch_blocks<NACC>();
     const int batch = U * kb_step;
     uint4 wa[U][NACC][2][2], wb[U][NACC][2][2];
     gemv_load<U, NACC, NC>(wa, w0, w1, v0, v1, kb_begin, kb_step, kb_end);
     for (int kb = kb_begin; kb < kb_end; kb += 2 * batch) {
         gemv_load<U, NACC, NC>(wb, w0, w1, v0, v1, kb + batch, kb_step, kb_end);
+        if constexpr (NC && GEMV_PF_BATCHES >= 0)
+            gemv_prefetch<U, NACC>(w0, w1, v0, v1, kb + (2 + GEMV_PF_BATCHES) * batch, kb_step, kb_end);
         gemv_mma<U, NACC>(wa, xrow, kb, kb_step, kb_end, acc);
         if (kb + batch >= kb_end) break;
         gemv_load<U, NACC, NC>(wa, w0, w1, v0, v1, kb + 2 * batch, kb_step, kb_end);
+        if constexpr (NC && GEMV_PF_BATCHES >= 0)
+            gemv_prefetch<U, NACC>(w0, w1, v0, v1, kb + (3 + GEMV_PF_BATCHES) * batch, kb_step, kb_end);
         gemv_mma<U, NACC>(wb, xrow, kb + batch, kb_step, kb_end, acc);
     }
 }
 
+// L2 prefetch of the first 2 + GEMV_PF_BATCHES register batches of a warp item (before the
+// activations are staged, so the weight stream and the staging overlap).
+template <int NACC>
+__device__ __forceinline__ void gemv_prefetch_head(const bf16* const (&w0)[NACC], const bf16* const (&w1)[NACC],
+                                                   bool v0, bool v1, int kb_begin, int kb_step, int kb_end) {
+    constexpr int U = gemv_batch_blocks<NACC>();
+#pragma unroll
+    for (int j = 0; j < 2 + GEMV_PF_BATCHES; ++j)
+        gemv_prefetch<U, NACC>(w0, w1, v0, v1, kb_begin + j * U * kb_step, kb_step, kb_end);
+}
+
+// Staging of a GEMV's activations, run by every thread after the first weight prefetches and
+// before the barrier that publishes the staged tile.
+struct NoStage {
+    static constexpr bool active = false;
+    __device__ void operator()() const {}
+};
+template <class F>
+struct Stage {
+    static constexpr bool active = true;
+    F f;
+    __device__ void operator()() const { f(); }
+};
+template <class F>
+__device__ __forceinline__ Stage<F> staging(F f) { return Stage<F>{f}; }
+
 // rows x k tile: w[a] points at element (row 0, k 0) of row set a (row stride w_ld elements); xs
-// is the staged activation tile. For every finished 16-row group the epilogue is called by all
-// 32 lanes of one warp as epi(r0, acc) with acc[a] = {(r0, n), (r0, n + 1), (r0 + 8, n),
-// (r0 + 8, n + 1)} where n = 2 * (lane % 4); r0 may be past `rows` (the epilogue checks).
-// Every thread of the CTA must call this (it may synchronise); `red` holds GEMV_RED_FLOATS.
-template <int NACC, class Epi, bool NC = true>
+// is the activation tile, staged in shared memory by `stage` (after each warp has asked L2 for
+// the head of its first item; then a barrier) or, with NoStage, by the caller before the call.
+// For every finished 16-row group the epilogue is called by all 32 lanes of one warp as
+// epi(r0, acc) with acc[a] = {(r0, n), (r0, n + 1), (r0 + 8, n), (r0 + 8, n + 1)} where
+// n = 2 * (lane % 4); r0 may be past `rows` (the epilogue checks). Every thread of the CTA must
+// call this (it synchronises); `red` holds GEMV_RED_FLOATS.
+template <int NACC, class Epi, bool NC = true, class St = NoStage>
 __device__ __forceinline__ void gemv_tile(const bf16* const (&w)[NACC], int w_ld, int rows, int k, const bf16* xs,
-                                          float* red, Epi epi) {
+                                          float* red, Epi epi, St stage = St{}) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
     const int groups = (rows + 15) / 16, blocks = k / 64;
     int ks = 1;
     while (ks * 2 * groups <= NUM_WARPS && ks * 2 <= blocks) ks *= 2;
     const bf16* xrow = xs + g * xs_ld(k) + q * 8;
+    // this warp's first item: group warp / ks, blocks part, part + ks, ...
+    const int grp = warp / ks, part = warp % ks;
+    const int r0 = grp * 16 + g, r1 = r0 + 8;
+    const bf16* w0[NACC];
+    const bf16* w1[NACC];
+#pragma unroll
+    for (int a = 0; a < NACC; ++a) {
+        w0[a] = w[a] + (size_t)r0 * w_ld + q * 8;
+        w1[a] = w[a] + (size_t)r1 * w_ld + q * 8;
+    }
+    if constexpr (St::active) {
+        if (GEMV_PF_BATCHES >= 0 && grp < groups) gemv_prefetch_head<NACC>(w0, w1, r0 < rows, r1 < rows, part, ks, blocks);
+        stage();
+        __syncthreads();
+    }
     if (ks == 1) {
-        for (int grp = warp; grp < groups; grp += NUM_WARPS) {
-            const int r0 = grp * 16 + g, r1 = r0 + 8;
-            const bf16* w0[NACC];
-            const bf16* w1[NACC];
+        for (int gi = warp; gi < groups; gi += NUM_WARPS) {
+            const int s0 = gi * 16 + g, s1 = s0 + 8;
+            const bf16* u0[NACC];
+            const bf16* u1[NACC];
 #pragma unroll
             for (int a = 0; a < NACC; ++a) {
-                w0[a] = w[a] + (size_t)r0 * w_ld + q * 8;
-                w1[a] = w[a] + (size_t)r1 * w_ld + q * 8;
+                u0[a] = w[a] + (size_t)s0 * w_ld + q * 8;
+                u1[a] = w[a] + (size_t)s1 * w_ld + q * 8;
             }
             float acc[NACC][4] = {};
-            gemv_item<NACC, NC>(w0, w1, r0 < rows, r1 < rows, xrow, 0, 1, blocks, acc);
-            epi(r0, acc);
+            gemv_item<NACC, NC>(u0, u1, s0 < rows, s1 < rows, xrow, 0, 1, blocks, acc);
+            epi(s0, acc);
         }
         return;
     }
     // fewer groups than warps: warp = grp * ks + part, k split over the ks parts
-    const int grp = warp / ks, part = warp % ks;
     float acc[NACC][4] = {};
     if (grp < groups) {
-        const int r0 = grp * 16 + g, r1 = r0 + 8;
-        const bf16* w0[NACC];
-        const bf16* w1[NACC];
-#pragma unroll
-        for (int a = 0; a < NACC; ++a) {
-            w0[a] = w[a] + (size_t)r0 * w_ld + q * 8;
-            w1[a] = w[a] + (size_t)r1 * w_ld + q * 8;
-        }
         gemv_item<NACC, NC>(w0, w1, r0 < rows, r1 < rows, xrow, part, ks, blocks, acc);
         if (part != 0) {
 #pragma unroll

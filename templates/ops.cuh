@@ -4,6 +4,38 @@
 // Shapes come from the buffer table at run time; only model constants are compiled in.
 #pragma once
 
+// ---- prefetch before wait -----------------------------------------------------------------------
+// While warp 0 waits for a task's inputs, the other warps ask L2 for the start of the task's
+// immutable weights (at most PREFETCH_BYTES), so its stream starts as soon as the wait ends.
+// Expert tasks prefetch once they have read the routing (at most RUN_PREFETCH_BYTES); inside a
+// GEMV each warp keeps prefetching its own rows a few batches ahead (gemv.cuh).
+
+// rows x row_elems elements (row stride ld) from w, whole rows up to `budget` bytes, spread over
+// `lanes` threads of which this is `me`.
+__device__ __forceinline__ void prefetch_rows_by(const bf16* w, int rows, int row_elems, int ld, int budget, int me,
+                                                 int lanes) {
+    constexpr int CHUNK = 4096;
+    const int row_bytes = row_elems * 2;
+    rows = min(rows, max(1, budget / row_bytes));
+    if (row_elems == ld) {  // contiguous rows: one range, in 4 KB pieces
+        const long long total = (long long)rows * row_bytes;
+        for (long long off = (long long)me * CHUNK; off < total; off += (long long)lanes * CHUNK)
+            prefetch_l2(reinterpret_cast<const char*>(w) + off, (u32)min((long long)CHUNK, total - off));
+    } else {
+        for (int r = me; r < rows; r += lanes) prefetch_l2(w + (size_t)r * ld, (u32)row_bytes);
+    }
+}
+
+// by the waiting task's warps 1.. (warp 0 polls the counters)
+__device__ __forceinline__ void prefetch_rows(const bf16* w, int rows, int row_elems, int ld, int budget) {
+    prefetch_rows_by(w, rows, row_elems, ld, budget, (int)threadIdx.x - 32, NUM_THREADS - 32);
+}
+
+// by every thread of a running task
+__device__ __forceinline__ void prefetch_rows_all(const bf16* w, int rows, int row_elems, int ld, int budget) {
+    prefetch_rows_by(w, rows, row_elems, ld, budget, (int)threadIdx.x, NUM_THREADS);
+}
+
 __device__ __forceinline__ float silu(float v) { return v / (1.f + expf(-v)); }
 
 __device__ __forceinline__ bf16* gemv_xs(unsigned char* smem) { return reinterpret_cast<bf16*>(smem); }
@@ -11,54 +43,59 @@ __device__ __forceinline__ float* gemv_red(unsigned char* smem) {
     return reinterpret_cast<float*>(smem + GEMV_XS_BYTES);
 }
 
-// x[b, :] = embed[tokens[b], :]
-__device__ void op_embed(const Task& t, unsigned char*) {
+// x[b, :] = embed[tokens[b], :]   (the tokens first, then 16-byte rows with many loads in flight)
+__device__ void op_embed(const Task& t, unsigned char* smem) {
     using O = OPND_EMBED;
-    const int hidden = t.dim(O::embed, 1);
+    const int hidden = t.dim(O::embed, 1), chunks = hidden / 8;
     const bf16* emb = t.ptr<bf16>(O::embed);
-    const int* tokens = t.ptr<int>(O::tokens);
+    int* tok = reinterpret_cast<int*>(smem);  // [BATCH]
+    if (threadIdx.x < BATCH) tok[threadIdx.x] = __ldcg(t.ptr<int>(O::tokens) + threadIdx.x);
+    __syncthreads();
     float* out = t.ptr<float>(O::out);
-    for (int i = threadIdx.x; i < BATCH * hidden; i += NUM_THREADS) {
-        const int b = i / hidden, c = i - b * hidden;
-        const int tok = ld_act_i32(tokens + b);
-        out[i] = __bfloat162float(emb[(size_t)tok * hidden + c]);
+#pragma unroll 4
+    for (int i = threadIdx.x; i < BATCH * chunks; i += NUM_THREADS) {
+        const int b = i / chunks, c = i - b * chunks;
+        float f[8];
+        unpack8(__ldg(reinterpret_cast<const uint4*>(emb + (size_t)tok[b] * hidden) + c), f);
+        float4* o = reinterpret_cast<float4*>(out + (size_t)b * hidden + 8 * c);
+        o[0] = make_float4(f[0], f[1], f[2], f[3]);
+        o[1] = make_float4(f[4], f[5], f[6], f[7]);
     }
 }
 
-// out[b, :] = x[b, :] * rsqrt(mean(x[b]^2) + eps) * w   (x f32, out bf16). The whole CTA works
-// on every token (it sits on the critical path of each layer): 16-byte loads, a block reduction.
+// out[b, :] = x[b, :] * rsqrt(mean(x[b]^2) + eps) * w   (x f32, out bf16). On the critical path of
+// every layer, so one round trip: x and w are loaded into shared memory with every load in flight,
+// one warp per token reduces its row in a fixed order (deterministic), the whole CTA scales.
 __device__ void op_rmsnorm(const Task& t, unsigned char* smem) {
     using O = OPND_RMSNORM;
-    const int hidden = t.dim(O::x, 1), quads = hidden / 4;
-    const float* x = t.ptr<float>(O::x);
-    const bf16* w = t.ptr<bf16>(O::weight);
+    const int hidden = t.dim(O::x, 1), quads = hidden / 4, n = BATCH * quads;
+    const float4* x = reinterpret_cast<const float4*>(t.ptr<float>(O::x));
+    const uint2* w = reinterpret_cast<const uint2*>(t.ptr<bf16>(O::weight));
     bf16* out = t.ptr<bf16>(O::out);
-    float* part = reinterpret_cast<float*>(smem);  // [NUM_WARPS][BATCH], then [BATCH] factors
+    float* factor = reinterpret_cast<float*>(smem);             // [BATCH]
+    uint2* ws = reinterpret_cast<uint2*>(smem + 128);            // [quads] weights
+    float4* xs = reinterpret_cast<float4*>(smem + 128 + (hidden * 2 + 127) / 128 * 128);  // [BATCH][quads]
+#pragma unroll 8
+    for (int i = threadIdx.x; i < n; i += NUM_THREADS) xs[i] = __ldcg(x + i);
+#pragma unroll 2
+    for (int i = threadIdx.x; i < quads; i += NUM_THREADS) ws[i] = __ldg(w + i);
+    __syncthreads();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    float ss[BATCH];
-#pragma unroll
-    for (int b = 0; b < BATCH; ++b) {
-        ss[b] = 0.f;
-        for (int c = threadIdx.x; c < quads; c += NUM_THREADS) {
-            const float4 v = __ldcg(reinterpret_cast<const float4*>(x + (size_t)b * hidden) + c);
-            ss[b] += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+    for (int b = warp; b < BATCH; b += NUM_WARPS) {
+        float ss = 0.f;
+        for (int c = lane; c < quads; c += 32) {
+            const float4 v = xs[b * quads + c];
+            ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
         }
-        ss[b] = warp_sum(ss[b]);
-        if (lane == 0) part[warp * BATCH + b] = ss[b];
+        ss = warp_sum(ss);
+        if (lane == 0) factor[b] = rsqrtf(ss / (float)hidden + NORM_EPS);
     }
     __syncthreads();
-    float* factor = part + NUM_WARPS * BATCH;
-    if (threadIdx.x < BATCH) {
-        float tot = 0.f;
-        for (int i = 0; i < NUM_WARPS; ++i) tot += part[i * BATCH + threadIdx.x];
-        factor[threadIdx.x] = rsqrtf(tot / (float)hidden + NORM_EPS);
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < BATCH * quads; i += NUM_THREADS) {
+    for (int i = threadIdx.x; i < n; i += NUM_THREADS) {
         const int b = i / quads, c = i - b * quads;
         const float r = factor[b];
-        const float4 v = __ldcg(reinterpret_cast<const float4*>(x + (size_t)b * hidden) + c);
-        const uint2 wv = *reinterpret_cast<const uint2*>(w + 4 * c);
+        const float4 v = xs[i];
+        const uint2 wv = ws[c];
         uint2 o;
         o.x = pack_bf16x2(v.x * r * bf_lo(wv.x), v.y * r * bf_hi(wv.x));
         o.y = pack_bf16x2(v.z * r * bf_lo(wv.y), v.w * r * bf_hi(wv.y));
@@ -73,8 +110,9 @@ __device__ void op_linear(const Task& t, unsigned char* smem) {
     const int row0 = t.arg(A::row0), rows = t.arg(A::rows), k0 = t.arg(A::k0), k = t.arg(A::k);
     const int col0 = t.arg(A::col0), slab = t.arg(A::slab);
     bf16* xs = gemv_xs(smem);
-    stage_x(xs, t.ptr<bf16>(O::x), t.dim(O::x, 1), k0, k);
-    __syncthreads();
+    const bf16* x = t.ptr<bf16>(O::x);
+    const int x_ld = t.dim(O::x, 1);
+    const auto stage = staging([&] { stage_x(xs, x, x_ld, k0, k); });
     const int w_ld = t.dim(O::weight, 1);
     const bf16* const w[1] = {t.ptr<bf16>(O::weight) + (size_t)row0 * w_ld + k0};
     const int out_ld = t.dim(O::out, 1);
@@ -83,12 +121,12 @@ __device__ void op_linear(const Task& t, unsigned char* smem) {
         float* out = t.ptr<float>(O::out) + base;
         gemv_tile<1>(w, w_ld, rows, k, xs, gemv_red(smem), [&](int r0, float (&acc)[1][4]) {
             for_fragment(r0, acc[0], rows, [&](int r, int n, float v) { out[(size_t)n * out_ld + r] = v; });
-        });
+        }, stage);
     } else {
         bf16* out = t.ptr<bf16>(O::out) + base;
         gemv_tile<1>(w, w_ld, rows, k, xs, gemv_red(smem), [&](int r0, float (&acc)[1][4]) {
             for_fragment(r0, acc[0], rows, [&](int r, int n, float v) { store_bf16(out + (size_t)n * out_ld + r, v); });
-        });
+        }, stage);
     }
 }
 
@@ -99,8 +137,8 @@ __device__ void op_swiglu(const Task& t, unsigned char* smem) {
     const int row0 = t.arg(A::row0), rows = t.arg(A::rows), up0 = t.arg(A::up_row0), col0 = t.arg(A::col0);
     const int k = t.dim(O::x, 1);
     bf16* xs = gemv_xs(smem);
-    stage_x(xs, t.ptr<bf16>(O::x), k, 0, k);
-    __syncthreads();
+    const bf16* x = t.ptr<bf16>(O::x);
+    const auto stage = staging([&] { stage_x(xs, x, k, 0, k); });
     const int w_ld = t.dim(O::weight, 1);
     const bf16* wb = t.ptr<bf16>(O::weight);
     const bf16* const w[2] = {wb + (size_t)row0 * w_ld, wb + (size_t)up0 * w_ld};
@@ -113,7 +151,7 @@ __device__ void op_swiglu(const Task& t, unsigned char* smem) {
             const int r = r0 + (i >= 2 ? 8 : 0), tok = n + (i & 1);
             if (r < rows && tok < BATCH) store_bf16(out + (size_t)tok * out_ld + r, silu(acc[0][i]) * acc[1][i]);
         }
-    });
+    }, stage);
 }
 
 // h[slot, b, row0 + i] = silu(x . Wg[e, row0 + i]) * (x . Wu[e, row0 + i]), e = experts[slot];
@@ -122,14 +160,18 @@ __device__ void op_expert_swiglu(const Task& t, unsigned char* smem) {
     using O = OPND_EXPERT_SWIGLU;
     using A = ARG_EXPERT_SWIGLU;
     const int slot = t.arg(A::slot), row0 = t.arg(A::row0), rows = t.arg(A::rows);
-    if (slot >= ld_act_i32(t.ptr<int>(O::count))) return;
+    const int count = ld_act_i32(t.ptr<int>(O::count));  // both routing loads in one round trip
     const int e = ld_act_i32(t.ptr<int>(O::experts) + slot);
+    if (slot >= count) return;
     const int k = t.dim(O::x, 1), inter2 = t.dim(O::weight, 2), w_ld = t.dim(O::weight, 1);
-    bf16* xs = gemv_xs(smem);
-    stage_x(xs, t.ptr<bf16>(O::x), k, 0, k);
-    __syncthreads();
     const bf16* we = t.ptr<bf16>(O::weight) + (size_t)e * inter2 * w_ld;
     const bf16* const w[2] = {we + (size_t)row0 * w_ld, we + (size_t)(inter2 / 2 + row0) * w_ld};
+    // the routed expert is known only now: ask L2 for the head of both row sets at once
+    prefetch_rows_all(w[0], rows, k, w_ld, RUN_PREFETCH_BYTES / 2);
+    prefetch_rows_all(w[1], rows, k, w_ld, RUN_PREFETCH_BYTES / 2);
+    bf16* xs = gemv_xs(smem);
+    const bf16* x = t.ptr<bf16>(O::x);
+    const auto stage = staging([&] { stage_x(xs, x, k, 0, k); });
     const int out_ld = t.dim(O::out, 1);
     bf16* out = t.ptr<bf16>(O::out) + (size_t)slot * t.dim(O::out, 2) * out_ld + row0;
     gemv_tile<2>(w, w_ld, rows, k, xs, gemv_red(smem), [&](int r0, float (&acc)[2][4]) {
@@ -139,7 +181,7 @@ __device__ void op_expert_swiglu(const Task& t, unsigned char* smem) {
             const int r = r0 + (i >= 2 ? 8 : 0), tok = n + (i & 1);
             if (r < rows && tok < BATCH) store_bf16(out + (size_t)tok * out_ld + r, silu(acc[0][i]) * acc[1][i]);
         }
-    });
+    }, stage);
 }
 
 // out[slot, b, row0 + i] = weights[slot, b] * (h[slot, b] . Wd[e, row0 + i]); no-op past count
@@ -147,22 +189,28 @@ __device__ void op_expert_down(const Task& t, unsigned char* smem) {
     using O = OPND_EXPERT_DOWN;
     using A = ARG_EXPERT_DOWN;
     const int slot = t.arg(A::slot), row0 = t.arg(A::row0), rows = t.arg(A::rows);
-    if (slot >= ld_act_i32(t.ptr<int>(O::count))) return;
+    const int count = ld_act_i32(t.ptr<int>(O::count));  // both routing loads in one round trip
     const int e = ld_act_i32(t.ptr<int>(O::experts) + slot);
+    // this lane's two tokens' routing weights, loaded before the stream instead of in the epilogue
+    const float* wt = t.ptr<float>(O::weights) + (size_t)slot * t.dim(O::weights, 1);
+    const int n0 = 2 * (threadIdx.x % 4);
+    const float wt0 = n0 < BATCH ? ld_act_f32(wt + n0) : 0.f;
+    const float wt1 = n0 + 1 < BATCH ? ld_act_f32(wt + n0 + 1) : 0.f;
+    if (slot >= count) return;
     const int k = t.dim(O::h, 1), tokens = t.dim(O::h, 2);
-    bf16* xs = gemv_xs(smem);
-    stage_x(xs, t.ptr<bf16>(O::h) + (size_t)slot * tokens * k, k, 0, k);
-    __syncthreads();
     const int w_ld = t.dim(O::weight, 1), w_rows = t.dim(O::weight, 2);
     const bf16* const w[1] = {t.ptr<bf16>(O::weight) + ((size_t)e * w_rows + row0) * w_ld};
-    const float* wt = t.ptr<float>(O::weights) + (size_t)slot * t.dim(O::weights, 1);
+    prefetch_rows_all(w[0], rows, k, w_ld, RUN_PREFETCH_BYTES);
+    bf16* xs = gemv_xs(smem);
+    const bf16* h = t.ptr<bf16>(O::h) + (size_t)slot * tokens * k;
+    const auto stage = staging([&] { stage_x(xs, h, k, 0, k); });
     const int out_ld = t.dim(O::out, 1);
     float* out = t.ptr<float>(O::out) + (size_t)slot * t.dim(O::out, 2) * out_ld + row0;
     gemv_tile<1>(w, w_ld, rows, k, xs, gemv_red(smem), [&](int r0, float (&acc)[1][4]) {
         for_fragment(r0, acc[0], rows, [&](int r, int n, float v) {
-            out[(size_t)n * out_ld + r] = ld_act_f32(wt + n) * v;
+            out[(size_t)n * out_ld + r] = ((n & 1) ? wt1 : wt0) * v;
         });
-    });
+    }, stage);
 }
 
 // logits[b, row0 + i] = LOGIT_SCALE * x[b] . w[row0 + i]; best_*[b, tile] = its arg-max
@@ -172,8 +220,8 @@ __device__ void op_lm_head(const Task& t, unsigned char* smem) {
     const int row0 = t.arg(A::row0), rows = t.arg(A::rows), tile = t.arg(A::tile);
     const int k = t.dim(O::x, 1);
     bf16* xs = gemv_xs(smem);
-    stage_x(xs, t.ptr<bf16>(O::x), k, 0, k);
-    __syncthreads();
+    const bf16* x = t.ptr<bf16>(O::x);
+    const auto stage = staging([&] { stage_x(xs, x, k, 0, k); });
     const int w_ld = t.dim(O::weight, 1);
     const bf16* const w[1] = {t.ptr<bf16>(O::weight) + (size_t)row0 * w_ld};
     const int out_ld = t.dim(O::logits, 1);
@@ -187,7 +235,7 @@ __device__ void op_lm_head(const Task& t, unsigned char* smem) {
             const int j = n & 1;
             if (better(v, row0 + r, bv[j], bi[j])) { bv[j] = v; bi[j] = row0 + r; }
         });
-    });
+    }, stage);
     // reduce over the 8 lanes sharing a token pair, then over warps
 #pragma unroll
     for (int j = 0; j < 2; ++j)
@@ -253,6 +301,9 @@ __device__ __forceinline__ void rope_sincos(int pos, int p, float& sn, float& cs
 // q = rope(qk_norm(q)), k = rope(qk_norm(k)) of KV head g for every sequence; k and v appended at
 // positions[b]. qk-norm (when the task has q_norm / k_norm weights): per-head RMSNorm in float,
 // rounded to bf16, times the bf16 weight, rounded again (as transformers), then RoPE in float.
+constexpr int ROPE_RINV_OFF = 128;  // rope_append's shared memory: positions, qk-norm factors, rows
+constexpr int ROPE_ROWS_OFF = ROPE_RINV_OFF + (BATCH * (GROUP + 1) * 4 + 127) / 128 * 128;
+
 __device__ void op_rope_append(const Task& t, unsigned char* smem) {
     using O = OPND_ROPE_APPEND;
     using A = ARG_ROPE_APPEND;
@@ -262,21 +313,30 @@ __device__ void op_rope_append(const Task& t, unsigned char* smem) {
     const int qkv_ld = t.dim(O::qkv, 1), q_ld = t.dim(O::q, 1);
     const int ctx = t.dim(O::k_cache, 2), kv_heads = t.dim(O::k_cache, 3);
     const int q_heads = q_ld / HEAD_DIM;
-    constexpr int HALF = HEAD_DIM / 2;
+    constexpr int HALF = HEAD_DIM / 2, CH = HEAD_DIM / 8;
     constexpr int ROWS = GROUP + 2;  // GROUP query heads, the key head, the value head
     const bf16* qkv = t.ptr<bf16>(O::qkv);
-    auto src_row = [&](int b, int j) -> const bf16* {
+    // shared memory: positions [BATCH], qk-norm factors [BATCH][GROUP + 1], the rows [BATCH][ROWS][HEAD_DIM]
+    int* pos_s = reinterpret_cast<int*>(smem);
+    float* rinv = reinterpret_cast<float*>(smem + ROPE_RINV_OFF);
+    bf16* rows_s = reinterpret_cast<bf16*>(smem + ROPE_ROWS_OFF);
+    // one round trip: every position and every 16-byte piece of the rows in flight together
+    if (threadIdx.x < BATCH) pos_s[threadIdx.x] = __ldcg(t.ptr<int>(O::positions) + threadIdx.x);
+#pragma unroll 4
+    for (int i = threadIdx.x; i < BATCH * ROWS * CH; i += NUM_THREADS) {
+        const int b = i / (ROWS * CH), j = (i / CH) % ROWS, c = i % CH;
         const int head = j < GROUP ? g * GROUP + j : (j == GROUP ? q_heads + g : q_heads + kv_heads + g);
-        return qkv + (size_t)b * qkv_ld + (size_t)head * HEAD_DIM;
-    };
-    float* rinv = reinterpret_cast<float*>(smem);  // [BATCH][GROUP + 1] qk-norm factors
+        const uint4* src = reinterpret_cast<const uint4*>(qkv + (size_t)b * qkv_ld + (size_t)head * HEAD_DIM);
+        reinterpret_cast<uint4*>(rows_s)[i] = __ldcg(src + c);
+    }
+    __syncthreads();
     if (qk_norm) {
         const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
         for (int r = warp; r < BATCH * (GROUP + 1); r += NUM_WARPS) {
-            const bf16* src = src_row(r / (GROUP + 1), r % (GROUP + 1));
+            const bf16* src = rows_s + ((r / (GROUP + 1)) * ROWS + r % (GROUP + 1)) * HEAD_DIM;
             float ss = 0.f;
             for (int i = lane; i < HEAD_DIM; i += 32) {
-                const float v = ld_act_bf16(src + i);
+                const float v = __bfloat162float(src[i]);
                 ss += v * v;
             }
             ss = warp_sum(ss);
@@ -288,8 +348,8 @@ __device__ void op_rope_append(const Task& t, unsigned char* smem) {
     const bf16* kn = t.ptr<bf16>(O::k_norm);
     for (int i = threadIdx.x; i < BATCH * ROWS * HALF; i += NUM_THREADS) {
         const int b = i / (ROWS * HALF), j = (i / HALF) % ROWS, p = i % HALF;
-        const int pos = ld_act_i32(t.ptr<int>(O::positions) + b);
-        const bf16* src = src_row(b, j);
+        const int pos = pos_s[b];
+        const bf16* src = rows_s + (b * ROWS + j) * HEAD_DIM;
         bf16* dst;
         const size_t cache_row = (((size_t)b * kv_heads + g) * ctx + pos) * HEAD_DIM;
         if (j < GROUP) dst = t.ptr<bf16>(O::q) + (size_t)b * q_ld + (size_t)(g * GROUP + j) * HEAD_DIM;
@@ -297,7 +357,7 @@ __device__ void op_rope_append(const Task& t, unsigned char* smem) {
         else dst = t.ptr<bf16>(O::v_cache) + cache_row;
         const int ia = ROPE_INTERLEAVED ? 2 * p : p;
         const int ib = ROPE_INTERLEAVED ? 2 * p + 1 : p + HALF;
-        float a = ld_act_bf16(src + ia), c = ld_act_bf16(src + ib);
+        float a = __bfloat162float(src[ia]), c = __bfloat162float(src[ib]);
         if (qk_norm && j <= GROUP) {
             const float r = rinv[b * (GROUP + 1) + j];
             const bf16* w = j < GROUP ? qn : kn;
@@ -323,48 +383,59 @@ __device__ void op_rope_append(const Task& t, unsigned char* smem) {
 __device__ void op_topk(const Task& t, unsigned char* smem) {
     using O = OPND_TOPK;
     const int experts_n = t.dim(O::logits, 1), slots = t.dim(O::weights, 2);
-    float* lg = reinterpret_cast<float*>(smem);            // [BATCH][experts] working copy
-    int* used = reinterpret_cast<int*>(lg + BATCH * experts_n);  // [experts] slot + 1, 0 = unused
-    int* sel = used + experts_n;                          // [BATCH][TOP_K]
-    float* selw = reinterpret_cast<float*>(sel + BATCH * TOP_K);  // [BATCH][TOP_K]
-    float* wsm = selw + BATCH * TOP_K;                    // [slots][BATCH]
+    float* lg = reinterpret_cast<float*>(smem);                   // [BATCH][experts] logits (NaN as -inf)
+    int* used = reinterpret_cast<int*>(lg + BATCH * experts_n);   // [experts] slot + 1, 0 = unused
+    int* sel = used + experts_n;                                  // [BATCH][TOP_K] chosen experts, best first
+    float* selv = reinterpret_cast<float*>(sel + BATCH * TOP_K);  // [BATCH][TOP_K] their logits
+    float* selw = selv + BATCH * TOP_K;                           // [BATCH][TOP_K] their weights
+    float* wsm = selw + BATCH * TOP_K;                            // [slots][BATCH]
     const float* logits = t.ptr<float>(O::logits);
-    for (int i = threadIdx.x; i < BATCH * experts_n; i += NUM_THREADS) lg[i] = ld_act_f32(logits + i);
+#pragma unroll 4
+    for (int i = threadIdx.x; i < BATCH * experts_n; i += NUM_THREADS) {
+        const float v = __ldcg(logits + i);
+        lg[i] = v != v ? -INFINITY : v;
+    }
     for (int i = threadIdx.x; i < experts_n; i += NUM_THREADS) used[i] = 0;
     for (int i = threadIdx.x; i < slots * BATCH; i += NUM_THREADS) wsm[i] = 0.f;
     __syncthreads();
+    // rank of every (token, expert): the experts that beat it (a larger logit, or an equal one and a
+    // smaller index). Ranks are a permutation of each row, so the top-k are exactly ranks 0..k-1, in
+    // the order of the sequential arg-max (ties to the smaller expert) with no dependent chain.
+    for (int i = threadIdx.x; i < BATCH * experts_n; i += NUM_THREADS) {
+        const int b = i / experts_n, e = i - b * experts_n;
+        const float* row = lg + b * experts_n;
+        const float v = row[e];
+        int rank = 0;
+#pragma unroll 8
+        for (int j = 0; j < experts_n; ++j) {
+            const float o = row[j];
+            rank += (int)((o > v) | ((o == v) & (j < e)));
+        }
+        if (rank < TOP_K) {
+            sel[b * TOP_K + rank] = e;
+            selv[b * TOP_K + rank] = v;
+        }
+    }
+    __syncthreads();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     for (int b = warp; b < BATCH; b += NUM_WARPS) {
-        float* row = lg + b * experts_n;
-        // softmax scoring: the normaliser over every expert (selection is by logit either way)
+        // softmax scoring: the normaliser over every expert (selection is by logit either way);
+        // selv[b][0] is the row maximum
         float denom = 0.f;
         if (!ROUTER_SIGMOID) {
-            float mx = -INFINITY;
-            for (int e = lane; e < experts_n; e += 32) mx = fmaxf(mx, row[e]);
-            mx = warp_max(mx);
-            for (int e = lane; e < experts_n; e += 32) denom += expf(row[e] - mx);
+            const float mx = selv[b * TOP_K];
+            for (int e = lane; e < experts_n; e += 32) denom += expf(lg[b * experts_n + e] - mx);
             denom = warp_sum(denom);
         }
-        float vals[TOP_K];
-        for (int k = 0; k < TOP_K; ++k) {
-            float v = -INFINITY;
-            int i = 0x7fffffff;
-            for (int e = lane; e < experts_n; e += 32)
-                if (better(row[e], e, v, i)) { v = row[e]; i = e; }
-            warp_argmax(v, i);
-            if (i == 0x7fffffff) i = k;  // only NaN logits left: keep indices valid
-            __syncwarp();
-            if (lane == 0) { sel[b * TOP_K + k] = i; row[i] = -INFINITY; }
-            vals[k] = v;
-            __syncwarp();
-        }
         if (lane == 0) {
+            const float* vals = selv + b * TOP_K;
             float w[TOP_K], sum = 0.f;
+#pragma unroll
             for (int k = 0; k < TOP_K; ++k) {
-                // vals[0] is the row maximum: softmax = exp(l - max) / sum over all experts
                 w[k] = ROUTER_SIGMOID ? 1.f / (1.f + expf(-vals[k])) : expf(vals[k] - vals[0]) / denom;
                 sum += w[k];
             }
+#pragma unroll
             for (int k = 0; k < TOP_K; ++k) selw[b * TOP_K + k] = NORMALIZE_TOP_K ? w[k] / sum : w[k];
         }
     }
@@ -428,25 +499,9 @@ __device__ void op_residual(const Task& t, unsigned char*) {
 }
 
 // ---- prefetch before wait -----------------------------------------------------------------------
-// While thread 0 waits for a task's inputs, the other threads ask L2 for the start of the task's
-// immutable weights (at most PREFETCH_BYTES), so its stream starts as soon as the wait ends.
-// Expert tasks prefetch nothing: the routed expert is known only once the routing is read.
+// (helpers at the top of this file)
 
-__device__ __forceinline__ void prefetch_rows(const bf16* w, int rows, int row_elems, int ld, int budget) {
-    constexpr int CHUNK = 4096;
-    const int row_bytes = row_elems * 2;
-    rows = min(rows, max(1, budget / row_bytes));
-    const int lanes = NUM_THREADS - 1, me = (int)threadIdx.x - 1;
-    if (row_elems == ld) {  // contiguous rows: one range, in 4 KB pieces
-        const long long total = (long long)rows * row_bytes;
-        for (long long off = (long long)me * CHUNK; off < total; off += (long long)lanes * CHUNK)
-            prefetch_l2(reinterpret_cast<const char*>(w) + off, (u32)min((long long)CHUNK, total - off));
-    } else {
-        for (int r = me; r < rows; r += lanes) prefetch_l2(w + (size_t)r * ld, (u32)row_bytes);
-    }
-}
-
-// Called by threads 1.. of the CTA (thread 0 is waiting) before the task's counters are met.
+// Called by warps 1.. of the CTA (warp 0 is waiting) before the task's counters are met.
 __device__ void prefetch_weights(const Task& t) {
     switch (t.op()) {
         case OP_LINEAR: {

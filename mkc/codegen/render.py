@@ -47,6 +47,12 @@ class CodegenOptions:
     gemv_unroll: int = 8  # 64-wide k blocks in flight per warp (halved for two row sets)
     spin_limit: int = 1 << 26  # polls of one counter wait before the device watchdog fires
     prefetch_bytes: int = 128 * 1024  # weights a task asks L2 for while it waits (cost.py: PREFETCH_BYTES)
+    # The three below were measured on an H200 (benchmarks/kernel_variants.py, 2026-11-29): per-line
+    # L2 prefetches in the GEMV loop, a bulk L2 prefetch of routed experts and a shared-memory copy of
+    # the operand descriptors each made the step slower (batch 1: 3.71 ms without them, 4.90 ms with).
+    run_prefetch_bytes: int = 0  # expert weights asked L2 for once the routing is read (0: one row)
+    gemv_pf_batches: int = -1  # GEMV register batches prefetched into L2 ahead of the loads (-1: none)
+    desc_mode: int = 0  # operand descriptors: 0 read from the global table, 1 / 2 copied to shared (cg / ca)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +61,7 @@ class KernelConfig:
 
     threads: int  # threads per CTA
     batch: int  # sequences per step (tokens of the GEMV B operand, <= 8)
+    hidden: int  # residual-stream width (elements)
     head_dim: int  # elements per head
     group: int  # query heads per KV head
     top_k: int  # experts per token (1 for dense-only models)
@@ -72,6 +79,9 @@ class KernelConfig:
     moe_slots: int
     spin_limit: int
     prefetch_bytes: int
+    run_prefetch_bytes: int
+    gemv_pf_batches: int
+    desc_mode: int
 
     @property
     def warps(self) -> int:
@@ -91,9 +101,10 @@ class KernelConfig:
         attn = qx + (self.warps * 4 * 32 + self.group * self.head_dim + self.group * self.threads
                      + kl * self.head_dim + 3 * self.group) * f
         combine = self.batch * self.group * self.max_splits * f
-        rope = self.batch * (self.group + 1) * f
-        norm = (self.warps + 1) * self.batch * f
-        topk = (self.batch * self.num_experts + self.num_experts + 2 * self.batch * self.top_k
+        # ops.cuh: positions, qk-norm factors, then the group's q/k/v rows of every sequence
+        rope = 128 + _round(self.batch * (self.group + 1) * f, 128) + self.batch * (self.group + 2) * self.head_dim * 2
+        norm = 128 + _round(self.hidden * 2, 128) + self.batch * self.hidden * f  # factors, weights, x
+        topk = (self.batch * self.num_experts + self.num_experts + 3 * self.batch * self.top_k
                 + self.moe_slots * self.batch) * f
         return _round(max(gemv, attn, combine, topk, rope, norm), 128)
 
@@ -150,14 +161,15 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
             raise CodegenError(f"task {t.id} ({t.name}): {t.arg('splits')} splits: expected at most "
                                f"num_sms = {schedule.num_sms}")
     cfg = KernelConfig(
-        threads=options.threads, batch=schedule.batch, head_dim=a.head_dim, group=group, top_k=top_k,
+        threads=options.threads, batch=schedule.batch, hidden=spec.hidden_size, head_dim=a.head_dim, group=group, top_k=top_k,
         norm_eps=spec.norm_eps, rope_theta=a.rope_theta, rope_interleaved=a.rope_style == "interleaved",
         attn_scale=a.head_dim ** -0.5, logit_scale=spec.logit_scale,
         router_sigmoid=(moe.scoring == "sigmoid") if moe else True,
         normalize_top_k=moe.normalize_top_k if moe else False, gemv_unroll=options.gemv_unroll,
         gemv_max_k=max_k, max_splits=schedule.num_sms, num_experts=moe.num_experts if moe else 1,
         moe_slots=min(moe.num_experts, schedule.batch * moe.top_k) if moe else 1, spin_limit=options.spin_limit,
-        prefetch_bytes=options.prefetch_bytes)
+        prefetch_bytes=options.prefetch_bytes, run_prefetch_bytes=options.run_prefetch_bytes,
+        gemv_pf_batches=options.gemv_pf_batches, desc_mode=options.desc_mode)
     if cfg.smem_bytes > MAX_SMEM_BYTES:
         raise CodegenError(f"shared memory {cfg.smem_bytes} B (widest GEMV k = {max_k}, batch = {cfg.batch}): "
                            f"expected at most {MAX_SMEM_BYTES} B")
@@ -196,6 +208,9 @@ def template_context(cfg: KernelConfig, banner: str) -> dict[str, Any]:
         "smem_bytes": cv.c_int(cfg.smem_bytes),
         "spin_limit": cv.c_uint(cfg.spin_limit),
         "prefetch_bytes": cv.c_int(cfg.prefetch_bytes),
+        "run_prefetch_bytes": cv.c_int(cfg.run_prefetch_bytes),
+        "gemv_pf_batches": cv.c_int(cfg.gemv_pf_batches),
+        "desc_mode": cv.c_int(cfg.desc_mode),
         "max_rank": cv.c_int(MAX_RANK),
         "dtypes": [(cv.c_ident(f"DT_{k.upper()}"), cv.c_int(v)) for k, v in DTYPE_CODES.items()],
         "record_words": [(cv.c_ident(k), cv.c_int(v)) for k, v in RECORD_LAYOUT],

@@ -1,0 +1,94 @@
+"""Step time of megakernel variants (codegen options) on North Mini Code, side by side in one run.
+
+    python benchmarks/kernel_variants.py --batch 1 8 --context 8192 [--reps 20] [--variants NAME ...]
+
+Each variant is a set of CodegenOptions (one kernel binary each); every variant runs the same
+schedule, weights and KV cache, so differences are the kernel's alone. Timing as in
+megakernel_step.py: one warm-up, then ``reps`` steps timed one by one with CUDA events, median.
+Variants that differ only in prefetch hints compute bitwise the same step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+from pathlib import Path
+
+import torch
+
+from mkc.codegen import CodegenOptions, build_kernel
+from mkc.ir.lower import lower
+from mkc.ir.spec import load_spec
+from mkc.runtime.bench import device_random_weights, measure_read_bandwidth, step_bytes, time_cuda
+from mkc.runtime.cuda_backend import CudaDecoder
+from mkc.schedule.scheduler import schedule
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# The first is the kernel as the GPU tests ran it on 2026-11-29 (every prefetch hint on, operand
+# descriptors copied to shared memory); the last is today's default (CodegenOptions()).
+PREFETCH_ALL = CodegenOptions(gemv_pf_batches=2, desc_mode=1, run_prefetch_bytes=256 * 1024)
+VARIANTS: dict[str, CodegenOptions] = {
+    "prefetch-all": PREFETCH_ALL,
+    "no-gemv-l2-prefetch": dataclasses.replace(PREFETCH_ALL, gemv_pf_batches=-1),
+    "desc-global": dataclasses.replace(PREFETCH_ALL, desc_mode=0),
+    "desc-shared-ca": dataclasses.replace(PREFETCH_ALL, desc_mode=2),
+    "default": CodegenOptions(),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default=str(ROOT / "configs" / "north_mini_code.yaml"))
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--build-only", action="store_true", help="compile every variant's kernel (no GPU) and exit")
+    ap.add_argument("--sms", type=int, default=132, help="SM count for --build-only")
+    a = ap.parse_args()
+    spec = load_spec(a.config)
+    if a.build_only:
+        for batch in a.batch:
+            sc = schedule(lower(spec, batch, a.context, a.sms), spec.name)
+            for name in a.variants:
+                art = build_kernel(sc, spec, VARIANTS[name])
+                print(f"b{batch} {name}: {art.name} regs {art.regs} spills {art.spills}", flush=True)
+        return
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    weights = device_random_weights(spec, 2026)
+    bw = measure_read_bandwidth()
+    print(f"read bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    for batch in a.batch:
+        sc = schedule(lower(spec, batch, a.context, sms), spec.name)
+        tokens = torch.randint(0, spec.vocab_size, (batch,), dtype=torch.int32)
+        positions = torch.full((batch,), a.context - 1, dtype=torch.int32)
+        ref = None
+        for name in a.variants:
+            dec = CudaDecoder(sc, spec, weights, options=VARIANTS[name])
+            g = torch.Generator(device="cuda").manual_seed(batch)
+            for layer in range(spec.num_layers):
+                for t in dec.kv_cache(layer):
+                    t.normal_(generator=g)
+            logits, _ = dec.step(tokens, positions)
+            same = "reference" if ref is None else ("bitwise equal" if torch.equal(ref, logits) else
+                                                     f"DIFFERS (max abs {float((ref - logits).abs().max()):.3g})")
+            if ref is None:
+                ref = logits.clone()
+            times = time_cuda(dec.launch, reps=a.reps, warmup=2)
+            dec.check()
+            routed = [dec.buffers[f"L{i}.moe_experts"][dec.buffers[f"L{i}.moe_token_slots"].long()]
+                      for i, ls in enumerate(spec.layers) if ls.mlp == "moe"]
+            t = statistics.median(times)
+            sol = step_bytes(spec, batch, a.context, routed) / bw / t
+            print(f"batch {batch} {name:<26} {t * 1e6:9.1f} µs  {batch / t:7.1f} tok/s  {sol:6.1%} SOL  "
+                  f"(min {min(times) * 1e6:.1f}, max {max(times) * 1e6:.1f})  logits {same}  "
+                  f"[{dec.artifact.name}, {dec.artifact.regs} regs]", flush=True)
+            dec.close()
+            del dec
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
