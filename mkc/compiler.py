@@ -41,6 +41,17 @@ def compile_schedule(spec: ModelSpec, batch: int, context: int, num_sms: int) ->
     return sc, times
 
 
+def _check_kernel_resources(sc: Schedule, kernel_json: Path) -> None:
+    """The validator's resource duty with the compiled kernel's registers and shared memory."""
+    import json
+
+    from mkc.schedule.validator import check_resources
+
+    k = json.loads(kernel_json.read_text())
+    check_resources(sc, smem_bytes=int(k["static_smem"]) + int(k["dynamic_smem"]), regs=int(k["regs"]),
+                    threads=int(k["threads"]))
+
+
 def compile_to_folder(spec_path: str | Path, out_dir: str | Path, *, batch: int = 1, context: int = 8192,
                       num_sms: int = 132, kernel: bool = True) -> CompileResult:
     """Run the whole pipeline and write every artifact into out_dir."""
@@ -68,6 +79,7 @@ def compile_to_folder(spec_path: str | Path, out_dir: str | Path, *, batch: int 
 
         files.update(write_kernel(sc, spec, out))
         times["kernel"] = time.perf_counter() - t0
+        _check_kernel_resources(sc, files["kernel.json"])
     files["manifest.json"] = out / "manifest.json"
     spec_file = Path(spec_path) / "config.json" if Path(spec_path).is_dir() else Path(spec_path)  # a checkpoint folder
     visualize.write_manifest(files["manifest.json"], spec_path=spec_file, spec=spec,

@@ -433,3 +433,18 @@ def test_every_dropped_wait_is_judged_like_the_reference():
             assert (validate(sc) == []) == expected, (sc.tasks[t].name, ws[i])
             verdicts.append(expected)
     assert not all(verdicts), "expected some dropped wait to race"
+
+
+def test_check_resources_after_the_kernel_build():
+    """mkc compile runs duty 4 again with the built kernel's registers and shared memory."""
+    from mkc.ir.lower import lower
+    from mkc.ir.spec import load_spec
+    from mkc.schedule.scheduler import schedule
+    from mkc.schedule.validator import check_resources
+
+    sc = schedule(lower(load_spec("configs/tiny.yaml"), 1, 16, 4), "tiny")
+    check_resources(sc, smem_bytes=64 * 1024, regs=252, threads=256)  # the shipped kernel's shape
+    with pytest.raises(ScheduleError, match="shared memory"):
+        check_resources(sc, smem_bytes=300_000, regs=64, threads=256)
+    with pytest.raises(ScheduleError, match="registers"):
+        check_resources(sc, smem_bytes=1024, regs=255, threads=512)

@@ -86,6 +86,16 @@ def check(sc: Schedule, **kw) -> None:
         raise ScheduleError(problems)
 
 
+def check_resources(sc: Schedule, *, smem_bytes: int, regs: int, threads: int, max_smem: int = 227 * 1024,
+                    max_regs: int = 65536) -> None:
+    """Duty 4 alone, once the kernel is built: raise ScheduleError if one persistent CTA per queue
+    cannot be resident (shared memory, registers, threads). The rest is ``check``'s."""
+    v = _Validator(sc)
+    v.resources(smem_bytes, regs, max_smem, max_regs, threads, None)
+    if v.problems:
+        raise ScheduleError(v.problems)
+
+
 def validate(sc: Schedule, *, smem_bytes: int | None = None, regs: int | None = None,
              max_smem: int = 227 * 1024, max_regs: int = 65536, threads: int | None = None,
              device_sms: int | None = None) -> list[Problem]:
