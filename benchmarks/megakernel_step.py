@@ -20,22 +20,19 @@ import torch
 
 from mkc.ir.lower import lower
 from mkc.ir.spec import load_spec
-from mkc.runtime.bench import format_table, measure_read_bandwidth, row, step_bytes, time_cuda, write_json
+from mkc.runtime.bench import (
+    device_random_weights,
+    format_table,
+    measure_read_bandwidth,
+    row,
+    step_bytes,
+    time_cuda,
+    write_json,
+)
 from mkc.runtime.cuda_backend import CudaDecoder
-from mkc.runtime.weights import weight_shapes
 from mkc.schedule.scheduler import schedule
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def gpu_random_weights(spec, seed: int) -> dict[str, torch.Tensor]:
-    """normal(0, 0.02), norm weights 1 + normal(0, 0.05), made on the GPU in bf16."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    out = {}
-    for name, shape in weight_shapes(spec).items():
-        x = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g)
-        out[name] = x.mul_(0.05).add_(1.0) if name.endswith("norm") else x.mul_(0.02)
-    return out
 
 
 def profile_summary(dec: CudaDecoder, path: str) -> str:
@@ -80,7 +77,7 @@ def main() -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     bw = measure_read_bandwidth()
     t0 = time.perf_counter()
-    weights = gpu_random_weights(spec, 2026)
+    weights = device_random_weights(spec, 2026)
     torch.cuda.synchronize()
     print(f"read bandwidth {bw / 1e12:.2f} TB/s; weights {sum(w.numel() for w in weights.values()) * 2 / 1e9:.1f} GB "
           f"made in {time.perf_counter() - t0:.1f} s", flush=True)
