@@ -8,10 +8,11 @@ Rules, in the order they apply:
    placed on the SM where it can start earliest, preferring, among SMs already idle when its
    inputs are ready, the one that went idle last (it wastes the least). A task's start may
    overlap its wait by its prefetchable weight time (cost.py).
-3. Counters: producers are grouped by their exact set of consumers; each group gets one counter
-   whose target is the group's size, so no consumer ever waits on a producer it does not need.
-   A consumer waits on the counter of every group it depends on, except groups whose producers
-   all run earlier on its own SM (queue order already covers them).
+3. Counters: an edge a → b already implied by a path a → c → b is not waited on (c's own wait
+   covers it). Producers are then grouped by their exact set of remaining consumers; each group
+   gets one counter whose target is the group's size, so no consumer ever waits on a producer it
+   does not need. A consumer waits on the counter of every group it depends on, except groups
+   whose producers all run earlier on its own SM (queue order already covers them).
 
 Deterministic: no randomness, no dict-order dependence beyond insertion order.
 """
@@ -56,8 +57,7 @@ def schedule(program: Program, model: str, ceilings: Ceilings = H200) -> Schedul
         ready = max((end[p] + hop for p in g.predecessors(t)), default=0.0)
         # the SM that went idle last among those idle by `ready`, else the first to go idle
         i = bisect.bisect_right(free, (ready, n_sm)) - 1
-        if i < 0:
-            i = 0
+        i = max(i, 0)
         idle_at, sm = free.pop(i)
         s = max(idle_at, ready - pre[t])
         start[t] = s
@@ -67,9 +67,14 @@ def schedule(program: Program, model: str, ceilings: Ceilings = H200) -> Schedul
         bisect.insort(free, (end[t], sm))
 
     # counters: group producers by their consumer set
+    preds = _direct_predecessors(g)
+    succs: list[list[int]] = [[] for _ in tasks]
+    for b, ps in enumerate(preds):
+        for a in ps:
+            succs[a].append(b)
     groups: dict[frozenset[int], list[int]] = {}
     for t in range(len(tasks)):
-        succ = frozenset(g.successors(t))
+        succ = frozenset(succs[t])
         if succ:
             groups.setdefault(succ, []).append(t)
     signals = [-1] * len(tasks)
@@ -85,7 +90,7 @@ def schedule(program: Program, model: str, ceilings: Ceilings = H200) -> Schedul
     waits: list[list[tuple[int, int]]] = [[] for _ in tasks]
     for t in range(len(tasks)):
         needed: dict[int, None] = {}
-        for p in sorted(g.predecessors(t)):
+        for p in preds[t]:
             needed.setdefault(signals[p], None)
         for cid in needed:
             c = counters[cid]
@@ -110,6 +115,25 @@ def schedule(program: Program, model: str, ceilings: Ceilings = H200) -> Schedul
     return Schedule(model=model, batch=int(program.options["batch"]), context=int(program.options["context"]),
                     num_sms=n_sm, buffers=program.buffers, tasks=tasks, queues=queues, waits=waits,
                     signals=signals, counters=counters, predicted=predicted)
+
+
+def _direct_predecessors(g: nx.DiGraph) -> list[list[int]]:
+    """Per task, its predecessors minus those that are ancestors of another predecessor (a → … →
+    c → b makes a → b redundant): e.g. the next layer's residual tile needs the previous residual
+    tile, but the norm between them already waited for every tile. Ancestor sets are bitsets
+    (Python ints) built in topological order. Sorted, for determinism."""
+    anc = [0] * g.number_of_nodes()
+    out: list[list[int]] = [[] for _ in range(g.number_of_nodes())]
+    for b in nx.topological_sort(g):
+        ps = list(g.predecessors(b))
+        reach = 0
+        for c in ps:
+            reach |= anc[c]
+        out[b] = sorted(a for a in ps if not (reach >> a) & 1)
+        for a in ps:
+            reach |= 1 << a
+        anc[b] = reach
+    return out
 
 
 def _critical_path(g: nx.DiGraph, cost: list[float]) -> list[int]:
