@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from mkc.runtime.generate import greedy_generate, greedy_generate_batch
-from mkc.runtime.reference import DenseReference
-from mkc.runtime.weights import random_weights, weight_shapes
 
 from mkc.ir.graph import Region
 from mkc.ir.lower import lower
 from mkc.ir.ops import Opcode
 from mkc.ir.spec import load_spec
+from mkc.runtime.generate import greedy_generate, greedy_generate_batch
+from mkc.runtime.reference import DenseReference
+from mkc.runtime.weights import random_weights, weight_shapes
 from mkc.schedule.cpu_ops import DISPATCH
 from mkc.schedule.executor import CpuExecutor, ExecutorError
 from mkc.schedule.scheduler import schedule

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from mkc.runtime.generate import greedy_generate, greedy_generate_batch
-from mkc.runtime.reference import DenseReference
-from mkc.runtime.weights import load_checkpoint, random_weights
 
 from mkc.ir.lower import lower
 from mkc.ir.spec import load_spec
+from mkc.runtime.generate import greedy_generate, greedy_generate_batch
+from mkc.runtime.reference import DenseReference
+from mkc.runtime.weights import load_checkpoint, random_weights
 from mkc.schedule.cpu_ops import route
 from mkc.schedule.executor import CpuExecutor
 from mkc.schedule.scheduler import schedule

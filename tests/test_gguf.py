@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from mkc.runtime.generate import greedy_generate
-from mkc.runtime.weights import load_gguf, unpermute_llama_qk
 
 from mkc.ir.spec import load_spec
+from mkc.runtime.generate import greedy_generate
+from mkc.runtime.weights import load_gguf, unpermute_llama_qk
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")

@@ -67,10 +67,10 @@ def test_o_proj_slice_waits_only_for_its_group(tiny):
 def test_attention_splits_scale_with_context(tiny):
     short = lower(tiny, batch=1, context=64, num_sms=132)
     long = lower(tiny, batch=1, context=4096, num_sms=132)
-    n = lambda p: sum(t.op == Opcode.ATTN_SPLIT and t.layer == 0 for t in p.tasks)  # noqa: E731
+    n = lambda p: sum(t.op == Opcode.ATTN_SPLIT and t.layer == 0 for t in p.tasks)
     assert n(long) > n(short)
     # sliding layers stop growing at the window
-    s = lambda p: sum(t.op == Opcode.ATTN_SPLIT and t.layer == 1 for t in p.tasks)  # noqa: E731
+    s = lambda p: sum(t.op == Opcode.ATTN_SPLIT and t.layer == 1 for t in p.tasks)
     assert s(long) == s(short)
 
 

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from mkc.runtime.generate import greedy_generate, greedy_generate_batch
-from mkc.runtime.weights import CheckpointError, load_checkpoint
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from mkc.ir.lower import lower
 from mkc.ir.spec import load_spec
+from mkc.runtime.generate import greedy_generate, greedy_generate_batch
+from mkc.runtime.weights import CheckpointError, load_checkpoint
 from mkc.schedule.executor import CpuExecutor
 from mkc.schedule.scheduler import schedule
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import bisect
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import networkx as nx
 
@@ -45,7 +45,7 @@ class Region:
     buffer: str  # buffer name
     box: tuple[tuple[int, int], ...]  # half-open [lo, hi) per dim
 
-    def overlaps(self, other: "Region") -> bool:
+    def overlaps(self, other: Region) -> bool:
         if self.buffer != other.buffer:
             return False
         for (a_lo, a_hi), (b_lo, b_hi) in zip(self.box, other.box):

@@ -8,7 +8,8 @@ docs/adding_a_model.md). Anything the importer cannot express (biases, scaled Ro
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from mkc.ir.spec import AttentionSpec, LayerSpec, ModelSpec, MoESpec, SpecError, check_shapes
 

@@ -105,8 +105,6 @@ class _Lowerer:
     def lower(self) -> Program:
         s, opt = self.spec, self.opt
         B, H, C = opt.batch, s.hidden_size, opt.context
-        a = s.attention
-        D, G, QH = a.head_dim, a.num_kv_heads, a.num_heads
         tokens = self.buf("tokens", (B,), "i32", "input", "[B] token ids of this step")
         positions = self.buf("positions", (B,), "i32", "input", "[B] position of this step's token")
         embed = self.buf("embed", (s.vocab_size, H), "bf16", "weight", "[vocab, hidden]")

@@ -166,7 +166,7 @@ class _Reader:
             raise SpecError(f"{self.source}: '{self.key(name)}' = {_show(v)}: expected a number >= 0")
         return v
 
-    def sub(self, name: str) -> "_Reader":
+    def sub(self, name: str) -> _Reader:
         self.used.add(name)
         if name not in self.data:
             raise SpecError(f"{self.source}: missing key '{self.key(name)}' (expected a mapping)")

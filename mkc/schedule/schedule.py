@@ -76,7 +76,7 @@ class Schedule:
         Path(path).write_text(json.dumps(self.to_json(), separators=(",", ":")))
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "Schedule":
+    def from_json(cls, d: dict[str, Any]) -> Schedule:
         if d.get("format") != FORMAT:
             raise ValueError(f"schedule format {d.get('format')!r}: expected {FORMAT!r}")
         buffers = {b["name"]: Buffer(b["name"], tuple(b["shape"]), b["dtype"], b["kind"], b.get("doc", ""))
@@ -101,5 +101,5 @@ class Schedule:
                    signals=signals, counters=counters, predicted=d.get("predicted", {}), meta=d.get("meta", {}))
 
     @classmethod
-    def load(cls, path: str | Path) -> "Schedule":
+    def load(cls, path: str | Path) -> Schedule:
         return cls.from_json(json.loads(Path(path).read_text()))
