@@ -36,6 +36,7 @@ class TorchDecoder:
         self.key_pos = torch.arange(context, device=self.device)  # [ctx]
         self.rows = torch.arange(batch, device=self.device)
         self.routed: list[torch.Tensor] = []
+        self.grouped = hasattr(torch, "_grouped_mm")  # grouped GEMM over routed experts, else gather
 
     # -- pieces ----------------------------------------------------------------------------------
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -73,15 +74,13 @@ class TorchDecoder:
             q, k = self._rope(q, positions), self._rope(k, positions)
         self.k_cache[i][self.rows, :, positions] = k
         self.v_cache[i][self.rows, :, positions] = v
-        qg = q.view(B, G, QH // G, D).float()
-        scores = torch.einsum("bgqd,bgkd->bgqk", qg, self.k_cache[i].float()) * D ** -0.5  # [B, G, GS, ctx]
         visible = self.key_pos[None] <= positions[:, None]  # [B, ctx]
         if s.layers[i].attention == "sliding":
             visible &= self.key_pos[None] > positions[:, None] - a.sliding_window
-        scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
-        p = torch.softmax(scores, dim=-1)
-        out = torch.einsum("bgqk,bgkd->bgqd", p, self.v_cache[i].float()).reshape(B, QH * D)
-        return out.to(self.dtype) @ self.w[f"{P}.w_o"].T
+        # one query per sequence; GQA without repeating K/V; fp32 softmax inside the fused kernel
+        out = F.scaled_dot_product_attention(q[:, :, None], self.k_cache[i], self.v_cache[i],
+                                             attn_mask=visible[:, None, None], enable_gqa=True)
+        return out.reshape(B, QH * D).to(self.dtype) @ self.w[f"{P}.w_o"].T
 
     def _dense_mlp(self, i: int, n: torch.Tensor) -> torch.Tensor:
         inter = self.spec.dense_intermediate
@@ -92,7 +91,7 @@ class TorchDecoder:
     def _moe(self, i: int, n: torch.Tensor) -> torch.Tensor:
         m = self.spec.moe
         assert m is not None
-        P, B, K, inter = f"L{i}", self.batch, m.top_k, m.intermediate
+        P, B, K = f"L{i}", self.batch, m.top_k
         logits = (n @ self.w[f"{P}.w_router"].T).float()  # [B, E]
         if m.scoring == "sigmoid":
             top, idx = torch.topk(logits, K, dim=-1)
@@ -103,14 +102,42 @@ class TorchDecoder:
         if m.normalize_top_k:
             wts = wts / wts.sum(-1, keepdim=True)
         self.routed.append(idx)
+        if self.grouped:
+            try:
+                y = self._experts_grouped(i, n, idx)
+            except (RuntimeError, NotImplementedError):  # no grouped GEMM here: gather instead
+                self.grouped = False
+        if not self.grouped:
+            y = self._experts_gathered(i, n, idx)
+        return (y.float().view(B, K, -1) * wts[..., None]).sum(1)
+
+    def _experts_grouped(self, i: int, n: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """[B*K, H] expert outputs by one grouped GEMM per matrix over the routed experts: the
+        (token, k) rows are sorted by expert and every expert's weights are read in place, once."""
+        m = self.spec.moe
+        P, E, inter = f"L{i}", m.num_experts, m.intermediate
         flat = idx.reshape(-1)  # [B*K]
+        order = torch.argsort(flat, stable=True)
+        counts = torch.zeros(E, dtype=torch.int32, device=flat.device).scatter_add_(
+            0, flat, torch.ones_like(flat, dtype=torch.int32))
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)  # end row of each expert's group
+        xin = n.repeat_interleave(m.top_k, dim=0)[order]  # [B*K, H], sorted by expert
+        gu = torch._grouped_mm(xin, self.w[f"{P}.w_experts_gate_up"].transpose(-2, -1), offs=offs).float()
+        h = (F.silu(gu[:, :inter]) * gu[:, inter:]).to(self.dtype)
+        y = torch._grouped_mm(h, self.w[f"{P}.w_experts_down"].transpose(-2, -1), offs=offs)
+        return torch.empty_like(y).index_copy_(0, order, y)  # back to (token, k) order
+
+    def _experts_gathered(self, i: int, n: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """The same by gathering each routed expert's weights (a copy per (token, k))."""
+        m = self.spec.moe
+        P, inter = f"L{i}", m.intermediate
+        flat = idx.reshape(-1)
         wgu = self.w[f"{P}.w_experts_gate_up"][flat]  # [B*K, 2I, H]
         wd = self.w[f"{P}.w_experts_down"][flat]  # [B*K, H, I]
-        xin = n.repeat_interleave(K, dim=0)[:, :, None]  # [B*K, H, 1]
-        gu = torch.bmm(wgu, xin)[..., 0].float()  # [B*K, 2I]
+        xin = n.repeat_interleave(m.top_k, dim=0)[:, :, None]  # [B*K, H, 1]
+        gu = torch.bmm(wgu, xin)[..., 0].float()
         h = (F.silu(gu[:, :inter]) * gu[:, inter:]).to(self.dtype)
-        y = torch.bmm(wd, h[:, :, None])[..., 0].float()  # [B*K, H]
-        return (y.view(B, K, -1) * wts[..., None]).sum(1)
+        return torch.bmm(wd, h[:, :, None])[..., 0]
 
     # -- the step --------------------------------------------------------------------------------
     @torch.no_grad()
