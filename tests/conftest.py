@@ -29,3 +29,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def save_checkpoint(model: torch.nn.Module, folder) -> None:
+    """Save a tiny random transformers model as a checkpoint, its norm weights perturbed first:
+    they initialise to 1, so a misplaced norm weight would otherwise go unnoticed."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.2 * torch.randn_like(p))
+    model.save_pretrained(folder)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import save_checkpoint
 
 from mkc.ir.lower import lower
 from mkc.ir.spec import load_spec
@@ -71,12 +72,7 @@ def build_checkpoint(family: str, folder: Path, **overrides) -> Path:
     cls, cfg_cls, kw, _ = FAMILIES[family]
     cfg = getattr(transformers, cfg_cls)(**{**_COMMON, **kw, **overrides})
     torch.manual_seed(2026)
-    model = getattr(transformers, cls)(cfg)
-    with torch.no_grad():  # norms initialise to 1: perturb them so a misplaced norm weight shows
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(0.2 * torch.randn_like(p))
-    model.save_pretrained(folder)
+    save_checkpoint(getattr(transformers, cls)(cfg), folder)
     return folder
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import save_checkpoint
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -52,12 +53,7 @@ def _hf_config():
 def checkpoint(tmp_path_factory):
     folder = tmp_path_factory.mktemp("cohere2_moe_tiny")
     torch.manual_seed(2026)
-    model = transformers.Cohere2MoeForCausalLM(_hf_config())
-    with torch.no_grad():  # norms initialise to 1: perturb them so a misplaced norm weight shows
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(0.2 * torch.randn_like(p))
-    model.save_pretrained(folder)
+    save_checkpoint(transformers.Cohere2MoeForCausalLM(_hf_config()), folder)
     return folder
 
 
