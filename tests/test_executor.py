@@ -155,11 +155,12 @@ def test_too_small_read_region_is_caught(spec, weights):
     sc = _sched(spec)
     H = spec.hidden_size
     bad = _patch(sc, lambda t: t.name.startswith("L1.qkv"),
-                 lambda t: dataclasses.replace(t, reads=_narrow(t.reads, "L1.norm", 1, (0, H // 2))))
+                 lambda t: dataclasses.replace(t, reads=_narrow(t.reads, "L1.x", 1, (0, H // 2))))
     with pytest.raises(ExecutorError, match=rf"{bad.name.replace('[', '.').replace(']', '.')}.*wrote NaN"):
         CpuExecutor(sc, spec, weights).step([1], [0])
-    logits, _ = CpuExecutor(sc, spec, weights, check=False).step([1], [0])
-    assert torch.isnan(logits).all(), "the poison should reach every logit when unchecked"
+    # unchecked, the poison flows on until the next MoE layer's routing refuses NaN router logits
+    with pytest.raises(ExecutorError, match=r"L2\.expert_up.*router logits L2\.router_logits contain NaN"):
+        CpuExecutor(sc, spec, weights, check=False).step([1], [0])
 
 
 def test_too_small_weight_region_is_caught(spec, weights):
@@ -191,7 +192,8 @@ def test_undeclared_writes_are_discarded(spec, weights):
                  lambda t: dataclasses.replace(t, writes=_narrow(t.writes, "L1.qkv", 1,
                                                                  (t.arg("col0"), t.arg("col0") + t.arg("rows") // 2))))
     ex = CpuExecutor(sc, spec, weights, check=False)
-    ex.step([1], [0])
+    with pytest.raises(ExecutorError, match=r"router logits L2\.router_logits contain NaN"):
+        ex.step([1], [0])  # unchecked, the poison flows on until the next layer's routing
     lo, rows = bad.arg("col0"), bad.arg("rows")
     assert torch.isnan(ex.bufs["L1.qkv"][:, lo + rows // 2:lo + rows]).all()
     assert not torch.isnan(ex.bufs["L1.qkv"][:, lo:lo + rows // 2]).any()
@@ -199,12 +201,12 @@ def test_undeclared_writes_are_discarded(spec, weights):
         CpuExecutor(sc, spec, weights).step([1], [0])
 
 
-def test_undeclared_int_read_is_caught(spec, weights):
-    """A residual tile that does not declare the routing slots reads int poison: bad index."""
+def test_undeclared_routing_read_is_caught(spec, weights):
+    """A residual tile that does not declare the router logits routes from poison: refused."""
     sc = _sched(spec)
     _patch(sc, lambda t: t.op == Opcode.RESIDUAL and t.layer == 1,
-           lambda t: dataclasses.replace(t, reads=tuple(r for r in t.reads if not r.buffer.endswith("token_slots"))))
-    with pytest.raises(ExecutorError, match=r"L1\.residual.*failed: IndexError"):
+           lambda t: dataclasses.replace(t, reads=tuple(r for r in t.reads if not r.buffer.endswith("router_logits"))))
+    with pytest.raises(ExecutorError, match=r"L1\.residual.*failed: ValueError: .*router logits .*NaN"):
         CpuExecutor(sc, spec, weights).step([1], [0])
 
 

@@ -51,7 +51,8 @@ def test_attention_of_a_head_waits_only_for_its_qkv(tiny):
 
 def test_moe_does_not_wait_for_attention(tiny):
     prog = lower(tiny, batch=2, context=16, num_sms=8)
-    anc = nx.ancestors(prog.graph, by_name(prog, "L2.topk").id)
+    first_expert = next(t for t in prog.tasks if t.name.startswith("L2.expert_up[slot0]"))
+    anc = nx.ancestors(prog.graph, first_expert.id)
     assert not any(prog.tasks[a].layer == 2 and prog.tasks[a].op in (Opcode.ATTN_SPLIT, Opcode.ROPE_APPEND)
                    for a in anc)
 
@@ -61,7 +62,7 @@ def test_o_proj_slice_waits_only_for_its_group(tiny):
     o = next(t for t in prog.tasks if t.name.startswith("L1.o_proj[kv1]"))
     combines = [prog.tasks[p].name for p in prog.graph.predecessors(o.id)
                 if prog.tasks[p].op == Opcode.ATTN_COMBINE]
-    assert combines == ["L1.combine[kv1]"]
+    assert combines == [f"L1.combine[kv1,h{h}]" for h in range(4, 8)]  # the 4 query heads of group 1
 
 
 def test_attention_splits_scale_with_context(tiny):
@@ -77,7 +78,8 @@ def test_attention_splits_scale_with_context(tiny):
 def test_moe_slots_cover_batch_times_top_k(tiny):
     for b, slots in [(1, 4), (2, 8), (8, 16)]:
         prog = lower(tiny, batch=b, context=16, num_sms=8)
-        assert prog.buffers["L1.moe_experts"].shape == (slots,)
+        assert prog.buffers["L1.moe_h"].shape[0] == slots
+        assert len({t.arg("slot") for t in prog.tasks if t.op == Opcode.EXPERT_SWIGLU and t.layer == 1}) == slots
 
 
 def test_tiling_rule():
@@ -98,7 +100,9 @@ def test_north_mini_code_task_counts():
     spec = load_spec("configs/north_mini_code.yaml")
     prog = lower(spec, batch=1, context=8192, num_sms=132)
     ops = {op: sum(t.op == op for t in prog.tasks) for op in Opcode}
-    assert ops[Opcode.TOPK] == 48 and ops[Opcode.EMBED] == 1 and ops[Opcode.ARGMAX] == 1
+    assert ops[Opcode.EMBED] == 1 and ops[Opcode.ARGMAX] == 1 and ops[Opcode.ATTN_COMBINE] == 49 * 32
+    # the norms and the routing are recomputed by their consumers: no task of their own
+    assert not any(t.name.endswith((".norm", ".topk")) for t in prog.tasks)
     # bytes one step must read at batch 1 (upper bound: every routed slot live) ≈ 7.1-7.3 GB (DESIGN.md)
     total = sum(t.weight_bytes + t.act_bytes for t in prog.tasks)
     assert 6.9e9 < total < 7.5e9

@@ -127,8 +127,8 @@ def _routed(ex: CpuExecutor, spec) -> list[list[frozenset[int]]]:
     out = []
     for i, ls in enumerate(spec.layers):
         if ls.mlp == "moe":
-            experts, slots = ex.bufs[f"L{i}.moe_experts"], ex.bufs[f"L{i}.moe_token_slots"].long()
-            out.append([frozenset(experts[slots[b]].tolist()) for b in range(slots.shape[0])])
+            selected = ex.bufs[f"L{i}.moe_selected"]
+            out.append([frozenset(selected[b].tolist()) for b in range(selected.shape[0])])
     return out
 
 

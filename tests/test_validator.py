@@ -206,8 +206,9 @@ def test_wait_on_a_counter_nobody_signals():
 def test_cycle_across_sms():
     sc = tiny(2, 64, 8)
     where = placement(sc)
-    x = next(t for t in sc.queues[0] if sc.signals[t] >= 0)
-    y = next(t for t in sc.queues[1] if sc.signals[t] >= 0 and sc.signals[t] != sc.signals[x])
+    # tasks whose counters have one producer each, so the cycle has to pass through both
+    x = next(t for t in sc.queues[0] if sc.signals[t] >= 0 and sc.counters[sc.signals[t]].target == 1)
+    y = next(t for t in sc.queues[1] if sc.signals[t] >= 0 and sc.counters[sc.signals[t]].target == 1)
     cx, cy = sc.signals[x], sc.signals[y]
     sc.waits[x].append((cy, sc.counters[cy].target))
     sc.waits[y].append((cx, sc.counters[cx].target))
@@ -224,7 +225,7 @@ def test_cycle_across_sms():
 def _synthetic(writes: list[tuple[int, int]], queues: list[list[int]], waits=None, signals=None) -> Schedule:
     """Tasks that each write buf[lo:hi] of one 16-element buffer."""
     buf = Buffer("buf", (16,), "f32", "act", "[16]")
-    tasks = [Task(id=i, op=Opcode.LINEAR, layer=0, name=f"w{i}[{lo}:{hi}]", operands=("-", "-", "buf"),
+    tasks = [Task(id=i, op=Opcode.LINEAR, layer=0, name=f"w{i}[{lo}:{hi}]", operands=("-", "-", "-", "buf"),
                   args=(0, 0, 0, 0, 0, 0), reads=(), writes=(Region("buf", ((lo, hi),)),), weight_bytes=0,
                   act_bytes=0, flops=0) for i, (lo, hi) in enumerate(writes)]
     signals = signals or [-1] * len(tasks)

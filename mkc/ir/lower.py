@@ -31,6 +31,24 @@ class LowerOptions:
             raise SpecError(f"--num-sms {self.num_sms}: expected at least 1")
 
 
+@dataclass(frozen=True, slots=True)
+class Normed:
+    """The RMSNorm of the f32 residual stream ``x`` with ``weight``, as a GEMV input: never
+    materialised, each consumer task stages it itself (mkc/ir/ops.py)."""
+
+    x: Buffer
+    weight: Buffer
+
+
+def gemv_input(x: Buffer | Normed, k0: int = 0, k: int | None = None) -> tuple[dict[str, Buffer | None], list[Region]]:
+    """Operands ("x", "norm") and read regions of a GEMV's input columns [k0, k0 + k): a normed
+    input reads whole rows of x (the norm's mean is over the row) and the norm weight."""
+    if isinstance(x, Normed):
+        return {"x": x.x, "norm": x.weight}, [full(x.x), full(x.weight)]
+    k = x.shape[-1] if k is None else k
+    return {"x": x, "norm": None}, [box(x, None, (k0, k0 + k))]
+
+
 def full(buf: Buffer) -> Region:
     return Region(buf.name, tuple((0, s) for s in buf.shape))
 
@@ -71,11 +89,7 @@ class _Lowerer:
         return t
 
     # -- ops -----------------------------------------------------------------------------------
-    def rmsnorm(self, layer: int, x: Buffer, w: Buffer, out: Buffer, label: str) -> None:
-        self.emit(Opcode.RMSNORM, layer, f"L{layer}.{label}", {"x": x, "weight": w, "out": out}, {},
-                  [full(x), full(w)], [full(out)], flops=4 * x.numel)
-
-    def linear(self, layer: int, label: str, x: Buffer, w: Buffer, out: Buffer, *, k0: int = 0,
+    def linear(self, layer: int, label: str, x: Buffer | Normed, w: Buffer, out: Buffer, *, k0: int = 0,
                k: int | None = None, slab: int = 0, col0: int = 0, instances: int = 1,
                boundary: int | None = None, tile: int | None = None) -> None:
         """out[slab, :, col0 + r] = x[:, k0:k0+k] @ w[r, k0:k0+k]^T for every row r, tiled by rows."""
@@ -84,21 +98,23 @@ class _Lowerer:
         B = self.opt.batch
         tile = tile or row_tile(rows, k * DTYPE_BYTES[w.dtype], instances, self.opt.num_sms, boundary)
         out_rank3 = len(out.shape) == 3
+        xin, xreads = gemv_input(x, k0, k)
         for lo, hi in tiles(rows, tile):
             out_region = (box(out, (slab, slab + 1), None, (col0 + lo, col0 + hi)) if out_rank3
                           else box(out, None, (col0 + lo, col0 + hi)))
-            self.emit(Opcode.LINEAR, layer, f"L{layer}.{label}[{lo}:{hi}]", {"x": x, "weight": w, "out": out},
+            self.emit(Opcode.LINEAR, layer, f"L{layer}.{label}[{lo}:{hi}]", {**xin, "weight": w, "out": out},
                       {"row0": lo, "rows": hi - lo, "k0": k0, "k": k, "col0": col0 + lo, "slab": slab},
-                      [box(x, None, (k0, k0 + k)), box(w, (lo, hi), (k0, k0 + k))], [out_region],
+                      [*xreads, box(w, (lo, hi), (k0, k0 + k))], [out_region],
                       flops=2 * B * (hi - lo) * k)
 
-    def swiglu(self, layer: int, label: str, x: Buffer, w: Buffer, out: Buffer, inter: int) -> None:
-        H, B = x.shape[1], self.opt.batch
+    def swiglu(self, layer: int, label: str, x: Buffer | Normed, w: Buffer, out: Buffer, inter: int) -> None:
+        H, B = w.shape[1], self.opt.batch
         tile = row_tile(inter, 2 * H * DTYPE_BYTES[w.dtype], 1, self.opt.num_sms)
+        xin, xreads = gemv_input(x)
         for lo, hi in tiles(inter, tile):
-            self.emit(Opcode.SWIGLU, layer, f"L{layer}.{label}[{lo}:{hi}]", {"x": x, "weight": w, "out": out},
+            self.emit(Opcode.SWIGLU, layer, f"L{layer}.{label}[{lo}:{hi}]", {**xin, "weight": w, "out": out},
                       {"row0": lo, "rows": hi - lo, "up_row0": inter + lo, "col0": lo},
-                      [full(x), box(w, (lo, hi), None), box(w, (inter + lo, inter + hi), None)],
+                      [*xreads, box(w, (lo, hi), None), box(w, (inter + lo, inter + hi), None)],
                       [box(out, None, (lo, hi))], flops=4 * B * (hi - lo) * H)
 
     # -- the model ------------------------------------------------------------------------------
@@ -115,8 +131,7 @@ class _Lowerer:
             x = self.layer(layer, x, tokens, positions)
         L = s.num_layers
         fnw = self.buf("final_norm", (H,), "bf16", "weight", "[hidden]")
-        fn = self.buf("final.norm", (B, H), "bf16", "act", "[B, hidden]")
-        self.rmsnorm(L, x, fnw, fn, "final_norm")
+        xin, xreads = gemv_input(Normed(x, fnw))
         head = embed if s.tie_word_embeddings else self.buf("lm_head", (s.vocab_size, H), "bf16", "weight",
                                                              "[vocab, hidden]")
         V = s.vocab_size
@@ -127,8 +142,8 @@ class _Lowerer:
         bidx = self.buf("lm.best_idx", (B, ntiles), "i32", "act", "[B, tiles] its vocab index")
         for i, (lo, hi) in enumerate(tiles(V, tile)):
             self.emit(Opcode.LM_HEAD, L, f"lm_head[{lo}:{hi}]",
-                      {"x": fn, "weight": head, "logits": logits, "best_val": bval, "best_idx": bidx},
-                      {"row0": lo, "rows": hi - lo, "tile": i}, [full(fn), box(head, (lo, hi), None)],
+                      {**xin, "weight": head, "logits": logits, "best_val": bval, "best_idx": bidx},
+                      {"row0": lo, "rows": hi - lo, "tile": i}, [*xreads, box(head, (lo, hi), None)],
                       [box(logits, None, (lo, hi)), box(bval, None, (i, i + 1)), box(bidx, None, (i, i + 1))],
                       flops=2 * B * (hi - lo) * H)
         nxt = self.buf("next_token", (B,), "i32", "output", "[B] greedy token")
@@ -147,8 +162,7 @@ class _Lowerer:
         GS = QH // G
         P = f"L{layer}"
         nw = self.buf(f"{P}.attn_norm", (H,), "bf16", "weight", "[hidden]")
-        n = self.buf(f"{P}.norm", (B, H), "bf16", "act", "[B, hidden] normed input")
-        self.rmsnorm(layer, x, nw, n, "norm")
+        n = Normed(x, nw)
         # --- attention: QKV rows are [q heads..., k heads..., v heads...], D rows per head
         nqkv = (QH + 2 * G) * D
         wqkv = self.buf(f"{P}.w_qkv", (nqkv, H), "bf16", "weight", "[(heads + 2 kv_heads) * head_dim, hidden]")
@@ -198,13 +212,18 @@ class _Lowerer:
                                box(part_ml, (b, b + 1), (g, g + 1), (sp, sp + 1), None, None)],
                               flops=4 * GS * D * split_keys, act_bytes=2 * split_keys * D * 2)
         attn = self.buf(f"{P}.attn", (B, QH * D), "bf16", "act", "[B, heads * head_dim] attention output")
+        # one combine per query head: each reads only its head's partials, so the merge of a group
+        # is spread over GS SMs instead of one
         for g in range(G):
-            self.emit(Opcode.ATTN_COMBINE, layer, f"{P}.combine[kv{g}]",
-                      {"part_o": part_o, "part_ml": part_ml, "positions": positions, "out": attn},
-                      {"kv_head": g, "splits": nsplit, "split_keys": split_keys, "window": window},
-                      [box(part_o, None, (g, g + 1), None, None, None),
-                       box(part_ml, None, (g, g + 1), None, None, None), full(positions)],
-                      [box(attn, None, (g * GS * D, (g + 1) * GS * D))])
+            for h in range(GS):
+                head = g * GS + h
+                self.emit(Opcode.ATTN_COMBINE, layer, f"{P}.combine[kv{g},h{head}]",
+                          {"part_o": part_o, "part_ml": part_ml, "positions": positions, "out": attn},
+                          {"kv_head": g, "head0": h, "heads": 1, "splits": nsplit, "split_keys": split_keys,
+                           "window": window},
+                          [box(part_o, None, (g, g + 1), None, (h, h + 1), None),
+                           box(part_ml, None, (g, g + 1), None, (h, h + 1), None), full(positions)],
+                          [box(attn, None, (head * D, (head + 1) * D))])
         # O-proj split-K by KV group: slice g waits only for the attention of group g
         wo = self.buf(f"{P}.w_o", (H, QH * D), "bf16", "weight", "[hidden, heads * head_dim]")
         o_part = self.buf(f"{P}.o_part", (G, B, H), "f32", "act", "[kv_heads, B, hidden] split-K partials")
@@ -217,8 +236,7 @@ class _Lowerer:
             x_mid = self.buf(f"{P}.x_mid", (B, H), "f32", "act", "[B, hidden] x + attention")
             self.residual(layer, x, o_part, None, None, None, x_mid, "residual_attn")
             nw2 = self.buf(f"{P}.mlp_norm", (H,), "bf16", "weight", "[hidden]")
-            mlp_in = self.buf(f"{P}.norm2", (B, H), "bf16", "act", "[B, hidden] normed input of the MLP")
-            self.rmsnorm(layer, x_mid, nw2, mlp_in, "norm2")
+            mlp_in = Normed(x_mid, nw2)
             x, o_part = x_mid, None
         x_out = self.buf(f"L{layer + 1}.x", (B, H), "f32", "act", f"[B, hidden] residual stream into layer {layer + 1}")
         if ls.mlp == "dense":
@@ -234,7 +252,7 @@ class _Lowerer:
             self.moe(layer, mlp_in, x, o_part, x_out)
         return x_out
 
-    def moe(self, layer: int, n: Buffer, x: Buffer, o_part: Buffer | None, x_out: Buffer) -> None:
+    def moe(self, layer: int, n: Normed, x: Buffer, o_part: Buffer | None, x_out: Buffer) -> None:
         s, opt = self.spec, self.opt
         m = s.moe
         assert m is not None
@@ -244,45 +262,41 @@ class _Lowerer:
         wr = self.buf(f"{P}.w_router", (E, H), "bf16", "weight", "[experts, hidden]")
         rl = self.buf(f"{P}.router_logits", (B, E), "f32", "act", "[B, experts]")
         self.linear(layer, "router", n, wr, rl)
-        experts = self.buf(f"{P}.moe_experts", (slots,), "i32", "act", "[slots] distinct routed experts, ascending")
-        count = self.buf(f"{P}.moe_count", (1,), "i32", "act", "[1] live slots")
-        weights = self.buf(f"{P}.moe_weights", (slots, B), "f32", "act", "[slots, B] routing weight (0 = not routed)")
-        tslots = self.buf(f"{P}.moe_token_slots", (B, K), "i32", "act", "[B, top_k] slot of each token's experts")
-        self.emit(Opcode.TOPK, layer, f"{P}.topk",
-                  {"logits": rl, "experts": experts, "count": count, "weights": weights, "token_slots": tslots},
-                  {}, [full(rl)], [full(experts), full(count), full(weights), full(tslots)])
+        # no routing task: every expert and residual tile derives the routing from the logits
+        selected = self.buf(f"{P}.moe_selected", (B, K), "i32", "output",
+                            "[B, top_k] experts of each token, best first (recorded for the host)")
         wgu = self.buf(f"{P}.w_experts_gate_up", (E, 2 * I, H), "bf16", "weight",
                        "[experts, 2 * inter (gate; up), hidden]")
         wd = self.buf(f"{P}.w_experts_down", (E, H, I), "bf16", "weight", "[experts, hidden, inter]")
         h = self.buf(f"{P}.moe_h", (slots, B, I), "bf16", "act", "[slots, B, inter]")
         out = self.buf(f"{P}.moe_out", (slots, B, H), "f32", "act", "[slots, B, hidden] weighted expert outputs")
         up_tile = row_tile(I, 2 * H * 2, slots, opt.num_sms)
+        xin, xreads = gemv_input(n)
         down_tile = row_tile(H, I * 2, slots, opt.num_sms)
         for j in range(slots):
             for lo, hi in tiles(I, up_tile):
                 # which expert is read is known only at run time: declare every expert's rows,
                 # and count the bytes of one expert
                 self.emit(Opcode.EXPERT_SWIGLU, layer, f"{P}.expert_up[slot{j}][{lo}:{hi}]",
-                          {"x": n, "weight": wgu, "experts": experts, "count": count, "out": h},
+                          {**xin, "weight": wgu, "logits": rl, "out": h},
                           {"slot": j, "row0": lo, "rows": hi - lo},
-                          [full(n), full(experts), full(count), box(wgu, None, (lo, hi), None),
+                          [*xreads, full(rl), box(wgu, None, (lo, hi), None),
                            box(wgu, None, (I + lo, I + hi), None)],
                           [box(h, (j, j + 1), None, (lo, hi))], flops=4 * B * (hi - lo) * H,
                           weight_bytes=2 * (hi - lo) * H * 2)
         for j in range(slots):
             for lo, hi in tiles(H, down_tile):
                 self.emit(Opcode.EXPERT_DOWN, layer, f"{P}.expert_down[slot{j}][{lo}:{hi}]",
-                          {"h": h, "weight": wd, "experts": experts, "count": count, "weights": weights, "out": out},
+                          {"h": h, "weight": wd, "logits": rl, "out": out},
                           {"slot": j, "row0": lo, "rows": hi - lo},
-                          [box(h, (j, j + 1), None, None), full(experts), full(count),
-                           box(weights, (j, j + 1), None), box(wd, None, (lo, hi), None)],
+                          [box(h, (j, j + 1), None, None), full(rl), box(wd, None, (lo, hi), None)],
                           [box(out, (j, j + 1), None, (lo, hi))], flops=2 * B * (hi - lo) * I,
                           weight_bytes=(hi - lo) * I * 2)
-        self.residual(layer, x, o_part, None, out, tslots, x_out, "residual", count=count)
+        self.residual(layer, x, o_part, None, out, rl, x_out, "residual", selected=selected)
 
     def residual(self, layer: int, x: Buffer, o_part: Buffer | None, mlp: Buffer | None,
-                 routed: Buffer | None, tslots: Buffer | None, out: Buffer, label: str,
-                 count: Buffer | None = None) -> None:
+                 routed: Buffer | None, logits: Buffer | None, out: Buffer, label: str,
+                 selected: Buffer | None = None) -> None:
         H = self.spec.hidden_size
         tile = row_tile(H, 1024, 1, self.opt.num_sms)
         for lo, hi in tiles(H, tile):
@@ -292,13 +306,16 @@ class _Lowerer:
             if mlp is not None:
                 reads.append(box(mlp, None, None, (lo, hi)))
             if routed is not None:
-                reads += [box(routed, None, None, (lo, hi)), full(tslots)]
+                reads += [box(routed, None, None, (lo, hi)), full(logits)]
+            record = selected if lo == 0 else None  # the first tile records the routing for the host
+            top_k = self.spec.moe.top_k if routed is not None else 1
             self.emit(Opcode.RESIDUAL, layer, f"L{layer}.{label}[{lo}:{hi}]",
-                      {"x": x, "o_part": o_part, "mlp": mlp, "routed": routed, "token_slots": tslots, "out": out},
+                      {"x": x, "o_part": o_part, "mlp": mlp, "routed": routed, "logits": logits,
+                       "selected": record, "out": out},
                       {"col0": lo, "cols": hi - lo, "o_parts": o_part.shape[0] if o_part is not None else 0},
-                      reads, [box(out, None, (lo, hi))],
+                      reads, [box(out, None, (lo, hi)), *([full(record)] if record is not None else [])],
                       act_bytes=self.opt.batch * (hi - lo) * 4 * (2 + (o_part.shape[0] if o_part is not None else 0)
-                                                               + (tslots.shape[1] if tslots is not None else 1)))
+                                                               + top_k))
 
 
 def lower(spec: ModelSpec, batch: int, context: int, num_sms: int) -> Program:

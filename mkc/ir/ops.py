@@ -12,18 +12,25 @@ from enum import IntEnum
 
 class Opcode(IntEnum):
     EMBED = 1  # x[b, :] = embed[tokens[b], :]
-    RMSNORM = 2  # out[b, :] = x[b, :] * rsqrt(mean(x[b]^2) + eps) * w
-    LINEAR = 3  # out[slab, b, col0 + i] = sum_k x[b, k0 + k] * w[row0 + i, k0 + k]
-    SWIGLU = 4  # h[b, col0 + i] = silu(x . w[row0 + i]) * (x . w[up_row0 + i])
+    LINEAR = 3  # out[slab, b, col0 + i] = sum_k xn[b, k0 + k] * w[row0 + i, k0 + k]
+    SWIGLU = 4  # h[b, col0 + i] = silu(xn . w[row0 + i]) * (xn . w[up_row0 + i])
     ROPE_APPEND = 5  # q, k = rope(qk_norm(q, k)); k, v appended to the KV cache at positions[b]
     ATTN_SPLIT = 6  # partial softmax(q k^T) v over one key range of one (sequence, KV head)
     ATTN_COMBINE = 7  # merge the split partials of one KV head into attn[b, heads of the group]
-    TOPK = 8  # routing: top-k experts per token, the distinct-expert list, per-slot weights
     EXPERT_SWIGLU = 9  # SWIGLU of the expert in routing slot `slot` (no-op past the live count)
     EXPERT_DOWN = 10  # out[slot, b, rows] = weight[slot, b] * h[slot, b] . w_down[expert, rows]
     RESIDUAL = 11  # x_out[:, cols] = x_in + sum(o_part) + mlp (dense or routed) over a column tile
-    LM_HEAD = 12  # logits tile (scaled) and its per-row argmax partial
+    LM_HEAD = 12  # logits tile (scaled) of xn and its per-row argmax partial
     ARGMAX = 13  # next_token[b] = argmax over the LM-head partials
+
+
+# Two producers are recomputed by their consumers instead of being tasks of their own (each would
+# cost a hop on every layer's critical path for a few KB of work):
+# - RMSNorm: a GEMV with a "norm" operand reads the f32 residual stream x and stages
+#   xn = bf16(x * rsqrt(mean(x^2) + eps) * norm) itself (without one, x is its bf16 input);
+# - routing: EXPERT_SWIGLU, EXPERT_DOWN and RESIDUAL read the router logits and derive the top-k
+#   experts per token, the ascending list of distinct experts (the slots) and the weights.
+# Every consumer computes the same values in the same order, so they agree bit for bit.
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,21 +41,20 @@ class OpInfo:
 
 OP_INFO: dict[Opcode, OpInfo] = {
     Opcode.EMBED: OpInfo(("tokens", "embed", "out"), ()),
-    Opcode.RMSNORM: OpInfo(("x", "weight", "out"), ()),
-    Opcode.LINEAR: OpInfo(("x", "weight", "out"), ("row0", "rows", "k0", "k", "col0", "slab")),
-    Opcode.SWIGLU: OpInfo(("x", "weight", "out"), ("row0", "rows", "up_row0", "col0")),
+    Opcode.LINEAR: OpInfo(("x", "norm", "weight", "out"), ("row0", "rows", "k0", "k", "col0", "slab")),
+    Opcode.SWIGLU: OpInfo(("x", "norm", "weight", "out"), ("row0", "rows", "up_row0", "col0")),
     # q_norm / k_norm: per-head RMSNorm weights [head_dim] of qk-norm models ("-" without qk-norm)
     Opcode.ROPE_APPEND: OpInfo(("qkv", "positions", "q", "k_cache", "v_cache", "q_norm", "k_norm"),
                                ("kv_head", "rope")),
     Opcode.ATTN_SPLIT: OpInfo(("q", "k_cache", "v_cache", "positions", "part_o", "part_ml"),
                               ("seq", "kv_head", "split", "split_keys", "window")),
     Opcode.ATTN_COMBINE: OpInfo(("part_o", "part_ml", "positions", "out"),
-                                ("kv_head", "splits", "split_keys", "window")),
-    Opcode.TOPK: OpInfo(("logits", "experts", "count", "weights", "token_slots"), ()),
-    Opcode.EXPERT_SWIGLU: OpInfo(("x", "weight", "experts", "count", "out"), ("slot", "row0", "rows")),
-    Opcode.EXPERT_DOWN: OpInfo(("h", "weight", "experts", "count", "weights", "out"), ("slot", "row0", "rows")),
-    Opcode.RESIDUAL: OpInfo(("x", "o_part", "mlp", "routed", "token_slots", "out"),
+                                ("kv_head", "head0", "heads", "splits", "split_keys", "window")),
+    Opcode.EXPERT_SWIGLU: OpInfo(("x", "norm", "weight", "logits", "out"), ("slot", "row0", "rows")),
+    Opcode.EXPERT_DOWN: OpInfo(("h", "weight", "logits", "out"), ("slot", "row0", "rows")),
+    # selected: [B, top_k] experts per token, best first, recorded for the host by one tile ("-" elsewhere)
+    Opcode.RESIDUAL: OpInfo(("x", "o_part", "mlp", "routed", "logits", "selected", "out"),
                             ("col0", "cols", "o_parts")),
-    Opcode.LM_HEAD: OpInfo(("x", "weight", "logits", "best_val", "best_idx"), ("row0", "rows", "tile")),
+    Opcode.LM_HEAD: OpInfo(("x", "norm", "weight", "logits", "best_val", "best_idx"), ("row0", "rows", "tile")),
     Opcode.ARGMAX: OpInfo(("best_val", "best_idx", "out"), ("tiles",)),
 }

@@ -84,16 +84,21 @@ def _embed(t: Task, bufs: Tensors, w: Tensors, spec: ModelSpec) -> None:
     _store(_operand(t, "out", bufs, w), _f(table[tokens]))
 
 
-def _rmsnorm(t: Task, bufs: Tensors, w: Tensors, spec: ModelSpec) -> None:
-    x = _f(_operand(t, "x", bufs, w))  # [B, hidden]
-    weight = _f(_operand(t, "weight", bufs, w))  # [hidden]
-    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + spec.norm_eps)
-    _store(_operand(t, "out", bufs, w), weight * normed)
+def gemv_input(t: Task, bufs: Tensors, w: Tensors, spec: ModelSpec) -> torch.Tensor:
+    """A GEMV's input rows [B, k] in float32: x itself, or with a "norm" operand the RMSNorm of
+    the float32 residual stream x times the norm weight, rounded to the weights' storage dtype
+    (bfloat16 in a bf16 run, as a stored activation would be)."""
+    x = _f(_operand(t, "x", bufs, w))  # [B, k] or, normed, [B, hidden]
+    if t.operand("norm") == "-":
+        return x
+    weight = _operand(t, "norm", bufs, w)  # [hidden]
+    normed = _f(weight) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + spec.norm_eps))
+    return normed.to(weight.dtype).float()
 
 
 def _linear(t: Task, bufs: Tensors, w: Tensors, spec: ModelSpec) -> None:
     row0, rows, k0, k, col0, slab = (t.arg(a) for a in ("row0", "rows", "k0", "k", "col0", "slab"))
-    x = _f(_operand(t, "x", bufs, w)[:, k0:k0 + k])  # [B, k]
+    x = gemv_input(t, bufs, w, spec)[:, k0:k0 + k]  # [B, k] (a norm is over the whole row first)
     weight = _f(_operand(t, "weight", bufs, w)[row0:row0 + rows, k0:k0 + k])  # [rows, k]
     out = _operand(t, "out", bufs, w)
     dst = out[slab, :, col0:col0 + rows] if out.dim() == 3 else out[:, col0:col0 + rows]
@@ -108,7 +113,7 @@ def _swiglu_rows(x: torch.Tensor, weight: torch.Tensor, row0: int, rows: int, up
 
 def _swiglu(t: Task, bufs: Tensors, w: Tensors, spec: ModelSpec) -> None:
     row0, rows, up_row0, col0 = (t.arg(a) for a in ("row0", "rows", "up_row0", "col0"))
-    x = _f(_operand(t, "x", bufs, w))  # [B, hidden]
+    x = gemv_input(t, bufs, w, spec)  # [B, hidden]
     h = _swiglu_rows(x, _operand(t, "weight", bufs, w), row0, rows, up_row0)
     _store(_operand(t, "out", bufs, w)[:, col0:col0 + rows], h)
 
@@ -186,15 +191,17 @@ def _attn_split(t: Task, bufs: Tensors, w: Tensors, spec: ModelSpec) -> None:
 
 
 def _attn_combine(t: Task, bufs: Tensors, w: Tensors, spec: ModelSpec) -> None:
-    g, splits = t.arg("kv_head"), t.arg("splits")
+    g, h0, nh, splits = (t.arg(a) for a in ("kv_head", "head0", "heads", "splits"))
     D, GS = spec.attention.head_dim, spec.group_size
-    part_o = _f(_operand(t, "part_o", bufs, w)[:, g, :splits])  # [B, S, GS, D]
-    part_ml = _f(_operand(t, "part_ml", bufs, w)[:, g, :splits])  # [B, S, GS, 2]
-    m, l = part_ml[..., 0], part_ml[..., 1]  # [B, S, GS]
-    big = m.max(dim=1, keepdim=True).values  # [B, 1, GS], finite: the current key is always attended
+    heads = slice(h0, h0 + nh)
+    part_o = _f(_operand(t, "part_o", bufs, w)[:, g, :splits, heads])  # [B, S, nh, D]
+    part_ml = _f(_operand(t, "part_ml", bufs, w)[:, g, :splits, heads])  # [B, S, nh, 2]
+    m, l = part_ml[..., 0], part_ml[..., 1]  # [B, S, nh]
+    big = m.max(dim=1, keepdim=True).values  # [B, 1, nh], finite: the current key is always attended
     scale = torch.exp(m - big)  # empty splits (m = -inf) get 0
-    o = (scale[..., None] * part_o).sum(1) / (scale * l).sum(1)[..., None]  # [B, GS, D]
-    _store(_operand(t, "out", bufs, w)[:, g * GS * D:(g + 1) * GS * D], o.reshape(o.shape[0], GS * D))
+    o = (scale[..., None] * part_o).sum(1) / (scale * l).sum(1)[..., None]  # [B, nh, D]
+    cols = slice((g * GS + h0) * D, (g * GS + h0 + nh) * D)
+    _store(_operand(t, "out", bufs, w)[:, cols], o.reshape(o.shape[0], nh * D))
 
 
 def _top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -224,55 +231,57 @@ def route(logits: torch.Tensor, top_k: int, scoring: str, normalize: bool) -> tu
     return idx, wts
 
 
-def _topk(t: Task, bufs: Tensors, w: Tensors, spec: ModelSpec) -> None:
-    m = spec.moe
-    assert m is not None, f"task {t.name}: TOPK in a model without MoE"
-    logits = _f(_operand(t, "logits", bufs, w))  # [B, E]
-    experts, count, weights, tslots = (_operand(t, r, bufs, w) for r in ("experts", "count", "weights", "token_slots"))
-    idx, wts = route(logits, m.top_k, m.scoring, m.normalize_top_k)
-    distinct = torch.unique(idx)  # sorted ascending
-    n = distinct.numel()
-    assert n <= experts.shape[0], f"task {t.name}: {n} distinct experts but only {experts.shape[0]} slots"
-    slot_of = torch.full((m.num_experts,), -1, dtype=torch.long)
-    slot_of[distinct] = torch.arange(n)
-    slots = slot_of[idx]  # [B, k]
-    table = torch.zeros(weights.shape, dtype=torch.float32)  # [slots, B]
-    table[slots, torch.arange(idx.shape[0])[:, None].expand_as(slots)] = wts
-    experts.fill_(-1)  # slots past the count name no expert
-    experts[:n] = distinct.to(experts.dtype)
-    count.fill_(n)
-    _store(weights, table)
-    _store(tslots, slots)
+class Routing:
+    """One step's routing of a MoE layer, derived from its router logits [B, E] by every task that
+    needs it: ``experts`` [B, k] per token best first and their ``weights`` [B, k] (float32),
+    ``distinct`` the ascending list of distinct routed experts (slot s runs expert distinct[s])."""
+
+    def __init__(self, logits: torch.Tensor, spec: ModelSpec):
+        m = spec.moe
+        assert m is not None, "routing in a model without MoE"
+        self.experts, self.weights = route(_f(logits), m.top_k, m.scoring, m.normalize_top_k)
+        self.distinct = torch.unique(self.experts)  # sorted ascending
+
+    def expert_of(self, slot: int) -> int | None:
+        """The expert of a routing slot, or None past the live count (the task is a no-op)."""
+        return int(self.distinct[slot]) if slot < self.distinct.numel() else None
+
+    def weight(self, expert: int) -> torch.Tensor:
+        """[B] routing weight of ``expert`` per token (0 where the token did not pick it)."""
+        return (self.weights * (self.experts == expert)).sum(-1)
+
+    def slot_of(self) -> torch.Tensor:
+        """[B, k] the slot of each token's experts, in ascending expert order."""
+        return torch.searchsorted(self.distinct, self.experts.sort(dim=-1).values)
 
 
-def _live_expert(t: Task, bufs: Tensors, w: Tensors) -> int | None:
-    """The expert in this task's routing slot, or None when the slot is past the live count."""
-    slot = t.arg("slot")
-    if slot >= int(_operand(t, "count", bufs, w)[0]):
-        return None
-    return int(_operand(t, "experts", bufs, w)[slot])
+def _routing(t: Task, bufs: Tensors, w: Tensors, spec: ModelSpec) -> Routing:
+    logits = _operand(t, "logits", bufs, w)
+    if torch.isnan(logits).any():  # the kernel would route NaN as -inf; here it means a bad read
+        raise ValueError(f"task {t.name}: router logits {t.operand('logits')} contain NaN")
+    return Routing(logits, spec)
 
 
 def _expert_swiglu(t: Task, bufs: Tensors, w: Tensors, spec: ModelSpec) -> None:
-    e = _live_expert(t, bufs, w)
+    slot, row0, rows = t.arg("slot"), t.arg("row0"), t.arg("rows")
+    e = _routing(t, bufs, w, spec).expert_of(slot)
     if e is None:
         return
-    slot, row0, rows = t.arg("slot"), t.arg("row0"), t.arg("rows")
     weight = _operand(t, "weight", bufs, w)[e]  # [2I, H]
     inter = weight.shape[0] // 2
-    x = _f(_operand(t, "x", bufs, w))
+    x = gemv_input(t, bufs, w, spec)
     _store(_operand(t, "out", bufs, w)[slot, :, row0:row0 + rows], _swiglu_rows(x, weight, row0, rows, inter + row0))
 
 
 def _expert_down(t: Task, bufs: Tensors, w: Tensors, spec: ModelSpec) -> None:
-    e = _live_expert(t, bufs, w)
+    slot, row0, rows = t.arg("slot"), t.arg("row0"), t.arg("rows")
+    routing = _routing(t, bufs, w, spec)
+    e = routing.expert_of(slot)
     if e is None:
         return
-    slot, row0, rows = t.arg("slot"), t.arg("row0"), t.arg("rows")
     h = _f(_operand(t, "h", bufs, w)[slot])  # [B, I]
     weight = _f(_operand(t, "weight", bufs, w)[e, row0:row0 + rows])  # [rows, I]
-    route_w = _f(_operand(t, "weights", bufs, w)[slot])  # [B]
-    _store(_operand(t, "out", bufs, w)[slot, :, row0:row0 + rows], route_w[:, None] * (h @ weight.T))
+    _store(_operand(t, "out", bufs, w)[slot, :, row0:row0 + rows], routing.weight(e)[:, None] * (h @ weight.T))
 
 
 def _residual(t: Task, bufs: Tensors, w: Tensors, spec: ModelSpec) -> None:
@@ -285,16 +294,18 @@ def _residual(t: Task, bufs: Tensors, w: Tensors, spec: ModelSpec) -> None:
         acc = acc + _f(_operand(t, "mlp", bufs, w)[:, :, c]).sum(0)
     if t.operand("routed") != "-":
         routed = _operand(t, "routed", bufs, w)  # [slots, B, H]
-        tslots = _operand(t, "token_slots", bufs, w).long()  # [B, k]
-        batch = torch.arange(tslots.shape[0])[:, None]
-        picked = _f(routed[tslots.sort(dim=-1).values, batch, c])  # [B, k, cols], ascending expert
-        acc = acc + picked.sum(1)
+        routing = _routing(t, bufs, w, spec)
+        slots = routing.slot_of()  # [B, k], ascending expert
+        batch = torch.arange(slots.shape[0])[:, None]
+        acc = acc + _f(routed[slots, batch, c]).sum(1)  # [B, k, cols] summed in ascending expert order
+        if t.operand("selected") != "-":
+            _store(_operand(t, "selected", bufs, w), routing.experts)
     _store(_operand(t, "out", bufs, w)[:, c], acc)
 
 
 def _lm_head(t: Task, bufs: Tensors, w: Tensors, spec: ModelSpec) -> None:
     row0, rows, tile = t.arg("row0"), t.arg("rows"), t.arg("tile")
-    x = _f(_operand(t, "x", bufs, w))  # [B, H]
+    x = gemv_input(t, bufs, w, spec)  # [B, H]
     weight = _f(_operand(t, "weight", bufs, w)[row0:row0 + rows])  # [rows, H]
     logits = (x @ weight.T) * spec.logit_scale  # [B, rows]
     _store(_operand(t, "logits", bufs, w)[:, row0:row0 + rows], logits)
@@ -313,13 +324,11 @@ def _argmax(t: Task, bufs: Tensors, w: Tensors, spec: ModelSpec) -> None:
 
 _HANDLERS: dict[str, Handler] = {
     "EMBED": _embed,
-    "RMSNORM": _rmsnorm,
     "LINEAR": _linear,
     "SWIGLU": _swiglu,
     "ROPE_APPEND": _rope_append,
     "ATTN_SPLIT": _attn_split,
     "ATTN_COMBINE": _attn_combine,
-    "TOPK": _topk,
     "EXPERT_SWIGLU": _expert_swiglu,
     "EXPERT_DOWN": _expert_down,
     "RESIDUAL": _residual,
