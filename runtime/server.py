@@ -21,7 +21,7 @@ import logging
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -204,11 +204,10 @@ def build_app(state: ServerState) -> FastAPI:
         gen.start()
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
-            return _sse(_stream_completion(state, gen, req, rid, created))
+            return _sse(_stream(state, gen, req, rid, created, "text_completion", _completion_choices))
         text, last = await gen.collect()
         return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
-                             "choices": [{"index": 0, "text": text, "logprobs": None,
-                                          "finish_reason": last.finish_reason}],
+                             "choices": [_choice(last.finish_reason, text=text)],
                              "usage": _usage(last)})
 
     @app.post("/v1/chat/completions")
@@ -233,12 +232,12 @@ def build_app(state: ServerState) -> FastAPI:
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         names = tool_names(req.tools) if use_tools else set()
         if req.stream:
-            return _sse(_stream_chat(state, gen, req, rid, created, names))
+            return _sse(_stream(state, gen, req, rid, created, "chat.completion.chunk", _chat_choices(names),
+                                first=[_choice(None, delta={"role": "assistant", "content": ""})]))
         text, last = await gen.collect()
         message, finish = _chat_message(text, last.finish_reason, names)
         return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
-                             "choices": [{"index": 0, "message": message, "logprobs": None,
-                                          "finish_reason": finish}],
+                             "choices": [_choice(finish, message=message)],
                              "usage": _usage(last)})
 
     return app
@@ -437,46 +436,53 @@ def _error_event(out: Output) -> dict[str, Any]:
                       "param": None, "code": None}}
 
 
-async def _stream_completion(state: ServerState, gen: _Generation, req: CompletionRequest, rid: str,
-                             created: int) -> AsyncIterator[dict[str, Any] | str]:
+def _choice(finish: str | None, **payload: Any) -> dict[str, Any]:
+    """The one choice of a response or chunk: ``payload`` is ``text=`` (completions), ``message=``
+    (chat) or ``delta=`` (chat chunks)."""
+    return {"index": 0, **payload, "logprobs": None, "finish_reason": finish}
+
+
+async def _stream(state: ServerState, gen: _Generation, req: _Sampling, rid: str, created: int,
+                  object_type: str, choices: Callable[[Output], Iterable[dict[str, Any]]],
+                  first: Iterable[dict[str, Any]] = ()) -> AsyncIterator[dict[str, Any] | str]:
+    """The SSE events of one streamed request: a chunk for each of ``first``, then for each choice
+    ``choices`` makes of an output; an error event if generation fails or the server shuts down;
+    the usage chunk when ``stream_options.include_usage`` asks for it; ``[DONE]`` last."""
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    base = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name}
+    base = {"id": rid, "object": object_type, "created": created, "model": state.model_name}
+
+    def chunk(choice: dict[str, Any]) -> dict[str, Any]:
+        c = {**base, "choices": [choice]}
+        if include_usage:
+            c["usage"] = None
+        return c
+
+    for choice in first:
+        yield chunk(choice)
     last = None
     async for out in gen.outputs():
         last = out
         if out.finish_reason in ("error", "abort"):  # abort here = the server is shutting down
             yield _error_event(out)
             break
-        if out.text or out.finish_reason:
-            chunk = {**base, "choices": [{"index": 0, "text": out.text, "logprobs": None,
-                                          "finish_reason": out.finish_reason}]}
-            if include_usage:
-                chunk["usage"] = None
-            yield chunk
+        for choice in choices(out):
+            yield chunk(choice)
     if include_usage and last is not None:
         yield {**base, "choices": [], "usage": _usage(last)}
     yield "[DONE]"
 
 
-async def _stream_chat(state: ServerState, gen: _Generation, req: ChatRequest, rid: str, created: int,
-                       names: set[str]) -> AsyncIterator[dict[str, Any] | str]:
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name}
+def _completion_choices(out: Output) -> Iterator[dict[str, Any]]:
+    if out.text or out.finish_reason:
+        yield _choice(out.finish_reason, text=out.text)
 
-    def chunk(delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
-        c = {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
-        if include_usage:
-            c["usage"] = None
-        return c
 
-    yield chunk({"role": "assistant", "content": ""}, None)
-    held: list[str] = []  # with tools, the text is held until it is known whether it is a call
-    last = None
-    async for out in gen.outputs():
-        last = out
-        if out.finish_reason in ("error", "abort"):  # abort here = the server is shutting down
-            yield _error_event(out)
-            break
+def _chat_choices(names: set[str]) -> Callable[[Output], Iterator[dict[str, Any]]]:
+    """Chat deltas of one stream; with tools (``names``) the text is held until it is known whether
+    it is a call, and comes as one delta at the end."""
+    held: list[str] = []
+
+    def choices(out: Output) -> Iterator[dict[str, Any]]:
         if names:
             held.append(out.text)
             if out.finish_reason:
@@ -487,15 +493,14 @@ async def _stream_chat(state: ServerState, gen: _Generation, req: ChatRequest, r
                         delta["content"] = message["content"]
                 else:
                     delta = {"content": message["content"]}
-                yield chunk(delta, finish)
-            continue
+                yield _choice(finish, delta=delta)
+            return
         if out.text:
-            yield chunk({"content": out.text}, None)
+            yield _choice(None, delta={"content": out.text})
         if out.finish_reason:
-            yield chunk({}, out.finish_reason)
-    if include_usage and last is not None:
-        yield {**base, "choices": [], "usage": _usage(last)}
-    yield "[DONE]"
+            yield _choice(out.finish_reason, delta={})
+
+    return choices
 
 
 # ----------------------------------------------------------------------------------------------

@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
+
+if TYPE_CHECKING:  # types only: every test session loads this file
+    from mkc.runtime.backends import DecoderBackend
+    from mkc.runtime.engine import Engine, Output
+    from mkc.runtime.sampling import SamplingParams
 
 SEED = 1234  # one seed for everything a test does not seed itself
 
@@ -39,3 +46,61 @@ def save_checkpoint(model: torch.nn.Module, folder) -> None:
             if name.endswith("norm.weight"):
                 p.add_(0.2 * torch.randn_like(p))
     model.save_pretrained(folder)
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max())
+
+
+def check_prefill_matches_decode(be: DecoderBackend, atol: float) -> tuple[list[int], torch.Tensor]:
+    """Prefill a 21-token prompt into slot 0 of ``be`` and decode the same tokens one by one in
+    slot 2; assert that every layer's K and V cache and the last logits agree within ``atol``.
+    The prompt is longer than the tiny model's sliding window (8). Returns it and the prefill's logits."""
+    ids = [(i * 37 + 11) % 256 for i in range(21)]
+    logits_prefill = be.prefill(0, ids)
+    for p, t in enumerate(ids):
+        logits_decode = be.decode([2], [t], [p])[0]
+    n = len(ids)
+    for layer, (k, v) in enumerate(be._kv):
+        for name, c in (("k", k), ("v", v)):
+            err = max_err(c[0, :, :n], c[2, :, :n])
+            assert err < atol, f"layer {layer} {name} cache: max error {err:.2e} > {atol:.0e}"
+    err = max_err(logits_prefill, logits_decode)
+    assert err < atol, f"last logits: max error {err:.2e} > {atol:.0e}"
+    return ids, logits_prefill
+
+
+def check_idle_rows_untouched(be: DecoderBackend,
+                              same: Callable[[torch.Tensor, torch.Tensor], bool]) -> torch.Tensor:
+    """Fill the 4 slots of ``be``, decode one step of slot 1 alone and assert, with ``same``, that the
+    caches of slots 0, 2 and 3 are unchanged, position 0 included. Returns that step's logits."""
+    for s in range(4):
+        be.prefill(s, [s + 1] * (5 + s))
+    before = [(k.clone(), v.clone()) for k, v in be._kv]
+    alone = be.decode([1], [9], [6])
+    for (k, v), (k0, v0) in zip(be._kv, before, strict=True):
+        for s in (0, 2, 3):
+            assert same(k[s], k0[s]) and same(v[s], v0[s]), f"slot {s} changed by a step it was not in"
+    return alone
+
+
+def run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams,
+               max_steps: int = 2000) -> list[list[Output]]:
+    """Submit every prompt, step until the engine has no work left; each request's outputs."""
+    outs: list[list[Output]] = [[] for _ in prompts]
+    for i, p in enumerate(prompts):
+        engine.submit(p, params, outs[i].append)
+    for _ in range(max_steps):
+        if not engine.has_work():
+            break
+        engine.step()
+    assert not engine.has_work()
+    return outs
+
+
+def record_preemptions(engine: Engine) -> list[str]:
+    """The ids of the requests ``engine`` preempts from now on, appended as it preempts them."""
+    preempted: list[str] = []
+    orig = engine._preempt
+    engine._preempt = lambda r: (preempted.append(r.id), orig(r))[1]  # type: ignore[method-assign]
+    return preempted

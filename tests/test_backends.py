@@ -9,10 +9,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import (
+    check_idle_rows_untouched,
+    check_prefill_matches_decode,
+    max_err,
+    record_preemptions,
+    run_engine,
+)
 
 from mkc.ir.spec import load_spec
 from mkc.runtime.backends import CpuBackend
-from mkc.runtime.engine import Engine, Output
+from mkc.runtime.engine import Engine
 from mkc.runtime.generate import greedy_generate
 from mkc.runtime.sampling import SamplingParams
 from mkc.runtime.tokenizer import ByteTokenizer
@@ -31,10 +38,6 @@ def model():
     return spec, random_weights(spec, seed=7)
 
 
-def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max())
-
-
 # bf16: the prefill and the tiled decode may round a stored K/V element to neighbouring bf16
 # values (different summation order), one ulp = 2^-8 relative; the cache values are below 1
 BF16_ATOL = 1e-2
@@ -45,20 +48,10 @@ def test_prefill_matches_token_by_token_decode(model, dtype):
     spec, w = model
     atol = ATOL if dtype == torch.float32 else BF16_ATOL
     be = CpuBackend(spec, w, max_batch=4, context=CONTEXT, dtype=dtype)
-    ids = [(i * 37 + 11) % 256 for i in range(21)]  # longer than the sliding window (8)
-    logits_prefill = be.prefill(0, ids)
-    for p, t in enumerate(ids):
-        logits_decode = be.decode([2], [t], [p])[0]
-    n = len(ids)
-    for layer, (k, v) in enumerate(be._kv):
-        for name, c in (("k", k), ("v", v)):
-            err = _max_err(c[0, :, :n], c[2, :, :n])
-            assert err < atol, f"layer {layer} {name} cache: max error {err:.2e} > {atol:.0e}"
-    err = _max_err(logits_prefill, logits_decode)
-    assert err < atol, f"last logits: max error {err:.2e} > {atol:.0e}"
+    ids, logits_prefill = check_prefill_matches_decode(be, atol)
     # a prefill that starts after a cached prefix gives the same logits
     be.prefill(3, ids[:16])
-    err = _max_err(be.prefill(3, ids[16:], 16), logits_prefill)
+    err = max_err(be.prefill(3, ids[16:], 16), logits_prefill)
     assert err < atol, f"prefix + rest: max error {err:.2e} > {atol:.0e}"
 
 
@@ -70,27 +63,14 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def test_idle_rows_leave_other_slots_alone(model):
     spec, w = model
     be = CpuBackend(spec, w, max_batch=4, context=CONTEXT)
-    for s in range(4):
-        be.prefill(s, [s + 1] * (5 + s))
-    before = [(k.clone(), v.clone()) for k, v in be._kv]
-    alone = be.decode([1], [9], [6])
-    for (k, v), (k0, v0) in zip(be._kv, before):
-        for s in (0, 2, 3):  # slots not in the step: bit for bit unchanged, position 0 included
-            assert _same_bits(k[s], k0[s]) and _same_bits(v[s], v0[s])
+    alone = check_idle_rows_untouched(be, _same_bits)
     # the same row computed beside busy rows gives bit-identical logits
     together = be.decode([0, 1, 3], [4, 9, 5], [5, 6, 8])
     assert torch.equal(together[1], alone[0])
 
 
-def _engine_text(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
-    outs: list[list[Output]] = [[] for _ in prompts]
-    for i, p in enumerate(prompts):
-        engine.submit(p, params, outs[i].append)
-    for _ in range(500):
-        if not engine.has_work():
-            break
-        engine.step()
-    assert not engine.has_work()
+def _engine_tokens(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    outs = run_engine(engine, prompts, params, max_steps=500)
     return [[t for o in out for t in o.token_ids] for out in outs]
 
 
@@ -101,11 +81,9 @@ def test_engine_matches_executor_and_survives_preemption(model):
     tok = ByteTokenizer(spec.vocab_size)
     want = [greedy_generate(spec, w, p, 20, context=CONTEXT) for p in prompts]
     ample = Engine(CpuBackend(spec, w, max_batch=3, context=CONTEXT), tok)
-    assert _engine_text(ample, prompts, params) == want
+    assert _engine_tokens(ample, prompts, params) == want
     # one context's worth of pages for three slots: requests must take turns
     tight = Engine(CpuBackend(spec, w, max_batch=3, context=CONTEXT), tok, page_size=8, kv_pages=CONTEXT // 8)
-    preempted = []
-    orig = tight._preempt
-    tight._preempt = lambda r: (preempted.append(r.id), orig(r))[1]  # type: ignore[method-assign]
-    assert _engine_text(tight, prompts, params) == want
+    preempted = record_preemptions(tight)
+    assert _engine_tokens(tight, prompts, params) == want
     assert preempted, "the pool was large enough: preemption was not exercised"

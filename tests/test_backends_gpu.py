@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import check_idle_rows_untouched, check_prefill_matches_decode, record_preemptions, run_engine
 
 from mkc.ir.spec import load_spec
-from mkc.runtime.engine import Engine, Output
+from mkc.runtime.engine import Engine
 from mkc.runtime.sampling import SamplingParams
 from mkc.runtime.tokenizer import ByteTokenizer
 from mkc.runtime.weights import random_weights
@@ -44,48 +45,14 @@ def backend_factory():
     return spec, lambda max_batch: CudaBackend(spec, w, max_batch=max_batch, context=CONTEXT)
 
 
-def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max())
-
-
 def test_cuda_prefill_matches_kernel_decode(backend_factory):
     _spec, make = backend_factory
-    be = make(4)
-    ids = [(i * 37 + 11) % 256 for i in range(21)]
-    logits_prefill = be.prefill(0, ids)
-    for p, t in enumerate(ids):
-        logits_decode = be.decode([2], [t], [p])[0]
-    n = len(ids)
-    for layer, (k, v) in enumerate(be._kv):
-        for name, c in (("k", k), ("v", v)):
-            err = _max_err(c[0, :, :n], c[2, :, :n])
-            assert err < ATOL, f"layer {layer} {name} cache: max error {err:.2e} > {ATOL:.0e}"
-    err = _max_err(logits_prefill, logits_decode)
-    assert err < ATOL, f"last logits: max error {err:.2e} > {ATOL:.0e}"
+    check_prefill_matches_decode(make(4), ATOL)
 
 
 def test_cuda_idle_rows_leave_other_slots_alone(backend_factory):
     _spec, make = backend_factory
-    be = make(4)
-    for s in range(4):
-        be.prefill(s, [s + 1] * (5 + s))
-    before = [(k.clone(), v.clone()) for k, v in be._kv]
-    be.decode([1], [9], [6])
-    for (k, v), (k0, v0) in zip(be._kv, before, strict=True):
-        for s in (0, 2, 3):
-            assert torch.equal(k[s], k0[s]) and torch.equal(v[s], v0[s])
-
-
-def _run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[list[Output]]:
-    outs: list[list[Output]] = [[] for _ in prompts]
-    for i, p in enumerate(prompts):
-        engine.submit(p, params, outs[i].append)
-    for _ in range(2000):
-        if not engine.has_work():
-            break
-        engine.step()
-    assert not engine.has_work()
-    return outs
+    check_idle_rows_untouched(make(4), torch.equal)
 
 
 def test_cuda_engine_batches_and_preempts(backend_factory):
@@ -95,20 +62,18 @@ def test_cuda_engine_batches_and_preempts(backend_factory):
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     eng = Engine(make(8), tok)
     t0 = time.perf_counter()
-    together = _run(eng, prompts, params)
+    together = run_engine(eng, prompts, params)
     dt = time.perf_counter() - t0
     print(f"\n12 requests x 24 tokens, batch 8: {eng.steps} decode steps in {dt * 1e3:.0f} ms "
           f"({12 * 24 / dt:.0f} tok/s, engine + Python included)")
     for outs in together:
         assert outs[-1].finish_reason == "length" and outs[-1].completion_tokens == 24
     # one request alone in the batch decodes the same tokens as beside the others
-    alone = _run(Engine(make(8), tok), [prompts[5]], params)[0]
+    alone = run_engine(Engine(make(8), tok), [prompts[5]], params)[0]
     assert [t for o in alone for t in o.token_ids] == [t for o in together[5] for t in o.token_ids]
     tight = Engine(make(8), tok, page_size=8, kv_pages=CONTEXT // 8)
-    preempted: list[str] = []
-    orig = tight._preempt
-    tight._preempt = lambda r: (preempted.append(r.id), orig(r))[1]  # type: ignore[method-assign]
-    squeezed = _run(tight, prompts, params)
+    preempted = record_preemptions(tight)
+    squeezed = run_engine(tight, prompts, params)
     assert preempted, "the pool was large enough: preemption was not exercised"
     for outs in squeezed:
         assert outs[-1].finish_reason == "length" and outs[-1].completion_tokens == 24

@@ -6,6 +6,7 @@ One server for the whole module; every wait is bounded.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import http.client
 import json
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -24,6 +26,8 @@ import pytest
 import torch
 
 from mkc import settings
+from mkc.runtime.engine import Output
+from mkc.runtime.server import CompletionRequest, StreamOptions, _completion_choices, _stream
 from mkc.runtime.tool_calls import parse_tool_calls
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -173,6 +177,30 @@ def test_sse_ends_with_done(server):
     events = [e for e in r.read().decode().split("\n\n") if e]
     assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
     conn.close()
+
+
+def test_stream_ends_failed_generation_with_error_event():
+    """In process, no server: a generation that fails mid-stream sends the text so far, an OpenAI
+    error event, the usage asked for and [DONE]."""
+    outs = [Output("r", "ab", [1, 2], prompt_tokens=3, completion_tokens=2),
+            Output("r", "", [], "error", prompt_tokens=3, completion_tokens=2, error="boom")]
+
+    class Gen:
+        async def outputs(self):
+            for o in outs:
+                yield o
+
+    async def events() -> list:
+        req = CompletionRequest(model=MODEL, prompt="x", stream_options=StreamOptions(include_usage=True))
+        return [e async for e in _stream(types.SimpleNamespace(model_name=MODEL), Gen(), req, "cmpl-1", 0,
+                                         "text_completion", _completion_choices)]
+
+    text, error, usage, done = asyncio.run(events())
+    assert text["choices"][0]["text"] == "ab" and text["usage"] is None
+    assert error == {"error": {"message": "generation failed: boom", "type": "server_error", "param": None,
+                               "code": None}}
+    assert usage["choices"] == [] and usage["usage"]["total_tokens"] == 5
+    assert done == "[DONE]"
 
 
 def test_stop_sequences(client):
