@@ -78,7 +78,7 @@ def main() -> None:
                 ref = logits.clone()
             times = time_cuda(dec.launch, reps=a.reps, warmup=2)
             dec.check()
-            routed = [dec.buffers[f"L{i}.moe_experts"][dec.buffers[f"L{i}.moe_token_slots"].long()]
+            routed = [dec.buffers[f"L{i}.moe_selected"]
                       for i, ls in enumerate(spec.layers) if ls.mlp == "moe"]
             t = statistics.median(times)
             sol = step_bytes(spec, batch, a.context, routed) / bw / t

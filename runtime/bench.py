@@ -171,7 +171,7 @@ def run_bench(spec: ModelSpec, weights: dict[str, torch.Tensor], batches: list[i
             dec.step(tokens, positions)
             times = time_cuda(dec.launch, reps=reps, warmup=2)
             dec.check()
-            routed = [dec.buffers[f"L{i}.moe_experts"][dec.buffers[f"L{i}.moe_token_slots"].long()]
+            routed = [dec.buffers[f"L{i}.moe_selected"]
                       for i, ls in enumerate(spec.layers) if ls.mlp == "moe"]
             nbytes = step_bytes(spec, batch, context, routed)
             rows.append(row("mkc", batch, context, times, nbytes, bw))

@@ -169,21 +169,22 @@ __device__ void op_attn_split(const Task& t, unsigned char* smem) {
     }
 }
 
-// attn[b, heads of group g] = sum_s o_s exp(m_s - M) / sum_s l_s exp(m_s - M), for every sequence.
-// One warp per (sequence, head) reads each split's (m, l) once (online max / sum per lane, then
-// across the warp); the sum runs split by split over compile-time items per thread, so the loads
-// of several splits and items are in flight together.
+// attn[b, heads h0 .. h0 + nh of group g] = the splits' partials merged: o = sum_s c_s o_s with
+// c_s = exp(m_s - m) / sum_s' exp(m_s' - m) l_s'. Phase 1: one warp per (token, head) turns the
+// split statistics into the weights c_s. Phase 2: every thread sums a subset of the splits of one
+// 16-byte output piece (all its loads in flight); the subsets are then added in a fixed order.
 __device__ void op_attn_combine(const Task& t, unsigned char* smem) {
     using O = OPND_ATTN_COMBINE;
     using A = ARG_ATTN_COMBINE;
-    const int g = t.arg(A::kv_head), splits = t.arg(A::splits);
+    const int g = t.arg(A::kv_head), h0 = t.arg(A::head0), nh = t.arg(A::heads), splits = t.arg(A::splits);
     const int kv_heads = t.dim(O::part_o, 4);
     const float* po = t.ptr<float>(O::part_o);
     const float* pml = t.ptr<float>(O::part_ml);
-    float* coef = reinterpret_cast<float*>(smem);  // [BATCH][GROUP][splits]: m_s, then the weights
+    float* coef = reinterpret_cast<float*>(smem);  // [BATCH][nh][splits]: m_s, then the weights c_s
+    float4* red = reinterpret_cast<float4*>(smem + (BATCH * nh * splits * 4 + 15) / 16 * 16);  // [parts][items]
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    for (int i = warp; i < BATCH * GROUP; i += NUM_WARPS) {
-        const int b = i / GROUP, h = i % GROUP;
+    for (int i = warp; i < BATCH * nh; i += NUM_WARPS) {
+        const int b = i / nh, h = h0 + i % nh;
         const float* ml = pml + (((size_t)b * kv_heads + g) * splits * GROUP + h) * 2;
         float m_lane = -INFINITY, l_lane = 0.f;
 #pragma unroll 4
@@ -206,43 +207,47 @@ __device__ void op_attn_combine(const Task& t, unsigned char* smem) {
         }
     }
     __syncthreads();
+    constexpr int HQ = HEAD_DIM / 4;  // 16-byte pieces of one head's output
+    const int items = BATCH * nh * HQ, parts = max(1, NUM_THREADS / items);
     bf16* out = t.ptr<bf16>(O::out);
     const int out_ld = t.dim(O::out, 1);
-    constexpr int QUADS = GROUP * HEAD_DIM / 4;  // 16-byte pieces of one sequence's output
-    constexpr int ITEMS = (BATCH * QUADS + NUM_THREADS - 1) / NUM_THREADS;
-    constexpr int SPLIT_UNROLL = ITEMS >= 4 ? 2 : 8 / ITEMS;
-    const float4* src[ITEMS];
-    const float* cf[ITEMS];
-    float4 acc[ITEMS];
-#pragma unroll
-    for (int j = 0; j < ITEMS; ++j) {
-        const int i = min((int)threadIdx.x + j * NUM_THREADS, BATCH * QUADS - 1);  // clamped: stored only if valid
-        const int b = i / QUADS, hd = (i % QUADS) * 4, h = hd / HEAD_DIM;
-        src[j] = reinterpret_cast<const float4*>(po + ((size_t)b * kv_heads + g) * splits * GROUP * HEAD_DIM + hd);
-        cf[j] = coef + (b * GROUP + h) * splits;
-        acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-#pragma unroll SPLIT_UNROLL
-    for (int s = 0; s < splits; ++s) {
-#pragma unroll
-        for (int j = 0; j < ITEMS; ++j) {
-            const float4 v = __ldcg(src[j] + (size_t)s * (GROUP * HEAD_DIM / 4));
-            const float cs = cf[j][s];
-            acc[j].x += cs * v.x;
-            acc[j].y += cs * v.y;
-            acc[j].z += cs * v.z;
-            acc[j].w += cs * v.w;
+    const auto store = [&](int item, const float4& acc) {
+        const int b = item / (nh * HQ), hq = item % (nh * HQ);
+        uint2 o;
+        o.x = pack_bf16x2(acc.x, acc.y);
+        o.y = pack_bf16x2(acc.z, acc.w);
+        *reinterpret_cast<uint2*>(out + (size_t)b * out_ld + (size_t)(g * GROUP + h0) * HEAD_DIM + hq * 4) = o;
+    };
+    for (int it = threadIdx.x; it < items * parts; it += NUM_THREADS) {
+        const int item = it % items, part = it / items;
+        const int b = item / (nh * HQ), hh = (item / HQ) % nh, quad = item % HQ;
+        const float4* src = reinterpret_cast<const float4*>(
+            po + (((size_t)b * kv_heads + g) * splits * GROUP + h0 + hh) * HEAD_DIM) + quad;
+        const float* cf = coef + (b * nh + hh) * splits;
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+        for (int s = part; s < splits; s += parts) {
+            const float4 v = __ldcg(src + (size_t)s * (GROUP * HEAD_DIM / 4));
+            const float cs = cf[s];
+            acc.x += cs * v.x;
+            acc.y += cs * v.y;
+            acc.z += cs * v.z;
+            acc.w += cs * v.w;
         }
+        if (parts == 1) store(item, acc);
+        else red[part * items + item] = acc;
     }
-#pragma unroll
-    for (int j = 0; j < ITEMS; ++j) {
-        const int i = threadIdx.x + j * NUM_THREADS;
-        if (i < BATCH * QUADS) {
-            const int b = i / QUADS, hd = (i % QUADS) * 4;
-            uint2 o;
-            o.x = pack_bf16x2(acc[j].x, acc[j].y);
-            o.y = pack_bf16x2(acc[j].z, acc[j].w);
-            *reinterpret_cast<uint2*>(out + (size_t)b * out_ld + (size_t)g * GROUP * HEAD_DIM + hd) = o;
+    if (parts == 1) return;
+    __syncthreads();
+    for (int item = threadIdx.x; item < items; item += NUM_THREADS) {
+        float4 acc = red[item];
+        for (int p = 1; p < parts; ++p) {
+            const float4 v = red[p * items + item];
+            acc.x += v.x;
+            acc.y += v.y;
+            acc.z += v.z;
+            acc.w += v.w;
         }
+        store(item, acc);
     }
 }

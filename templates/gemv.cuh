@@ -39,6 +39,49 @@ __device__ __forceinline__ void stage_x(bf16* xs, const bf16* x, int x_ld, int k
     }
 }
 
+// Stage the RMSNorm of the f32 residual stream x [BATCH, HIDDEN] with weight w, columns
+// [k0, k0 + k), as stage_x would stage the normed activations: xn = bf16(x * r * w) with
+// r = rsqrt(mean(x^2) + eps). One round trip: every thread loads its quads of the rows and of the
+// weight at once into `scratch` (NORM_SCRATCH_BYTES of shared memory); then one warp per token sums
+// the squares quad by quad per lane and across the warp in a fixed order (every consumer of a norm
+// stages the same values) and scales its columns. Rows >= BATCH are zero.
+constexpr int NORM_QUADS = HIDDEN / 4;
+constexpr int NORM_SCRATCH_BYTES = BATCH * HIDDEN * 4 + HIDDEN * 2;
+static_assert(HIDDEN % 4 == 0, "RMSNorm staging reads 16-byte quads");
+__device__ __forceinline__ void stage_norm_x(bf16* xs, const float* x, const bf16* w, int k0, int k,
+                                             unsigned char* scratch) {
+    float4* xq = reinterpret_cast<float4*>(scratch);                      // [BATCH][NORM_QUADS]
+    uint2* wq = reinterpret_cast<uint2*>(scratch + BATCH * HIDDEN * 4);   // [NORM_QUADS]
+    const int q0 = k0 / 4, nq = k / 4;
+#pragma unroll 4
+    for (int i = threadIdx.x; i < BATCH * NORM_QUADS; i += NUM_THREADS) xq[i] = __ldcg(reinterpret_cast<const float4*>(x) + i);
+    for (int i = threadIdx.x; i < nq; i += NUM_THREADS) wq[q0 + i] = __ldg(reinterpret_cast<const uint2*>(w) + q0 + i);
+    __syncthreads();
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, ld = xs_ld(k);
+    for (int n = warp; n < 8; n += NUM_WARPS) {
+        bf16* row = xs + n * ld;
+        if (n >= BATCH) {
+            for (int c = lane; c < k / 8; c += 32) *reinterpret_cast<uint4*>(row + c * 8) = zero4();
+            continue;
+        }
+        const float4* xr = xq + n * NORM_QUADS;
+        float ss = 0.f;
+        for (int c = lane; c < NORM_QUADS; c += 32) {
+            const float4 u = xr[c];
+            ss += u.x * u.x + u.y * u.y + u.z * u.z + u.w * u.w;
+        }
+        const float r = rsqrtf(warp_sum(ss) / (float)HIDDEN + NORM_EPS);
+        for (int c = q0 + lane; c < q0 + nq; c += 32) {
+            const float4 u = xr[c];
+            const uint2 wv = wq[c];
+            uint2 o;
+            o.x = pack_bf16x2(u.x * r * bf_lo(wv.x), u.y * r * bf_hi(wv.x));
+            o.y = pack_bf16x2(u.z * r * bf_lo(wv.y), u.w * r * bf_hi(wv.y));
+            *reinterpret_cast<uint2*>(row + 4 * (c - q0)) = o;
+        }
+    }
+}
+
 // A-operand rows: immutable weights take the non-coherent streaming path (NC); rows written
 // earlier in this launch (the KV cache) take the coherent L2 path.
 template <bool NC>
@@ -122,7 +165,7 @@ __device__ __forceinline__ void gemv_prefetch(const bf16* const (&w0)[NACC], con
 // kb_begin, kb_begin + kb_step, ... < kb_end (64 elements each). Software-pipelined over two
 // register batches of U blocks: the loads of one batch are in flight while the other is
 // multiplied, so the stream never drains between batches; for weights (NC), L2 prefetches run
-// GEMV_PF_BATCHES batches further ahead (the first 2 + GEMV_PF_BATCHES: gemv_prefetch_head).
+// GEMV_PF_BATCHES batches further ahead.
 template <int NACC, bool NC = true>
 __device__ __forceinline__ void gemv_item(const bf16* const (&w0)[NACC], const bf16* const (&w1)[NACC], bool v0,
                                           bool v1, const bf16* xrow, int kb_begin, int kb_step, int kb_end,
@@ -144,42 +187,16 @@ __device__ __forceinline__ void gemv_item(const bf16* const (&w0)[NACC], const b
     }
 }
 
-// L2 prefetch of the first 2 + GEMV_PF_BATCHES register batches of a warp item (before the
-// activations are staged, so the weight stream and the staging overlap).
-template <int NACC>
-__device__ __forceinline__ void gemv_prefetch_head(const bf16* const (&w0)[NACC], const bf16* const (&w1)[NACC],
-                                                   bool v0, bool v1, int kb_begin, int kb_step, int kb_end) {
-    constexpr int U = gemv_batch_blocks<NACC>();
-#pragma unroll
-    for (int j = 0; j < 2 + GEMV_PF_BATCHES; ++j)
-        gemv_prefetch<U, NACC>(w0, w1, v0, v1, kb_begin + j * U * kb_step, kb_step, kb_end);
-}
-
-// Staging of a GEMV's activations, run by every thread after the first weight prefetches and
-// before the barrier that publishes the staged tile.
-struct NoStage {
-    static constexpr bool active = false;
-    __device__ void operator()() const {}
-};
-template <class F>
-struct Stage {
-    static constexpr bool active = true;
-    F f;
-    __device__ void operator()() const { f(); }
-};
-template <class F>
-__device__ __forceinline__ Stage<F> staging(F f) { return Stage<F>{f}; }
-
 // rows x k tile: w[a] points at element (row 0, k 0) of row set a (row stride w_ld elements); xs
-// is the activation tile, staged in shared memory by `stage` (after each warp has asked L2 for
-// the head of its first item; then a barrier) or, with NoStage, by the caller before the call.
+// is the activation tile, staged in shared memory by the caller (stage_x / stage_input) and
+// published by a barrier before the call.
 // For every finished 16-row group the epilogue is called by all 32 lanes of one warp as
 // epi(r0, acc) with acc[a] = {(r0, n), (r0, n + 1), (r0 + 8, n), (r0 + 8, n + 1)} where
 // n = 2 * (lane % 4); r0 may be past `rows` (the epilogue checks). Every thread of the CTA must
 // call this (it synchronises); `red` holds GEMV_RED_FLOATS.
-template <int NACC, class Epi, bool NC = true, class St = NoStage>
+template <int NACC, class Epi, bool NC = true>
 __device__ __forceinline__ void gemv_tile(const bf16* const (&w)[NACC], int w_ld, int rows, int k, const bf16* xs,
-                                          float* red, Epi epi, St stage = St{}) {
+                                          float* red, Epi epi) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
     const int groups = (rows + 15) / 16, blocks = k / 64;
     int ks = 1;
@@ -194,11 +211,6 @@ __device__ __forceinline__ void gemv_tile(const bf16* const (&w)[NACC], int w_ld
     for (int a = 0; a < NACC; ++a) {
         w0[a] = w[a] + (size_t)r0 * w_ld + q * 8;
         w1[a] = w[a] + (size_t)r1 * w_ld + q * 8;
-    }
-    if constexpr (St::active) {
-        if (GEMV_PF_BATCHES >= 0 && grp < groups) gemv_prefetch_head<NACC>(w0, w1, r0 < rows, r1 < rows, part, ks, blocks);
-        stage();
-        __syncthreads();
     }
     if (ks == 1) {
         for (int gi = warp; gi < groups; gi += NUM_WARPS) {

@@ -39,8 +39,22 @@ __device__ __forceinline__ void prefetch_rows_all(const bf16* w, int rows, int r
 __device__ __forceinline__ float silu(float v) { return v / (1.f + expf(-v)); }
 
 __device__ __forceinline__ bf16* gemv_xs(unsigned char* smem) { return reinterpret_cast<bf16*>(smem); }
+
 __device__ __forceinline__ float* gemv_red(unsigned char* smem) {
     return reinterpret_cast<float*>(smem + GEMV_XS_BYTES);
+}
+// after the reduction floats: the norm staging's scratch (NORM_SCRATCH_BYTES)
+__device__ __forceinline__ unsigned char* gemv_scratch(unsigned char* smem) {
+    return smem + GEMV_XS_BYTES + NUM_WARPS * 2 * 4 * 32 * 4;
+}
+
+// Stage a GEMV's input columns [k0, k0 + k): the bf16 activations x [BATCH, x_ld], or, when the
+// task has a norm operand, the RMSNorm of the f32 residual stream x (stage_norm_x).
+template <class O>
+__device__ __forceinline__ void stage_input(const Task& t, unsigned char* smem, int k0, int k) {
+    bf16* xs = gemv_xs(smem);
+    if (t.has(O::norm)) stage_norm_x(xs, t.ptr<float>(O::x), t.ptr<bf16>(O::norm), k0, k, gemv_scratch(smem));
+    else stage_x(xs, t.ptr<bf16>(O::x), t.dim(O::x, 1), k0, k);
 }
 
 // x[b, :] = embed[tokens[b], :]   (the tokens first, then 16-byte rows with many loads in flight)
@@ -63,44 +77,117 @@ __device__ void op_embed(const Task& t, unsigned char* smem) {
     }
 }
 
-// out[b, :] = x[b, :] * rsqrt(mean(x[b]^2) + eps) * w   (x f32, out bf16). On the critical path of
-// every layer, so one round trip: x and w are loaded into shared memory with every load in flight,
-// one warp per token reduces its row in a fixed order (deterministic), the whole CTA scales.
-__device__ void op_rmsnorm(const Task& t, unsigned char* smem) {
-    using O = OPND_RMSNORM;
-    const int hidden = t.dim(O::x, 1), quads = hidden / 4, n = BATCH * quads;
-    const float4* x = reinterpret_cast<const float4*>(t.ptr<float>(O::x));
-    const uint2* w = reinterpret_cast<const uint2*>(t.ptr<bf16>(O::weight));
-    bf16* out = t.ptr<bf16>(O::out);
-    float* factor = reinterpret_cast<float*>(smem);             // [BATCH]
-    uint2* ws = reinterpret_cast<uint2*>(smem + 128);            // [quads] weights
-    float4* xs = reinterpret_cast<float4*>(smem + 128 + (hidden * 2 + 127) / 128 * 128);  // [BATCH][quads]
-#pragma unroll 8
-    for (int i = threadIdx.x; i < n; i += NUM_THREADS) xs[i] = __ldcg(x + i);
-#pragma unroll 2
-    for (int i = threadIdx.x; i < quads; i += NUM_THREADS) ws[i] = __ldg(w + i);
-    __syncthreads();
+// ---- routing: recomputed by every task that needs it (mkc/ir/ops.py) ------------------------------
+// From the router logits [BATCH, NUM_EXPERTS]: each token's top-k experts (the larger logit first,
+// ties to the smaller expert, NaN as -inf), their weights (sigmoid of the logit, or the softmax
+// over every expert; optionally renormalised over the top-k), the ascending list of distinct
+// experts (slot s runs experts[s]) and each token's slots in ascending expert order. One warp per
+// token picks its experts by TOP_K warp arg-max rounds over the logits held in registers.
+constexpr int ROUTE_WORDS = (NUM_EXPERTS + 31) / 32;  // 32-expert words of a token's expert mask
+struct Routing {
+    int count;                     // distinct experts routed this step (the live slots)
+    int experts[MOE_SLOTS];        // slot -> expert, ascending; -1 past count
+    int sel[BATCH][TOP_K];         // each token's experts, best first
+    float selw[BATCH][TOP_K];      // their routing weights
+    int slots[BATCH][TOP_K];       // each token's slots, ascending expert order
+    u32 mask[BATCH][ROUTE_WORDS];  // each token's experts as bits (expert 32 j + l: bit l of word j)
+    u32 used[ROUTE_WORDS];         // the union of the masks
+    int base[ROUTE_WORDS];         // slots of the experts below word j
+    // token b's weight of expert e: 0 when b is not a token or did not pick e
+    __device__ float weight(int b, int e) const {
+        float w = 0.f;
+        if (b < BATCH)
+#pragma unroll
+            for (int k = 0; k < TOP_K; ++k)
+                if (sel[b][k] == e) w = selw[b][k];
+        return w;
+    }
+};
+
+// Called by every thread of the CTA (it synchronises); the result lives in shared memory until
+// the next call.
+__device__ __forceinline__ const Routing& route_tokens(const float* logits) {
+    __shared__ Routing r;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     for (int b = warp; b < BATCH; b += NUM_WARPS) {
-        float ss = 0.f;
-        for (int c = lane; c < quads; c += 32) {
-            const float4 v = xs[b * quads + c];
-            ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+        float v[ROUTE_WORDS];
+#pragma unroll
+        for (int j = 0; j < ROUTE_WORDS; ++j) {
+            const int e = lane + 32 * j;
+            const float x = e < NUM_EXPERTS ? ld_act_f32(logits + b * NUM_EXPERTS + e) : -INFINITY;
+            v[j] = x != x ? -INFINITY : x;
         }
-        ss = warp_sum(ss);
-        if (lane == 0) factor[b] = rsqrtf(ss / (float)hidden + NORM_EPS);
+        u32 taken = 0;  // bit j: this lane's expert lane + 32 j is picked
+        float top[TOP_K];
+#pragma unroll
+        for (int k = 0; k < TOP_K; ++k) {
+            float bv = -INFINITY;
+            int bi = 0x7fffffff;
+#pragma unroll
+            for (int j = 0; j < ROUTE_WORDS; ++j) {
+                const int e = lane + 32 * j;
+                if (e < NUM_EXPERTS && !((taken >> j) & 1u) && better(v[j], e, bv, bi)) { bv = v[j]; bi = e; }
+            }
+            warp_argmax(bv, bi);
+            if (bi % 32 == lane) taken |= 1u << (bi / 32);
+            top[k] = bv;
+            if (lane == 0) r.sel[b][k] = bi;
+        }
+        float denom = 0.f;  // softmax scoring: the normaliser over every expert; top[0] is the row maximum
+        if (!ROUTER_SIGMOID) {
+#pragma unroll
+            for (int j = 0; j < ROUTE_WORDS; ++j)
+                if (lane + 32 * j < NUM_EXPERTS) denom += expf(v[j] - top[0]);
+            denom = warp_sum(denom);
+        }
+        if (lane == 0) {
+            float w[TOP_K], sum = 0.f;
+#pragma unroll
+            for (int k = 0; k < TOP_K; ++k) {
+                w[k] = ROUTER_SIGMOID ? 1.f / (1.f + expf(-top[k])) : expf(top[k] - top[0]) / denom;
+                sum += w[k];
+            }
+#pragma unroll
+            for (int k = 0; k < TOP_K; ++k) r.selw[b][k] = NORMALIZE_TOP_K ? w[k] / sum : w[k];
+        }
+#pragma unroll
+        for (int j = 0; j < ROUTE_WORDS; ++j) {
+            const u32 m = __ballot_sync(0xffffffffu, (taken >> j) & 1u);
+            if (lane == 0) r.mask[b][j] = m;
+        }
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < n; i += NUM_THREADS) {
-        const int b = i / quads, c = i - b * quads;
-        const float r = factor[b];
-        const float4 v = xs[i];
-        const uint2 wv = ws[c];
-        uint2 o;
-        o.x = pack_bf16x2(v.x * r * bf_lo(wv.x), v.y * r * bf_hi(wv.x));
-        o.y = pack_bf16x2(v.z * r * bf_lo(wv.y), v.w * r * bf_hi(wv.y));
-        *reinterpret_cast<uint2*>(out + (size_t)b * hidden + 4 * c) = o;
+    if (warp == 0) {  // the distinct experts in ascending order: a ballot prefix sum over the union
+        int n = 0;
+        for (int j = 0; j < ROUTE_WORDS; ++j) {
+            u32 m = 0;
+#pragma unroll
+            for (int b = 0; b < BATCH; ++b) m |= r.mask[b][j];
+            if (lane == 0) { r.used[j] = m; r.base[j] = n; }
+            if ((m >> lane) & 1u) r.experts[n + __popc(m & ((1u << lane) - 1u))] = 32 * j + lane;
+            n += __popc(m);
+        }
+        for (int s = n + lane; s < MOE_SLOTS; s += 32) r.experts[s] = -1;
+        if (lane == 0) r.count = n;
     }
+    __syncthreads();
+    if (threadIdx.x < BATCH * TOP_K) {  // token b's kk-th expert in ascending order, as a slot
+        const int b = threadIdx.x / TOP_K, kk = threadIdx.x % TOP_K;
+        int seen = 0;
+        for (int j = 0; j < ROUTE_WORDS; ++j) {
+            u32 m = r.mask[b][j];
+            const int c = __popc(m);
+            if (kk < seen + c) {
+                for (int skip = kk - seen; skip > 0; --skip) m &= m - 1u;  // drop the lower set bits
+                const int l = __ffs(m) - 1;
+                r.slots[b][kk] = r.base[j] + __popc(r.used[j] & ((1u << l) - 1u));
+                break;
+            }
+            seen += c;
+        }
+    }
+    __syncthreads();
+    return r;
 }
 
 // out[slab, b, col0 + i] = sum_k x[b, k0 + k] * w[row0 + i, k0 + k]   (out bf16 or f32)
@@ -110,9 +197,8 @@ __device__ void op_linear(const Task& t, unsigned char* smem) {
     const int row0 = t.arg(A::row0), rows = t.arg(A::rows), k0 = t.arg(A::k0), k = t.arg(A::k);
     const int col0 = t.arg(A::col0), slab = t.arg(A::slab);
     bf16* xs = gemv_xs(smem);
-    const bf16* x = t.ptr<bf16>(O::x);
-    const int x_ld = t.dim(O::x, 1);
-    const auto stage = staging([&] { stage_x(xs, x, x_ld, k0, k); });
+    stage_input<O>(t, smem, k0, k);
+    __syncthreads();
     const int w_ld = t.dim(O::weight, 1);
     const bf16* const w[1] = {t.ptr<bf16>(O::weight) + (size_t)row0 * w_ld + k0};
     const int out_ld = t.dim(O::out, 1);
@@ -121,12 +207,12 @@ __device__ void op_linear(const Task& t, unsigned char* smem) {
         float* out = t.ptr<float>(O::out) + base;
         gemv_tile<1>(w, w_ld, rows, k, xs, gemv_red(smem), [&](int r0, float (&acc)[1][4]) {
             for_fragment(r0, acc[0], rows, [&](int r, int n, float v) { out[(size_t)n * out_ld + r] = v; });
-        }, stage);
+        });
     } else {
         bf16* out = t.ptr<bf16>(O::out) + base;
         gemv_tile<1>(w, w_ld, rows, k, xs, gemv_red(smem), [&](int r0, float (&acc)[1][4]) {
             for_fragment(r0, acc[0], rows, [&](int r, int n, float v) { store_bf16(out + (size_t)n * out_ld + r, v); });
-        }, stage);
+        });
     }
 }
 
@@ -135,10 +221,10 @@ __device__ void op_swiglu(const Task& t, unsigned char* smem) {
     using O = OPND_SWIGLU;
     using A = ARG_SWIGLU;
     const int row0 = t.arg(A::row0), rows = t.arg(A::rows), up0 = t.arg(A::up_row0), col0 = t.arg(A::col0);
-    const int k = t.dim(O::x, 1);
+    const int k = t.dim(O::weight, 1);
     bf16* xs = gemv_xs(smem);
-    const bf16* x = t.ptr<bf16>(O::x);
-    const auto stage = staging([&] { stage_x(xs, x, k, 0, k); });
+    stage_input<O>(t, smem, 0, k);
+    __syncthreads();
     const int w_ld = t.dim(O::weight, 1);
     const bf16* wb = t.ptr<bf16>(O::weight);
     const bf16* const w[2] = {wb + (size_t)row0 * w_ld, wb + (size_t)up0 * w_ld};
@@ -151,27 +237,27 @@ __device__ void op_swiglu(const Task& t, unsigned char* smem) {
             const int r = r0 + (i >= 2 ? 8 : 0), tok = n + (i & 1);
             if (r < rows && tok < BATCH) store_bf16(out + (size_t)tok * out_ld + r, silu(acc[0][i]) * acc[1][i]);
         }
-    }, stage);
+    });
 }
 
-// h[slot, b, row0 + i] = silu(x . Wg[e, row0 + i]) * (x . Wu[e, row0 + i]), e = experts[slot];
-// a no-op when slot >= count (the routing of this step selected fewer distinct experts).
+// h[slot, b, row0 + i] = silu(x . Wg[e, row0 + i]) * (x . Wu[e, row0 + i]), e = the expert of
+// routing slot `slot`; a no-op when slot >= count (this step routed to fewer distinct experts).
 __device__ void op_expert_swiglu(const Task& t, unsigned char* smem) {
     using O = OPND_EXPERT_SWIGLU;
     using A = ARG_EXPERT_SWIGLU;
     const int slot = t.arg(A::slot), row0 = t.arg(A::row0), rows = t.arg(A::rows);
-    const int count = ld_act_i32(t.ptr<int>(O::count));  // both routing loads in one round trip
-    const int e = ld_act_i32(t.ptr<int>(O::experts) + slot);
-    if (slot >= count) return;
-    const int k = t.dim(O::x, 1), inter2 = t.dim(O::weight, 2), w_ld = t.dim(O::weight, 1);
+    const Routing& rt = route_tokens(t.ptr<float>(O::logits));
+    if (slot >= rt.count) return;
+    const int e = rt.experts[slot];
+    const int k = t.dim(O::weight, 1), inter2 = t.dim(O::weight, 2), w_ld = t.dim(O::weight, 1);
     const bf16* we = t.ptr<bf16>(O::weight) + (size_t)e * inter2 * w_ld;
     const bf16* const w[2] = {we + (size_t)row0 * w_ld, we + (size_t)(inter2 / 2 + row0) * w_ld};
     // the routed expert is known only now: ask L2 for the head of both row sets at once
     prefetch_rows_all(w[0], rows, k, w_ld, RUN_PREFETCH_BYTES / 2);
     prefetch_rows_all(w[1], rows, k, w_ld, RUN_PREFETCH_BYTES / 2);
     bf16* xs = gemv_xs(smem);
-    const bf16* x = t.ptr<bf16>(O::x);
-    const auto stage = staging([&] { stage_x(xs, x, k, 0, k); });
+    stage_input<O>(t, smem, 0, k);
+    __syncthreads();
     const int out_ld = t.dim(O::out, 1);
     bf16* out = t.ptr<bf16>(O::out) + (size_t)slot * t.dim(O::out, 2) * out_ld + row0;
     gemv_tile<2>(w, w_ld, rows, k, xs, gemv_red(smem), [&](int r0, float (&acc)[2][4]) {
@@ -181,7 +267,7 @@ __device__ void op_expert_swiglu(const Task& t, unsigned char* smem) {
             const int r = r0 + (i >= 2 ? 8 : 0), tok = n + (i & 1);
             if (r < rows && tok < BATCH) store_bf16(out + (size_t)tok * out_ld + r, silu(acc[0][i]) * acc[1][i]);
         }
-    }, stage);
+    });
 }
 
 // out[slot, b, row0 + i] = weights[slot, b] * (h[slot, b] . Wd[e, row0 + i]); no-op past count
@@ -189,28 +275,27 @@ __device__ void op_expert_down(const Task& t, unsigned char* smem) {
     using O = OPND_EXPERT_DOWN;
     using A = ARG_EXPERT_DOWN;
     const int slot = t.arg(A::slot), row0 = t.arg(A::row0), rows = t.arg(A::rows);
-    const int count = ld_act_i32(t.ptr<int>(O::count));  // both routing loads in one round trip
-    const int e = ld_act_i32(t.ptr<int>(O::experts) + slot);
-    // this lane's two tokens' routing weights, loaded before the stream instead of in the epilogue
-    const float* wt = t.ptr<float>(O::weights) + (size_t)slot * t.dim(O::weights, 1);
+    const Routing& rt = route_tokens(t.ptr<float>(O::logits));
+    if (slot >= rt.count) return;
+    const int e = rt.experts[slot];
+    // this lane's two tokens' routing weights of expert e (0 where a token did not pick it)
     const int n0 = 2 * (threadIdx.x % 4);
-    const float wt0 = n0 < BATCH ? ld_act_f32(wt + n0) : 0.f;
-    const float wt1 = n0 + 1 < BATCH ? ld_act_f32(wt + n0 + 1) : 0.f;
-    if (slot >= count) return;
+    const float wt0 = rt.weight(n0, e), wt1 = rt.weight(n0 + 1, e);
     const int k = t.dim(O::h, 1), tokens = t.dim(O::h, 2);
     const int w_ld = t.dim(O::weight, 1), w_rows = t.dim(O::weight, 2);
     const bf16* const w[1] = {t.ptr<bf16>(O::weight) + ((size_t)e * w_rows + row0) * w_ld};
     prefetch_rows_all(w[0], rows, k, w_ld, RUN_PREFETCH_BYTES);
     bf16* xs = gemv_xs(smem);
     const bf16* h = t.ptr<bf16>(O::h) + (size_t)slot * tokens * k;
-    const auto stage = staging([&] { stage_x(xs, h, k, 0, k); });
+    stage_x(xs, h, k, 0, k);
+    __syncthreads();
     const int out_ld = t.dim(O::out, 1);
     float* out = t.ptr<float>(O::out) + (size_t)slot * t.dim(O::out, 2) * out_ld + row0;
     gemv_tile<1>(w, w_ld, rows, k, xs, gemv_red(smem), [&](int r0, float (&acc)[1][4]) {
         for_fragment(r0, acc[0], rows, [&](int r, int n, float v) {
             out[(size_t)n * out_ld + r] = ((n & 1) ? wt1 : wt0) * v;
         });
-    }, stage);
+    });
 }
 
 // logits[b, row0 + i] = LOGIT_SCALE * x[b] . w[row0 + i]; best_*[b, tile] = its arg-max
@@ -218,10 +303,10 @@ __device__ void op_lm_head(const Task& t, unsigned char* smem) {
     using O = OPND_LM_HEAD;
     using A = ARG_LM_HEAD;
     const int row0 = t.arg(A::row0), rows = t.arg(A::rows), tile = t.arg(A::tile);
-    const int k = t.dim(O::x, 1);
+    const int k = t.dim(O::weight, 1);
     bf16* xs = gemv_xs(smem);
-    const bf16* x = t.ptr<bf16>(O::x);
-    const auto stage = staging([&] { stage_x(xs, x, k, 0, k); });
+    stage_input<O>(t, smem, 0, k);
+    __syncthreads();
     const int w_ld = t.dim(O::weight, 1);
     const bf16* const w[1] = {t.ptr<bf16>(O::weight) + (size_t)row0 * w_ld};
     const int out_ld = t.dim(O::logits, 1);
@@ -235,7 +320,7 @@ __device__ void op_lm_head(const Task& t, unsigned char* smem) {
             const int j = n & 1;
             if (better(v, row0 + r, bv[j], bi[j])) { bv[j] = v; bi[j] = row0 + r; }
         });
-    }, stage);
+    });
     // reduce over the 8 lanes sharing a token pair, then over warps
 #pragma unroll
     for (int j = 0; j < 2; ++j)
@@ -376,102 +461,8 @@ __device__ void op_rope_append(const Task& t, unsigned char* smem) {
     }
 }
 
-// Routing of every token: top-k of its router logits (ties: the smaller expert index), weights
-// (sigmoid of the logit, or the softmax over all experts; optionally renormalised over the top-k),
-// the ascending list
-// of distinct experts (slots), their count, weights[slot, b] (0 = not routed) and token_slots.
-__device__ void op_topk(const Task& t, unsigned char* smem) {
-    using O = OPND_TOPK;
-    const int experts_n = t.dim(O::logits, 1), slots = t.dim(O::weights, 2);
-    float* lg = reinterpret_cast<float*>(smem);                   // [BATCH][experts] logits (NaN as -inf)
-    int* used = reinterpret_cast<int*>(lg + BATCH * experts_n);   // [experts] slot + 1, 0 = unused
-    int* sel = used + experts_n;                                  // [BATCH][TOP_K] chosen experts, best first
-    float* selv = reinterpret_cast<float*>(sel + BATCH * TOP_K);  // [BATCH][TOP_K] their logits
-    float* selw = selv + BATCH * TOP_K;                           // [BATCH][TOP_K] their weights
-    float* wsm = selw + BATCH * TOP_K;                            // [slots][BATCH]
-    const float* logits = t.ptr<float>(O::logits);
-#pragma unroll 4
-    for (int i = threadIdx.x; i < BATCH * experts_n; i += NUM_THREADS) {
-        const float v = __ldcg(logits + i);
-        lg[i] = v != v ? -INFINITY : v;
-    }
-    for (int i = threadIdx.x; i < experts_n; i += NUM_THREADS) used[i] = 0;
-    for (int i = threadIdx.x; i < slots * BATCH; i += NUM_THREADS) wsm[i] = 0.f;
-    __syncthreads();
-    // rank of every (token, expert): the experts that beat it (a larger logit, or an equal one and a
-    // smaller index). Ranks are a permutation of each row, so the top-k are exactly ranks 0..k-1, in
-    // the order of the sequential arg-max (ties to the smaller expert) with no dependent chain.
-    for (int i = threadIdx.x; i < BATCH * experts_n; i += NUM_THREADS) {
-        const int b = i / experts_n, e = i - b * experts_n;
-        const float* row = lg + b * experts_n;
-        const float v = row[e];
-        int rank = 0;
-#pragma unroll 8
-        for (int j = 0; j < experts_n; ++j) {
-            const float o = row[j];
-            rank += (int)((o > v) | ((o == v) & (j < e)));
-        }
-        if (rank < TOP_K) {
-            sel[b * TOP_K + rank] = e;
-            selv[b * TOP_K + rank] = v;
-        }
-    }
-    __syncthreads();
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    for (int b = warp; b < BATCH; b += NUM_WARPS) {
-        // softmax scoring: the normaliser over every expert (selection is by logit either way);
-        // selv[b][0] is the row maximum
-        float denom = 0.f;
-        if (!ROUTER_SIGMOID) {
-            const float mx = selv[b * TOP_K];
-            for (int e = lane; e < experts_n; e += 32) denom += expf(lg[b * experts_n + e] - mx);
-            denom = warp_sum(denom);
-        }
-        if (lane == 0) {
-            const float* vals = selv + b * TOP_K;
-            float w[TOP_K], sum = 0.f;
-#pragma unroll
-            for (int k = 0; k < TOP_K; ++k) {
-                w[k] = ROUTER_SIGMOID ? 1.f / (1.f + expf(-vals[k])) : expf(vals[k] - vals[0]) / denom;
-                sum += w[k];
-            }
-#pragma unroll
-            for (int k = 0; k < TOP_K; ++k) selw[b * TOP_K + k] = NORMALIZE_TOP_K ? w[k] / sum : w[k];
-        }
-    }
-    __syncthreads();
-    if (threadIdx.x < BATCH * TOP_K) used[sel[threadIdx.x]] = 1;
-    __syncthreads();
-    if (warp == 0) {  // slots: the used experts in ascending order (a ballot prefix sum)
-        int* ex = t.ptr<int>(O::experts);
-        int n = 0;
-        for (int e0 = 0; e0 < experts_n; e0 += 32) {
-            const int e = e0 + lane;
-            const bool u = e < experts_n && used[e] != 0;
-            const unsigned m = __ballot_sync(0xffffffffu, u);
-            if (u) {
-                const int s = n + __popc(m & ((1u << lane) - 1u));
-                used[e] = s + 1;
-                ex[s] = e;
-            }
-            n += __popc(m);
-        }
-        for (int s = n + lane; s < slots; s += 32) ex[s] = -1;
-        if (lane == 0) *t.ptr<int>(O::count) = n;
-    }
-    __syncthreads();
-    int* ts = t.ptr<int>(O::token_slots);
-    if (threadIdx.x < BATCH * TOP_K) {
-        const int b = threadIdx.x / TOP_K, s = used[sel[threadIdx.x]] - 1;
-        ts[threadIdx.x] = s;
-        wsm[s * BATCH + b] = selw[threadIdx.x];
-    }
-    __syncthreads();
-    float* wout = t.ptr<float>(O::weights);
-    for (int i = threadIdx.x; i < slots * BATCH; i += NUM_THREADS) wout[i] = wsm[i];
-}
-
-// x_out[b, cols] = x + sum_g o_part[g, b] + mlp[0, b] + sum_k routed[token_slots[b, k], b]
+// x_out[b, cols] = x + sum_g o_part[g, b] + mlp[0, b] + sum over b's experts, ascending, of
+// routed[slot, b]; the tile with a `selected` operand also records each token's experts.
 __device__ void op_residual(const Task& t, unsigned char*) {
     using O = OPND_RESIDUAL;
     using A = ARG_RESIDUAL;
@@ -481,8 +472,14 @@ __device__ void op_residual(const Task& t, unsigned char*) {
     const float* op = t.ptr<float>(O::o_part);
     const float* mlp = t.ptr<float>(O::mlp);
     const float* routed = t.ptr<float>(O::routed);
-    const int* ts = t.ptr<int>(O::token_slots);
-    const int top_k = routed ? t.dim(O::token_slots, 1) : 0;
+    const int top_k = routed ? TOP_K : 0;
+    const int* ts = nullptr;
+    if (routed) {
+        const Routing& rt = route_tokens(t.ptr<float>(O::logits));
+        ts = &rt.slots[0][0];
+        if (t.has(O::selected) && threadIdx.x < BATCH * TOP_K)
+            t.ptr<int>(O::selected)[threadIdx.x] = (&rt.sel[0][0])[threadIdx.x];
+    }
     float* out = t.ptr<float>(O::out);
     for (int i = threadIdx.x; i < BATCH * cols; i += NUM_THREADS) {
         const int b = i / cols, c = col0 + i % cols;
@@ -490,10 +487,7 @@ __device__ void op_residual(const Task& t, unsigned char*) {
         float v = ld_act_f32(x + bc);
         for (int g = 0; g < parts; ++g) v += ld_act_f32(op + (size_t)g * BATCH * hidden + bc);
         if (mlp) v += ld_act_f32(mlp + bc);
-        for (int k = 0; k < top_k; ++k) {
-            const int s = ld_act_i32(ts + b * top_k + k);
-            v += ld_act_f32(routed + (size_t)s * BATCH * hidden + bc);
-        }
+        for (int k = 0; k < top_k; ++k) v += ld_act_f32(routed + (size_t)ts[b * TOP_K + k] * BATCH * hidden + bc);
         out[bc] = v;
     }
 }

@@ -25,7 +25,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _routing(bufs, spec, i):
-    return bufs[f"L{i}.moe_experts"].long().cpu()[bufs[f"L{i}.moe_token_slots"].long().cpu()].sort(-1).values
+    return bufs[f"L{i}.moe_selected"].long().cpu().sort(-1).values
 
 
 @pytest.mark.gpu

@@ -95,18 +95,16 @@ class KernelConfig:
     def smem_bytes(self) -> int:
         """Dynamic shared memory: the largest need of any op (bytes)."""
         f = 4
-        gemv = self.gemv_xs_bytes + self.warps * 2 * 4 * 32 * f
+        # activations, k-split reduction, the RMSNorm staging's scratch (gemv.cuh: NORM_SCRATCH_BYTES)
+        gemv = self.gemv_xs_bytes + self.warps * 2 * 4 * 32 * f + self.batch * self.hidden * f + self.hidden * 2
         kl = self.threads // (self.head_dim // 8)
         qx = _round(8 * (self.head_dim + 32) * 2, 128)
         attn = qx + (self.warps * 4 * 32 + self.group * self.head_dim + self.group * self.threads
                      + kl * self.head_dim + 3 * self.group) * f
-        combine = self.batch * self.group * self.max_splits * f
+        combine = _round(self.batch * self.group * self.max_splits * f, 16) + self.threads * 4 * f  # weights, partial sums
         # ops.cuh: positions, qk-norm factors, then the group's q/k/v rows of every sequence
         rope = 128 + _round(self.batch * (self.group + 1) * f, 128) + self.batch * (self.group + 2) * self.head_dim * 2
-        norm = 128 + _round(self.hidden * 2, 128) + self.batch * self.hidden * f  # factors, weights, x
-        topk = (self.batch * self.num_experts + self.num_experts + 3 * self.batch * self.top_k
-                + self.moe_slots * self.batch) * f
-        return _round(max(gemv, attn, combine, topk, rope, norm), 128)
+        return _round(max(gemv, attn, combine, rope), 128)
 
 
 def _round(n: int, a: int) -> int:
@@ -120,7 +118,7 @@ def _gemv_k(schedule: Schedule, t) -> tuple[int, int, str]:
         return t.arg("k"), t.arg("k0"), t.operand("x")
     if t.op == Opcode.EXPERT_DOWN:
         return b[t.operand("h")].shape[-1], 0, t.operand("h")
-    return b[t.operand("x")].shape[-1], 0, t.operand("x")
+    return b[t.operand("weight")].shape[-1], 0, t.operand("x")
 
 
 GEMV_OPS = (Opcode.LINEAR, Opcode.SWIGLU, Opcode.EXPERT_SWIGLU, Opcode.EXPERT_DOWN, Opcode.LM_HEAD)
@@ -153,9 +151,13 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
             if k % 64 or k0 % 8 or schedule.buffers[x].shape[-1] % 8:
                 raise CodegenError(f"task {t.id} ({t.name}): reduction k = {k} at k0 = {k0} over {x} "
                                    f"{schedule.buffers[x].shape}: expected k % 64 == 0 and 16-byte aligned rows")
-            if schedule.buffers[x].dtype != "bf16":
-                raise CodegenError(f"task {t.id} ({t.name}): GEMV input {x} is {schedule.buffers[x].dtype}: "
-                                   f"expected bf16")
+            normed = t.operand("norm") != "-" if "norm" in OP_INFO[t.op].operands else False
+            want = ("f32", (schedule.batch, spec.hidden_size)) if normed else ("bf16", None)
+            xb = schedule.buffers[x]
+            if xb.dtype != want[0] or (want[1] is not None and xb.shape != want[1]):
+                raise CodegenError(f"task {t.id} ({t.name}): GEMV input {x} is {xb.dtype} {xb.shape}: expected "
+                                   + ("the f32 residual stream [batch, hidden] (the task normalises it)" if normed
+                                      else "bf16"))
             max_k = max(max_k, k)
         elif t.op == Opcode.ATTN_COMBINE and t.arg("splits") > schedule.num_sms:
             raise CodegenError(f"task {t.id} ({t.name}): {t.arg('splits')} splits: expected at most "
@@ -196,6 +198,9 @@ def template_context(cfg: KernelConfig, banner: str) -> dict[str, Any]:
         "head_dim": cv.c_int(cfg.head_dim),
         "group": cv.c_int(cfg.group),
         "top_k": cv.c_int(cfg.top_k),
+        "hidden": cv.c_int(cfg.hidden),
+        "num_experts": cv.c_int(cfg.num_experts),
+        "moe_slots": cv.c_int(cfg.moe_slots),
         "norm_eps": cv.c_float(cfg.norm_eps),
         "rope_theta": cv.c_float(cfg.rope_theta),
         "rope_interleaved": cv.c_bool(cfg.rope_interleaved),
