@@ -53,22 +53,24 @@ class Schedule:
 
     # -- JSON --------------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
+        """The schedule.json document. Tuples stand for JSON arrays (``json`` writes them as
+        such): the tasks' own tuples go in as they are, so nothing is copied element by element."""
         return {
             "format": FORMAT,
             "model": self.model, "batch": self.batch, "context": self.context, "num_sms": self.num_sms,
             "meta": self.meta,
-            "buffers": [{"name": b.name, "shape": list(b.shape), "dtype": b.dtype, "kind": b.kind, "doc": b.doc}
+            "buffers": [{"name": b.name, "shape": b.shape, "dtype": b.dtype, "kind": b.kind, "doc": b.doc}
                         for b in self.buffers.values()],
             "tasks": [{
                 "id": t.id, "op": t.op.name, "layer": t.layer, "name": t.name,
-                "operands": list(t.operands), "args": list(t.args),
-                "reads": [[r.buffer, [list(x) for x in r.box]] for r in t.reads],
-                "writes": [[r.buffer, [list(x) for x in r.box]] for r in t.writes],
+                "operands": t.operands, "args": t.args,
+                "reads": [(r.buffer, r.box) for r in t.reads],
+                "writes": [(r.buffer, r.box) for r in t.writes],
                 "weight_bytes": t.weight_bytes, "act_bytes": t.act_bytes, "flops": t.flops,
-                "wait": [list(w) for w in self.waits[t.id]], "signal": self.signals[t.id],
+                "wait": list(self.waits[t.id]), "signal": self.signals[t.id],
             } for t in self.tasks],
             "queues": self.queues,
-            "counters": [{"id": c.id, "target": c.target, "producers": list(c.producers)} for c in self.counters],
+            "counters": [{"id": c.id, "target": c.target, "producers": c.producers} for c in self.counters],
             "predicted": self.predicted,
         }
 

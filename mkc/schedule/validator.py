@@ -25,7 +25,7 @@ What is proved, in the order it is checked (each problem names its tasks, counte
    ready task never disables another: if any interleaving completes, this one does, and if it
    sticks, every interleaving sticks (the blocked head of each stuck SM is reported).
 3. Ordering ("race", "order"): for every pair of tasks a < b whose regions overlap on a non-weight
-   buffer with at least one write (``conflicting_pairs``), a must happen-before b. No HB path is a
+   buffer with at least one write (``conflicts``), a must happen-before b. No HB path is a
    race; a path only from b to a runs the pair against program order (e.g. a consumer moved before
    its producer on one SM), which computes the wrong value even though it is not a race. Vector
    clocks make this fast: ``vc[t, s]`` is the last queue position on SM s that happens-before t
@@ -47,7 +47,7 @@ from itertools import pairwise
 import networkx as nx
 import numpy as np
 
-from mkc.ir.graph import Region, conflicting_pairs
+from mkc.ir.graph import KINDS, Region, conflicts
 from mkc.ir.ops import OP_INFO
 from mkc.schedule.schedule import Schedule
 
@@ -223,11 +223,13 @@ class _Validator:
     def regions(self) -> bool:
         """Regions lie inside existing buffers; operands and regions agree; weights are read-only."""
         sc, ok = self.sc, True
+        shapes = {name: b.shape for name, b in sc.buffers.items()}
         for task in sc.tasks:
             t = task.id
             for mode, regs in (("reads", task.reads), ("writes", task.writes)):
                 for r in regs:
-                    if not self._region_ok(t, mode, r):
+                    if not _inside(r.box, shapes.get(r.buffer)):
+                        self._report_region(t, mode, r)
                         ok = False
                     elif mode == "writes" and sc.buffers[r.buffer].kind == "weight":
                         self.add("region", f"{self.t(t)} writes {r}, but {r.buffer} is an immutable weight "
@@ -248,21 +250,18 @@ class _Validator:
                          f"({', '.join(task.operands)})", tasks=(t,), buffers=(b,))
         return ok
 
-    def _region_ok(self, t: int, mode: str, r: Region) -> bool:
+    def _report_region(self, t: int, mode: str, r: Region) -> None:
+        """Why region r of task t is not ``_inside`` its buffer."""
         buf = self.sc.buffers.get(r.buffer)
         if buf is None:
             self.add("region", f"{self.t(t)} {mode} {r}, but there is no buffer {r.buffer}", tasks=(t,),
                      buffers=(r.buffer,))
-            return False
-        if len(r.box) != len(buf.shape):
+        elif len(r.box) != len(buf.shape):
             self.add("region", f"{self.t(t)} {mode} {r} of rank {len(r.box)}, but {r.buffer} has shape "
                      f"{list(buf.shape)}", tasks=(t,), buffers=(r.buffer,))
-            return False
-        if not all(0 <= lo <= hi <= s for (lo, hi), s in zip(r.box, buf.shape)):
+        else:
             self.add("region", f"{self.t(t)} {mode} {r}, outside {r.buffer} of shape {list(buf.shape)}",
                      tasks=(t,), buffers=(r.buffer,))
-            return False
-        return True
 
     # -- 4. resources ---------------------------------------------------------------------------
     def resources(self, smem: int | None, regs: int | None, max_smem: int, max_regs: int,
@@ -415,11 +414,10 @@ class _Validator:
             for k in waits[v]:
                 np.maximum(row, cvc[k], out=row)
             row[self.sm[v]] = self.pos[v]
-        pairs = list(conflicting_pairs(sc.tasks, sc.buffers))
-        if not pairs:
+        pairs = conflicts(sc.tasks, sc.buffers)
+        if not len(pairs):
             return
-        a = np.fromiter((p[0] for p in pairs), dtype=np.int64, count=len(pairs))
-        b = np.fromiter((p[1] for p in pairs), dtype=np.int64, count=len(pairs))
+        a, b = pairs.a, pairs.b
         sm, pos = np.asarray(self.sm), np.asarray(self.pos)
         fwd = vc[b, sm[a]] >= pos[a]
         bad = np.flatnonzero(~fwd)
@@ -429,8 +427,8 @@ class _Validator:
         grouped: dict[tuple[int, int], list[tuple[str, str]]] = {}
         reversed_ = {}
         for i, r in zip(bad.tolist(), rev.tolist()):
-            x, y, buf, kind = pairs[i]
-            grouped.setdefault((x, y), []).append((buf, kind))
+            x, y = int(a[i]), int(b[i])
+            grouped.setdefault((x, y), []).append((pairs.names[pairs.buffer[i]], KINDS[pairs.kind[i]]))
             reversed_[(x, y)] = r
         for (x, y), accesses in grouped.items():
             self._report_pair(x, y, accesses, reversed_[(x, y)])
@@ -455,6 +453,16 @@ class _Validator:
                else f"{ta.name} signals no counter")
         self.add("race", f"{what} with no happens-before (no counter wait or same-SM order; {where}): {fix}",
                  tasks=(a, b), counters=(c,) if c != -1 else (), buffers=bufs)
+
+
+def _inside(box: tuple[tuple[int, int], ...], shape: tuple[int, ...] | None) -> bool:
+    """The box has the shape's rank and lies inside it (False for a missing buffer's None)."""
+    if shape is None or len(box) != len(shape):
+        return False
+    for (lo, hi), n in zip(box, shape):
+        if not 0 <= lo <= hi <= n:
+            return False
+    return True
 
 
 _MODES = {"RAW": ("writes", "reads"), "WAR": ("reads", "writes"), "WAW": ("writes", "writes")}

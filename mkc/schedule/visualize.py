@@ -83,9 +83,14 @@ def _task_us(sc: Schedule) -> list[float]:
     return [task_time(t, sc.num_sms, c) * 1e6 for t in sc.tasks]
 
 
-def _ops_in_order(sc: Schedule) -> list[str]:
+def _op_labels(sc: Schedule) -> list[str]:
+    """``op_label`` of every task, by task id (each writer computes it once and passes it on)."""
+    return [op_label(t) for t in sc.tasks]
+
+
+def _ops_in_order(labels: list[str]) -> list[str]:
     """Op labels in order of first appearance in program order (stable colours and rows)."""
-    return list(dict.fromkeys(op_label(t) for t in sc.tasks))
+    return list(dict.fromkeys(labels))
 
 
 def _layers_in_order(sc: Schedule) -> list[int]:
@@ -192,12 +197,12 @@ class _Agg:
         self.last_us = max(self.last_us, end)
 
 
-def _aggregate(sc: Schedule, key) -> dict[Any, _Agg]:
-    cost = _task_us(sc)
+def _aggregate(sc: Schedule, keys: list[Any], cost: list[float]) -> dict[Any, _Agg]:
+    """Tasks grouped by keys[task id], in order of first appearance; cost is ``_task_us``."""
     start, end = sc.predicted["start_us"], sc.predicted["end_us"]
     out: dict[Any, _Agg] = defaultdict(_Agg)
-    for t in sc.tasks:
-        out[key(t)].add(t, cost[t.id], start[t.id], end[t.id])
+    for t, k, us, s, e in zip(sc.tasks, keys, cost, start, end):
+        out[k].add(t, us, s, e)
     return out
 
 
@@ -231,8 +236,9 @@ def write_report(sc: Schedule, spec: ModelSpec, path: str | Path) -> Path:
     lines += ["", "## Per op", "",
               ("SM-µs is the sum of the op's predicted task times; *% of step* is SM-µs over "
               f"{nsm} SMs × {step:.1f} µs, so the total is the SM utilisation."), ""]
-    by_op = _aggregate(sc, op_label)
-    opcode = {op_label(t): t.op.name for t in reversed(sc.tasks)}
+    labels, cost = _op_labels(sc), _task_us(sc)
+    by_op = _aggregate(sc, labels, cost)
+    opcode = {op: t.op.name for op, t in zip(reversed(labels), reversed(sc.tasks))}
     rows = [[op, opcode[op], a.tasks, _fmt_bytes(a.bytes), f"{a.us:.1f}", f"{a.us / share:.1%}",
              f"{a.first_us:.1f} – {a.last_us:.1f}"] for op, a in by_op.items()]
     rows.sort(key=lambda r: -float(r[4]))
@@ -243,19 +249,19 @@ def write_report(sc: Schedule, spec: ModelSpec, path: str | Path) -> Path:
     lines += _table(["op", "opcode", "tasks", "bytes", "SM-µs", "% of step", "span µs"], rows, "llrrrrl")
 
     lines += ["", "## Per layer", ""]
-    by_layer = _aggregate(sc, lambda t: t.layer)
+    by_layer = _aggregate(sc, [t.layer for t in sc.tasks], cost)
     rows = [[layer_label(ly, L), _layer_kind(spec, ly), a.tasks, _fmt_bytes(a.bytes), f"{a.us:.1f}",
              f"{a.us / share:.1%}", f"{a.first_us:.1f} – {a.last_us:.1f}"]
             for ly, a in sorted(by_layer.items())]
     lines += _table(["layer", "kind", "tasks", "bytes", "SM-µs", "% of step", "span µs"], rows, "llrrrrl")
 
     crit = sc.predicted.get("critical_path", [])
-    cost, start = _task_us(sc), sc.predicted["start_us"]
+    start = sc.predicted["start_us"]
     sm = sc.sm_of()
     lines += ["", "## Critical path", "",
               (f"The longest chain of predicted task times through the DAG: {len(crit)} tasks, "
               f"{d['critical_path_us']:.1f} µs of the {step:.1f} µs step."), ""]
-    rows = [[i, op_label(sc.tasks[t]), layer_label(sc.tasks[t].layer, L), tile_label(sc.tasks[t]) or "–",
+    rows = [[i, labels[t], layer_label(sc.tasks[t].layer, L), tile_label(sc.tasks[t]) or "–",
              sm[t], f"{start[t]:.1f}", f"{cost[t]:.2f}"] for i, t in enumerate(crit)]
     lines += _table(["#", "op", "layer", "tile", "SM", "start µs", "µs"], rows, "rlllrrr")
 
@@ -286,6 +292,7 @@ def trace_events(sc: Schedule) -> list[dict[str, Any]]:
     p = sc.predicted
     start, end = p["start_us"], p["end_us"]
     sm = sc.sm_of()
+    labels = _op_labels(sc)
     meta: list[dict[str, Any]] = [
         {"ph": "M", "pid": 0, "tid": 0, "name": "process_name", "args": {"name": "predicted step"}}]
     for i, q in enumerate(sc.queues):
@@ -295,12 +302,12 @@ def trace_events(sc: Schedule) -> list[dict[str, Any]]:
     ev: list[dict[str, Any]] = []
     for t in sc.tasks:
         i = t.id
-        args = {"id": i, "layer": t.layer, "op": op_label(t), "opcode": t.op.name,
+        args = {"id": i, "layer": t.layer, "op": labels[i], "opcode": t.op.name,
                 **dict(zip(OP_INFO[t.op].args, t.args)),
                 "weight_bytes": t.weight_bytes, "act_bytes": t.act_bytes,
-                "waits": [list(w) for w in sc.waits[i]], "signal": sc.signals[i]}
+                "waits": list(sc.waits[i]), "signal": sc.signals[i]}  # (counter, target) pairs
         ev.append({"ph": "X", "pid": 0, "tid": sm[i], "ts": start[i], "dur": round(end[i] - start[i], 3),
-                   "name": t.name, "cat": op_label(t), "args": args})
+                   "name": t.name, "cat": labels[i], "args": args})
     latest = _latest_producer(sc)
     eps = 0.001  # 1 ns: keeps a flow end inside its slice after rounding
     fid = 0
@@ -333,15 +340,17 @@ def write_trace(sc: Schedule, path: str | Path) -> Path:
 
 
 # -- op-level DAG --------------------------------------------------------------------------------
-def op_edges(sc: Schedule) -> dict[tuple[tuple[int, str], tuple[int, str]], int]:
+def op_edges(sc: Schedule, labels: list[str] | None = None) -> dict[tuple[tuple[int, str], tuple[int, str]], int]:
     """Op-level edges (layer, op) → (layer, op) with the number of waits behind each, from the
     counters: every producer op of a waited counter → the waiting task's op. Dependencies that
-    queue order on one SM already covers have no wait and so do not show."""
+    queue order on one SM already covers have no wait and so do not show. labels is
+    ``_op_labels(sc)`` if the caller has it."""
+    labels = _op_labels(sc) if labels is None else labels
     prod_ops: list[set[tuple[int, str]]] = [
-        {(sc.tasks[p].layer, op_label(sc.tasks[p])) for p in c.producers} for c in sc.counters]
+        {(sc.tasks[p].layer, labels[p]) for p in c.producers} for c in sc.counters]
     edges: dict[tuple[tuple[int, str], tuple[int, str]], int] = defaultdict(int)
     for t in sc.tasks:
-        dst = (t.layer, op_label(t))
+        dst = (t.layer, labels[t.id])
         for cid, _ in sc.waits[t.id]:
             for src in prod_ops[cid]:
                 if src != dst:
@@ -349,15 +358,16 @@ def op_edges(sc: Schedule) -> dict[tuple[tuple[int, str], tuple[int, str]], int]
     return edges
 
 
-def _layer_dags(sc: Schedule, ops: list[str], crit_ops: set[tuple[int, str]]) -> dict[str, Any]:
+def _layer_dags(sc: Schedule, labels: list[str], cost: list[float], ops: list[str],
+                crit_ops: set[tuple[int, str]]) -> dict[str, Any]:
     """Per layer: nodes [label, column, row, tasks, SM-µs, critical, ghost, op index] and edges
     [src, dst, waits], laid out by topological generations (columns) with one barycentre pass
     (rows). Ghost nodes are ops of other layers feeding or fed by this one."""
     L = _num_layers(sc)
-    agg = _aggregate(sc, lambda t: (t.layer, op_label(t)))
+    agg = _aggregate(sc, [(t.layer, op) for t, op in zip(sc.tasks, labels)], cost)
     op_idx = {o: i for i, o in enumerate(ops)}
     per_layer: dict[int, list[tuple[tuple[int, str], tuple[int, str], int]]] = defaultdict(list)
-    for (a, b), n in op_edges(sc).items():
+    for (a, b), n in op_edges(sc, labels).items():
         per_layer[a[0]].append((a, b, n))
         if b[0] != a[0]:
             per_layer[b[0]].append((a, b, n))
@@ -422,15 +432,16 @@ def html_data(sc: Schedule, spec: ModelSpec) -> dict[str, Any]:
     and the per-layer op DAGs."""
     p = sc.predicted
     L = _num_layers(sc)
-    ops = _ops_in_order(sc)
+    labels, cost = _op_labels(sc), _task_us(sc)
+    ops = _ops_in_order(labels)
     op_idx = {o: i for i, o in enumerate(ops)}
     layers = _layers_in_order(sc)
     ly_idx = {ly: i for i, ly in enumerate(layers)}
     start, end = p["start_us"], p["end_us"]
     sm = sc.sm_of()
     crit = list(p.get("critical_path", []))
-    crit_ops = {(sc.tasks[i].layer, op_label(sc.tasks[i])) for i in crit}
-    by_op = _aggregate(sc, op_label)
+    crit_ops = {(sc.tasks[i].layer, labels[i]) for i in crit}
+    by_op = _aggregate(sc, labels, cost)
     return {
         "meta": {"model": spec.name, "batch": sc.batch, "context": sc.context, "num_sms": sc.num_sms,
                  "step_ns": round(float(p["step_us"]) * 1000)},
@@ -441,14 +452,14 @@ def html_data(sc: Schedule, spec: ModelSpec) -> dict[str, Any]:
             "sm": sm,
             "s": [round(x * 1000) for x in start],
             "d": [round((e - s) * 1000) for s, e in zip(start, end)],
-            "op": [op_idx[op_label(t)] for t in sc.tasks],
+            "op": [op_idx[op] for op in labels],
             "ly": [ly_idx[t.layer] for t in sc.tasks],
             "b": [t.weight_bytes + t.act_bytes for t in sc.tasks],
             "w": [len(w) for w in sc.waits],
             "n": [t.name for t in sc.tasks],
         },
         "crit": crit,
-        "dag": _layer_dags(sc, ops, crit_ops),
+        "dag": _layer_dags(sc, labels, cost, ops, crit_ops),
     }
 
 
