@@ -107,6 +107,11 @@ __device__ __forceinline__ void cp_async16_ca(void* smem_dst, const void* gsrc) 
 
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
+// CTA-wide barrier that threads may reach from different code locations (the non-.aligned form;
+// __syncthreads() is bar.sync, which must be the same instruction in every thread): GEMV tiles
+// finish their activations' staging inside the weight stream, at a warp-dependent point.
+__device__ __forceinline__ void cta_barrier() { asm volatile("barrier.sync 0;" ::: "memory"); }
+
 // ---- counters ------------------------------------------------------------------------------------
 
 __device__ __forceinline__ u32 ld_acquire_gpu(const u32* p) {

@@ -41,23 +41,28 @@ __device__ __forceinline__ void stage_x(bf16* xs, const bf16* x, int x_ld, int k
 
 // Stage the RMSNorm of the f32 residual stream x [BATCH, HIDDEN] with weight w, columns
 // [k0, k0 + k), as stage_x would stage the normed activations: xn = bf16(x * r * w) with
-// r = rsqrt(mean(x^2) + eps). One round trip: every thread loads its quads of the rows and of the
-// weight at once into `scratch` (NORM_SCRATCH_BYTES of shared memory); then one warp per token sums
-// the squares quad by quad per lane and across the warp in a fixed order (every consumer of a norm
-// stages the same values) and scales its columns. Rows >= BATCH are zero.
+// r = rsqrt(mean(x^2) + eps). stage_norm_async copies the rows and the weight columns into
+// `scratch` (NORM_SCRATCH_BYTES of shared memory) with cp.async; stage_norm_finish waits for them,
+// then one warp per token sums the squares quad by quad per lane and across the warp in a fixed
+// order (every consumer of a norm stages the same values) and scales its columns into xs (rows
+// >= BATCH zero). A barrier must follow before xs is read.
 constexpr int NORM_QUADS = HIDDEN / 4;
 constexpr int NORM_SCRATCH_BYTES = BATCH * HIDDEN * 4 + HIDDEN * 2;
-static_assert(HIDDEN % 4 == 0, "RMSNorm staging reads 16-byte quads");
-__device__ __forceinline__ void stage_norm_x(bf16* xs, const float* x, const bf16* w, int k0, int k,
-                                             unsigned char* scratch) {
-    float4* xq = reinterpret_cast<float4*>(scratch);                      // [BATCH][NORM_QUADS]
-    uint2* wq = reinterpret_cast<uint2*>(scratch + BATCH * HIDDEN * 4);   // [NORM_QUADS]
-    const int q0 = k0 / 4, nq = k / 4;
-#pragma unroll 4
-    for (int i = threadIdx.x; i < BATCH * NORM_QUADS; i += NUM_THREADS) xq[i] = __ldcg(reinterpret_cast<const float4*>(x) + i);
-    for (int i = threadIdx.x; i < nq; i += NUM_THREADS) wq[q0 + i] = __ldg(reinterpret_cast<const uint2*>(w) + q0 + i);
-    __syncthreads();
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, ld = xs_ld(k);
+static_assert(HIDDEN % 8 == 0, "RMSNorm staging copies 16-byte pieces of the weight");
+__device__ __forceinline__ void stage_norm_async(const float* x, const bf16* w, int k0, int k, unsigned char* scratch) {
+    float4* xq = reinterpret_cast<float4*>(scratch);                    // [BATCH][NORM_QUADS]
+    bf16* ws = reinterpret_cast<bf16*>(scratch + BATCH * HIDDEN * 4);  // [HIDDEN], columns [k0, k0 + k)
+    for (int i = threadIdx.x; i < BATCH * NORM_QUADS; i += NUM_THREADS) cp_async16(xq + i, reinterpret_cast<const float4*>(x) + i);
+    for (int c = threadIdx.x; c < k / 8; c += NUM_THREADS) cp_async16(ws + k0 + 8 * c, w + k0 + 8 * c);
+}
+
+__device__ __forceinline__ void stage_norm_finish(bf16* xs, int k0, int k, const unsigned char* scratch) {
+    const float4* xq = reinterpret_cast<const float4*>(scratch);
+    const uint2* wq = reinterpret_cast<const uint2*>(scratch + BATCH * HIDDEN * 4);
+    cp_async_wait_all();
+    cta_barrier();
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, ld = xs_ld(k), q0 = k0 / 4, nq = k / 4;
+#pragma unroll 1
     for (int n = warp; n < 8; n += NUM_WARPS) {
         bf16* row = xs + n * ld;
         if (n >= BATCH) {
@@ -66,11 +71,13 @@ __device__ __forceinline__ void stage_norm_x(bf16* xs, const float* x, const bf1
         }
         const float4* xr = xq + n * NORM_QUADS;
         float ss = 0.f;
+#pragma unroll 1
         for (int c = lane; c < NORM_QUADS; c += 32) {
             const float4 u = xr[c];
             ss += u.x * u.x + u.y * u.y + u.z * u.z + u.w * u.w;
         }
         const float r = rsqrtf(warp_sum(ss) / (float)HIDDEN + NORM_EPS);
+#pragma unroll 1
         for (int c = q0 + lane; c < q0 + nq; c += 32) {
             const float4 u = xr[c];
             const uint2 wv = wq[c];
@@ -79,6 +86,17 @@ __device__ __forceinline__ void stage_norm_x(bf16* xs, const float* x, const bf1
             o.y = pack_bf16x2(u.z * r * bf_lo(wv.y), u.w * r * bf_hi(wv.y));
             *reinterpret_cast<uint2*>(row + 4 * (c - q0)) = o;
         }
+    }
+}
+
+// stage_x with cp.async (16-byte copies straight into the tile; rows >= nrows zeroed by stores):
+// completes at cp_async_wait_all, published by a barrier (CopyFinish in ops.cuh).
+__device__ __forceinline__ void stage_x_async(bf16* xs, const bf16* x, int x_ld, int k0, int k, int nrows = BATCH) {
+    const int ld = xs_ld(k), chunks = k / 8;
+    for (int i = threadIdx.x; i < 8 * chunks; i += NUM_THREADS) {
+        const int n = i / chunks, c = i - n * chunks;
+        if (n < nrows) cp_async16(xs + n * ld + c * 8, x + (size_t)n * x_ld + k0 + c * 8);
+        else *reinterpret_cast<uint4*>(xs + n * ld + c * 8) = zero4();
     }
 }
 
@@ -166,14 +184,18 @@ __device__ __forceinline__ void gemv_prefetch(const bf16* const (&w0)[NACC], con
 // register batches of U blocks: the loads of one batch are in flight while the other is
 // multiplied, so the stream never drains between batches; for weights (NC), L2 prefetches run
 // GEMV_PF_BATCHES batches further ahead.
-template <int NACC, bool NC = true>
-__device__ __forceinline__ void gemv_item(const bf16* const (&w0)[NACC], const bf16* const (&w1)[NACC], bool v0,
-                                          bool v1, const bf16* xrow, int kb_begin, int kb_step, int kb_end,
-                                          float (&acc)[NACC][4]) {
+// With `first`, the tile's `finish` (the end of the activations' staging, see gemv_tile) runs
+// once the first batch's loads are issued, so their round trips overlap.
+template <int NACC, bool NC = true, class Fin>
+__device__ __forceinline__ void gemv_item(const bf16* const (&w0)[NACC],
+                                          const bf16* const (&w1)[NACC], bool v0, bool v1, const bf16* xrow,
+                                          int kb_begin, int kb_step, int kb_end, float (&acc)[NACC][4],
+                                          const Fin& finish, bool first) {
     constexpr int U = gemv_batch_blocks<NACC>();
     const int batch = U * kb_step;
     uint4 wa[U][NACC][2][2], wb[U][NACC][2][2];
     gemv_load<U, NACC, NC>(wa, w0, w1, v0, v1, kb_begin, kb_step, kb_end);
+    if (first) finish();
     for (int kb = kb_begin; kb < kb_end; kb += 2 * batch) {
         gemv_load<U, NACC, NC>(wb, w0, w1, v0, v1, kb + batch, kb_step, kb_end);
         if constexpr (NC && GEMV_PF_BATCHES >= 0)
@@ -187,16 +209,23 @@ __device__ __forceinline__ void gemv_item(const bf16* const (&w0)[NACC], const b
     }
 }
 
+// No-op end of staging, for a tile whose activations are already staged and published.
+struct Staged {
+    __device__ void operator()() const {}
+};
+
 // rows x k tile: w[a] points at element (row 0, k 0) of row set a (row stride w_ld elements); xs
-// is the activation tile, staged in shared memory by the caller (stage_x / stage_input) and
-// published by a barrier before the call.
+// is the activation tile in shared memory. Each warp issues the loads of its first weight batch,
+// then every thread calls `finish` (which completes the caller's staging of xs and publishes it
+// with a barrier: stage_*_async before the call, its finish here), so the weights' round trip
+// overlaps the activations'.
 // For every finished 16-row group the epilogue is called by all 32 lanes of one warp as
 // epi(r0, acc) with acc[a] = {(r0, n), (r0, n + 1), (r0 + 8, n), (r0 + 8, n + 1)} where
 // n = 2 * (lane % 4); r0 may be past `rows` (the epilogue checks). Every thread of the CTA must
 // call this (it synchronises); `red` holds GEMV_RED_FLOATS.
-template <int NACC, class Epi, bool NC = true>
+template <int NACC, class Epi, bool NC = true, class Fin = Staged>
 __device__ __forceinline__ void gemv_tile(const bf16* const (&w)[NACC], int w_ld, int rows, int k, const bf16* xs,
-                                          float* red, Epi epi) {
+                                          float* red, Epi epi, Fin finish = Fin{}) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
     const int groups = (rows + 15) / 16, blocks = k / 64;
     int ks = 1;
@@ -212,7 +241,13 @@ __device__ __forceinline__ void gemv_tile(const bf16* const (&w)[NACC], int w_ld
         w0[a] = w[a] + (size_t)r0 * w_ld + q * 8;
         w1[a] = w[a] + (size_t)r1 * w_ld + q * 8;
     }
+    // Finish the staging after the first weight loads are issued (each warp inside its first item;
+    // warps without an item directly). With two row sets the registers are too tight for that
+    // (ptxas spills): there it finishes first, and the op starts its copies early instead.
+    constexpr bool EARLY = NACC == 1;
+    if (!EARLY) finish();
     if (ks == 1) {
+        if (EARLY && warp >= groups) finish();  // warps without a row group
         for (int gi = warp; gi < groups; gi += NUM_WARPS) {
             const int s0 = gi * 16 + g, s1 = s0 + 8;
             const bf16* u0[NACC];
@@ -223,15 +258,16 @@ __device__ __forceinline__ void gemv_tile(const bf16* const (&w)[NACC], int w_ld
                 u1[a] = w[a] + (size_t)s1 * w_ld + q * 8;
             }
             float acc[NACC][4] = {};
-            gemv_item<NACC, NC>(u0, u1, s0 < rows, s1 < rows, xrow, 0, 1, blocks, acc);
+            gemv_item<NACC, NC>(u0, u1, s0 < rows, s1 < rows, xrow, 0, 1, blocks, acc, finish, EARLY && gi == warp);
             epi(s0, acc);
         }
         return;
     }
     // fewer groups than warps: warp = grp * ks + part, k split over the ks parts
     float acc[NACC][4] = {};
+    if (EARLY && grp >= groups) finish();
     if (grp < groups) {
-        gemv_item<NACC, NC>(w0, w1, r0 < rows, r1 < rows, xrow, part, ks, blocks, acc);
+        gemv_item<NACC, NC>(w0, w1, r0 < rows, r1 < rows, xrow, part, ks, blocks, acc, finish, EARLY);
         if (part != 0) {
 #pragma unroll
             for (int a = 0; a < NACC; ++a)

@@ -48,14 +48,34 @@ __device__ __forceinline__ unsigned char* gemv_scratch(unsigned char* smem) {
     return smem + GEMV_XS_BYTES + NUM_WARPS * 2 * 4 * 32 * 4;
 }
 
-// Stage a GEMV's input columns [k0, k0 + k): the bf16 activations x [BATCH, x_ld], or, when the
-// task has a norm operand, the RMSNorm of the f32 residual stream x (stage_norm_x).
+// Stage a GEMV's input columns [k0, k0 + k) in two halves around the issue of its first weight
+// loads (gemv_tile's `finish`): the bf16 activations x [BATCH, x_ld], or, when the task has a norm
+// operand, the RMSNorm of the f32 residual stream x (stage_norm_*).
 template <class O>
-__device__ __forceinline__ void stage_input(const Task& t, unsigned char* smem, int k0, int k) {
-    bf16* xs = gemv_xs(smem);
-    if (t.has(O::norm)) stage_norm_x(xs, t.ptr<float>(O::x), t.ptr<bf16>(O::norm), k0, k, gemv_scratch(smem));
-    else stage_x(xs, t.ptr<bf16>(O::x), t.dim(O::x, 1), k0, k);
+__device__ __forceinline__ void stage_input_async(const Task& t, unsigned char* smem, int k0, int k) {
+    if (t.has(O::norm)) stage_norm_async(t.ptr<float>(O::x), t.ptr<bf16>(O::norm), k0, k, gemv_scratch(smem));
+    else stage_x_async(gemv_xs(smem), t.ptr<bf16>(O::x), t.dim(O::x, 1), k0, k);
 }
+
+// Called by every thread, from a warp-dependent point inside gemv_tile: hence cta_barrier().
+template <class O>
+struct StageFinish {
+    const Task& t;
+    unsigned char* smem;
+    int k0, k;
+    __device__ void operator()() const {
+        if (t.has(O::norm)) stage_norm_finish(gemv_xs(smem), k0, k, gemv_scratch(smem));
+        else cp_async_wait_all();
+        cta_barrier();
+    }
+};
+
+struct CopyFinish {  // the end of a plain stage_x_async
+    __device__ void operator()() const {
+        cp_async_wait_all();
+        cta_barrier();
+    }
+};
 
 // x[b, :] = embed[tokens[b], :]   (the tokens first, then 16-byte rows with many loads in flight)
 __device__ void op_embed(const Task& t, unsigned char* smem) {
@@ -190,6 +210,26 @@ __device__ __forceinline__ const Routing& route_tokens(const float* logits) {
     return r;
 }
 
+// The routing as a table for the expert-down and residual tiles (route_tokens: the expert-up
+// tiles compute the same values themselves): experts[slot] (-1 past count), count,
+// weights[slot, b] (0 = b did not pick the slot's expert), token_slots[b], selected[b].
+__device__ void op_topk(const Task& t, unsigned char*) {
+    using O = OPND_TOPK;
+    const Routing& rt = route_tokens(t.ptr<float>(O::logits));
+    const int slots = t.dim(O::experts, 1);
+    for (int s = threadIdx.x; s < slots; s += NUM_THREADS) t.ptr<int>(O::experts)[s] = rt.experts[s];
+    if (threadIdx.x == 0) *t.ptr<int>(O::count) = rt.count;
+    float* wout = t.ptr<float>(O::weights);
+    for (int i = threadIdx.x; i < slots * BATCH; i += NUM_THREADS) {
+        const int s = i / BATCH, b = i % BATCH;
+        wout[i] = s < rt.count ? rt.weight(b, rt.experts[s]) : 0.f;
+    }
+    if (threadIdx.x < BATCH * TOP_K) {
+        t.ptr<int>(O::token_slots)[threadIdx.x] = (&rt.slots[0][0])[threadIdx.x];
+        t.ptr<int>(O::selected)[threadIdx.x] = (&rt.sel[0][0])[threadIdx.x];
+    }
+}
+
 // out[slab, b, col0 + i] = sum_k x[b, k0 + k] * w[row0 + i, k0 + k]   (out bf16 or f32)
 __device__ void op_linear(const Task& t, unsigned char* smem) {
     using O = OPND_LINEAR;
@@ -197,8 +237,8 @@ __device__ void op_linear(const Task& t, unsigned char* smem) {
     const int row0 = t.arg(A::row0), rows = t.arg(A::rows), k0 = t.arg(A::k0), k = t.arg(A::k);
     const int col0 = t.arg(A::col0), slab = t.arg(A::slab);
     bf16* xs = gemv_xs(smem);
-    stage_input<O>(t, smem, k0, k);
-    __syncthreads();
+    stage_input_async<O>(t, smem, k0, k);
+    const StageFinish<O> finish{t, smem, k0, k};
     const int w_ld = t.dim(O::weight, 1);
     const bf16* const w[1] = {t.ptr<bf16>(O::weight) + (size_t)row0 * w_ld + k0};
     const int out_ld = t.dim(O::out, 1);
@@ -207,12 +247,12 @@ __device__ void op_linear(const Task& t, unsigned char* smem) {
         float* out = t.ptr<float>(O::out) + base;
         gemv_tile<1>(w, w_ld, rows, k, xs, gemv_red(smem), [&](int r0, float (&acc)[1][4]) {
             for_fragment(r0, acc[0], rows, [&](int r, int n, float v) { out[(size_t)n * out_ld + r] = v; });
-        });
+        }, finish);
     } else {
         bf16* out = t.ptr<bf16>(O::out) + base;
         gemv_tile<1>(w, w_ld, rows, k, xs, gemv_red(smem), [&](int r0, float (&acc)[1][4]) {
             for_fragment(r0, acc[0], rows, [&](int r, int n, float v) { store_bf16(out + (size_t)n * out_ld + r, v); });
-        });
+        }, finish);
     }
 }
 
@@ -223,8 +263,8 @@ __device__ void op_swiglu(const Task& t, unsigned char* smem) {
     const int row0 = t.arg(A::row0), rows = t.arg(A::rows), up0 = t.arg(A::up_row0), col0 = t.arg(A::col0);
     const int k = t.dim(O::weight, 1);
     bf16* xs = gemv_xs(smem);
-    stage_input<O>(t, smem, 0, k);
-    __syncthreads();
+    stage_input_async<O>(t, smem, 0, k);
+    const StageFinish<O> finish{t, smem, 0, k};
     const int w_ld = t.dim(O::weight, 1);
     const bf16* wb = t.ptr<bf16>(O::weight);
     const bf16* const w[2] = {wb + (size_t)row0 * w_ld, wb + (size_t)up0 * w_ld};
@@ -237,7 +277,7 @@ __device__ void op_swiglu(const Task& t, unsigned char* smem) {
             const int r = r0 + (i >= 2 ? 8 : 0), tok = n + (i & 1);
             if (r < rows && tok < BATCH) store_bf16(out + (size_t)tok * out_ld + r, silu(acc[0][i]) * acc[1][i]);
         }
-    });
+    }, finish);
 }
 
 // h[slot, b, row0 + i] = silu(x . Wg[e, row0 + i]) * (x . Wu[e, row0 + i]), e = the expert of
@@ -246,18 +286,20 @@ __device__ void op_expert_swiglu(const Task& t, unsigned char* smem) {
     using O = OPND_EXPERT_SWIGLU;
     using A = ARG_EXPERT_SWIGLU;
     const int slot = t.arg(A::slot), row0 = t.arg(A::row0), rows = t.arg(A::rows);
+    const int k = t.dim(O::weight, 1), inter2 = t.dim(O::weight, 2), w_ld = t.dim(O::weight, 1);
+    // the activations' copies fly while the routing is derived (a no-op slot leaves them to the
+    // kernel loop's cp.async wait)
+    stage_input_async<O>(t, smem, 0, k);
     const Routing& rt = route_tokens(t.ptr<float>(O::logits));
     if (slot >= rt.count) return;
     const int e = rt.experts[slot];
-    const int k = t.dim(O::weight, 1), inter2 = t.dim(O::weight, 2), w_ld = t.dim(O::weight, 1);
     const bf16* we = t.ptr<bf16>(O::weight) + (size_t)e * inter2 * w_ld;
     const bf16* const w[2] = {we + (size_t)row0 * w_ld, we + (size_t)(inter2 / 2 + row0) * w_ld};
     // the routed expert is known only now: ask L2 for the head of both row sets at once
     prefetch_rows_all(w[0], rows, k, w_ld, RUN_PREFETCH_BYTES / 2);
     prefetch_rows_all(w[1], rows, k, w_ld, RUN_PREFETCH_BYTES / 2);
     bf16* xs = gemv_xs(smem);
-    stage_input<O>(t, smem, 0, k);
-    __syncthreads();
+    const StageFinish<O> finish{t, smem, 0, k};
     const int out_ld = t.dim(O::out, 1);
     bf16* out = t.ptr<bf16>(O::out) + (size_t)slot * t.dim(O::out, 2) * out_ld + row0;
     gemv_tile<2>(w, w_ld, rows, k, xs, gemv_red(smem), [&](int r0, float (&acc)[2][4]) {
@@ -267,7 +309,7 @@ __device__ void op_expert_swiglu(const Task& t, unsigned char* smem) {
             const int r = r0 + (i >= 2 ? 8 : 0), tok = n + (i & 1);
             if (r < rows && tok < BATCH) store_bf16(out + (size_t)tok * out_ld + r, silu(acc[0][i]) * acc[1][i]);
         }
-    });
+    }, finish);
 }
 
 // out[slot, b, row0 + i] = weights[slot, b] * (h[slot, b] . Wd[e, row0 + i]); no-op past count
@@ -275,27 +317,29 @@ __device__ void op_expert_down(const Task& t, unsigned char* smem) {
     using O = OPND_EXPERT_DOWN;
     using A = ARG_EXPERT_DOWN;
     const int slot = t.arg(A::slot), row0 = t.arg(A::row0), rows = t.arg(A::rows);
-    const Routing& rt = route_tokens(t.ptr<float>(O::logits));
-    if (slot >= rt.count) return;
-    const int e = rt.experts[slot];
-    // this lane's two tokens' routing weights of expert e (0 where a token did not pick it)
+    const int count = ld_act_i32(t.ptr<int>(O::count));  // the routing table's loads in one round trip
+    const int e = ld_act_i32(t.ptr<int>(O::experts) + slot);
+    // this lane's two tokens' routing weights, loaded before the stream instead of in the epilogue
+    const float* wt = t.ptr<float>(O::weights) + (size_t)slot * t.dim(O::weights, 1);
     const int n0 = 2 * (threadIdx.x % 4);
-    const float wt0 = rt.weight(n0, e), wt1 = rt.weight(n0 + 1, e);
+    const float wt0 = n0 < BATCH ? ld_act_f32(wt + n0) : 0.f;
+    const float wt1 = n0 + 1 < BATCH ? ld_act_f32(wt + n0 + 1) : 0.f;
+    if (slot >= count) return;
     const int k = t.dim(O::h, 1), tokens = t.dim(O::h, 2);
     const int w_ld = t.dim(O::weight, 1), w_rows = t.dim(O::weight, 2);
     const bf16* const w[1] = {t.ptr<bf16>(O::weight) + ((size_t)e * w_rows + row0) * w_ld};
     prefetch_rows_all(w[0], rows, k, w_ld, RUN_PREFETCH_BYTES);
     bf16* xs = gemv_xs(smem);
     const bf16* h = t.ptr<bf16>(O::h) + (size_t)slot * tokens * k;
-    stage_x(xs, h, k, 0, k);
-    __syncthreads();
+    stage_x_async(xs, h, k, 0, k);
+    const CopyFinish finish;
     const int out_ld = t.dim(O::out, 1);
     float* out = t.ptr<float>(O::out) + (size_t)slot * t.dim(O::out, 2) * out_ld + row0;
     gemv_tile<1>(w, w_ld, rows, k, xs, gemv_red(smem), [&](int r0, float (&acc)[1][4]) {
         for_fragment(r0, acc[0], rows, [&](int r, int n, float v) {
             out[(size_t)n * out_ld + r] = ((n & 1) ? wt1 : wt0) * v;
         });
-    });
+    }, finish);
 }
 
 // logits[b, row0 + i] = LOGIT_SCALE * x[b] . w[row0 + i]; best_*[b, tile] = its arg-max
@@ -305,8 +349,8 @@ __device__ void op_lm_head(const Task& t, unsigned char* smem) {
     const int row0 = t.arg(A::row0), rows = t.arg(A::rows), tile = t.arg(A::tile);
     const int k = t.dim(O::weight, 1);
     bf16* xs = gemv_xs(smem);
-    stage_input<O>(t, smem, 0, k);
-    __syncthreads();
+    stage_input_async<O>(t, smem, 0, k);
+    const StageFinish<O> finish{t, smem, 0, k};
     const int w_ld = t.dim(O::weight, 1);
     const bf16* const w[1] = {t.ptr<bf16>(O::weight) + (size_t)row0 * w_ld};
     const int out_ld = t.dim(O::logits, 1);
@@ -320,7 +364,7 @@ __device__ void op_lm_head(const Task& t, unsigned char* smem) {
             const int j = n & 1;
             if (better(v, row0 + r, bv[j], bi[j])) { bv[j] = v; bi[j] = row0 + r; }
         });
-    });
+    }, finish);
     // reduce over the 8 lanes sharing a token pair, then over warps
 #pragma unroll
     for (int j = 0; j < 2; ++j)
@@ -461,8 +505,8 @@ __device__ void op_rope_append(const Task& t, unsigned char* smem) {
     }
 }
 
-// x_out[b, cols] = x + sum_g o_part[g, b] + mlp[0, b] + sum over b's experts, ascending, of
-// routed[slot, b]; the tile with a `selected` operand also records each token's experts.
+// x_out[b, cols] = x + sum_g o_part[g, b] + mlp[0, b] + sum_k routed[token_slots[b, k], b]
+// (token_slots in ascending expert order)
 __device__ void op_residual(const Task& t, unsigned char*) {
     using O = OPND_RESIDUAL;
     using A = ARG_RESIDUAL;
@@ -472,14 +516,8 @@ __device__ void op_residual(const Task& t, unsigned char*) {
     const float* op = t.ptr<float>(O::o_part);
     const float* mlp = t.ptr<float>(O::mlp);
     const float* routed = t.ptr<float>(O::routed);
+    const int* ts = t.ptr<int>(O::token_slots);
     const int top_k = routed ? TOP_K : 0;
-    const int* ts = nullptr;
-    if (routed) {
-        const Routing& rt = route_tokens(t.ptr<float>(O::logits));
-        ts = &rt.slots[0][0];
-        if (t.has(O::selected) && threadIdx.x < BATCH * TOP_K)
-            t.ptr<int>(O::selected)[threadIdx.x] = (&rt.sel[0][0])[threadIdx.x];
-    }
     float* out = t.ptr<float>(O::out);
     for (int i = threadIdx.x; i < BATCH * cols; i += NUM_THREADS) {
         const int b = i / cols, c = col0 + i % cols;
@@ -487,7 +525,10 @@ __device__ void op_residual(const Task& t, unsigned char*) {
         float v = ld_act_f32(x + bc);
         for (int g = 0; g < parts; ++g) v += ld_act_f32(op + (size_t)g * BATCH * hidden + bc);
         if (mlp) v += ld_act_f32(mlp + bc);
-        for (int k = 0; k < top_k; ++k) v += ld_act_f32(routed + (size_t)ts[b * TOP_K + k] * BATCH * hidden + bc);
+        for (int k = 0; k < top_k; ++k) {
+            const int s = ld_act_i32(ts + b * TOP_K + k);
+            v += ld_act_f32(routed + (size_t)s * BATCH * hidden + bc);
+        }
         out[bc] = v;
     }
 }

@@ -159,7 +159,7 @@ def test_too_small_read_region_is_caught(spec, weights):
     with pytest.raises(ExecutorError, match=rf"{bad.name.replace('[', '.').replace(']', '.')}.*wrote NaN"):
         CpuExecutor(sc, spec, weights).step([1], [0])
     # unchecked, the poison flows on until the next MoE layer's routing refuses NaN router logits
-    with pytest.raises(ExecutorError, match=r"L2\.expert_up.*router logits L2\.router_logits contain NaN"):
+    with pytest.raises(ExecutorError, match=r"L2\.(expert_up|topk).*router logits L2\.router_logits contain NaN"):
         CpuExecutor(sc, spec, weights, check=False).step([1], [0])
 
 
@@ -201,12 +201,21 @@ def test_undeclared_writes_are_discarded(spec, weights):
         CpuExecutor(sc, spec, weights).step([1], [0])
 
 
-def test_undeclared_routing_read_is_caught(spec, weights):
-    """A residual tile that does not declare the router logits routes from poison: refused."""
+def test_undeclared_int_read_is_caught(spec, weights):
+    """A residual tile that does not declare the routing slots reads int poison: bad index."""
     sc = _sched(spec)
     _patch(sc, lambda t: t.op == Opcode.RESIDUAL and t.layer == 1,
+           lambda t: dataclasses.replace(t, reads=tuple(r for r in t.reads if not r.buffer.endswith("token_slots"))))
+    with pytest.raises(ExecutorError, match=r"L1\.residual.*failed: IndexError"):
+        CpuExecutor(sc, spec, weights).step([1], [0])
+
+
+def test_undeclared_routing_read_is_caught(spec, weights):
+    """An expert-up tile that does not declare the router logits routes from poison: refused."""
+    sc = _sched(spec)
+    _patch(sc, lambda t: t.op == Opcode.EXPERT_SWIGLU and t.layer == 1,
            lambda t: dataclasses.replace(t, reads=tuple(r for r in t.reads if not r.buffer.endswith("router_logits"))))
-    with pytest.raises(ExecutorError, match=r"L1\.residual.*failed: ValueError: .*router logits .*NaN"):
+    with pytest.raises(ExecutorError, match=r"L1\.expert_up.*failed: ValueError: .*router logits .*NaN"):
         CpuExecutor(sc, spec, weights).step([1], [0])
 
 

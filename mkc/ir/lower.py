@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from mkc.ir.graph import DTYPE_BYTES, Buffer, Program, Region, Task, derive_edges
 from mkc.ir.ops import OP_INFO, Opcode
 from mkc.ir.spec import ModelSpec, SpecError
-from mkc.ir.tiling import attention_split_keys, row_tile, tiles
+from mkc.ir.tiling import attention_split_keys, combine_heads, row_tile, tiles
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,18 +212,19 @@ class _Lowerer:
                                box(part_ml, (b, b + 1), (g, g + 1), (sp, sp + 1), None, None)],
                               flops=4 * GS * D * split_keys, act_bytes=2 * split_keys * D * 2)
         attn = self.buf(f"{P}.attn", (B, QH * D), "bf16", "act", "[B, heads * head_dim] attention output")
-        # one combine per query head: each reads only its head's partials, so the merge of a group
-        # is spread over GS SMs instead of one
+        # the merge of a group is spread over several tasks of a few query heads each (each reads
+        # only its heads' partials)
+        hpc = combine_heads(GS)
         for g in range(G):
-            for h in range(GS):
+            for h in range(0, GS, hpc):
                 head = g * GS + h
-                self.emit(Opcode.ATTN_COMBINE, layer, f"{P}.combine[kv{g},h{head}]",
+                self.emit(Opcode.ATTN_COMBINE, layer, f"{P}.combine[kv{g},h{head}:{head + hpc}]",
                           {"part_o": part_o, "part_ml": part_ml, "positions": positions, "out": attn},
-                          {"kv_head": g, "head0": h, "heads": 1, "splits": nsplit, "split_keys": split_keys,
+                          {"kv_head": g, "head0": h, "heads": hpc, "splits": nsplit, "split_keys": split_keys,
                            "window": window},
-                          [box(part_o, None, (g, g + 1), None, (h, h + 1), None),
-                           box(part_ml, None, (g, g + 1), None, (h, h + 1), None), full(positions)],
-                          [box(attn, None, (head * D, (head + 1) * D))])
+                          [box(part_o, None, (g, g + 1), None, (h, h + hpc), None),
+                           box(part_ml, None, (g, g + 1), None, (h, h + hpc), None), full(positions)],
+                          [box(attn, None, (head * D, (head + hpc) * D))])
         # O-proj split-K by KV group: slice g waits only for the attention of group g
         wo = self.buf(f"{P}.w_o", (H, QH * D), "bf16", "weight", "[hidden, heads * head_dim]")
         o_part = self.buf(f"{P}.o_part", (G, B, H), "f32", "act", "[kv_heads, B, hidden] split-K partials")
@@ -262,9 +263,17 @@ class _Lowerer:
         wr = self.buf(f"{P}.w_router", (E, H), "bf16", "weight", "[experts, hidden]")
         rl = self.buf(f"{P}.router_logits", (B, E), "f32", "act", "[B, experts]")
         self.linear(layer, "router", n, wr, rl)
-        # no routing task: every expert and residual tile derives the routing from the logits
-        selected = self.buf(f"{P}.moe_selected", (B, K), "i32", "output",
-                            "[B, top_k] experts of each token, best first (recorded for the host)")
+        # the expert-up tiles derive their expert from the logits themselves; the routing table is
+        # for the expert-down and residual tiles, which run tens of µs later
+        experts = self.buf(f"{P}.moe_experts", (slots,), "i32", "act", "[slots] distinct routed experts, ascending")
+        count = self.buf(f"{P}.moe_count", (1,), "i32", "act", "[1] live slots")
+        weights = self.buf(f"{P}.moe_weights", (slots, B), "f32", "act", "[slots, B] routing weight (0 = not routed)")
+        tslots = self.buf(f"{P}.moe_token_slots", (B, K), "i32", "act", "[B, top_k] slot of each token's experts")
+        selected = self.buf(f"{P}.moe_selected", (B, K), "i32", "output", "[B, top_k] each token's experts, best first")
+        self.emit(Opcode.TOPK, layer, f"{P}.topk",
+                  {"logits": rl, "experts": experts, "count": count, "weights": weights, "token_slots": tslots,
+                   "selected": selected},
+                  {}, [full(rl)], [full(experts), full(count), full(weights), full(tslots), full(selected)])
         wgu = self.buf(f"{P}.w_experts_gate_up", (E, 2 * I, H), "bf16", "weight",
                        "[experts, 2 * inter (gate; up), hidden]")
         wd = self.buf(f"{P}.w_experts_down", (E, H, I), "bf16", "weight", "[experts, hidden, inter]")
@@ -287,16 +296,16 @@ class _Lowerer:
         for j in range(slots):
             for lo, hi in tiles(H, down_tile):
                 self.emit(Opcode.EXPERT_DOWN, layer, f"{P}.expert_down[slot{j}][{lo}:{hi}]",
-                          {"h": h, "weight": wd, "logits": rl, "out": out},
+                          {"h": h, "weight": wd, "experts": experts, "count": count, "weights": weights, "out": out},
                           {"slot": j, "row0": lo, "rows": hi - lo},
-                          [box(h, (j, j + 1), None, None), full(rl), box(wd, None, (lo, hi), None)],
+                          [box(h, (j, j + 1), None, None), full(experts), full(count),
+                           box(weights, (j, j + 1), None), box(wd, None, (lo, hi), None)],
                           [box(out, (j, j + 1), None, (lo, hi))], flops=2 * B * (hi - lo) * I,
                           weight_bytes=(hi - lo) * I * 2)
-        self.residual(layer, x, o_part, None, out, rl, x_out, "residual", selected=selected)
+        self.residual(layer, x, o_part, None, out, tslots, x_out, "residual")
 
     def residual(self, layer: int, x: Buffer, o_part: Buffer | None, mlp: Buffer | None,
-                 routed: Buffer | None, logits: Buffer | None, out: Buffer, label: str,
-                 selected: Buffer | None = None) -> None:
+                 routed: Buffer | None, tslots: Buffer | None, out: Buffer, label: str) -> None:
         H = self.spec.hidden_size
         tile = row_tile(H, 1024, 1, self.opt.num_sms)
         for lo, hi in tiles(H, tile):
@@ -306,16 +315,13 @@ class _Lowerer:
             if mlp is not None:
                 reads.append(box(mlp, None, None, (lo, hi)))
             if routed is not None:
-                reads += [box(routed, None, None, (lo, hi)), full(logits)]
-            record = selected if lo == 0 else None  # the first tile records the routing for the host
-            top_k = self.spec.moe.top_k if routed is not None else 1
+                reads += [box(routed, None, None, (lo, hi)), full(tslots)]
             self.emit(Opcode.RESIDUAL, layer, f"L{layer}.{label}[{lo}:{hi}]",
-                      {"x": x, "o_part": o_part, "mlp": mlp, "routed": routed, "logits": logits,
-                       "selected": record, "out": out},
+                      {"x": x, "o_part": o_part, "mlp": mlp, "routed": routed, "token_slots": tslots, "out": out},
                       {"col0": lo, "cols": hi - lo, "o_parts": o_part.shape[0] if o_part is not None else 0},
-                      reads, [box(out, None, (lo, hi)), *([full(record)] if record is not None else [])],
+                      reads, [box(out, None, (lo, hi))],
                       act_bytes=self.opt.batch * (hi - lo) * 4 * (2 + (o_part.shape[0] if o_part is not None else 0)
-                                                               + top_k))
+                                                               + (tslots.shape[1] if tslots is not None else 1)))
 
 
 def lower(spec: ModelSpec, batch: int, context: int, num_sms: int) -> Program:

@@ -16,7 +16,8 @@ class Opcode(IntEnum):
     SWIGLU = 4  # h[b, col0 + i] = silu(xn . w[row0 + i]) * (xn . w[up_row0 + i])
     ROPE_APPEND = 5  # q, k = rope(qk_norm(q, k)); k, v appended to the KV cache at positions[b]
     ATTN_SPLIT = 6  # partial softmax(q k^T) v over one key range of one (sequence, KV head)
-    ATTN_COMBINE = 7  # merge the split partials of one KV head into attn[b, heads of the group]
+    ATTN_COMBINE = 7  # merge the split partials of some query heads of one KV group into attn[b, heads]
+    TOPK = 8  # routing table: top-k experts per token, the distinct-expert list, per-slot weights
     EXPERT_SWIGLU = 9  # SWIGLU of the expert in routing slot `slot` (no-op past the live count)
     EXPERT_DOWN = 10  # out[slot, b, rows] = weight[slot, b] * h[slot, b] . w_down[expert, rows]
     RESIDUAL = 11  # x_out[:, cols] = x_in + sum(o_part) + mlp (dense or routed) over a column tile
@@ -24,13 +25,13 @@ class Opcode(IntEnum):
     ARGMAX = 13  # next_token[b] = argmax over the LM-head partials
 
 
-# Two producers are recomputed by their consumers instead of being tasks of their own (each would
-# cost a hop on every layer's critical path for a few KB of work):
+# Recomputed by consumers where a task of their own would cost a hop on a layer's critical path
+# for a few KB of work:
 # - RMSNorm: a GEMV with a "norm" operand reads the f32 residual stream x and stages
 #   xn = bf16(x * rsqrt(mean(x^2) + eps) * norm) itself (without one, x is its bf16 input);
-# - routing: EXPERT_SWIGLU, EXPERT_DOWN and RESIDUAL read the router logits and derive the top-k
-#   experts per token, the ascending list of distinct experts (the slots) and the weights.
-# Every consumer computes the same values in the same order, so they agree bit for bit.
+# - routing: EXPERT_SWIGLU reads the router logits and derives its slot's expert itself, so the
+#   expert stream starts right after the router; the TOPK task writes the same routing (the same
+#   code, so bit for bit) as a table for EXPERT_DOWN and RESIDUAL, which start tens of µs later.
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,11 +51,11 @@ OP_INFO: dict[Opcode, OpInfo] = {
                               ("seq", "kv_head", "split", "split_keys", "window")),
     Opcode.ATTN_COMBINE: OpInfo(("part_o", "part_ml", "positions", "out"),
                                 ("kv_head", "head0", "heads", "splits", "split_keys", "window")),
+    # selected: [B, top_k] each token's experts, best first (for the host)
+    Opcode.TOPK: OpInfo(("logits", "experts", "count", "weights", "token_slots", "selected"), ()),
     Opcode.EXPERT_SWIGLU: OpInfo(("x", "norm", "weight", "logits", "out"), ("slot", "row0", "rows")),
-    Opcode.EXPERT_DOWN: OpInfo(("h", "weight", "logits", "out"), ("slot", "row0", "rows")),
-    # selected: [B, top_k] experts per token, best first, recorded for the host by one tile ("-" elsewhere)
-    Opcode.RESIDUAL: OpInfo(("x", "o_part", "mlp", "routed", "logits", "selected", "out"),
-                            ("col0", "cols", "o_parts")),
+    Opcode.EXPERT_DOWN: OpInfo(("h", "weight", "experts", "count", "weights", "out"), ("slot", "row0", "rows")),
+    Opcode.RESIDUAL: OpInfo(("x", "o_part", "mlp", "routed", "token_slots", "out"), ("col0", "cols", "o_parts")),
     Opcode.LM_HEAD: OpInfo(("x", "norm", "weight", "logits", "best_val", "best_idx"), ("row0", "rows", "tile")),
     Opcode.ARGMAX: OpInfo(("best_val", "best_idx", "out"), ("tiles",)),
 }

@@ -62,3 +62,12 @@ def attention_split_keys(keys: int, key_bytes: int, streams: int, num_sms: int) 
     per_split = max(MIN_ATTN_KEYS, math.ceil(keys / max_splits), math.ceil(MIN_TASK_BYTES / key_bytes))
     per_split = math.ceil(per_split / KEY_ALIGN) * KEY_ALIGN
     return min(per_split, math.ceil(keys / KEY_ALIGN) * KEY_ALIGN)
+
+
+def combine_heads(group: int) -> int:
+    """Query heads per attention-combine task: a quarter of a KV group (at least one, a divisor of
+    the group), so a group's merge is spread over up to 4 SMs without a task per head."""
+    h = max(1, group // 4)
+    while group % h:
+        h -= 1
+    return h
