@@ -210,20 +210,11 @@ __device__ __forceinline__ const Routing& route_tokens(const float* logits) {
     return r;
 }
 
-// The routing as a table for the expert-down and residual tiles (route_tokens: the expert-up
-// tiles compute the same values themselves): experts[slot] (-1 past count), count,
-// weights[slot, b] (0 = b did not pick the slot's expert), token_slots[b], selected[b].
+// The routing for the residual tiles and the host (route_tokens: the expert tiles compute the
+// same values themselves): token_slots[b] (ascending expert), selected[b] (best first).
 __device__ void op_topk(const Task& t, unsigned char*) {
     using O = OPND_TOPK;
     const Routing& rt = route_tokens(t.ptr<float>(O::logits));
-    const int slots = t.dim(O::experts, 1);
-    for (int s = threadIdx.x; s < slots; s += NUM_THREADS) t.ptr<int>(O::experts)[s] = rt.experts[s];
-    if (threadIdx.x == 0) *t.ptr<int>(O::count) = rt.count;
-    float* wout = t.ptr<float>(O::weights);
-    for (int i = threadIdx.x; i < slots * BATCH; i += NUM_THREADS) {
-        const int s = i / BATCH, b = i % BATCH;
-        wout[i] = s < rt.count ? rt.weight(b, rt.experts[s]) : 0.f;
-    }
     if (threadIdx.x < BATCH * TOP_K) {
         t.ptr<int>(O::token_slots)[threadIdx.x] = (&rt.slots[0][0])[threadIdx.x];
         t.ptr<int>(O::selected)[threadIdx.x] = (&rt.sel[0][0])[threadIdx.x];
@@ -317,21 +308,19 @@ __device__ void op_expert_down(const Task& t, unsigned char* smem) {
     using O = OPND_EXPERT_DOWN;
     using A = ARG_EXPERT_DOWN;
     const int slot = t.arg(A::slot), row0 = t.arg(A::row0), rows = t.arg(A::rows);
-    const int count = ld_act_i32(t.ptr<int>(O::count));  // the routing table's loads in one round trip
-    const int e = ld_act_i32(t.ptr<int>(O::experts) + slot);
-    // this lane's two tokens' routing weights, loaded before the stream instead of in the epilogue
-    const float* wt = t.ptr<float>(O::weights) + (size_t)slot * t.dim(O::weights, 1);
-    const int n0 = 2 * (threadIdx.x % 4);
-    const float wt0 = n0 < BATCH ? ld_act_f32(wt + n0) : 0.f;
-    const float wt1 = n0 + 1 < BATCH ? ld_act_f32(wt + n0 + 1) : 0.f;
-    if (slot >= count) return;
     const int k = t.dim(O::h, 1), tokens = t.dim(O::h, 2);
+    bf16* xs = gemv_xs(smem);
+    const bf16* h = t.ptr<bf16>(O::h) + (size_t)slot * tokens * k;
+    stage_x_async(xs, h, k, 0, k);  // in flight while the routing is derived
+    const Routing& rt = route_tokens(t.ptr<float>(O::logits));
+    if (slot >= rt.count) return;
+    const int e = rt.experts[slot];
+    // this lane's two tokens' routing weights of expert e (0 where a token did not pick it)
+    const int n0 = 2 * (threadIdx.x % 4);
+    const float wt0 = rt.weight(n0, e), wt1 = rt.weight(n0 + 1, e);
     const int w_ld = t.dim(O::weight, 1), w_rows = t.dim(O::weight, 2);
     const bf16* const w[1] = {t.ptr<bf16>(O::weight) + ((size_t)e * w_rows + row0) * w_ld};
     prefetch_rows_all(w[0], rows, k, w_ld, RUN_PREFETCH_BYTES);
-    bf16* xs = gemv_xs(smem);
-    const bf16* h = t.ptr<bf16>(O::h) + (size_t)slot * tokens * k;
-    stage_x_async(xs, h, k, 0, k);
     const CopyFinish finish;
     const int out_ld = t.dim(O::out, 1);
     float* out = t.ptr<float>(O::out) + (size_t)slot * t.dim(O::out, 2) * out_ld + row0;

@@ -263,17 +263,13 @@ class _Lowerer:
         wr = self.buf(f"{P}.w_router", (E, H), "bf16", "weight", "[experts, hidden]")
         rl = self.buf(f"{P}.router_logits", (B, E), "f32", "act", "[B, experts]")
         self.linear(layer, "router", n, wr, rl)
-        # the expert-up tiles derive their expert from the logits themselves; the routing table is
-        # for the expert-down and residual tiles, which run tens of µs later
-        experts = self.buf(f"{P}.moe_experts", (slots,), "i32", "act", "[slots] distinct routed experts, ascending")
-        count = self.buf(f"{P}.moe_count", (1,), "i32", "act", "[1] live slots")
-        weights = self.buf(f"{P}.moe_weights", (slots, B), "f32", "act", "[slots, B] routing weight (0 = not routed)")
+        # the expert tiles derive their expert from the logits themselves; the token slots are for
+        # the residual tiles, which run tens of µs later
         tslots = self.buf(f"{P}.moe_token_slots", (B, K), "i32", "act", "[B, top_k] slot of each token's experts")
         selected = self.buf(f"{P}.moe_selected", (B, K), "i32", "output", "[B, top_k] each token's experts, best first")
         self.emit(Opcode.TOPK, layer, f"{P}.topk",
-                  {"logits": rl, "experts": experts, "count": count, "weights": weights, "token_slots": tslots,
-                   "selected": selected},
-                  {}, [full(rl)], [full(experts), full(count), full(weights), full(tslots), full(selected)])
+                  {"logits": rl, "token_slots": tslots, "selected": selected},
+                  {}, [full(rl)], [full(tslots), full(selected)])
         wgu = self.buf(f"{P}.w_experts_gate_up", (E, 2 * I, H), "bf16", "weight",
                        "[experts, 2 * inter (gate; up), hidden]")
         wd = self.buf(f"{P}.w_experts_down", (E, H, I), "bf16", "weight", "[experts, hidden, inter]")
@@ -296,10 +292,9 @@ class _Lowerer:
         for j in range(slots):
             for lo, hi in tiles(H, down_tile):
                 self.emit(Opcode.EXPERT_DOWN, layer, f"{P}.expert_down[slot{j}][{lo}:{hi}]",
-                          {"h": h, "weight": wd, "experts": experts, "count": count, "weights": weights, "out": out},
+                          {"h": h, "weight": wd, "logits": rl, "out": out},
                           {"slot": j, "row0": lo, "rows": hi - lo},
-                          [box(h, (j, j + 1), None, None), full(experts), full(count),
-                           box(weights, (j, j + 1), None), box(wd, None, (lo, hi), None)],
+                          [box(h, (j, j + 1), None, None), full(rl), box(wd, None, (lo, hi), None)],
                           [box(out, (j, j + 1), None, (lo, hi))], flops=2 * B * (hi - lo) * I,
                           weight_bytes=(hi - lo) * I * 2)
         self.residual(layer, x, o_part, None, out, tslots, x_out, "residual")

@@ -17,7 +17,7 @@ class Opcode(IntEnum):
     ROPE_APPEND = 5  # q, k = rope(qk_norm(q, k)); k, v appended to the KV cache at positions[b]
     ATTN_SPLIT = 6  # partial softmax(q k^T) v over one key range of one (sequence, KV head)
     ATTN_COMBINE = 7  # merge the split partials of some query heads of one KV group into attn[b, heads]
-    TOPK = 8  # routing table: top-k experts per token, the distinct-expert list, per-slot weights
+    TOPK = 8  # routing per token: its experts (best first) and their slots (ascending expert)
     EXPERT_SWIGLU = 9  # SWIGLU of the expert in routing slot `slot` (no-op past the live count)
     EXPERT_DOWN = 10  # out[slot, b, rows] = weight[slot, b] * h[slot, b] . w_down[expert, rows]
     RESIDUAL = 11  # x_out[:, cols] = x_in + sum(o_part) + mlp (dense or routed) over a column tile
@@ -29,9 +29,10 @@ class Opcode(IntEnum):
 # for a few KB of work:
 # - RMSNorm: a GEMV with a "norm" operand reads the f32 residual stream x and stages
 #   xn = bf16(x * rsqrt(mean(x^2) + eps) * norm) itself (without one, x is its bf16 input);
-# - routing: EXPERT_SWIGLU reads the router logits and derives its slot's expert itself, so the
-#   expert stream starts right after the router; the TOPK task writes the same routing (the same
-#   code, so bit for bit) as a table for EXPERT_DOWN and RESIDUAL, which start tens of µs later.
+# - routing: EXPERT_SWIGLU and EXPERT_DOWN read the router logits and derive their slot's expert
+#   (and weights) themselves, so neither waits for a routing task; the TOPK task writes the same
+#   routing (the same code, so bit for bit) as token slots for RESIDUAL, which starts tens of µs
+#   later, and as the experts of each token for the host.
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,9 +53,9 @@ OP_INFO: dict[Opcode, OpInfo] = {
     Opcode.ATTN_COMBINE: OpInfo(("part_o", "part_ml", "positions", "out"),
                                 ("kv_head", "head0", "heads", "splits", "split_keys", "window")),
     # selected: [B, top_k] each token's experts, best first (for the host)
-    Opcode.TOPK: OpInfo(("logits", "experts", "count", "weights", "token_slots", "selected"), ()),
+    Opcode.TOPK: OpInfo(("logits", "token_slots", "selected"), ()),
     Opcode.EXPERT_SWIGLU: OpInfo(("x", "norm", "weight", "logits", "out"), ("slot", "row0", "rows")),
-    Opcode.EXPERT_DOWN: OpInfo(("h", "weight", "experts", "count", "weights", "out"), ("slot", "row0", "rows")),
+    Opcode.EXPERT_DOWN: OpInfo(("h", "weight", "logits", "out"), ("slot", "row0", "rows")),
     Opcode.RESIDUAL: OpInfo(("x", "o_part", "mlp", "routed", "token_slots", "out"), ("col0", "cols", "o_parts")),
     Opcode.LM_HEAD: OpInfo(("x", "norm", "weight", "logits", "best_val", "best_idx"), ("row0", "rows", "tile")),
     Opcode.ARGMAX: OpInfo(("best_val", "best_idx", "out"), ("tiles",)),

@@ -8,7 +8,7 @@ are loaded before its wait completes ("prefetch before wait").
 Every task also pays a fixed time that does not depend on its bytes: the counter hand-off, staging
 its inputs, reductions, dependent reads of the routing. ``OP_FIXED_US`` holds it per opcode, as
 measured from per-task timelines of the megakernel (``mkc bench --profile``; H200, batch 1,
-context 8192, 2026-11-29 20:06 UTC: a task's run time minus its bytes at the per-SM bandwidth).
+context 8192: a task's run time minus its bytes at the per-SM bandwidth).
 Small ops on the critical chain (top-k, combine, norm) are dominated by it, so without it the
 scheduler would queue the attention chain behind bulky expert tiles.
 """
@@ -33,15 +33,19 @@ class Ceilings:
 
 H200 = Ceilings()
 
-# fixed time per task (µs) beyond its bytes, measured (see the module docstring); others: 1 µs
+# fixed time per task (µs) beyond its bytes, measured (see the module docstring); others: 1 µs.
+# Re-measured 2026-11-29 22:20 UTC on the kernel with in-task RMSNorm and routing (batch 1: run time
+# minus bytes at the per-SM bandwidth): an expert-up tile also derives the routing and normalises
+# its input before its stream starts; a GEMV tile stages the f32 residual stream.
 OP_FIXED_US: dict[str, float] = {
-    "RMSNORM": 3.0,
-    "TOPK": 8.0,
+    "TOPK": 7.0,
     "ROPE_APPEND": 4.0,
-    "ATTN_SPLIT": 6.0,
-    "ATTN_COMBINE": 7.0,
-    "EXPERT_SWIGLU": 2.0,
-    "EXPERT_DOWN": 3.0,
+    "ATTN_SPLIT": 5.0,
+    "ATTN_COMBINE": 4.5,
+    "LINEAR": 2.0,
+    "EXPERT_SWIGLU": 6.0,
+    "EXPERT_DOWN": 4.0,
+    "RESIDUAL": 2.5,
 }
 DEFAULT_FIXED_US = 1.0
 PREFETCH_BYTES = 96 * 1024  # shared-memory ring a task may fill before its inputs are ready

@@ -274,32 +274,22 @@ def _expert_swiglu(t: Task, bufs: Tensors, w: Tensors, spec: ModelSpec) -> None:
 
 
 def _topk(t: Task, bufs: Tensors, w: Tensors, spec: ModelSpec) -> None:
-    """The routing as a table: experts[slot] (-1 past the count), count, weights[slot, b] (0 where
-    b did not pick the slot's expert), token_slots[b] (ascending expert), selected[b] (best first)."""
+    """token_slots[b]: the slots of b's experts in ascending expert order; selected[b]: b's
+    experts, best first."""
     routing = _routing(t, bufs, w, spec)
-    experts, count, weights, tslots = (_operand(t, r, bufs, w) for r in ("experts", "count", "weights", "token_slots"))
-    n = routing.distinct.numel()
-    assert n <= experts.shape[0], f"task {t.name}: {n} distinct experts but only {experts.shape[0]} slots"
-    experts.fill_(-1)
-    experts[:n] = routing.distinct.to(experts.dtype)
-    count.fill_(n)
-    table = torch.zeros(weights.shape, dtype=torch.float32)  # [slots, B]
-    for s in range(n):
-        table[s] = routing.weight(int(routing.distinct[s]))
-    _store(weights, table)
-    _store(tslots, routing.slot_of())
+    _store(_operand(t, "token_slots", bufs, w), routing.slot_of())
     _store(_operand(t, "selected", bufs, w), routing.experts)
 
 
 def _expert_down(t: Task, bufs: Tensors, w: Tensors, spec: ModelSpec) -> None:
     slot, row0, rows = t.arg("slot"), t.arg("row0"), t.arg("rows")
-    if slot >= int(_operand(t, "count", bufs, w)[0]):
+    routing = _routing(t, bufs, w, spec)
+    e = routing.expert_of(slot)
+    if e is None:
         return
-    e = int(_operand(t, "experts", bufs, w)[slot])
     h = _f(_operand(t, "h", bufs, w)[slot])  # [B, I]
     weight = _f(_operand(t, "weight", bufs, w)[e, row0:row0 + rows])  # [rows, I]
-    route_w = _f(_operand(t, "weights", bufs, w)[slot])  # [B]
-    _store(_operand(t, "out", bufs, w)[slot, :, row0:row0 + rows], route_w[:, None] * (h @ weight.T))
+    _store(_operand(t, "out", bufs, w)[slot, :, row0:row0 + rows], routing.weight(e)[:, None] * (h @ weight.T))
 
 
 def _residual(t: Task, bufs: Tensors, w: Tensors, spec: ModelSpec) -> None:
