@@ -210,15 +210,21 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("-o", "--output", default="build/bench", help="folder for bench.json and traces")
     b.set_defaults(fn=cmd_bench)
 
-    try:
-        from mkc.runtime.server import add_serve_arguments, serve_main
-    except ImportError:
-        pass
-    else:
-        s = sub.add_parser("serve", help="OpenAI-compatible server with continuous batching")
-        add_serve_arguments(s)
-        s.set_defaults(fn=serve_main)
+    from mkc.runtime.serve_options import add_serve_arguments
+
+    s = sub.add_parser("serve", help="OpenAI-compatible server with continuous batching")
+    add_serve_arguments(s)
+    s.set_defaults(fn=cmd_serve)
     return p
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    try:
+        from mkc.runtime.server import serve_main
+    except ImportError as e:  # the serve extra is not installed
+        raise UsageError(f"mkc serve needs the server dependencies ({e.name} is missing): "
+                         f"pip install 'mkc[serve]'") from e
+    return serve_main(a)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,6 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from mkc.runtime.engine import Engine, Output
 from mkc.runtime.metrics import Metrics
 from mkc.runtime.sampling import SamplingParams
+from mkc.runtime.serve_options import add_serve_arguments
 from mkc.runtime.tokenizer import Tokenizer, encode_chat, message_text
 from mkc.runtime.tool_calls import parse_tool_calls, tool_names
 
@@ -505,37 +506,6 @@ def _chat_choices(names: set[str]) -> Callable[[Output], Iterator[dict[str, Any]
 
 # ----------------------------------------------------------------------------------------------
 # CLI
-
-
-def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``mkc serve``."""
-    parser.add_argument("--config", help="model YAML, HF config.json or checkpoint folder "
-                                         "(default: the --checkpoint folder)")
-    w = parser.add_mutually_exclusive_group(required=True)
-    w.add_argument("--checkpoint", help="Hugging Face checkpoint folder (safetensors; tokenizer files if any)")
-    w.add_argument("--random-weights", action="store_true", help="random weights (demo; byte-level tokenizer)")
-    parser.add_argument("--weights-seed", type=int, default=0, help="seed of --random-weights")
-    parser.add_argument("--backend", choices=("auto", "cuda", "cpu"), default="auto",
-                        help="cuda: the megakernel; cpu: the CPU executor (runs anywhere); auto: cuda when a "
-                             "GPU and the CUDA backend are present")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--max-batch", type=int, default=8, help="sequences decoded together (1-8)")
-    parser.add_argument("--context", type=int, default=1024, help="KV positions per sequence")
-    parser.add_argument("--page-size", type=int, default=16, help="KV page size in positions")
-    parser.add_argument("--kv-pages", type=int, default=None,
-                        help="KV pages in the pool (default: max-batch x context / page-size); fewer pages "
-                             "make the engine preempt and requeue requests")
-    parser.add_argument("--no-prefix-cache", action="store_true", help="do not cache full prompt pages")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
-                        help="weights/activations (default: float32 on cpu, bfloat16 on cuda)")
-    parser.add_argument("--num-sms", type=int, default=None,
-                        help="persistent CTAs of the schedule (default: 8 on cpu, every SM on cuda)")
-    parser.add_argument("--cpu-threads", type=int, default=None,
-                        help="torch intra-op threads (default: 1 with the cpu backend, whose per-tile ops "
-                             "are too small to split; the torch default otherwise)")
-    parser.add_argument("--served-model-name", default=None, help="model id clients send (default: the spec name)")
-    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
 def build_state(args: argparse.Namespace) -> ServerState:
