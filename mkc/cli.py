@@ -70,7 +70,7 @@ def cmd_compile(a: argparse.Namespace) -> int:
     out = Path(a.output or f"build/{Path(a.config).stem}-b{a.batch}-c{a.context}")
     t0 = time.perf_counter()
     res = compile_to_folder(a.config, out, batch=a.batch, context=a.context, num_sms=a.num_sms,
-                            kernel=not a.no_kernel)
+                            page_size=a.page_size, kernel=not a.no_kernel)
     wall = time.perf_counter() - t0
     print(visualize.format_summary(visualize.summary(res.schedule, res.spec)))
     stages = ", ".join(f"{k} {v:.2f}s" for k, v in res.timings.items())
@@ -178,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--batch", type=_batch, default=1, help="sequences decoded together, 1-8 (default 1)")
     c.add_argument("--context", type=_positive, default=8192, help="context bucket in positions (default 8192)")
     c.add_argument("--num-sms", type=_positive, default=132, help="SMs = persistent CTAs (default 132, H100/H200)")
+    c.add_argument("--page-size", type=int, default=0,
+                   help="KV cache page in positions, read through a page table (default 0: one contiguous "
+                        "slab per sequence; see docs/kernel.md)")
     c.add_argument("--no-kernel", action="store_true", help="skip rendering and compiling the CUDA kernel")
     c.set_defaults(fn=cmd_compile)
 

@@ -24,13 +24,14 @@ class CompileResult:
     timings: dict[str, float] = field(default_factory=dict)  # stage → seconds
 
 
-def compile_schedule(spec: ModelSpec, batch: int, context: int, num_sms: int) -> tuple[Schedule, dict[str, float]]:
+def compile_schedule(spec: ModelSpec, batch: int, context: int, num_sms: int,
+                     page_size: int = 0) -> tuple[Schedule, dict[str, float]]:
     """Lower, schedule and validate; raises SpecError or ScheduleError."""
     from mkc.schedule.validator import check
 
     times: dict[str, float] = {}
     t0 = time.perf_counter()
-    program = lower(spec, batch=batch, context=context, num_sms=num_sms)
+    program = lower(spec, batch=batch, context=context, num_sms=num_sms, page_size=page_size)
     t1 = time.perf_counter()
     sc = make_schedule(program, spec.name)
     t2 = time.perf_counter()
@@ -53,12 +54,12 @@ def _check_kernel_resources(sc: Schedule, kernel_json: Path) -> None:
 
 
 def compile_to_folder(spec_path: str | Path, out_dir: str | Path, *, batch: int = 1, context: int = 8192,
-                      num_sms: int = 132, kernel: bool = True) -> CompileResult:
+                      num_sms: int = 132, page_size: int = 0, kernel: bool = True) -> CompileResult:
     """Run the whole pipeline and write every artifact into out_dir."""
     from mkc.schedule import visualize
 
     spec = load_spec(spec_path)
-    sc, times = compile_schedule(spec, batch, context, num_sms)
+    sc, times = compile_schedule(spec, batch, context, num_sms, page_size)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()

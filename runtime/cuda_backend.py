@@ -31,6 +31,7 @@ from mkc.codegen import KernelArtifact, build_kernel
 from mkc.codegen.render import CodegenOptions
 from mkc.codegen.taskwords import buffer_table, encode
 from mkc.ir.spec import ModelSpec
+from mkc.ir.kv_layout import identity_page_table, logical_view, page_size_of
 from mkc.schedule.schedule import Schedule
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32}
@@ -99,6 +100,9 @@ class CudaDecoder:
                                 "cuModuleGetFunction")
             self.launch_config = self._configure()
             self.buffers = self._allocate(weights)
+            self.page_size = page_size_of(schedule.buffers)
+            if self.page_size:  # sequence b's pages are b * pages_per_seq + j until someone remaps them
+                self.buffers["page_table"].copy_(identity_page_table(schedule.batch, schedule.context, self.page_size))
             words = encode(schedule)
             dev = self.device
             self._records = torch.from_numpy(words.records.reshape(-1)).to(dev)
@@ -161,8 +165,11 @@ class CudaDecoder:
 
     # -- running --------------------------------------------------------------------------------
     def kv_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The (k, v) cache tensors of a layer, [B, kv_heads, ctx, head_dim] bf16 (live views)."""
-        return self.buffers[f"L{layer}.k_cache"], self.buffers[f"L{layer}.v_cache"]
+        """Live (k, v) views of a layer's cache, [B, kv_heads, ctx, head_dim] bf16 (for a paged
+        cache: under the identity page table the decoder starts with; mkc/ir/kv_layout.py)."""
+        sc = self.schedule
+        return tuple(logical_view(self.buffers[f"L{layer}.{n}"], sc.batch, sc.context, self.page_size)
+                     for n in ("k_cache", "v_cache"))  # type: ignore[return-value]
 
     def launch(self, tokens=None, positions=None, *, profile: bool = False) -> None:
         """Enqueue one decode step on torch's current stream (asynchronous; see check()).

@@ -18,6 +18,31 @@ constexpr int ATT_KL = NUM_THREADS / ATT_DC;    // key lanes of the P.V phase
 constexpr int ATT_CHUNK = NUM_THREADS;          // keys per pass (one per thread in the Q.K phase)
 static_assert(HEAD_DIM % 8 == 0 && NUM_THREADS % ATT_DC == 0, "attention: head_dim / threads");
 
+#if MKC_PAGED
+// Paged KV cache (MKC_PAGED, mkc/ir/kv_layout.py): the K (or V) rows of one (sequence, KV head) are
+// pages of PAGE_SIZE rows of the head's pool [kv_heads, pages, PAGE_SIZE, HEAD_DIM], found through
+// the sequence's page-table row. Rows j .. j + run(j) - 1 are contiguous. Without MKC_PAGED every
+// sequence has one slab [B, kv_heads, ctx, HEAD_DIM] and the code below is not compiled at all
+// (the contiguous kernel is exactly the one measured and tested before paging existed).
+struct KvRows {
+    const bf16* base;  // slab: row 0 of the sequence's head; paged: page 0 of the head's pool
+    const int* table;  // paged: the sequence's page-table row (an input: never written in a step)
+    __device__ __forceinline__ const bf16* row(int j) const {
+        return base + ((size_t)__ldg(table + j / PAGE_SIZE) * PAGE_SIZE + j % PAGE_SIZE) * HEAD_DIM;
+    }
+    __device__ __forceinline__ int run(int j) const { return PAGE_SIZE - j % PAGE_SIZE; }
+};
+
+// KvRows of the k_cache (or v_cache) operand `cache` for sequence b, KV head g (page table
+// [B, pages per sequence]).
+template <class O>
+__device__ __forceinline__ KvRows kv_rows(const Task& t, int cache, int b, int g) {
+    const int pages = t.dim(cache, 3);
+    return {t.ptr<bf16>(cache) + (size_t)g * pages * PAGE_SIZE * HEAD_DIM,
+            t.ptr<int>(O::page_table) + (size_t)b * t.dim(O::page_table, 1)};
+}
+#endif
+
 // [lo, hi) of the keys this split attends (empty when lo >= hi)
 __device__ __forceinline__ void attn_key_range(const Task& t, int& lo, int& hi) {
     using O = OPND_ATTN_SPLIT;
@@ -34,12 +59,19 @@ __device__ void op_attn_split(const Task& t, unsigned char* smem) {
     using A = ARG_ATTN_SPLIT;
     const int b = t.arg(A::seq), g = t.arg(A::kv_head), sp = t.arg(A::split);
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+#if MKC_PAGED
+    const int kv_heads = t.dim(O::k_cache, 4);
+    int lo, hi;
+    attn_key_range(t, lo, hi);
+    const KvRows krows = kv_rows<O>(t, O::k_cache, b, g), vrows = kv_rows<O>(t, O::v_cache, b, g);
+#else
     const int ctx = t.dim(O::k_cache, 2), kv_heads = t.dim(O::k_cache, 3);
     int lo, hi;
     attn_key_range(t, lo, hi);
     const size_t row0 = ((size_t)b * kv_heads + g) * ctx;
     const bf16* kc = t.ptr<bf16>(O::k_cache) + row0 * HEAD_DIM;
     const bf16* vc = t.ptr<bf16>(O::v_cache) + row0 * HEAD_DIM;
+#endif
 
     bf16* qx = reinterpret_cast<bf16*>(smem);     // [8][HEAD_DIM + XS_PAD] q heads, the MMA's B operand
     float* gred = reinterpret_cast<float*>(smem + ATT_QX_BYTES);  // [ATT_GRED_FLOATS]
@@ -64,6 +96,22 @@ __device__ void op_attn_split(const Task& t, unsigned char* smem) {
 #pragma unroll
         for (int e = 0; e < 8; ++e) o[h][e] = 0.f;
 
+#if MKC_PAGED
+    // chunks of at most ATT_CHUNK keys that never cross a page; kc / vc: row c0 (rows contiguous)
+    for (int c0 = lo, n = 0; c0 < hi; c0 += n) {
+        n = min(min(ATT_CHUNK, hi - c0), krows.run(c0));
+        const int c1 = c0 + n;  // the next chunk, asked of L2 while this one is processed
+        if (c1 < hi && tid < 2 * ATT_CHUNK * HEAD_DIM * 2 / 4096) {
+            const int half = ATT_CHUNK * HEAD_DIM * 2 / 4096;
+            const int nb = min(min(ATT_CHUNK, hi - c1), krows.run(c1)) * HEAD_DIM * 2;
+            const int off = (tid % half) * 4096;
+            if (off < nb)
+                prefetch_l2(reinterpret_cast<const char*>(tid < half ? krows.row(c1) : vrows.row(c1)) + off,
+                            (u32)min(4096, nb - off));
+        }
+        const bf16* kc = krows.row(c0) - (size_t)c0 * HEAD_DIM;  // so that kc + c0 * HEAD_DIM is row c0
+        const bf16* vc = vrows.row(c0) - (size_t)c0 * HEAD_DIM;
+#else
     for (int c0 = lo; c0 < hi; c0 += ATT_CHUNK) {
         const int n = min(ATT_CHUNK, hi - c0);
         // ask L2 for the next chunk's K and V rows while this one is processed (the first chunk was
@@ -76,6 +124,7 @@ __device__ void op_attn_split(const Task& t, unsigned char* smem) {
                 prefetch_l2(reinterpret_cast<const char*>((tid < half ? kc : vc) + (size_t)(c0 + ATT_CHUNK) * HEAD_DIM) + off,
                             (u32)min(4096, nb - off));
         }
+#endif
         if constexpr (ATT_MMA) {  // scores on the tensor cores: key rows x the group's query heads
             const bf16* const kw[1] = {kc + (size_t)c0 * HEAD_DIM};
             auto epi = [&](int r0, float (&acc)[1][4]) {

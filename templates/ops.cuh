@@ -429,7 +429,11 @@ __device__ void op_rope_append(const Task& t, unsigned char* smem) {
     const bool rope = t.arg(A::rope) != 0;
     const bool qk_norm = t.has(O::q_norm);
     const int qkv_ld = t.dim(O::qkv, 1), q_ld = t.dim(O::q, 1);
+#if MKC_PAGED
+    const int kv_heads = t.dim(O::k_cache, 4);
+#else
     const int ctx = t.dim(O::k_cache, 2), kv_heads = t.dim(O::k_cache, 3);
+#endif
     const int q_heads = q_ld / HEAD_DIM;
     constexpr int HALF = HEAD_DIM / 2, CH = HEAD_DIM / 8;
     constexpr int ROWS = GROUP + 2;  // GROUP query heads, the key head, the value head
@@ -469,10 +473,15 @@ __device__ void op_rope_append(const Task& t, unsigned char* smem) {
         const int pos = pos_s[b];
         const bf16* src = rows_s + (b * ROWS + j) * HEAD_DIM;
         bf16* dst;
+#if MKC_PAGED
+        if (j < GROUP) dst = t.ptr<bf16>(O::q) + (size_t)b * q_ld + (size_t)(g * GROUP + j) * HEAD_DIM;
+        else dst = const_cast<bf16*>(kv_rows<O>(t, j == GROUP ? O::k_cache : O::v_cache, b, g).row(pos));
+#else
         const size_t cache_row = (((size_t)b * kv_heads + g) * ctx + pos) * HEAD_DIM;
         if (j < GROUP) dst = t.ptr<bf16>(O::q) + (size_t)b * q_ld + (size_t)(g * GROUP + j) * HEAD_DIM;
         else if (j == GROUP) dst = t.ptr<bf16>(O::k_cache) + cache_row;
         else dst = t.ptr<bf16>(O::v_cache) + cache_row;
+#endif
         const int ia = ROPE_INTERLEAVED ? 2 * p : p;
         const int ib = ROPE_INTERLEAVED ? 2 * p + 1 : p + HALF;
         float a = __bfloat162float(src[ia]), c = __bfloat162float(src[ib]);
@@ -558,9 +567,17 @@ __device__ void prefetch_weights(const Task& t) {
             using A = ARG_ATTN_SPLIT;
             int lo, hi;
             attn_key_range(t, lo, hi);
+#if MKC_PAGED
+            const KvRows krows = kv_rows<O>(t, O::k_cache, t.arg(A::seq), t.arg(A::kv_head));
+            const KvRows vrows = kv_rows<O>(t, O::v_cache, t.arg(A::seq), t.arg(A::kv_head));
+            const int n = lo < hi ? min(hi - lo, krows.run(lo)) : 0;  // the first page's rows
+            prefetch_rows(krows.row(lo), n, HEAD_DIM, HEAD_DIM, PREFETCH_BYTES / 2);
+            prefetch_rows(vrows.row(lo), n, HEAD_DIM, HEAD_DIM, PREFETCH_BYTES / 2);
+#else
             const size_t row0 = ((size_t)t.arg(A::seq) * t.dim(O::k_cache, 3) + t.arg(A::kv_head)) * t.dim(O::k_cache, 2);
             prefetch_rows(t.ptr<bf16>(O::k_cache) + (row0 + lo) * HEAD_DIM, hi - lo, HEAD_DIM, HEAD_DIM, PREFETCH_BYTES / 2);
             prefetch_rows(t.ptr<bf16>(O::v_cache) + (row0 + lo) * HEAD_DIM, hi - lo, HEAD_DIM, HEAD_DIM, PREFETCH_BYTES / 2);
+#endif
             break;
         }
         default:

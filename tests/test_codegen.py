@@ -164,6 +164,26 @@ def test_variants_compile_without_local_memory(cache):
     assert not local_memory_ops(disassemble(art.cubin))
 
 
+@pytest.mark.parametrize("page_size", [256, 200])
+def test_paged_kernel_compiles_without_local_memory(cache, page_size):
+    """North Mini Code at batch 4 with a paged KV cache (a page size the attention chunk divides,
+    and one it does not): the paged addressing compiles cleanly too."""
+    spec = load_spec(NMC)
+    sc = schedule(lower(spec, 4, 8192, 132, page_size=page_size), spec.name)
+    art = build_kernel(sc, spec, cache_dir=cache)
+    assert "#define MKC_PAGED 1" in art.cu_source and f"PAGE_SIZE = {page_size};" in art.cu_source
+    assert art.spills == 0
+    assert not local_memory_ops(disassemble(art.cubin))
+
+
+def test_contiguous_kernel_has_no_paging_code(tiny):
+    """Without --page-size the rendered source defines no paging at all (attention.cuh's paged
+    paths are preprocessed out)."""
+    spec, sc = tiny
+    src = render_source(kernel_config(sc, spec), "test")
+    assert "MKC_PAGED" not in src and "PAGE_SIZE" not in src
+
+
 def test_task_words_encode_the_schedule(tiny):
     _, sc = tiny
     w = encode(sc)

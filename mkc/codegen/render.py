@@ -16,6 +16,7 @@ import jinja2
 
 from mkc.codegen import cvalues as cv
 from mkc.codegen.taskwords import DTYPE_CODES, MAX_RANK, RECORD_LAYOUT
+from mkc.ir.kv_layout import page_size_of
 from mkc.ir.ops import OP_INFO, Opcode
 from mkc.ir.spec import ModelSpec
 from mkc.schedule.schedule import Schedule
@@ -63,6 +64,7 @@ class KernelConfig:
     batch: int  # sequences per step (tokens of the GEMV B operand, <= 8)
     hidden: int  # residual-stream width (elements)
     head_dim: int  # elements per head
+    page_size: int  # KV positions per cache page; 0: one contiguous slab per sequence
     group: int  # query heads per KV head
     top_k: int  # experts per token (1 for dense-only models)
     norm_eps: float
@@ -163,7 +165,8 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
             raise CodegenError(f"task {t.id} ({t.name}): {t.arg('splits')} splits: expected at most "
                                f"num_sms = {schedule.num_sms}")
     cfg = KernelConfig(
-        threads=options.threads, batch=schedule.batch, hidden=spec.hidden_size, head_dim=a.head_dim, group=group, top_k=top_k,
+        threads=options.threads, batch=schedule.batch, hidden=spec.hidden_size, head_dim=a.head_dim,
+        page_size=page_size_of(schedule.buffers), group=group, top_k=top_k,
         norm_eps=spec.norm_eps, rope_theta=a.rope_theta, rope_interleaved=a.rope_style == "interleaved",
         attn_scale=a.head_dim ** -0.5, logit_scale=spec.logit_scale,
         router_sigmoid=(moe.scoring == "sigmoid") if moe else True,
@@ -196,6 +199,8 @@ def template_context(cfg: KernelConfig, banner: str) -> dict[str, Any]:
         "threads": cv.c_int(cfg.threads),
         "batch": cv.c_int(cfg.batch),
         "head_dim": cv.c_int(cfg.head_dim),
+        "page_size": cv.c_int(cfg.page_size),
+        "paged": cfg.page_size > 0,  # a Python bool for the template's {% if %}
         "group": cv.c_int(cfg.group),
         "top_k": cv.c_int(cfg.top_k),
         "hidden": cv.c_int(cfg.hidden),

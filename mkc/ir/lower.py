@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 from mkc.ir.graph import DTYPE_BYTES, Buffer, Program, Region, Task, derive_edges
+from mkc.ir.kv_layout import pages_per_seq
 from mkc.ir.ops import OP_INFO, Opcode
 from mkc.ir.spec import ModelSpec, SpecError
 from mkc.ir.tiling import attention_split_keys, combine_heads, row_tile, tiles
@@ -21,6 +22,7 @@ class LowerOptions:
     batch: int  # sequences decoded together (1-8)
     context: int  # context bucket: the KV cache holds this many positions per sequence
     num_sms: int  # persistent CTAs (one per SM)
+    page_size: int = 0  # KV positions per cache page; 0: one contiguous slab per sequence (kv_layout.py)
 
     def check(self) -> None:
         if not 1 <= self.batch <= 8:
@@ -29,6 +31,9 @@ class LowerOptions:
             raise SpecError(f"--context {self.context}: expected a positive number of positions")
         if self.num_sms < 1:
             raise SpecError(f"--num-sms {self.num_sms}: expected at least 1")
+        if self.page_size < 0 or self.page_size > self.context:
+            raise SpecError(f"--page-size {self.page_size}: expected 0 (contiguous) or 1 to the context "
+                            f"({self.context}) positions per KV page")
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +68,7 @@ class _Lowerer:
         self.spec, self.opt = spec, opt
         self.buffers: dict[str, Buffer] = {}
         self.tasks: list[Task] = []
+        self.page_table: Buffer | None = None  # set by lower() when the KV cache is paged
 
     # -- helpers -------------------------------------------------------------------------------
     def buf(self, name: str, shape: tuple[int, ...], dtype: str, kind: str, doc: str = "") -> Buffer:
@@ -123,6 +129,9 @@ class _Lowerer:
         B, H, C = opt.batch, s.hidden_size, opt.context
         tokens = self.buf("tokens", (B,), "i32", "input", "[B] token ids of this step")
         positions = self.buf("positions", (B,), "i32", "input", "[B] position of this step's token")
+        self.page_table = (self.buf("page_table", (B, pages_per_seq(C, opt.page_size)), "i32", "input",
+                                    "[B, pages per sequence] KV page of each block of positions")
+                           if opt.page_size else None)
         embed = self.buf("embed", (s.vocab_size, H), "bf16", "weight", "[vocab, hidden]")
         x = self.buf("L0.x", (B, H), "f32", "act", "[B, hidden] residual stream into layer 0")
         self.emit(Opcode.EMBED, -1, "embed", {"tokens": tokens, "embed": embed, "out": x}, {},
@@ -149,7 +158,8 @@ class _Lowerer:
         nxt = self.buf("next_token", (B,), "i32", "output", "[B] greedy token")
         self.emit(Opcode.ARGMAX, L, "argmax", {"best_val": bval, "best_idx": bidx, "out": nxt},
                   {"tiles": ntiles}, [full(bval), full(bidx)], [full(nxt)])
-        prog = Program(self.buffers, self.tasks, {"batch": B, "context": C, "num_sms": opt.num_sms})
+        prog = Program(self.buffers, self.tasks, {"batch": B, "context": C, "num_sms": opt.num_sms,
+                                                  "page_size": opt.page_size})
         derive_edges(prog)
         return prog
 
@@ -169,8 +179,21 @@ class _Lowerer:
         qkv = self.buf(f"{P}.qkv", (B, nqkv), "bf16", "act", "[B, (heads + 2 kv_heads) * head_dim]")
         self.linear(layer, "qkv", n, wqkv, qkv, boundary=D)
         q = self.buf(f"{P}.q", (B, QH * D), "bf16", "act", "[B, heads * head_dim] after RoPE")
-        kc = self.buf(f"{P}.k_cache", (B, G, C, D), "bf16", "state", "[B, kv_heads, ctx, head_dim]")
-        vc = self.buf(f"{P}.v_cache", (B, G, C, D), "bf16", "state", "[B, kv_heads, ctx, head_dim]")
+        pt, psz = self.page_table, opt.page_size
+        if pt is not None:  # a pool of pages per layer (mkc/ir/kv_layout.py)
+            pool = (G, B * pt.shape[1], psz, D)
+            kc = self.buf(f"{P}.k_cache", pool, "bf16", "state", "[kv_heads, pages, page_size, head_dim]")
+            vc = self.buf(f"{P}.v_cache", pool, "bf16", "state", "[kv_heads, pages, page_size, head_dim]")
+        else:
+            kc = self.buf(f"{P}.k_cache", (B, G, C, D), "bf16", "state", "[B, kv_heads, ctx, head_dim]")
+            vc = self.buf(f"{P}.v_cache", (B, G, C, D), "bf16", "state", "[B, kv_heads, ctx, head_dim]")
+
+        def head_rows(g: int, b: int | None = None, krange: tuple[int, int] | None = None) -> Region:
+            """KV head g of sequence b (every sequence: None), positions krange (all: None); a pool
+            is addressed through the page table, so a paged task declares the head's whole pool."""
+            if pt is not None:
+                return box(kc, (g, g + 1), None, None, None)
+            return box(kc, None if b is None else (b, b + 1), (g, g + 1), krange, None)
         # qk-norm: per-head RMSNorm of q and k before RoPE, weights shared by every head
         qn = self.buf(f"{P}.q_norm", (D,), "bf16", "weight", "[head_dim]") if a.qk_norm else None
         kn = self.buf(f"{P}.k_norm", (D,), "bf16", "weight", "[head_dim]") if a.qk_norm else None
@@ -180,12 +203,11 @@ class _Lowerer:
             vcols = ((QH + G + g) * D, (QH + G + g + 1) * D)
             self.emit(Opcode.ROPE_APPEND, layer, f"{P}.rope_append[kv{g}]",
                       {"qkv": qkv, "positions": positions, "q": q, "k_cache": kc, "v_cache": vc,
-                       "q_norm": qn, "k_norm": kn},
+                       "q_norm": qn, "k_norm": kn, "page_table": pt},
                       {"kv_head": g, "rope": int(ls.rope)},
                       [box(qkv, None, qcols), box(qkv, None, kcols), box(qkv, None, vcols), full(positions),
-                       *(full(w) for w in (qn, kn) if w is not None)],
-                      [box(q, None, qcols), box(kc, None, (g, g + 1), None, None),
-                       box(vc, None, (g, g + 1), None, None)],
+                       *(full(w) for w in (qn, kn, pt) if w is not None)],
+                      [box(q, None, qcols), head_rows(g), Region(vc.name, head_rows(g).box)],
                       act_bytes=B * (2 * GS + 4) * D * 2)
         window = a.sliding_window if ls.attention == "sliding" else 0
         keys = min(C, window) if window else C
@@ -203,11 +225,11 @@ class _Lowerer:
                     krange = (sp * split_keys, min(C, (sp + 1) * split_keys)) if not window else None
                     self.emit(Opcode.ATTN_SPLIT, layer, f"{P}.attn[b{b},kv{g},s{sp}]",
                               {"q": q, "k_cache": kc, "v_cache": vc, "positions": positions,
-                               "part_o": part_o, "part_ml": part_ml},
+                               "part_o": part_o, "part_ml": part_ml, "page_table": pt},
                               {"seq": b, "kv_head": g, "split": sp, "split_keys": split_keys, "window": window},
                               [box(q, (b, b + 1), (g * GS * D, (g + 1) * GS * D)),
-                               box(kc, (b, b + 1), (g, g + 1), krange, None),
-                               box(vc, (b, b + 1), (g, g + 1), krange, None), full(positions)],
+                               head_rows(g, b, krange), Region(vc.name, head_rows(g, b, krange).box),
+                               full(positions), *([full(pt)] if pt is not None else [])],
                               [box(part_o, (b, b + 1), (g, g + 1), (sp, sp + 1), None, None),
                                box(part_ml, (b, b + 1), (g, g + 1), (sp, sp + 1), None, None)],
                               flops=4 * GS * D * split_keys, act_bytes=2 * split_keys * D * 2)
@@ -319,8 +341,8 @@ class _Lowerer:
                                                                + (tslots.shape[1] if tslots is not None else 1)))
 
 
-def lower(spec: ModelSpec, batch: int, context: int, num_sms: int) -> Program:
+def lower(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int = 0) -> Program:
     """Lower a model into a Program (buffers, tasks in program order, derived DAG)."""
-    opt = LowerOptions(batch=batch, context=context, num_sms=num_sms)
+    opt = LowerOptions(batch=batch, context=context, num_sms=num_sms, page_size=page_size)
     opt.check()
     return _Lowerer(spec, opt).lower()

@@ -46,9 +46,10 @@ OP_INFO: dict[Opcode, OpInfo] = {
     Opcode.LINEAR: OpInfo(("x", "norm", "weight", "out"), ("row0", "rows", "k0", "k", "col0", "slab")),
     Opcode.SWIGLU: OpInfo(("x", "norm", "weight", "out"), ("row0", "rows", "up_row0", "col0")),
     # q_norm / k_norm: per-head RMSNorm weights [head_dim] of qk-norm models ("-" without qk-norm)
-    Opcode.ROPE_APPEND: OpInfo(("qkv", "positions", "q", "k_cache", "v_cache", "q_norm", "k_norm"),
+    # page_table: [B, pages per sequence] of a paged KV cache ("-" with one slab per sequence)
+    Opcode.ROPE_APPEND: OpInfo(("qkv", "positions", "q", "k_cache", "v_cache", "q_norm", "k_norm", "page_table"),
                                ("kv_head", "rope")),
-    Opcode.ATTN_SPLIT: OpInfo(("q", "k_cache", "v_cache", "positions", "part_o", "part_ml"),
+    Opcode.ATTN_SPLIT: OpInfo(("q", "k_cache", "v_cache", "positions", "part_o", "part_ml", "page_table"),
                               ("seq", "kv_head", "split", "split_keys", "window")),
     Opcode.ATTN_COMBINE: OpInfo(("part_o", "part_ml", "positions", "out"),
                                 ("kv_head", "head0", "heads", "splits", "split_keys", "window")),

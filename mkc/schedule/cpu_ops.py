@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from mkc.ir.graph import Task
+from mkc.ir.kv_layout import gather_rows, row_index
 from mkc.ir.ops import Opcode
 from mkc.ir.spec import ModelSpec
 
@@ -144,6 +145,7 @@ def _rope_append(t: Task, bufs: Tensors, w: Tensors, spec: ModelSpec) -> None:
     qcols = slice(g * GS * D, (g + 1) * GS * D)
     kcols = slice(QH * D + g * D, QH * D + (g + 1) * D)
     vcols = slice((QH + G + g) * D, (QH + G + g + 1) * D)
+    table = _operand(t, "page_table", bufs, w) if t.operand("page_table") != "-" else None
     for b in range(qkv.shape[0]):
         pos = int(positions[b])
         q = _f(qkv[b, qcols]).view(GS, D)
@@ -155,8 +157,9 @@ def _rope_append(t: Task, bufs: Tensors, w: Tensors, spec: ModelSpec) -> None:
             q = apply_rope(q, pos, a.rope_theta, a.rope_style)
             k = apply_rope(k, pos, a.rope_theta, a.rope_style)
         _store(q_out[b, qcols], q.reshape(-1))
-        _store(kc[b, g, pos], k)
-        _store(vc[b, g, pos], _f(qkv[b, vcols]))
+        at = row_index(kc, None if table is None else table[b], g, pos, seq=b)
+        _store(kc[at], k)
+        _store(vc[at], _f(qkv[b, vcols]))
 
 
 def key_range(pos: int, window: int, split: int, split_keys: int) -> tuple[int, int]:
@@ -180,8 +183,9 @@ def _attn_split(t: Task, bufs: Tensors, w: Tensors, spec: ModelSpec) -> None:
         part_ml[:, 1] = 0.0
         return
     q = _f(_operand(t, "q", bufs, w)[b, g * GS * D:(g + 1) * GS * D]).view(GS, D)
-    k = _f(_operand(t, "k_cache", bufs, w)[b, g, lo:hi])  # [keys, D]
-    v = _f(_operand(t, "v_cache", bufs, w)[b, g, lo:hi])
+    table = _operand(t, "page_table", bufs, w)[b] if t.operand("page_table") != "-" else None
+    k = _f(gather_rows(_operand(t, "k_cache", bufs, w), table, g, lo, hi, seq=b))  # [keys, D]
+    v = _f(gather_rows(_operand(t, "v_cache", bufs, w), table, g, lo, hi, seq=b))
     s = (q @ k.T) * D ** -0.5  # [GS, keys]
     m = s.max(dim=-1).values  # [GS]
     p = torch.exp(s - m[:, None])

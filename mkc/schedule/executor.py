@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from mkc.ir.graph import Buffer, Region, Task
+from mkc.ir.kv_layout import identity_page_table, logical_view, page_size_of
 from mkc.ir.spec import ModelSpec
 from mkc.schedule.cpu_ops import run_task
 from mkc.schedule.schedule import Schedule
@@ -113,6 +114,9 @@ class CpuExecutor:
             b.name: _filled(b.shape, self.storage_dtype(b), _patterns(self.storage_dtype(b))[0])
             for b in schedule.buffers.values() if b.kind != "weight"}
         self._plans = [self._plan(t) for t in schedule.tasks]
+        self.page_size = page_size_of(schedule.buffers)
+        if self.page_size:  # sequence b's pages are b * pages_per_seq + j until someone remaps them
+            self.bufs["page_table"].copy_(identity_page_table(schedule.batch, schedule.context, self.page_size))
         self._weight_cache: dict[tuple, torch.Tensor] = {}
 
     # -- set-up ---------------------------------------------------------------------------------
@@ -276,18 +280,26 @@ class CpuExecutor:
 
     # -- KV cache access (prefill, tests) -----------------------------------------------------------
     def kv_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The live (k, v) cache tensors of a layer, [B, kv_heads, ctx, head_dim]."""
-        return self.bufs[f"L{layer}.k_cache"], self.bufs[f"L{layer}.v_cache"]
+        """Live (k, v) views of a layer's cache, [B, kv_heads, ctx, head_dim] (for a paged cache:
+        under the identity page table, which the executor starts with; mkc/ir/kv_layout.py)."""
+        sc = self.schedule
+        return tuple(logical_view(self.bufs[f"L{layer}.{n}"], sc.batch, sc.context, self.page_size)
+                     for n in ("k_cache", "v_cache"))  # type: ignore[return-value]
 
     def write_kv(self, seq: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Fill positions [0, n) of sequence ``seq`` of a layer (a prefill computed elsewhere);
         ``k``, ``v`` are [n, kv_heads, head_dim], post-RoPE keys as the model caches them."""
-        kc, vc = self.kv_cache(layer)
         n = k.shape[0]
-        if n > kc.shape[2]:
-            raise ValueError(f"write_kv: {n} positions exceed the context bucket {kc.shape[2]}")
-        kc[seq, :, :n] = k.transpose(0, 1).to(kc.dtype)
-        vc[seq, :, :n] = v.transpose(0, 1).to(vc.dtype)
+        if n > self.schedule.context:
+            raise ValueError(f"write_kv: {n} positions exceed the context bucket {self.schedule.context}")
+        for name, x in (("k_cache", k), ("v_cache", v)):
+            cache = self.bufs[f"L{layer}.{name}"]
+            if self.page_size:  # through the page table, whatever it maps
+                pos = torch.arange(n)
+                pages = self.bufs["page_table"][seq].long()[pos // self.page_size]
+                cache[:, pages, pos % self.page_size] = x.transpose(0, 1).to(cache.dtype)
+            else:
+                cache[seq, :, :n] = x.transpose(0, 1).to(cache.dtype)
 
 
 def _int_or_self(t: torch.Tensor) -> torch.Tensor:
