@@ -30,8 +30,8 @@ from mkc import settings
 from mkc.codegen import KernelArtifact, build_kernel
 from mkc.codegen.render import CodegenOptions
 from mkc.codegen.taskwords import buffer_table, encode
-from mkc.ir.spec import ModelSpec
 from mkc.ir.kv_layout import identity_page_table, logical_view, page_size_of
+from mkc.ir.spec import ModelSpec
 from mkc.schedule.schedule import Schedule
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32}

@@ -129,7 +129,7 @@ def test_gpu_paged_step_matches_cpu_executor(spec, weights):
     compared = 0
     for base in (6, 7, 8, 15, 16, 30, 39):
         positions = torch.tensor([base, max(0, base - 9)], dtype=torch.int32)
-        lg, nt = dec.step(tokens, positions)
+        lg, _ = dec.step(tokens, positions)
         lc, _ = ex.step(tokens, positions)
         if not all(torch.equal(dec.buffers[f"L{i}.moe_selected"].cpu().sort(-1).values,
                                ex.bufs[f"L{i}.moe_selected"].sort(-1).values)
