@@ -201,21 +201,17 @@ def test_undeclared_writes_are_discarded(spec, weights):
         CpuExecutor(sc, spec, weights).step([1], [0])
 
 
-def test_undeclared_int_read_is_caught(spec, weights):
-    """A residual tile that does not declare the routing slots reads int poison: bad index."""
+@pytest.mark.parametrize("op, buffer, error", [
+    # a residual tile without its routing slots reads int poison: a bad index
+    (Opcode.RESIDUAL, "token_slots", r"L1\.residual.*failed: IndexError"),
+    # an expert-up tile without the router logits routes from float poison: refused
+    (Opcode.EXPERT_SWIGLU, "router_logits", r"L1\.expert_up.*failed: ValueError: .*router logits .*NaN"),
+])
+def test_undeclared_routing_read_is_caught(spec, weights, op, buffer, error):
     sc = _sched(spec)
-    _patch(sc, lambda t: t.op == Opcode.RESIDUAL and t.layer == 1,
-           lambda t: dataclasses.replace(t, reads=tuple(r for r in t.reads if not r.buffer.endswith("token_slots"))))
-    with pytest.raises(ExecutorError, match=r"L1\.residual.*failed: IndexError"):
-        CpuExecutor(sc, spec, weights).step([1], [0])
-
-
-def test_undeclared_routing_read_is_caught(spec, weights):
-    """An expert-up tile that does not declare the router logits routes from poison: refused."""
-    sc = _sched(spec)
-    _patch(sc, lambda t: t.op == Opcode.EXPERT_SWIGLU and t.layer == 1,
-           lambda t: dataclasses.replace(t, reads=tuple(r for r in t.reads if not r.buffer.endswith("router_logits"))))
-    with pytest.raises(ExecutorError, match=r"L1\.expert_up.*failed: ValueError: .*router logits .*NaN"):
+    _patch(sc, lambda t: t.op == op and t.layer == 1,
+           lambda t: dataclasses.replace(t, reads=tuple(r for r in t.reads if not r.buffer.endswith(buffer))))
+    with pytest.raises(ExecutorError, match=error):
         CpuExecutor(sc, spec, weights).step([1], [0])
 
 
