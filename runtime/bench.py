@@ -144,8 +144,9 @@ def _kv_bytes(spec: ModelSpec, batch: int, context: int) -> int:
 
 
 def run_bench(spec: ModelSpec, weights: dict[str, torch.Tensor], batches: list[int], contexts: list[int], *,
-              reps: int = 20, profile_dir: Path | None = None, log=print) -> list[Row]:
-    """Megakernel and CUDA-graph PyTorch baseline, side by side, per (batch, context)."""
+              reps: int = 20, profile_dir: Path | None = None, page_size: int = 0, log=print) -> list[Row]:
+    """Megakernel and CUDA-graph PyTorch baseline, side by side, per (batch, context); the
+    megakernel's KV cache paged when ``page_size`` > 0 (under the identity page table)."""
     from mkc.ir.lower import lower
     from mkc.runtime.cuda_backend import CudaDecoder
     from mkc.schedule.scheduler import schedule
@@ -163,7 +164,7 @@ def run_bench(spec: ModelSpec, weights: dict[str, torch.Tensor], batches: list[i
                 continue
             tokens = torch.randint(0, spec.vocab_size, (batch,), dtype=torch.int32)
             positions = torch.full((batch,), context - 1, dtype=torch.int32)
-            sc = schedule(lower(spec, batch, context, sms), spec.name)
+            sc = schedule(lower(spec, batch, context, sms, page_size=min(page_size, context)), spec.name)
             dec = CudaDecoder(sc, spec, weights)
             for layer in range(spec.num_layers):
                 for t in dec.kv_cache(layer):
@@ -241,9 +242,11 @@ def bench_main(a) -> int:
         weights = device_random_weights(spec, a.seed)
     out = Path(a.output)
     out.mkdir(parents=True, exist_ok=True)
-    rows = run_bench(spec, weights, batches, contexts, reps=a.reps, profile_dir=out if a.profile else None)
+    rows = run_bench(spec, weights, batches, contexts, reps=a.reps, profile_dir=out if a.profile else None,
+                     page_size=a.page_size)
     print(format_table(rows))
     write_json(rows, out / "bench.json", {"gpu": torch.cuda.get_device_name(0), "model": spec.name,
-                                          "reps": a.reps, "weights": "checkpoint" if a.checkpoint else "random"})
+                                          "reps": a.reps, "weights": "checkpoint" if a.checkpoint else "random",
+                                          "page_size": a.page_size})
     print(f"wrote {out / 'bench.json'}")
     return 0
