@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One device call (stage limits add up to under the 10-minute limit) that checks and times the tree (H100/H200): every GPU test, `mkc bench` with the
+# One device call that checks and times the tree (H100/H200): every GPU test, `mkc bench` with the
 # contiguous and the paged KV cache side by side with the PyTorch baseline, and a profiled step.
+# The stage limits add up to under ten minutes.
 # Logs and JSON land under $OUT (default ./gpu-session); a stage that fails does not stop the rest.
 #
 #   OUT=/path bash benchmarks/gpu_session.sh [--quick]     # --quick: batch 1 and 8 only
