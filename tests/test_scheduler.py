@@ -96,3 +96,15 @@ def test_critical_path_is_a_chain():
     assert cp[0] == 0 and sc.tasks[cp[-1]].name == "argmax"
     assert all(prog.graph.has_edge(a, b) for a, b in itertools.pairwise(cp))
     assert nx.is_directed_acyclic_graph(prog.graph)
+
+
+def test_fit_op_costs_recovers_a_known_line():
+    """A synthetic profile whose LINEAR tasks take 2 µs + bytes at 25 GB/s: the fit finds both."""
+    from mkc.schedule.cost import fit_op_costs
+
+    spec = load_spec("configs/tiny.yaml")
+    sc = schedule(lower(spec, 1, 32, 8), spec.name)
+    run = [2.0 + (t.weight_bytes + t.act_bytes) / 25e3 for t in sc.tasks]  # µs
+    fit = fit_op_costs(sc.tasks, run, sc.num_sms)["LINEAR"]
+    assert fit.tasks == sum(t.op.name == "LINEAR" for t in sc.tasks)
+    assert abs(fit.fixed_us - 2.0) < 1e-6 and abs(fit.gbps - 25.0) < 1e-6

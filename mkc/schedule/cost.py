@@ -62,3 +62,38 @@ def task_time(t: Task, num_sms: int, c: Ceilings = H200) -> float:
 def prefetchable_time(t: Task, num_sms: int, c: Ceilings = H200) -> float:
     """The part of task_time that can run before the task's inputs are ready."""
     return min(t.weight_bytes, PREFETCH_BYTES) / (c.read_bw / max(num_sms, 1))
+
+
+@dataclass(frozen=True, slots=True)
+class OpFit:
+    """Measured run times of one opcode's tasks against their bytes: run ≈ fixed + bytes / rate."""
+
+    tasks: int
+    mean_us: float  # mean measured run time
+    fixed_us: float  # fitted time at zero bytes
+    gbps: float  # fitted per-task streaming rate (GB/s); NaN when every task moves the same bytes
+    predicted_us: float  # mean of task_time over the same tasks (the model in use)
+
+
+def fit_op_costs(tasks: list[Task], run_us, num_sms: int, c: Ceilings = H200) -> dict[str, OpFit]:
+    """Per opcode, a least-squares line through (bytes, measured run time) of its tasks, beside
+    the cost model's prediction: how to re-measure ``OP_FIXED_US`` from a profiled step
+    (benchmarks/calibrate_cost.py). ``run_us[i]`` is task i's measured run time (µs)."""
+    import numpy as np
+
+    run = np.asarray(run_us, dtype=np.float64)
+    by_op: dict[str, list[int]] = {}
+    for t in tasks:
+        by_op.setdefault(t.op.name, []).append(t.id)
+    out = {}
+    for op, ids in by_op.items():
+        x = np.array([tasks[i].weight_bytes + tasks[i].act_bytes for i in ids], dtype=np.float64)
+        y = run[ids]
+        if len(ids) > 1 and np.ptp(x) > 0:
+            slope, fixed = np.polyfit(x, y, 1)
+            gbps = 1e-3 / slope if slope > 0 else float("inf")  # bytes per µs → GB/s
+        else:  # one size: the fixed time assuming the fair per-SM share of bandwidth, rate unknown
+            fixed, gbps = float(y.mean() - x.mean() / (c.read_bw / num_sms) * 1e6), float("nan")
+        out[op] = OpFit(tasks=len(ids), mean_us=float(y.mean()), fixed_us=float(fixed), gbps=float(gbps),
+                        predicted_us=float(np.mean([task_time(tasks[i], num_sms, c) for i in ids]) * 1e6))
+    return out
