@@ -30,6 +30,7 @@ from mkc.runtime.bench import (
     write_json,
 )
 from mkc.runtime.cuda_backend import CudaDecoder
+from mkc.schedule.profile import format_profile
 from mkc.schedule.scheduler import schedule
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,43 +59,11 @@ def profile_summary(dec: CudaDecoder, path: str) -> str:
         bw = (by / np.maximum(run[idx], 1e-3)).mean() / 1e3
         lines.append(f"{op.name:<14} {len(idx):>6} {run[idx].sum():>10.0f} {run[idx].mean():>8.2f} "
                      f"{run[idx].max():>8.2f} {wait[idx].sum():>10.0f} {bw:>10.1f}")
-    lines += critical_chain(dec.schedule, tl)
+    lines.append(format_profile(dec.schedule, tl).split("\n", 1)[1])  # shares and the critical chain
     per_layer = [tl["end"][[i for i, t in enumerate(tasks) if t.layer == L]].max() for L in range(-1, max(t.layer for t in tasks) + 1)]
     lines.append("layer ends (µs): " + " ".join(f"{x:.0f}" for x in per_layer[:8]) + " ... " +
                  " ".join(f"{x:.0f}" for x in per_layer[-3:]))
     return "\n".join(lines)
-
-
-def critical_chain(sc, tl) -> list[str]:
-    """Walk back from the last task to the first: a task's blocker is whichever came last of its
-    queue predecessor's end and its counters' producers' ends. The chain's time is split into the
-    blockers' run time per op and the hand-off latency (blocker's signal to the task's start)."""
-    import numpy as np
-
-    pos = {t: (sm, i) for sm, q in enumerate(sc.queues) for i, t in enumerate(q)}
-    run_by_op: dict[str, float] = {}
-    hop_by_op: dict[str, float] = {}
-    hops = 0
-    t = int(np.argmax(tl["end"]))
-    while True:
-        op = sc.tasks[t].op.name
-        run_by_op[op] = run_by_op.get(op, 0.0) + tl["end"][t] - tl["start"][t]
-        cands = [p for c, _ in sc.waits[t] for p in sc.counters[c].producers]
-        sm, i = pos[t]
-        if i > 0:
-            cands.append(sc.queues[sm][i - 1])
-        if not cands:
-            break
-        b = max(cands, key=lambda p: tl["end"][p])
-        hop_by_op[op] = hop_by_op.get(op, 0.0) + max(tl["start"][t] - tl["end"][b], 0.0)
-        hops += 1
-        t = b
-    total_run, total_hop = sum(run_by_op.values()), sum(hop_by_op.values())
-    out = [f"critical chain: {hops} hops, run {total_run:.0f} µs, hand-off latency {total_hop:.0f} µs"]
-    for op in sorted(run_by_op, key=lambda o: -(run_by_op[o] + hop_by_op.get(o, 0.0))):
-        out.append(f"  {op:<14} run {run_by_op[op]:>8.0f} µs   waiting after its blocker signalled "
-                   f"{hop_by_op.get(op, 0.0):>7.0f} µs")
-    return out
 
 
 def main() -> None:

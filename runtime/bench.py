@@ -198,10 +198,19 @@ def run_bench(spec: ModelSpec, weights: dict[str, torch.Tensor], batches: list[i
 
 
 def _write_profile(dec, sc, spec: ModelSpec, path: Path) -> None:
-    """A real step's per-task timeline as a Perfetto trace (same layout as mkc compile's)."""
+    """Profile one real step and write it (write_profile)."""
     dec.launch(profile=True)
     dec.check()
-    tl = dec.timeline()
+    write_profile(sc, dec.timeline(), path)
+
+
+def write_profile(sc, tl: dict, path: Path) -> None:
+    """A step's per-task timeline as a Perfetto trace (same layout as mkc compile's trace.json, whose
+    predicted step is written beside it as ``*.predicted.json``), with the critical chain on a track
+    of its own; and ``*.txt``: the per-op share of SM time and the critical chain (profile.py)."""
+    from mkc.schedule import visualize
+    from mkc.schedule.profile import critical_chain, format_profile
+
     events = []
     for sm in range(len(sc.queues)):
         events.append({"ph": "M", "name": "thread_name", "pid": 1, "tid": sm, "args": {"name": f"SM {sm}"}})
@@ -213,15 +222,18 @@ def _write_profile(dec, sc, spec: ModelSpec, path: Path) -> None:
         events.append({"ph": "X", "name": t.name, "cat": t.op.name, "pid": 1, "tid": int(tl["sm"][i]),
                        "ts": float(tl["start"][i]), "dur": max(0.001, float(tl["end"][i] - tl["start"][i])),
                        "args": {"layer": t.layer, "bytes": t.weight_bytes + t.act_bytes}})
-    events.insert(0, {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "measured step (H200)"}})
+    chain_tid = len(sc.queues)
+    events.append({"ph": "M", "name": "thread_name", "pid": 1, "tid": chain_tid, "args": {"name": "critical chain"}})
+    for i in critical_chain(sc, tl["start"], tl["end"]).tasks:
+        t = sc.tasks[i]
+        events.append({"ph": "X", "name": t.name, "cat": t.op.name, "pid": 1, "tid": chain_tid,
+                       "ts": float(tl["start"][i]), "dur": max(0.001, float(tl["end"][i] - tl["start"][i])),
+                       "args": {"sm": int(tl["sm"][i])}})
+    events.insert(0, {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "measured step"}})
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ns"}))
-    share: dict[str, float] = {}
-    for t in sc.tasks:
-        share[t.op.name] = share.get(t.op.name, 0.0) + float(tl["end"][t.id] - tl["start"][t.id])
-    total = sum(share.values()) or 1.0
-    lines = [f"{op:<14} {v / total:6.1%}" for op, v in sorted(share.items(), key=lambda kv: -kv[1])]
-    path.with_suffix(".ops.txt").write_text("share of SM-busy time per op\n" + "\n".join(lines) + "\n")
+    visualize.write_trace(sc, path.with_suffix(".predicted.json"))
+    path.with_suffix(".txt").write_text(format_profile(sc, tl) + "\n")
 
 
 def bench_main(a) -> int:

@@ -1,0 +1,89 @@
+"""Reading a measured step: where the SMs' time went and what the critical chain was.
+
+A timeline holds, per task (task-id order), ``start`` and ``end`` in µs (the task began running /
+signalled its counter) and optionally ``wait`` (it began waiting for its inputs) and ``sm``; the
+megakernel records one with ``CudaDecoder.launch(profile=True)`` and ``timeline()``. Everything
+here is plain arithmetic on it, so the same functions read a predicted step (the schedule's
+``predicted`` start / end) for comparison.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mkc.schedule.schedule import Schedule
+
+
+@dataclass(frozen=True, slots=True)
+class Chain:
+    """The critical chain of a step, from its first task to the one that ended last."""
+
+    tasks: list[int]  # task ids in execution order
+    run_us: dict[str, float] = field(default_factory=dict)  # per op: run time of its chain tasks
+    handoff_us: dict[str, float] = field(default_factory=dict)  # per op: its blocker's signal to its start
+
+    @property
+    def total_run_us(self) -> float:
+        return sum(self.run_us.values())
+
+    @property
+    def total_handoff_us(self) -> float:
+        return sum(self.handoff_us.values())
+
+
+def critical_chain(sc: Schedule, start, end) -> Chain:
+    """Walk back from the task that ended last: a task's blocker is whichever ended last of its
+    queue predecessor on its SM and the producers of the counters it waits on. The chain's time
+    splits into the run time of its tasks and the hand-offs (blocker's end to the task's start)."""
+    start, end = np.asarray(start, dtype=np.float64), np.asarray(end, dtype=np.float64)
+    pos = {t: (sm, i) for sm, q in enumerate(sc.queues) for i, t in enumerate(q)}
+    run: dict[str, float] = {}
+    hand: dict[str, float] = {}
+    chain = [int(np.argmax(end))]
+    while True:
+        t = chain[-1]
+        op = sc.tasks[t].op.name
+        run[op] = run.get(op, 0.0) + float(end[t] - start[t])
+        blockers = [p for c, _ in sc.waits[t] for p in sc.counters[c].producers]
+        sm, i = pos[t]
+        if i > 0:
+            blockers.append(sc.queues[sm][i - 1])
+        if not blockers:
+            break
+        b = max(blockers, key=lambda p: end[p])
+        hand[op] = hand.get(op, 0.0) + max(float(start[t] - end[b]), 0.0)
+        chain.append(b)
+    return Chain(tasks=chain[::-1], run_us=run, handoff_us=hand)
+
+
+def op_shares(sc: Schedule, start, end) -> dict[str, float]:
+    """Per op, its share of the SMs' busy (running) time, largest first."""
+    start, end = np.asarray(start, dtype=np.float64), np.asarray(end, dtype=np.float64)
+    busy: dict[str, float] = {}
+    for t in sc.tasks:
+        busy[t.op.name] = busy.get(t.op.name, 0.0) + float(end[t.id] - start[t.id])
+    total = sum(busy.values()) or 1.0
+    return {op: v / total for op, v in sorted(busy.items(), key=lambda kv: -kv[1])}
+
+
+def format_profile(sc: Schedule, timeline: Mapping[str, np.ndarray]) -> str:
+    """Text report of a step: span, SM time running and waiting, per-op share, the critical chain."""
+    start, end = timeline["start"], timeline["end"]
+    span = float(np.max(end))
+    busy = float(np.sum(end - start))
+    lines = [f"step span {span:.1f} µs over {sc.num_sms} SMs; SMs running {busy / (span * sc.num_sms):.1%} of it"]
+    if "wait" in timeline:
+        waited = float(np.sum(start - timeline["wait"]))
+        lines[0] += f", waiting {waited / (span * sc.num_sms):.1%}"
+    lines.append("share of SM-busy time per op:")
+    lines += [f"  {op:<14} {share:6.1%}" for op, share in op_shares(sc, start, end).items()]
+    ch = critical_chain(sc, start, end)
+    lines.append(f"critical chain: {len(ch.tasks)} tasks, running {ch.total_run_us:.0f} µs, "
+                 f"hand-offs {ch.total_handoff_us:.0f} µs:")
+    for op in sorted(ch.run_us, key=lambda o: -(ch.run_us[o] + ch.handoff_us.get(o, 0.0))):
+        lines.append(f"  {op:<14} running {ch.run_us[op]:8.0f} µs, waiting after its blocker signalled "
+                     f"{ch.handoff_us.get(op, 0.0):6.0f} µs")
+    return "\n".join(lines)

@@ -1,0 +1,59 @@
+"""Reading a step's timeline (mkc/schedule/profile.py, runtime/bench.write_profile): checked on the
+schedule's own predicted timeline, which has the same form as a measured one."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from mkc.ir.lower import lower
+from mkc.ir.spec import load_spec
+from mkc.runtime.bench import write_profile
+from mkc.schedule.profile import critical_chain, format_profile, op_shares
+from mkc.schedule.scheduler import schedule
+
+
+@pytest.fixture(scope="module")
+def sc_tl():
+    spec = load_spec("configs/tiny.yaml")
+    sc = schedule(lower(spec, 2, 32, 8), spec.name)
+    start, end = np.array(sc.predicted["start_us"]), np.array(sc.predicted["end_us"])
+    sm = np.empty(len(sc.tasks), dtype=np.int64)
+    for i, q in enumerate(sc.queues):
+        sm[q] = i
+    return sc, {"start": start, "end": end, "wait": start - 0.5, "sm": sm}
+
+
+def test_chain_links_each_task_to_a_blocker(sc_tl):
+    sc, tl = sc_tl
+    ch = critical_chain(sc, tl["start"], tl["end"])
+    assert ch.tasks[-1] == int(np.argmax(tl["end"]))
+    assert not sc.waits[ch.tasks[0]] and any(q and q[0] == ch.tasks[0] for q in sc.queues)  # nothing before it
+    pos = {t: (s, i) for s, q in enumerate(sc.queues) for i, t in enumerate(q)}
+    for a, b in zip(ch.tasks, ch.tasks[1:]):
+        by_counter = any(a in sc.counters[c].producers for c, _ in sc.waits[b])
+        by_queue = pos[a][0] == pos[b][0] and pos[a][1] == pos[b][1] - 1
+        assert by_counter or by_queue, (sc.tasks[a].name, sc.tasks[b].name)
+    run = sum(tl["end"][t] - tl["start"][t] for t in ch.tasks)
+    assert ch.total_run_us == pytest.approx(run)
+
+
+def test_shares_and_report(sc_tl):
+    sc, tl = sc_tl
+    shares = op_shares(sc, tl["start"], tl["end"])
+    assert sum(shares.values()) == pytest.approx(1.0) and list(shares.values()) == sorted(shares.values(), reverse=True)
+    text = format_profile(sc, tl)
+    assert "critical chain:" in text and "waiting" in text and next(iter(shares)) in text
+
+
+def test_write_profile_files(sc_tl, tmp_path):
+    sc, tl = sc_tl
+    path = tmp_path / "trace-b2-c32.json"
+    write_profile(sc, tl, path)
+    events = json.loads(path.read_text())["traceEvents"]
+    chain_track = [e for e in events if e.get("tid") == len(sc.queues) and e["ph"] == "X"]
+    assert len(chain_track) == len(critical_chain(sc, tl["start"], tl["end"]).tasks)
+    assert json.loads(path.with_suffix(".predicted.json").read_text())["otherData"]["source"].endswith("(predicted)")
+    assert "critical chain" in path.with_suffix(".txt").read_text()
