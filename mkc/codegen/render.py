@@ -47,7 +47,7 @@ class CodegenOptions:
     threads: int = 256  # threads per CTA (8 warps); at most 255 registers each at 1 CTA / SM
     gemv_unroll: int = 8  # 64-wide k blocks in flight per warp (halved for two row sets)
     spin_limit: int = 1 << 26  # polls of one counter wait before the device watchdog fires
-    prefetch_bytes: int = 128 * 1024  # weights a task asks L2 for while it waits (cost.py: PREFETCH_BYTES)
+    prefetch_bytes: int = 128 * 1024  # weights a task asks L2 for while it waits (cost.py: Ceilings.prefetch_bytes)
     # The three below were measured on an H200 (benchmarks/kernel_variants.py, 2026-11-29): per-line
     # L2 prefetches in the GEMV loop, a bulk L2 prefetch of routed experts and a shared-memory copy of
     # the operand descriptors each made the step slower (batch 1: 3.71 ms without them, 4.90 ms with).
