@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 from pathlib import Path
 
 import torch
@@ -20,7 +19,7 @@ import torch
 from mkc.codegen import CodegenOptions, build_kernel
 from mkc.ir.lower import lower
 from mkc.ir.spec import load_spec
-from mkc.runtime.bench import device_random_weights, measure_read_bandwidth, step_bytes, time_cuda
+from mkc.runtime.bench import device_random_weights, measure_read_bandwidth, time_step
 from mkc.runtime.cuda_backend import CudaDecoder
 from mkc.schedule.scheduler import schedule
 
@@ -76,12 +75,7 @@ def main() -> None:
                                                      f"DIFFERS (max abs {float((ref - logits).abs().max()):.3g})")
             if ref is None:
                 ref = logits.clone()
-            times = time_cuda(dec.launch, reps=a.reps, warmup=2)
-            dec.check()
-            routed = [dec.buffers[f"L{i}.moe_selected"]
-                      for i, ls in enumerate(spec.layers) if ls.mlp == "moe"]
-            t = statistics.median(times)
-            sol = step_bytes(spec, batch, a.context, routed) / bw / t
+            t, sol, times = time_step(dec, spec, batch, a.context, bw, a.reps)
             print(f"batch {batch} {name:<26} {t * 1e6:9.1f} µs  {batch / t:7.1f} tok/s  {sol:6.1%} SOL  "
                   f"(min {min(times) * 1e6:.1f}, max {max(times) * 1e6:.1f})  logits {same}  "
                   f"[{dec.artifact.name}, {dec.artifact.regs} regs]", flush=True)

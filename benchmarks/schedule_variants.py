@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 from pathlib import Path
 
 import torch
 
 from mkc.ir.lower import lower
 from mkc.ir.spec import load_spec
-from mkc.runtime.bench import device_random_weights, measure_read_bandwidth, step_bytes, time_cuda
+from mkc.runtime.bench import device_random_weights, measure_read_bandwidth, time_step
 from mkc.runtime.cuda_backend import CudaDecoder
 from mkc.schedule.cost import H200
 from mkc.schedule.scheduler import schedule
@@ -63,11 +62,7 @@ def main() -> None:
             for t, saved in zip(caches, kv, strict=True):
                 t.copy_(saved)
             dec.step(tokens, positions)
-            times = time_cuda(dec.launch, reps=a.reps, warmup=2)
-            dec.check()
-            routed = [dec.buffers[f"L{i}.moe_selected"] for i, ls in enumerate(spec.layers) if ls.mlp == "moe"]
-            med = statistics.median(times)
-            sol = step_bytes(spec, batch, a.context, routed) / bw / med
+            med, sol, _ = time_step(dec, spec, batch, a.context, bw, a.reps)
             print(f"batch {batch} {name:<20} measured {med * 1e6:8.1f} µs ({sol:.1%} SOL), "
                   f"predicted {sc.predicted['step_us']:8.1f} µs", flush=True)
             dec.close()

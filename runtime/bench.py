@@ -143,6 +143,17 @@ def _kv_bytes(spec: ModelSpec, batch: int, context: int) -> int:
     return spec.num_layers * batch * a.num_kv_heads * context * a.head_dim * 2 * BF16
 
 
+def time_step(dec, spec: ModelSpec, batch: int, context: int, bw: float, reps: int) -> tuple[float, float, list[float]]:
+    """Time ``reps`` launches of a decoder whose inputs are in place (after 2 warm-ups): the median
+    step (s), its speed-of-light fraction (the distinct experts it routed, read bandwidth ``bw``)
+    and every time."""
+    times = time_cuda(dec.launch, reps=reps, warmup=2)
+    dec.check()
+    routed = [dec.buffers[f"L{i}.moe_selected"] for i, ls in enumerate(spec.layers) if ls.mlp == "moe"]
+    med = statistics.median(times)
+    return med, step_bytes(spec, batch, context, routed) / bw / med, times
+
+
 def run_bench(spec: ModelSpec, weights: dict[str, torch.Tensor], batches: list[int], contexts: list[int], *,
               reps: int = 20, profile_dir: Path | None = None, page_size: int = 0, log=print) -> list[Row]:
     """Megakernel and CUDA-graph PyTorch baseline, side by side, per (batch, context); the
