@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 import torch
+from conftest import record_preemptions, run_engine
 
 from mkc.runtime.engine import Engine, Output
 from mkc.runtime.sampling import SamplingParams, make_generator, sample
@@ -58,16 +59,7 @@ class FakeBackend:
 
 
 def run_all(engine: Engine, prompts: list[str], params: SamplingParams, max_steps: int = 2000) -> list[list[Output]]:
-    tok = engine.tok
-    outs: list[list[Output]] = [[] for _ in prompts]
-    for i, p in enumerate(prompts):
-        engine.submit(tok.encode(p), params, outs[i].append)
-    for _ in range(max_steps):
-        if not engine.has_work():
-            break
-        engine.step()
-    assert not engine.has_work(), "engine did not finish"
-    return outs
+    return run_engine(engine, [engine.tok.encode(p) for p in prompts], params, max_steps)
 
 
 def text_of(outs: list[Output]) -> str:
@@ -94,9 +86,7 @@ def test_preemption_requeues_and_resumes():
     ample = run_all(Engine(FakeBackend(context=128), tok), PROMPTS, greedy)
     # 8 pages of 16 = one full context: at most a couple of these sequences fit at once
     tight = Engine(FakeBackend(context=128), tok, page_size=16, kv_pages=8)
-    preempted = []
-    orig = tight._preempt
-    tight._preempt = lambda r: (preempted.append(r.id), orig(r))[1]  # type: ignore[method-assign]
+    preempted = record_preemptions(tight)
     squeezed = run_all(tight, PROMPTS, greedy)
     assert preempted, "the pool was large enough: the test does not exercise preemption"
     for a, b in zip(ample, squeezed):
