@@ -114,3 +114,18 @@ def record_preemptions(engine: Engine) -> list[str]:
     orig = engine._preempt
     engine._preempt = lambda r: (preempted.append(r.id), orig(r))[1]  # type: ignore[method-assign]
     return preempted
+
+
+def fill_random_kv(spec, gen: torch.Generator, ex, dec) -> None:
+    """Fill every layer's KV cache of the CPU executor ``ex`` (through ``write_kv``) and of ``dec``
+    (any decoder with ``kv_cache(layer)`` views, e.g. the megakernel's) with the same random bf16
+    values, drawn from ``gen``: every position of every sequence."""
+    a, batch, context = spec.attention, ex.schedule.batch, ex.schedule.context
+    for layer in range(spec.num_layers):
+        k = torch.randn(batch, a.num_kv_heads, context, a.head_dim, generator=gen).bfloat16()
+        v = torch.randn(batch, a.num_kv_heads, context, a.head_dim, generator=gen).bfloat16()
+        for b in range(batch):
+            ex.write_kv(b, layer, k[b].transpose(0, 1), v[b].transpose(0, 1))
+        kc, vc = dec.kv_cache(layer)
+        kc.copy_(k)
+        vc.copy_(v)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import fill_random_kv
 
 from mkc.ir.lower import lower
 from mkc.ir.spec import load_spec
@@ -42,21 +43,13 @@ def test_family_step_matches_cpu_executor(family):
     sc = schedule(lower(spec, batch, context, sms), spec.name)
     dec = CudaDecoder(sc, spec, weights)
     ex = CpuExecutor(sc, spec, weights, dtype=torch.bfloat16, poison_weights=False)
-    a = spec.attention
     gen = torch.Generator().manual_seed(5)
     compared = 0
     rounds = [0, 5, 9, 23]
     for base in rounds:
         positions = torch.tensor([base, max(0, base - 4)], dtype=torch.int32)
         tokens = torch.randint(0, spec.vocab_size, (batch,), generator=gen, dtype=torch.int32)
-        for layer in range(spec.num_layers):
-            k = torch.randn(batch, a.num_kv_heads, context, a.head_dim, generator=gen).bfloat16()
-            v = torch.randn(batch, a.num_kv_heads, context, a.head_dim, generator=gen).bfloat16()
-            for b in range(batch):
-                ex.write_kv(b, layer, k[b].transpose(0, 1), v[b].transpose(0, 1))
-            kc, vc = dec.kv_cache(layer)
-            kc.copy_(k)
-            vc.copy_(v)
+        fill_random_kv(spec, gen, ex, dec)
         lg, _ = dec.step(tokens, positions)
         lc, _ = ex.step(tokens, positions)
         moe = [i for i, ls in enumerate(spec.layers) if ls.mlp == "moe"]

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import fill_random_kv
 
 from mkc.ir.lower import lower
 from mkc.ir.spec import load_spec
@@ -144,19 +145,11 @@ def test_tiny_step_matches_cpu_executor(tiny, num_sms, batch):
     sc = schedule(lower(spec, batch, context, num_sms), spec.name)
     dec = CudaDecoder(sc, spec, weights)
     ex = CpuExecutor(sc, spec, weights, dtype=torch.bfloat16)
-    a = spec.attention
     gen = torch.Generator().manual_seed(batch)
     for rnd, base in enumerate([0, 5, 8, 9, 23]):
         positions = torch.tensor([max(0, min(context - 1, base - 3 * b)) for b in range(batch)], dtype=torch.int32)
         tokens = torch.randint(0, spec.vocab_size, (batch,), generator=gen, dtype=torch.int32)
-        for layer in range(spec.num_layers):
-            k = torch.randn(batch, a.num_kv_heads, context, a.head_dim, generator=gen).bfloat16()
-            v = torch.randn(batch, a.num_kv_heads, context, a.head_dim, generator=gen).bfloat16()
-            for b in range(batch):
-                ex.write_kv(b, layer, k[b].transpose(0, 1), v[b].transpose(0, 1))
-            kc, vc = dec.kv_cache(layer)
-            kc.copy_(k)
-            vc.copy_(v)
+        fill_random_kv(spec, gen, ex, dec)
         lg, nt = dec.step(tokens, positions)
         lc, _ = ex.step(tokens, positions)
         what = f"tiny b{batch} round {rnd} positions {positions.tolist()}"

@@ -97,6 +97,20 @@ def test_shuffled_pages_match_contiguous(spec, weights, page_size):
         assert torch.equal(paged.bufs["L1.k_cache"][:, page, row], flat.bufs["L1.k_cache"][b, :, last])
 
 
+def test_identity_views_of_a_paged_cache(spec, weights):
+    """The GPU tests fill a decoder's cache through its kv_cache() views (conftest.fill_random_kv);
+    through the identity page table of a paged executor those views land where its steps read."""
+    from conftest import fill_random_kv
+
+    flat = CpuExecutor(schedule(lower(spec, 2, 40, 8), spec.name), spec, weights)
+    paged = CpuExecutor(schedule(lower(spec, 2, 40, 8, page_size=16), spec.name), spec, weights)
+    fill_random_kv(spec, torch.Generator().manual_seed(2), flat, paged)
+    for layer in range(spec.num_layers):
+        assert torch.equal(flat.kv_cache(layer)[0], paged.kv_cache(layer)[0].float())
+    tokens, pos = torch.tensor([7, 8]), [33, 17]
+    assert torch.equal(flat.step(tokens, pos)[0], paged.step(tokens, pos)[0])
+
+
 @pytest.mark.gpu
 def test_gpu_paged_step_matches_cpu_executor(spec, weights):
     """The megakernel with a paged cache under a shuffled page table against the CPU executor with
