@@ -32,6 +32,16 @@ def _batch(v: str) -> int:
     return n
 
 
+def _page_size(v: str) -> int:
+    try:
+        n = int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{v!r}: expected 0 (one KV slab per sequence) or a page size") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{n}: expected 0 (one KV slab per sequence) or a positive page size")
+    return n
+
+
 def _positive(v: str) -> int:
     try:
         n = int(v)
@@ -178,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--batch", type=_batch, default=1, help="sequences decoded together, 1-8 (default 1)")
     c.add_argument("--context", type=_positive, default=8192, help="context bucket in positions (default 8192)")
     c.add_argument("--num-sms", type=_positive, default=132, help="SMs = persistent CTAs (default 132, H100/H200)")
-    c.add_argument("--page-size", type=int, default=0,
+    c.add_argument("--page-size", type=_page_size, default=0,
                    help="KV cache page in positions, read through a page table (default 0: one contiguous "
                         "slab per sequence; see docs/kernel.md)")
     c.add_argument("--no-kernel", action="store_true", help="skip rendering and compiling the CUDA kernel")
@@ -210,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--context", type=_contexts, default="8192", help="comma-separated contexts (default 8192)")
     b.add_argument("--reps", type=_positive, default=20, help="timed steps per point (median reported)")
     b.add_argument("--profile", action="store_true", help="also write a per-task Perfetto trace of a real step")
-    b.add_argument("--page-size", type=int, default=0, help="the megakernel's KV cache in pages of this many "
+    b.add_argument("--page-size", type=_page_size, default=0, help="the megakernel's KV cache in pages of this many "
                                                              "positions (default 0: one slab per sequence)")
     b.add_argument("-o", "--output", default="build/bench", help="folder for bench.json and traces")
     b.set_defaults(fn=cmd_bench)

@@ -175,7 +175,7 @@ def run_bench(spec: ModelSpec, weights: dict[str, torch.Tensor], batches: list[i
                 continue
             tokens = torch.randint(0, spec.vocab_size, (batch,), dtype=torch.int32)
             positions = torch.full((batch,), context - 1, dtype=torch.int32)
-            sc = schedule(lower(spec, batch, context, sms, page_size=min(page_size, context)), spec.name)
+            sc = schedule(lower(spec, batch, context, sms, page_size=page_size), spec.name)
             dec = CudaDecoder(sc, spec, weights)
             for layer in range(spec.num_layers):
                 for t in dec.kv_cache(layer):
@@ -253,6 +253,10 @@ def bench_main(a) -> int:
 
     spec = load_spec(a.config)
     batches, contexts = a.batch, a.context
+    if a.page_size > min(contexts):
+        print(f"mkc: error: --page-size {a.page_size} is longer than the context {min(contexts)}: expected a page "
+              f"of at most the shortest context", file=sys.stderr)
+        return 2
     if not cuda_available():
         print("mkc: error: bench needs a CUDA GPU and none is usable here: expected an H100/H200 (sm_90a)",
               file=sys.stderr)

@@ -76,6 +76,10 @@ def test_import_hf_round_trip(tmp_path):
     (("compile", "configs/tiny.yaml", "--batch", "9"), "--batch"),
     (("compile", "nope.yaml", "--no-kernel"), "no such file"),
     (("import-hf", "configs"), "config.json"),
+    (("compile", "configs/tiny.yaml", "--page-size", "-3", "--no-kernel"), "--page-size"),
+    (("compile", "configs/tiny.yaml", "--context", "64", "--page-size", "65", "--no-kernel"), "--page-size 65"),
+    (("bench", "--config", "configs/tiny.yaml", "--random-weights", "--context", "128", "--page-size", "256"),
+     "--page-size 256 is longer than the context 128"),
 ])
 def test_bad_input_is_one_clear_line(args, needle):
     r = mkc(*args)
