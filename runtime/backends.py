@@ -6,10 +6,17 @@ and ``kv_cache(layer) -> (k, v)``, each ``[B, kv_heads, context, head_dim]`` liv
 
 ``DecoderBackend`` adapts one to the engine. The schedule is compiled once for
 ``batch = max_batch``; each batch row is a slot. A decode step runs every row: rows not in the
-step get a dummy token at position 0, and their position-0 K/V is saved before the step and put
-back after it, so an idle row never changes any slot's cache (the attention of a row reads only
-its own row; MoE routing weights of other rows are zero for it). Prefill is plain PyTorch
-(``runtime/prefill.py``) writing the decoder's cache in place, on the cache's device.
+step get a dummy token at position 0 (the attention of a row reads only its own row; MoE routing
+weights of other rows are zero for it). Prefill is plain PyTorch (``runtime/prefill.py``).
+
+Two cache layouts (mkc/ir/kv_layout.py):
+
+* one slab per slot: prefill writes the slab in place; an idle row's position-0 K/V is saved
+  before a step and put back after it, so it never changes any slot's cache;
+* paged (``page_size`` > 0): a pool of ``kv_pages`` pages per layer plus one scratch page. A slot
+  takes pages as its positions grow and gives them back when freed (``PagePool``); an idle row's
+  page-table row points at the scratch page, so a step cannot touch any slot's pages. Prefill
+  runs on a gathered copy of the slot's pages and scatters it back.
 """
 
 from __future__ import annotations
@@ -32,6 +39,36 @@ class StepDecoder(Protocol):
     def kv_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
+class PagePool:
+    """Pages of a paged KV cache, handed to slots as their positions grow: page ``scratch`` (the
+    last) is never handed out; an idle row's table points at it."""
+
+    def __init__(self, pages: int, page_size: int, max_batch: int, pages_per_seq: int):
+        if pages < 2:
+            raise ValueError(f"a paged KV cache of {pages} pages: expected at least one page and the scratch page")
+        self.page_size, self.scratch, self.pages_per_seq = page_size, pages - 1, pages_per_seq
+        self.free = list(range(pages - 2, -1, -1))  # popped from the end: page 0 first
+        self.held: list[list[int]] = [[] for _ in range(max_batch)]
+
+    def ensure(self, slot: int, positions: int) -> None:
+        """Give ``slot`` pages for positions [0, positions)."""
+        need = -(-positions // self.page_size) - len(self.held[slot])
+        if need > len(self.free):
+            raise RuntimeError(f"KV page pool exhausted: slot {slot} needs {need} more pages of {self.page_size} "
+                               f"positions, {len(self.free)} free (the engine's kv_pages must not exceed the pool)")
+        for _ in range(max(need, 0)):
+            self.held[slot].append(self.free.pop())
+
+    def release(self, slot: int) -> None:
+        self.free.extend(reversed(self.held[slot]))
+        self.held[slot] = []
+
+    def row(self, slot: int | None) -> list[int]:
+        """A page-table row: the slot's pages then the scratch page (an idle row: scratch only)."""
+        pages = self.held[slot] if slot is not None else []
+        return pages + [self.scratch] * (self.pages_per_seq - len(pages))
+
+
 class DecoderBackend:
     """``Backend`` (runtime/engine.py) over a step decoder; also ``read_kv``/``write_kv`` (prefix cache).
 
@@ -40,18 +77,62 @@ class DecoderBackend:
     """
 
     def __init__(self, decoder: StepDecoder, spec: ModelSpec, weights: dict[str, torch.Tensor], *,
-                 max_batch: int, context: int, act_dtype: torch.dtype):
+                 max_batch: int, context: int, act_dtype: torch.dtype, buffers: dict[str, torch.Tensor]):
         self.decoder, self.spec = decoder, spec
         self.max_batch, self.context, self.vocab_size = max_batch, context, spec.vocab_size
-        self._kv = [decoder.kv_cache(i) for i in range(spec.num_layers)]  # each [B, G, ctx, D]
         self._prefill = Prefill(spec, weights, act_dtype=act_dtype)
+        self._pool_kv = [(buffers[f"L{i}.k_cache"], buffers[f"L{i}.v_cache"]) for i in range(spec.num_layers)]
+        if "page_table" in buffers:
+            self._table = buffers["page_table"]
+            page_size = self._pool_kv[0][0].shape[2]
+            self.pages: PagePool | None = PagePool(self._pool_kv[0][0].shape[1], page_size, max_batch,
+                                                   self._table.shape[1])
+            self._kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        else:
+            self.pages = None
+            self._kv = self._pool_kv  # each [B, G, ctx, D]
 
-    def _slot_kv(self, slot: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(k[slot], v[slot]) for k, v in self._kv]
+    def slot_kv(self, slot: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (k, v) of positions [0, end) of a slot, [G, end, D]: views of a slab, or
+        copies gathered from a paged slot's pages (positions it holds no page for read as 0)."""
+        if self.pages is None:
+            return [(k[slot, :, :end], v[slot, :, :end]) for k, v in self._kv]
+        return [(self._gather(k, slot, end), self._gather(v, slot, end)) for k, v in self._pool_kv]
+
+    def _gather(self, pool: torch.Tensor, slot: int, end: int) -> torch.Tensor:
+        assert self.pages is not None
+        g, _, p, d = pool.shape
+        held = self.pages.held[slot]
+        out = torch.zeros(g, len(held) * p, d, dtype=pool.dtype, device=pool.device)
+        if held:
+            out.copy_(pool[:, torch.tensor(held, device=pool.device)].reshape(g, len(held) * p, d))
+        return out[:, :end] if end <= out.shape[1] else torch.cat(
+            [out, torch.zeros(g, end - out.shape[1], d, dtype=pool.dtype, device=pool.device)], 1)
+
+    def _scatter(self, slot: int, start: int, kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Write positions [start, end) of per-layer [G, end, D] copies into the slot's pages."""
+        assert self.pages is not None
+        p = self.pages.page_size
+        end = kv[0][0].shape[1]
+        pos = torch.arange(start, end)
+        pages = torch.tensor(self.pages.held[slot], dtype=torch.long)[pos // p]
+        for (pk, pv), (k, v) in zip(self._pool_kv, kv, strict=True):
+            dev = pk.device
+            pk[:, pages.to(dev), (pos % p).to(dev)] = k[:, start:end].to(pk.dtype)
+            pv[:, pages.to(dev), (pos % p).to(dev)] = v[:, start:end].to(pv.dtype)
 
     def prefill(self, slot: int, token_ids: Sequence[int], start: int = 0) -> torch.Tensor:
         self._check_slot(slot)
-        return self._prefill.run(token_ids, start, self._slot_kv(slot))
+        if self.pages is None:
+            return self._prefill.run(token_ids, start, [(k[slot], v[slot]) for k, v in self._kv])
+        end = start + len(token_ids)
+        if end > self.context:
+            raise ValueError(f"prefill: positions {start}..{end - 1} exceed the context ({self.context})")
+        self.pages.ensure(slot, end)
+        kv = self.slot_kv(slot, end)  # copies: the prefill reads [0, start) and writes [start, end)
+        logits = self._prefill.run(token_ids, start, kv)
+        self._scatter(slot, start, kv)
+        return logits
 
     def decode(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
         for s in slots:
@@ -64,6 +145,13 @@ class DecoderBackend:
             tok[s], pos[s] = int(t), int(p)
         busy = set(slots)
         idle = [b for b in range(self.max_batch) if b not in busy]
+        if self.pages is not None:  # idle rows write the scratch page: nothing to save
+            for s, p in zip(slots, positions, strict=True):
+                self.pages.ensure(s, int(p) + 1)
+            rows = [self.pages.row(b if b in busy else None) for b in range(self.max_batch)]
+            self._table.copy_(torch.tensor(rows, dtype=torch.int32))
+            logits, _ = self.decoder.step(tok, pos)
+            return logits[list(slots)]
         saved = [(k[idle, :, 0].clone(), v[idle, :, 0].clone()) for k, v in self._kv] if idle else []
         logits, _ = self.decoder.step(tok, pos)
         for (k, v), (ks, vs) in zip(self._kv, saved, strict=False):
@@ -72,37 +160,52 @@ class DecoderBackend:
         return logits[list(slots)]
 
     def free(self, slot: int) -> None:
-        self._check_slot(slot)  # the cache is simply overwritten by the next prefill
+        self._check_slot(slot)  # a slab is simply overwritten by the next prefill; pages go back
+        if self.pages is not None:
+            self.pages.release(slot)
 
     def read_kv(self, slot: int, start: int, end: int) -> torch.Tensor:
         """[layers, 2, kv_heads, end - start, head_dim] copy of the slot's cache positions."""
-        return torch.stack([torch.stack([k[slot, :, start:end], v[slot, :, start:end]]) for k, v in self._kv])
+        return torch.stack([torch.stack([k[:, start:end], v[:, start:end]]) for k, v in self.slot_kv(slot, end)])
 
     def write_kv(self, slot: int, start: int, kv: torch.Tensor) -> None:
         n = kv.shape[3]
-        for (k, v), x in zip(self._kv, kv, strict=True):
-            k[slot, :, start:start + n] = x[0]
-            v[slot, :, start:start + n] = x[1]
+        if self.pages is None:
+            for (k, v), x in zip(self._kv, kv, strict=True):
+                k[slot, :, start:start + n] = x[0]
+                v[slot, :, start:start + n] = x[1]
+            return
+        self.pages.ensure(slot, start + n)
+        full = self.slot_kv(slot, start + n)
+        for (k, v), x in zip(full, kv, strict=True):
+            k[:, start:] = x[0]
+            v[:, start:] = x[1]
+        self._scatter(slot, start, full)
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.max_batch:
             raise ValueError(f"slot {slot}: expected 0..{self.max_batch - 1}")
 
 
-def compile_schedule(spec: ModelSpec, max_batch: int, context: int, num_sms: int) -> Schedule:
-    return schedule(lower(spec, max_batch, context, num_sms), spec.name)
+def compile_schedule(spec: ModelSpec, max_batch: int, context: int, num_sms: int, page_size: int = 0,
+                     kv_pages: int = 0) -> Schedule:
+    """The backend's schedule; a paged cache gets ``kv_pages`` pages plus the scratch page."""
+    return schedule(lower(spec, max_batch, context, num_sms, page_size=page_size,
+                          kv_pages=kv_pages + 1 if page_size and kv_pages else 0), spec.name)
 
 
 class CpuBackend(DecoderBackend):
     """The CPU executor, without the oracle's weight poison and NaN scan (serving, not checking)."""
 
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], *, max_batch: int = 8,
-                 context: int = 512, num_sms: int = 8, dtype: torch.dtype = torch.float32):
+                 context: int = 512, num_sms: int = 8, dtype: torch.dtype = torch.float32, page_size: int = 0,
+                 kv_pages: int = 0):
         from mkc.schedule.executor import CpuExecutor
 
-        self.exe = CpuExecutor(compile_schedule(spec, max_batch, context, num_sms), spec, weights, dtype=dtype,
-                               poison_weights=False, check=False)
-        super().__init__(self.exe, spec, self.exe.weights, max_batch=max_batch, context=context, act_dtype=dtype)
+        sc = compile_schedule(spec, max_batch, context, num_sms, page_size, kv_pages)
+        self.exe = CpuExecutor(sc, spec, weights, dtype=dtype, poison_weights=False, check=False)
+        super().__init__(self.exe, spec, self.exe.weights, max_batch=max_batch, context=context, act_dtype=dtype,
+                         buffers=self.exe.bufs)
 
 
 class CudaBackend(DecoderBackend):
@@ -112,12 +215,12 @@ class CudaBackend(DecoderBackend):
     """
 
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], *, max_batch: int = 8,
-                 context: int = 4096, num_sms: int | None = None):
+                 context: int = 4096, num_sms: int | None = None, page_size: int = 0, kv_pages: int = 0):
         from mkc.runtime.cuda_backend import CudaDecoder
 
         if num_sms is None:
             num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-        self.dec = CudaDecoder(compile_schedule(spec, max_batch, context, num_sms), spec, weights)
+        self.dec = CudaDecoder(compile_schedule(spec, max_batch, context, num_sms, page_size, kv_pages), spec, weights)
         names = [n for n, b in self.dec.schedule.buffers.items() if b.kind == "weight"]
         super().__init__(self.dec, spec, {n: self.dec.buffers[n] for n in names}, max_batch=max_batch,
-                         context=context, act_dtype=torch.bfloat16)
+                         context=context, act_dtype=torch.bfloat16, buffers=self.dec.buffers)

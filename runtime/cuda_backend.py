@@ -102,7 +102,8 @@ class CudaDecoder:
             self.buffers = self._allocate(weights)
             self.page_size = page_size_of(schedule.buffers)
             if self.page_size:  # sequence b's pages are b * pages_per_seq + j until someone remaps them
-                self.buffers["page_table"].copy_(identity_page_table(schedule.batch, schedule.context, self.page_size))
+                self.buffers["page_table"].copy_(identity_page_table(schedule.batch, schedule.context, self.page_size,
+                                                    schedule.buffers["L0.k_cache"].shape[1]))
             words = encode(schedule)
             dev = self.device
             self._records = torch.from_numpy(words.records.reshape(-1)).to(dev)

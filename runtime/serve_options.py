@@ -26,6 +26,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="KV pages in the pool (default: max-batch x context / page-size); fewer pages "
                              "make the engine preempt and requeue requests")
     parser.add_argument("--no-prefix-cache", action="store_true", help="do not cache full prompt pages")
+    parser.add_argument("--kv-layout", choices=("slab", "paged"), default="slab",
+                        help="slab: one KV slab of the whole context per batch slot; paged: a pool of --kv-pages "
+                             "pages of --page-size positions that slots take as they grow (the kernel reads them "
+                             "through a page table)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                         help="weights/activations (default: float32 on cpu, bfloat16 on cuda)")
     parser.add_argument("--num-sms", type=int, default=None,

@@ -533,8 +533,11 @@ def build_state(args: argparse.Namespace) -> ServerState:
     dtype = getattr(torch, args.dtype or ("float32" if backend_name == "cpu" else "bfloat16"))
     weights = (random_weights(spec, args.weights_seed, dtype) if args.random_weights
                else load_checkpoint(args.checkpoint, spec, dtype))
+    paged = args.kv_layout == "paged"
+    kv_pages = args.kv_pages or args.max_batch * -(-args.context // args.page_size)
     backend = make_backend(backend_name, spec, weights, max_batch=args.max_batch, context=args.context,
-                           dtype=dtype, num_sms=args.num_sms)
+                           dtype=dtype, num_sms=args.num_sms, page_size=args.page_size if paged else 0,
+                           kv_pages=kv_pages if paged else 0)
     tokenizer = load_tokenizer(args.checkpoint, spec.vocab_size)
     metrics = Metrics()
     engine = Engine(backend, tokenizer, page_size=args.page_size, kv_pages=args.kv_pages,
@@ -554,17 +557,20 @@ def _has_cuda_backend() -> bool:
 
 
 def make_backend(name: str, spec: Any, weights: dict[str, Any], *, max_batch: int, context: int, dtype: Any,
-                 num_sms: int | None = None) -> Any:
-    """The decode backend by name; unknown names raise with the list of valid ones."""
+                 num_sms: int | None = None, page_size: int = 0, kv_pages: int = 0) -> Any:
+    """The decode backend by name; unknown names raise with the list of valid ones. With a
+    ``page_size`` its KV cache is a pool of ``kv_pages`` pages (runtime/backends.py)."""
     from mkc.runtime.backends import CpuBackend, CudaBackend
 
     if name == "cpu":
-        return CpuBackend(spec, weights, max_batch=max_batch, context=context, num_sms=num_sms or 8, dtype=dtype)
+        return CpuBackend(spec, weights, max_batch=max_batch, context=context, num_sms=num_sms or 8, dtype=dtype,
+                          page_size=page_size, kv_pages=kv_pages)
     if name == "cuda":
         if not _has_cuda_backend():
             raise ValueError("--backend cuda: no usable CUDA device or driver bindings (pip install mkc[cuda]); "
                              "use --backend cpu")
-        return CudaBackend(spec, weights, max_batch=max_batch, context=context, num_sms=num_sms)
+        return CudaBackend(spec, weights, max_batch=max_batch, context=context, num_sms=num_sms,
+                           page_size=page_size, kv_pages=kv_pages)
     raise ValueError(f"--backend {name!r}: expected one of ['auto', 'cuda', 'cpu']")
 
 

@@ -47,11 +47,16 @@ def model():
 BF16_RTOL = 1e-2
 
 
+# a paged cache of 8-position pages: enough for every slot (the scratch page comes on top)
+PAGED = {"page_size": 8, "kv_pages": 4 * CONTEXT // 8}
+
+
+@pytest.mark.parametrize("layout", [{}, PAGED], ids=["slab", "paged"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prefill_matches_token_by_token_decode(model, dtype):
+def test_prefill_matches_token_by_token_decode(model, dtype, layout):
     spec, w = model
     tol, err_fn = (ATOL, max_err) if dtype == torch.float32 else (BF16_RTOL, rel_err)
-    be = CpuBackend(spec, w, max_batch=4, context=CONTEXT, dtype=dtype)
+    be = CpuBackend(spec, w, max_batch=4, context=CONTEXT, dtype=dtype, **layout)
     ids, logits_prefill = check_prefill_matches_decode(be, tol, err_fn)
     # a prefill that starts after a cached prefix gives the same logits
     be.prefill(3, ids[:16])
@@ -64,9 +69,10 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
-def test_idle_rows_leave_other_slots_alone(model):
+@pytest.mark.parametrize("layout", [{}, PAGED], ids=["slab", "paged"])
+def test_idle_rows_leave_other_slots_alone(model, layout):
     spec, w = model
-    be = CpuBackend(spec, w, max_batch=4, context=CONTEXT)
+    be = CpuBackend(spec, w, max_batch=4, context=CONTEXT, **layout)
     alone = check_idle_rows_untouched(be, _same_bits)
     # the same row computed beside busy rows gives bit-identical logits
     together = be.decode([0, 1, 3], [4, 9, 5], [5, 6, 8])
@@ -91,3 +97,34 @@ def test_engine_matches_executor_and_survives_preemption(model):
     preempted = record_preemptions(tight)
     assert _engine_tokens(tight, prompts, params) == want
     assert preempted, "the pool was large enough: preemption was not exercised"
+
+
+def test_engine_over_a_paged_cache_of_the_engines_size(model):
+    """The backend's pool is exactly the engine's pages (plus the scratch page): the engine's
+    accounting (with the prefix cache's copies counted) keeps the pool from running out, and the
+    tokens are those of the executor, through preemption and prefix-cache hits."""
+    spec, w = model
+    shared = [(j * 5) % 256 for j in range(17)]  # two full 8-position pages every prompt shares
+    prompts = [shared + [(i * 13 + j * 7) % 256 for j in range(2 + 3 * i)] for i in range(5)]
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    tok = ByteTokenizer(spec.vocab_size)
+    want = [greedy_generate(spec, w, p, 20, context=CONTEXT) for p in prompts]
+    pages = CONTEXT // 8 + 2
+    be = CpuBackend(spec, w, max_batch=3, context=CONTEXT, page_size=8, kv_pages=pages)
+    assert be.pages is not None and be.pages.scratch == pages
+    eng = Engine(be, tok, page_size=8, kv_pages=pages)
+    preempted = record_preemptions(eng)
+    loads: list[int] = []  # prefix-cache pages copied into a slot, by start position
+    write_kv = be.write_kv
+    be.write_kv = lambda slot, start, kv: (loads.append(start), write_kv(slot, start, kv))[1]  # type: ignore[method-assign]
+    assert _engine_tokens(eng, prompts, params) == want
+    assert preempted, "the pool was large enough: preemption was not exercised"
+    assert 8 in loads, "no request reused the shared prompt pages from the prefix cache"
+    assert sorted(be.pages.free) == list(range(pages)), "every page back in the pool"
+
+
+def test_page_pool_exhaustion_is_a_clear_error(model):
+    spec, w = model
+    be = CpuBackend(spec, w, max_batch=2, context=CONTEXT, page_size=8, kv_pages=2)
+    with pytest.raises(RuntimeError, match="KV page pool exhausted: slot 0 needs 3 more pages"):
+        be.prefill(0, list(range(20)))

@@ -291,6 +291,29 @@ def test_concurrent_streams_match_alone(client):
         assert results[i] == (alone.choices[0].text, alone.choices[0].finish_reason), f"client {i}"
 
 
+def test_paged_kv_server_matches_slab_server(client, tmp_path):
+    """A server over a paged KV cache (--kv-layout paged, a pool of 20 pages of 16: far less than the 8
+    slots' full contexts) streams the same greedy text as the slab server, for 12 clients at once
+    (more than the slots: requests queue, and slots are reused with other pages)."""
+    prompts = [f"paged client {i:02d} asks" for i in range(12)]
+    kw = {"max_tokens": 8, "temperature": 0}
+    want = [client.completions.create(model=MODEL, prompt=p, **kw).choices[0].text for p in prompts]
+    with _serve(tmp_path, "--config", str(ROOT / "configs" / "tiny.yaml"), "--random-weights",
+                "--kv-layout", "paged", "--page-size", "16", "--kv-pages", "20") as base:
+        paged = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+        got: dict[int, str] = {}
+
+        def worker(i: int) -> None:
+            got[i] = _stream_text(paged, prompt=prompts[i], **kw)[0]
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    assert [got.get(i) for i in range(len(prompts))] == want
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_disconnect_frees_slot(server, stream):
     def aborted() -> float:

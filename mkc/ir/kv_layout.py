@@ -34,9 +34,12 @@ def page_size_of(buffers: Mapping[str, Any]) -> int:
     return int(cache.shape[2])
 
 
-def identity_page_table(batch: int, context: int, page_size: int) -> torch.Tensor:
-    """[B, pages_per_seq] int32: sequence b's page j is page b * pages_per_seq + j."""
+def identity_page_table(batch: int, context: int, page_size: int, pool: int | None = None) -> torch.Tensor:
+    """[B, pages_per_seq] int32: sequence b's page j is page b * pages_per_seq + j; all page 0
+    when a ``pool`` smaller than that is given (its user maps the pages)."""
     n = pages_per_seq(context, page_size)
+    if pool is not None and pool < batch * n:
+        return torch.zeros(batch, n, dtype=torch.int32)
     return torch.arange(batch * n, dtype=torch.int32).view(batch, n)
 
 
@@ -45,9 +48,12 @@ def logical_view(cache: torch.Tensor, batch: int, context: int, page_size: int) 
     for a pool under the identity page table, a strided view of it (writes go to the pool)."""
     if page_size == 0:
         return cache
-    g, _, p, d = cache.shape
+    g, pool, p, d = cache.shape
     n = pages_per_seq(context, page_size)
-    return cache.view(g, batch, n * p, d)[:, :, :context].permute(1, 0, 2, 3)
+    if pool < batch * n:
+        raise ValueError(f"a pool of {pool} KV pages has no [batch, heads, context, dim] view ({batch} x {n} "
+                         f"pages needed): read and write it through its page table")
+    return cache[:, :batch * n].view(g, batch, n * p, d)[:, :, :context].permute(1, 0, 2, 3)
 
 
 def gather_rows(cache: torch.Tensor, table_row: torch.Tensor | None, g: int, lo: int, hi: int,

@@ -23,6 +23,7 @@ class LowerOptions:
     context: int  # context bucket: the KV cache holds this many positions per sequence
     num_sms: int  # persistent CTAs (one per SM)
     page_size: int = 0  # KV positions per cache page; 0: one contiguous slab per sequence (kv_layout.py)
+    kv_pages: int = 0  # pages in each layer's pool; 0: batch x pages per sequence (every slot full)
 
     def check(self) -> None:
         if not 1 <= self.batch <= 8:
@@ -34,6 +35,8 @@ class LowerOptions:
         if self.page_size < 0 or self.page_size > self.context:
             raise SpecError(f"--page-size {self.page_size}: expected 0 (contiguous) or 1 to the context "
                             f"({self.context}) positions per KV page")
+        if self.kv_pages < 0 or (self.kv_pages and not self.page_size):
+            raise SpecError(f"kv_pages = {self.kv_pages}: expected 0, or a pool size with a page size")
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,7 +184,7 @@ class _Lowerer:
         q = self.buf(f"{P}.q", (B, QH * D), "bf16", "act", "[B, heads * head_dim] after RoPE")
         pt, psz = self.page_table, opt.page_size
         if pt is not None:  # a pool of pages per layer (mkc/ir/kv_layout.py)
-            pool = (G, B * pt.shape[1], psz, D)
+            pool = (G, opt.kv_pages or B * pt.shape[1], psz, D)
             kc = self.buf(f"{P}.k_cache", pool, "bf16", "state", "[kv_heads, pages, page_size, head_dim]")
             vc = self.buf(f"{P}.v_cache", pool, "bf16", "state", "[kv_heads, pages, page_size, head_dim]")
         else:
@@ -341,8 +344,8 @@ class _Lowerer:
                                                                + (tslots.shape[1] if tslots is not None else 1)))
 
 
-def lower(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int = 0) -> Program:
+def lower(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int = 0, kv_pages: int = 0) -> Program:
     """Lower a model into a Program (buffers, tasks in program order, derived DAG)."""
-    opt = LowerOptions(batch=batch, context=context, num_sms=num_sms, page_size=page_size)
+    opt = LowerOptions(batch=batch, context=context, num_sms=num_sms, page_size=page_size, kv_pages=kv_pages)
     opt.check()
     return _Lowerer(spec, opt).lower()

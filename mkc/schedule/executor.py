@@ -116,7 +116,8 @@ class CpuExecutor:
         self._plans = [self._plan(t) for t in schedule.tasks]
         self.page_size = page_size_of(schedule.buffers)
         if self.page_size:  # sequence b's pages are b * pages_per_seq + j until someone remaps them
-            self.bufs["page_table"].copy_(identity_page_table(schedule.batch, schedule.context, self.page_size))
+            self.bufs["page_table"].copy_(identity_page_table(schedule.batch, schedule.context, self.page_size,
+                                                    schedule.buffers["L0.k_cache"].shape[1]))
         self._weight_cache: dict[tuple, torch.Tensor] = {}
 
     # -- set-up ---------------------------------------------------------------------------------
