@@ -32,24 +32,21 @@ def _batch(v: str) -> int:
     return n
 
 
-def _page_size(v: str) -> int:
-    try:
-        n = int(v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{v!r}: expected 0 (one KV slab per sequence) or a page size") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"{n}: expected 0 (one KV slab per sequence) or a positive page size")
-    return n
+def _at_least(lo: int, expected: str):
+    """An argparse type: an integer >= lo, else the error says ``expected``."""
+    def parse(v: str) -> int:
+        try:
+            n = int(v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{v!r}: expected {expected}") from None
+        if n < lo:
+            raise argparse.ArgumentTypeError(f"{n}: expected {expected}")
+        return n
+    return parse
 
 
-def _positive(v: str) -> int:
-    try:
-        n = int(v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{v!r}: expected a positive integer") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{n}: expected a positive integer")
-    return n
+_positive = _at_least(1, "a positive integer")
+_page_size = _at_least(0, "0 (one KV slab per sequence) or a positive page size")
 
 
 def _ids(v: str) -> list[int]:
