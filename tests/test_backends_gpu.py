@@ -42,17 +42,23 @@ def backend_factory():
 
     spec = load_spec(TINY)
     w = random_weights(spec, seed=7, dtype=torch.bfloat16)
-    return spec, lambda max_batch: CudaBackend(spec, w, max_batch=max_batch, context=CONTEXT)
+    return spec, lambda max_batch, **layout: CudaBackend(spec, w, max_batch=max_batch, context=CONTEXT, **layout)
 
 
-def test_cuda_prefill_matches_kernel_decode(backend_factory):
+# the megakernel over a paged cache: 8-position pages, every slot's context (plus the scratch page)
+PAGED = {"page_size": 8, "kv_pages": 4 * CONTEXT // 8}
+
+
+@pytest.mark.parametrize("layout", [{}, PAGED], ids=["slab", "paged"])
+def test_cuda_prefill_matches_kernel_decode(backend_factory, layout):
     _spec, make = backend_factory
-    check_prefill_matches_decode(make(4), ATOL)
+    check_prefill_matches_decode(make(4, **layout), ATOL)
 
 
-def test_cuda_idle_rows_leave_other_slots_alone(backend_factory):
+@pytest.mark.parametrize("layout", [{}, PAGED], ids=["slab", "paged"])
+def test_cuda_idle_rows_leave_other_slots_alone(backend_factory, layout):
     _spec, make = backend_factory
-    check_idle_rows_untouched(make(4), torch.equal)
+    check_idle_rows_untouched(make(4, **layout), torch.equal)
 
 
 def test_cuda_engine_batches_and_preempts(backend_factory):
