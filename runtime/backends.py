@@ -49,6 +49,7 @@ class PagePool:
         self.page_size, self.scratch, self.pages_per_seq = page_size, pages - 1, pages_per_seq
         self.free = list(range(pages - 2, -1, -1))  # popped from the end: page 0 first
         self.held: list[list[int]] = [[] for _ in range(max_batch)]
+        self.refs = [0] * pages  # holders of each page: slots and prefix-cache entries
 
     def ensure(self, slot: int, positions: int) -> None:
         """Give ``slot`` pages for positions [0, positions)."""
@@ -57,10 +58,29 @@ class PagePool:
             raise RuntimeError(f"KV page pool exhausted: slot {slot} needs {need} more pages of {self.page_size} "
                                f"positions, {len(self.free)} free (the engine's kv_pages must not exceed the pool)")
         for _ in range(max(need, 0)):
-            self.held[slot].append(self.free.pop())
+            page = self.free.pop()
+            self.refs[page] = 1
+            self.held[slot].append(page)
+
+    def retain(self, page: int) -> int:
+        self.refs[page] += 1
+        return page
+
+    def drop(self, page: int) -> None:
+        self.refs[page] -= 1
+        if self.refs[page] == 0:
+            self.free.append(page)
+
+    def attach(self, slot: int, index: int, page: int) -> None:
+        """Make ``page`` (held elsewhere, e.g. by the prefix cache) the slot's page ``index``; a
+        slot attaches its leading pages in order, before it takes any of its own."""
+        if len(self.held[slot]) != index:
+            raise ValueError(f"slot {slot} holds {len(self.held[slot])} pages: page {index} cannot be attached")
+        self.held[slot].append(self.retain(page))
 
     def release(self, slot: int) -> None:
-        self.free.extend(reversed(self.held[slot]))
+        for page in reversed(self.held[slot]):
+            self.drop(page)
         self.held[slot] = []
 
     def row(self, slot: int | None) -> list[int]:
@@ -181,6 +201,26 @@ class DecoderBackend:
             k[:, start:] = x[0]
             v[:, start:] = x[1]
         self._scatter(slot, start, full)
+
+    # prefix-cache pages by reference (the paged layout; the engine uses them when shares_pages)
+    @property
+    def shares_pages(self) -> bool:
+        return self.pages is not None
+
+    def retain_page(self, slot: int, index: int) -> int:
+        """The slot's page ``index`` (a full page), kept alive for the prefix cache until dropped."""
+        assert self.pages is not None
+        return self.pages.retain(self.pages.held[slot][index])
+
+    def attach_page(self, slot: int, index: int, page: int) -> None:
+        """Use a retained page as the slot's page ``index`` (no copy; the slot only reads it: its
+        writes start past the pages it attached)."""
+        assert self.pages is not None
+        self.pages.attach(slot, index, page)
+
+    def drop_page(self, page: int) -> None:
+        assert self.pages is not None
+        self.pages.drop(page)
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.max_batch:

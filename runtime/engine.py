@@ -120,11 +120,13 @@ def _pages(positions: int, page_size: int) -> int:
 
 
 class PrefixCache:
-    """Full KV pages keyed by a hash chain of the token ids from position 0 to the page's end."""
+    """Full KV pages keyed by a hash chain of the token ids from position 0 to the page's end. A
+    page is a KV copy, or with a backend that shares pages a page id it keeps alive (``on_evict``
+    lets it go)."""
 
-    def __init__(self, page_size: int):
-        self.page_size = page_size
-        self.pages: OrderedDict[tuple, Any] = OrderedDict()  # key → kv copy, oldest first
+    def __init__(self, page_size: int, on_evict: Callable[[Any], None] | None = None):
+        self.page_size, self.on_evict = page_size, on_evict
+        self.pages: OrderedDict[tuple, Any] = OrderedDict()  # key → kv copy or page id, oldest first
 
     def keys(self, ids: Sequence[int], n_pages: int) -> list[tuple]:
         keys, prev = [], None
@@ -147,7 +149,9 @@ class PrefixCache:
     def evict(self) -> bool:
         if not self.pages:
             return False
-        self.pages.popitem(last=False)
+        _, page = self.pages.popitem(last=False)
+        if self.on_evict is not None:
+            self.on_evict(page)
         return True
 
     def __len__(self) -> int:
@@ -166,8 +170,11 @@ class Engine:
             raise ValueError(f"kv_pages = {self.kv_pages}: expected at least one full context "
                              f"({_pages(backend.context, page_size)} pages of {page_size}), or a request "
                              f"could never run")
-        self.cache = (PrefixCache(page_size) if prefix_cache and hasattr(backend, "read_kv")
-                      and hasattr(backend, "write_kv") else None)
+        # a paged backend shares cached pages by reference (retain / attach / drop); others copy KV
+        self._share = bool(getattr(backend, "shares_pages", False))
+        copies = hasattr(backend, "read_kv") and hasattr(backend, "write_kv")
+        self.cache = (PrefixCache(page_size, backend.drop_page if self._share else None)  # type: ignore[attr-defined]
+                      if prefix_cache and (self._share or copies) else None)
         self.metrics = metrics
         self._lock = threading.Condition()
         self._incoming: deque[_Request] = deque()
@@ -307,7 +314,10 @@ class Engine:
         # keep at least one token to prefill: its logits are the first sample
         kvs = self.cache.match(ids, (len(ids) - 1) // self.page_size)
         for i, kv in enumerate(kvs):
-            self.backend.write_kv(req.slot, i * self.page_size, kv)  # type: ignore[attr-defined]
+            if self._share:
+                self.backend.attach_page(req.slot, i, kv)  # type: ignore[attr-defined]
+            else:
+                self.backend.write_kv(req.slot, i * self.page_size, kv)  # type: ignore[attr-defined]
         n = len(kvs) * self.page_size
         if n and self.metrics:
             self.metrics.on_prefix_hit(n)
@@ -324,7 +334,8 @@ class Engine:
             if self.kv_pages - self._pages_used - len(self.cache) < 1:
                 return  # the cache only takes space nobody holds
             lo = i * self.page_size
-            self.cache.pages[key] = self.backend.read_kv(req.slot, lo, lo + self.page_size)  # type: ignore[attr-defined]
+            self.cache.pages[key] = (self.backend.retain_page(req.slot, i) if self._share  # type: ignore[attr-defined]
+                                     else self.backend.read_kv(req.slot, lo, lo + self.page_size))  # type: ignore[attr-defined]
 
     # -- decode ----------------------------------------------------------------------------------
     def _decode(self) -> None:

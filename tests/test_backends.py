@@ -101,8 +101,9 @@ def test_engine_matches_executor_and_survives_preemption(model):
 
 def test_engine_over_a_paged_cache_of_the_engines_size(model):
     """The backend's pool is exactly the engine's pages (plus the scratch page): the engine's
-    accounting (with the prefix cache's copies counted) keeps the pool from running out, and the
-    tokens are those of the executor, through preemption and prefix-cache hits."""
+    accounting keeps the pool from running out; prefix-cache hits share pages by reference (never
+    a copy); the tokens are those of the executor, through preemption; every page ends free or held
+    by the prefix cache."""
     spec, w = model
     shared = [(j * 5) % 256 for j in range(17)]  # two full 8-position pages every prompt shares
     prompts = [shared + [(i * 13 + j * 7) % 256 for j in range(2 + 3 * i)] for i in range(5)]
@@ -111,16 +112,19 @@ def test_engine_over_a_paged_cache_of_the_engines_size(model):
     want = [greedy_generate(spec, w, p, 20, context=CONTEXT) for p in prompts]
     pages = CONTEXT // 8 + 2
     be = CpuBackend(spec, w, max_batch=3, context=CONTEXT, page_size=8, kv_pages=pages)
-    assert be.pages is not None and be.pages.scratch == pages
+    assert be.pages is not None and be.pages.scratch == pages and be.shares_pages
     eng = Engine(be, tok, page_size=8, kv_pages=pages)
     preempted = record_preemptions(eng)
-    loads: list[int] = []  # prefix-cache pages copied into a slot, by start position
-    write_kv = be.write_kv
-    be.write_kv = lambda slot, start, kv: (loads.append(start), write_kv(slot, start, kv))[1]  # type: ignore[method-assign]
+    attached: list[int] = []  # prefix-cache pages given to a slot, by page index
+    attach = be.attach_page
+    be.attach_page = lambda slot, i, page: (attached.append(i), attach(slot, i, page))[1]  # type: ignore[method-assign]
+    be.write_kv = be.read_kv = None  # type: ignore[assignment,method-assign]  # no copies
     assert _engine_tokens(eng, prompts, params) == want
     assert preempted, "the pool was large enough: preemption was not exercised"
-    assert 8 in loads, "no request reused the shared prompt pages from the prefix cache"
-    assert sorted(be.pages.free) == list(range(pages)), "every page back in the pool"
+    assert 1 in attached, "no request reused the shared prompt pages from the prefix cache"
+    cached = list(eng.cache.pages.values()) if eng.cache is not None else []
+    assert sorted(be.pages.free + cached) == list(range(pages)), "a page leaked or is held twice"
+    assert all(be.pages.refs[p] == 1 for p in cached) and not any(be.pages.held)
 
 
 def test_page_pool_exhaustion_is_a_clear_error(model):
