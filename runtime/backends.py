@@ -16,7 +16,8 @@ Two cache layouts (mkc/ir/kv_layout.py):
 * paged (``page_size`` > 0): a pool of ``kv_pages`` pages per layer plus one scratch page. A slot
   takes pages as its positions grow and gives them back when freed (``PagePool``); an idle row's
   page-table row points at the scratch page, so a step cannot touch any slot's pages. Prefill
-  runs on a gathered copy of the slot's pages and scatters it back.
+  runs on a gathered copy of the slot's pages and scatters back what it wrote. Prefix-cache pages
+  are shared by reference (``retain_page`` / ``attach_page`` / ``drop_page``, reference-counted).
 """
 
 from __future__ import annotations
