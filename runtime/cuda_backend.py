@@ -150,13 +150,7 @@ class CudaDecoder:
         for b in self.schedule.buffers.values():
             dt = TORCH_DTYPES[b.dtype]
             if b.kind == "weight":
-                if b.name not in weights:
-                    raise KeyError(f"weight {b.name} {list(b.shape)} is missing from the weights given "
-                                   f"(see runtime/weights.py for the logical names)")
-                w = weights[b.name]
-                if tuple(w.shape) != b.shape:
-                    raise ValueError(f"weight {b.name}: shape {tuple(w.shape)}, expected {b.shape}")
-                out[b.name] = w.to(device=self.device, dtype=dt).contiguous()
+                out[b.name] = b.given(weights).to(device=self.device, dtype=dt).contiguous()
             elif b.kind in ("state", "input"):
                 out[b.name] = torch.zeros(b.shape, dtype=dt, device=self.device)
             else:  # act, output: poison, so an element read before it is written shows

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import chain
+from typing import Any
 
 import networkx as nx
 import numpy as np
@@ -36,6 +37,17 @@ class Buffer:
         for s in self.shape:
             n *= s
         return n
+
+    def given(self, weights: dict[str, Any]) -> Any:
+        """This weight buffer's tensor in ``weights`` (logical names, runtime/weights.py); raises
+        KeyError when it is missing and ValueError when its shape is not the buffer's."""
+        if self.name not in weights:
+            raise KeyError(f"weight {self.name} {list(self.shape)} is missing from the weights given "
+                           f"({len(weights)} tensors; see runtime/weights.py for the logical names)")
+        w = weights[self.name]
+        if tuple(w.shape) != self.shape:
+            raise ValueError(f"weight {self.name} has shape {list(w.shape)}: expected {list(self.shape)}")
+        return w
 
     @property
     def nbytes(self) -> int:

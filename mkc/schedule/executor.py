@@ -129,13 +129,7 @@ class CpuExecutor:
         for b in self.schedule.buffers.values():
             if b.kind != "weight":
                 continue
-            if b.name not in weights:
-                raise KeyError(f"weight {b.name!r} {list(b.shape)} is missing from the weights given to "
-                               f"CpuExecutor (got {len(weights)} tensors)")
-            w = weights[b.name]
-            if tuple(w.shape) != b.shape:
-                raise ValueError(f"weight {b.name!r} has shape {list(w.shape)}: expected {list(b.shape)}")
-            out[b.name] = w.detach().to(self.storage_dtype(b)).contiguous()
+            out[b.name] = b.given(weights).detach().to(self.storage_dtype(b)).contiguous()
         return out
 
     def _plan(self, t: Task) -> _Plan:
