@@ -30,7 +30,7 @@ from mkc.runtime.bench import (
     write_json,
 )
 from mkc.runtime.cuda_backend import CudaDecoder
-from mkc.schedule.profile import format_profile
+from mkc.schedule.profile import format_chain
 from mkc.schedule.scheduler import schedule
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,7 +59,7 @@ def profile_summary(dec: CudaDecoder, path: str) -> str:
         bw = (by / np.maximum(run[idx], 1e-3)).mean() / 1e3
         lines.append(f"{op.name:<14} {len(idx):>6} {run[idx].sum():>10.0f} {run[idx].mean():>8.2f} "
                      f"{run[idx].max():>8.2f} {wait[idx].sum():>10.0f} {bw:>10.1f}")
-    lines.append(format_profile(dec.schedule, tl).split("\n", 1)[1])  # shares and the critical chain
+    lines.append(format_chain(dec.schedule, tl["start"], tl["end"]))
     per_layer = [tl["end"][[i for i, t in enumerate(tasks) if t.layer == L]].max() for L in range(-1, max(t.layer for t in tasks) + 1)]
     lines.append("layer ends (µs): " + " ".join(f"{x:.0f}" for x in per_layer[:8]) + " ... " +
                  " ".join(f"{x:.0f}" for x in per_layer[-3:]))

@@ -80,9 +80,14 @@ def format_profile(sc: Schedule, timeline: Mapping[str, np.ndarray]) -> str:
         lines[0] += f", waiting {waited / (span * sc.num_sms):.1%}"
     lines.append("share of SM-busy time per op:")
     lines += [f"  {op:<14} {share:6.1%}" for op, share in op_shares(sc, start, end).items()]
+    return "\n".join([*lines, format_chain(sc, start, end)])
+
+
+def format_chain(sc: Schedule, start, end) -> str:
+    """The critical chain's running and hand-off time per op, as text."""
     ch = critical_chain(sc, start, end)
-    lines.append(f"critical chain: {len(ch.tasks)} tasks, running {ch.total_run_us:.0f} µs, "
-                 f"hand-offs {ch.total_handoff_us:.0f} µs:")
+    lines = [f"critical chain: {len(ch.tasks)} tasks, running {ch.total_run_us:.0f} µs, "
+             f"hand-offs {ch.total_handoff_us:.0f} µs:"]
     for op in sorted(ch.run_us, key=lambda o: -(ch.run_us[o] + ch.handoff_us.get(o, 0.0))):
         lines.append(f"  {op:<14} running {ch.run_us[op]:8.0f} µs, waiting after its blocker signalled "
                      f"{ch.handoff_us.get(op, 0.0):6.0f} µs")
