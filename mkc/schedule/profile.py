@@ -86,8 +86,8 @@ def format_profile(sc: Schedule, timeline: Mapping[str, np.ndarray]) -> str:
 def format_chain(sc: Schedule, start, end) -> str:
     """The critical chain's running and hand-off time per op, as text."""
     ch = critical_chain(sc, start, end)
-    lines = [f"critical chain: {len(ch.tasks)} tasks, running {ch.total_run_us:.0f} µs, "
-             f"hand-offs {ch.total_handoff_us:.0f} µs:"]
+    head = f"critical chain: {len(ch.tasks)} tasks, running {ch.total_run_us:.0f} µs, hand-offs {ch.total_handoff_us:.0f} µs:"
+    lines = [head]
     for op in sorted(ch.run_us, key=lambda o: -(ch.run_us[o] + ch.handoff_us.get(o, 0.0))):
         lines.append(f"  {op:<14} running {ch.run_us[op]:8.0f} µs, waiting after its blocker signalled "
                      f"{ch.handoff_us.get(op, 0.0):6.0f} µs")
