@@ -8,7 +8,9 @@ same run. SOL fraction = SOL time / measured step time.
 
 from __future__ import annotations
 
+import gc
 import json
+import math
 import statistics
 import sys
 from dataclasses import asdict, dataclass
@@ -16,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from mkc.ir.kv_layout import pages_per_seq
 from mkc.ir.spec import ModelSpec
 
 BF16 = 2
@@ -86,6 +89,8 @@ def graph_baseline(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int
         for _ in range(2):
             dec.step(tokens, positions)
     torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # the warm-ups' attention scratch, so the capture's pool is the only copy
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         dec.step(tokens, positions)
@@ -109,17 +114,118 @@ def row(engine: str, batch: int, context: int, times: list[float], nbytes: int, 
     return Row(engine, batch, context, t * 1e6, batch / t, nbytes, bw, (nbytes / bw) / t)
 
 
-def format_table(rows: list[Row]) -> str:
+@dataclass
+class Skip:
+    """An engine not run at a (batch, context) point: its memory estimate did not fit (or the GPU ran
+    out of memory anyway)."""
+
+    engine: str  # "mkc" | "torch+graph"
+    batch: int
+    context: int
+    needed: int  # bytes it needed beside the weights (MemoryEstimate.megakernel / .baseline)
+    free: int  # bytes free on the GPU when it was checked, the weights already loaded
+    reason: str  # the whole line, as logged
+
+
+def format_table(rows: list[Row | Skip]) -> str:
     head = f"{'engine':<12} {'batch':>5} {'context':>8} {'step µs':>9} {'tok/s':>8} {'GB read':>8} {'SOL':>6}"
     lines = [head, "-" * len(head)]
     for r in rows:
+        if isinstance(r, Skip):
+            lines.append(f"{r.engine:<12} {r.batch:>5} {r.context:>8}   skipped: needs "
+                         f"{r.needed / 1e9:.1f} GB beside the weights, {r.free / 1e9:.1f} GB free")
+            continue
         lines.append(f"{r.engine:<12} {r.batch:>5} {r.context:>8} {r.step_us:>9.1f} {r.tok_s:>8.1f} "
                      f"{r.bytes / 1e9:>8.3f} {r.sol_fraction:>6.1%}")
     return "\n".join(lines)
 
 
-def write_json(rows: list[Row], path: str | Path, meta: dict) -> None:
-    Path(path).write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1))
+def write_json(rows: list[Row | Skip], path: str | Path, meta: dict) -> None:
+    """``rows``: the timed points; ``skipped``: the engines not run, with the bytes needed and free."""
+    Path(path).write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows if isinstance(r, Row)],
+                                      "skipped": [asdict(r) for r in rows if isinstance(r, Skip)]}, indent=1))
+
+
+# -- device memory ----------------------------------------------------------------------------------
+
+MEMORY_MARGIN = 1 << 30  # activations (0.3 GB at batch 8 on North Mini Code), task words, workspaces
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Device bytes one (batch, context) point of ``mkc bench`` needs. The megakernel and the
+    baseline run one after the other over the same weights, so the peak is the larger of the two."""
+
+    weights: int
+    kv_cache: int  # the megakernel's, in its layout (paged: the pool and the page table)
+    baseline_kv_cache: int  # the PyTorch baseline's (always contiguous)
+    attention_scratch: int  # the baseline's attention, one layer at a time (see memory_estimate)
+    margin: int = MEMORY_MARGIN
+
+    @property
+    def megakernel(self) -> int:
+        """Bytes the megakernel needs beside the weights."""
+        return self.kv_cache + self.margin
+
+    @property
+    def baseline(self) -> int:
+        """Bytes the CUDA-graph baseline needs beside the weights."""
+        return self.baseline_kv_cache + self.attention_scratch + self.margin
+
+    @property
+    def total(self) -> int:
+        return self.weights + max(self.megakernel, self.baseline)
+
+
+def memory_estimate(spec: ModelSpec, batch: int, context: int, page_size: int = 0) -> MemoryEstimate:
+    """What ``mkc bench`` needs on the GPU at ``batch`` sequences of ``context`` positions.
+
+    KV cache: K and V of every layer, ``kv_heads x head_dim`` bf16 per position, for the whole
+    context bucket (sliding layers too). A paged cache (``page_size`` > 0) holds every page of every
+    sequence (the identity page table), so it is never smaller than the contiguous one; it is larger
+    by the last page's rounding and the page table. The baseline's attention scratch is the worst
+    case of torch's SDPA, its math fallback (a boolean mask with grouped KV heads rules out flash
+    attention): K and V of one layer widened to fp32, repeated per query head, and K scaled once more.
+    """
+    from mkc.runtime.weights import weight_shapes
+
+    a = spec.attention
+    position = 2 * spec.num_layers * a.num_kv_heads * a.head_dim * BF16  # K and V, all layers
+    if page_size:
+        pages = batch * pages_per_seq(context, page_size)
+        kv = pages * page_size * position + pages * 4  # the pool; the page table (int32)
+    else:
+        kv = batch * context * position
+    scratch = batch * context * a.head_dim * 4 * (2 * a.num_kv_heads + 3 * a.num_heads)
+    weights = sum(math.prod(shape) for shape in weight_shapes(spec).values()) * BF16
+    return MemoryEstimate(weights, kv, batch * context * position, scratch)
+
+
+def memory_skip(est: MemoryEstimate, engine: str, free: int,
+                contiguous: MemoryEstimate | None = None) -> str | None:
+    """Why ``engine`` ("mkc" or "torch+graph") cannot run beside the loaded weights with ``free``
+    bytes free, or None when it fits. ``contiguous``: the same point with a contiguous KV cache,
+    named in the reason when it would fit where the paged one does not."""
+    G = 1e9
+    if engine == "mkc":
+        need, parts = est.megakernel, f"KV cache {est.kv_cache / G:.1f} GB"
+    else:
+        need = est.baseline
+        parts = (f"KV cache {est.baseline_kv_cache / G:.1f} GB + attention scratch "
+                 f"{est.attention_scratch / G:.1f} GB")
+    if need <= free:
+        return None
+    why = (f"{engine} needs {need / G:.1f} GB beside the {est.weights / G:.1f} GB of weights ({parts} + "
+           f"{est.margin / G:.1f} GB margin), {free / G:.1f} GB free")
+    if engine == "mkc" and contiguous is not None and contiguous.megakernel <= free:
+        why += f"; the contiguous KV cache (--page-size 0) needs {contiguous.megakernel / G:.1f} GB and fits"
+    return why
+
+
+def free_memory() -> int:
+    """Bytes free on the current GPU once torch has handed its cached blocks back to the driver."""
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info()[0]
 
 
 # -- mkc bench ------------------------------------------------------------------------------------
@@ -138,11 +244,6 @@ def device_random_weights(spec: ModelSpec, seed: int, device: str = "cuda") -> d
     return out
 
 
-def _kv_bytes(spec: ModelSpec, batch: int, context: int) -> int:
-    a = spec.attention
-    return spec.num_layers * batch * a.num_kv_heads * context * a.head_dim * 2 * BF16
-
-
 def time_step(dec, spec: ModelSpec, batch: int, context: int, bw: float, reps: int) -> tuple[float, float, list[float]]:
     """Time ``reps`` launches of a decoder whose inputs are in place (after 2 warm-ups): the median
     step (s), its speed-of-light fraction (the distinct experts it routed, read bandwidth ``bw``)
@@ -155,57 +256,88 @@ def time_step(dec, spec: ModelSpec, batch: int, context: int, bw: float, reps: i
 
 
 def run_bench(spec: ModelSpec, weights: dict[str, torch.Tensor], batches: list[int], contexts: list[int], *,
-              reps: int = 20, profile_dir: Path | None = None, page_size: int = 0, log=print) -> list[Row]:
+              reps: int = 20, profile_dir: Path | None = None, page_size: int = 0,
+              log=print) -> list[Row | Skip]:
     """Megakernel and CUDA-graph PyTorch baseline, side by side, per (batch, context); the
-    megakernel's KV cache paged when ``page_size`` > 0 (under the identity page table)."""
+    megakernel's KV cache paged when ``page_size`` > 0 (under the identity page table).
+
+    Before each engine allocates anything its memory estimate (memory_estimate) is compared with
+    the GPU's free memory: an engine that does not fit is skipped with a Skip saying what it needed
+    and what was free (as is one that runs out of memory anyway), and the other points still run."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    bw = measure_read_bandwidth()
+    log(f"read bandwidth {bw / 1e12:.2f} TB/s (torch sum over 4 GiB, this run)")
+    out: list[Row | Skip] = []
+    for batch in batches:
+        for context in contexts:
+            est = memory_estimate(spec, batch, context, page_size)
+            contiguous = memory_estimate(spec, batch, context) if page_size else None
+            for engine in ("mkc", "torch+graph"):
+                free = free_memory()
+                why = memory_skip(est, engine, free, contiguous)
+                need = est.megakernel if engine == "mkc" else est.baseline
+                if why is None:
+                    try:
+                        if engine == "mkc":
+                            out.append(_megakernel_row(spec, weights, batch, context, sms=sms, bw=bw,
+                                                       reps=reps, page_size=page_size,
+                                                       profile_dir=profile_dir, log=log))
+                        else:
+                            out.append(_baseline_row(spec, weights, batch, context, bw=bw, reps=reps))
+                        continue
+                    except torch.cuda.OutOfMemoryError as e:
+                        why = (f"{engine} ran out of device memory although its estimate "
+                               f"({need / 1e9:.1f} GB) fit in {free / 1e9:.1f} GB free: {str(e).splitlines()[0]}")
+                    gc.collect()  # the failed engine's tensors, held by its traceback's frames
+                    torch.cuda.empty_cache()
+                out.append(Skip(engine, batch, context, need, free, why))
+                log(f"batch {batch} context {context}: skipped: {why}")
+            m, b = out[-2], out[-1]
+            if isinstance(m, Row) and isinstance(b, Row):
+                log(f"batch {batch} context {context}: mkc {m.step_us:.1f} µs ({m.sol_fraction:.1%} SOL), "
+                    f"torch+graph {b.step_us:.1f} µs ({b.sol_fraction:.1%} SOL), speed-up {b.step_us / m.step_us:.2f}x")
+    return out
+
+
+def _megakernel_row(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context: int, *, sms: int,
+                    bw: float, reps: int, page_size: int, profile_dir: Path | None, log) -> Row:
+    """Time the megakernel at one point (random KV cache, every sequence at position context - 1);
+    its buffers are freed on return."""
     from mkc.ir.lower import lower
     from mkc.runtime.cuda_backend import CudaDecoder
     from mkc.schedule.scheduler import schedule
 
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    bw = measure_read_bandwidth()
-    log(f"read bandwidth {bw / 1e12:.2f} TB/s (torch sum over 4 GiB, this run)")
-    rows: list[Row] = []
-    for batch in batches:
-        for context in contexts:
-            free, _ = torch.cuda.mem_get_info()
-            if 2.2 * _kv_bytes(spec, batch, context) > free:
-                log(f"batch {batch} context {context}: skipped, two KV caches of "
-                    f"{_kv_bytes(spec, batch, context) / 1e9:.1f} GB do not fit in {free / 1e9:.1f} GB free")
-                continue
-            tokens = torch.randint(0, spec.vocab_size, (batch,), dtype=torch.int32)
-            positions = torch.full((batch,), context - 1, dtype=torch.int32)
-            sc = schedule(lower(spec, batch, context, sms, page_size=page_size), spec.name)
-            dec = CudaDecoder(sc, spec, weights)
-            for layer in range(spec.num_layers):
-                for t in dec.kv_cache(layer):
-                    t.normal_()
-            dec.step(tokens, positions)
-            times = time_cuda(dec.launch, reps=reps, warmup=2)
-            dec.check()
-            routed = [dec.buffers[f"L{i}.moe_selected"]
-                      for i, ls in enumerate(spec.layers) if ls.mlp == "moe"]
-            nbytes = step_bytes(spec, batch, context, routed)
-            rows.append(row("mkc", batch, context, times, nbytes, bw))
-            art = dec.artifact
-            log(f"batch {batch}: kernel {art.name}: {art.regs} registers/thread, {art.dynamic_smem} B dynamic + "
-                f"{art.smem} B static shared memory per CTA, {dec.launch_config.threads} threads, "
-                f"grid {dec.launch_config.grid}")
-            if profile_dir is not None:
-                _write_profile(dec, sc, spec, Path(profile_dir) / f"trace-b{batch}-c{context}.json")
-            dec.close()
-            del dec
-            torch.cuda.empty_cache()
-            replay, base = graph_baseline(spec, weights, batch, context)
-            btimes = time_cuda(replay, reps=reps, warmup=2)
-            routed = [r.clone() for r in base.routed]
-            rows.append(row("torch+graph", batch, context, btimes, step_bytes(spec, batch, context, routed), bw))
-            del replay, base
-            torch.cuda.empty_cache()
-            m, b = rows[-2], rows[-1]
-            log(f"batch {batch} context {context}: mkc {m.step_us:.1f} µs ({m.sol_fraction:.1%} SOL), "
-                f"torch+graph {b.step_us:.1f} µs ({b.sol_fraction:.1%} SOL), speed-up {b.step_us / m.step_us:.2f}x")
-    return rows
+    tokens = torch.randint(0, spec.vocab_size, (batch,), dtype=torch.int32)
+    positions = torch.full((batch,), context - 1, dtype=torch.int32)
+    sc = schedule(lower(spec, batch, context, sms, page_size=page_size), spec.name)
+    dec = CudaDecoder(sc, spec, weights)
+    try:
+        for layer in range(spec.num_layers):
+            for t in dec.kv_cache(layer):
+                t.normal_()
+        dec.step(tokens, positions)
+        times = time_cuda(dec.launch, reps=reps, warmup=2)
+        dec.check()
+        routed = [dec.buffers[f"L{i}.moe_selected"].clone()
+                  for i, ls in enumerate(spec.layers) if ls.mlp == "moe"]
+        art = dec.artifact
+        log(f"batch {batch}: kernel {art.name}: {art.regs} registers/thread, {art.dynamic_smem} B dynamic + "
+            f"{art.smem} B static shared memory per CTA, {dec.launch_config.threads} threads, "
+            f"grid {dec.launch_config.grid}")
+        if profile_dir is not None:
+            _write_profile(dec, sc, spec, Path(profile_dir) / f"trace-b{batch}-c{context}.json")
+    finally:
+        dec.close()
+    return row("mkc", batch, context, times, step_bytes(spec, batch, context, routed), bw)
+
+
+def _baseline_row(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context: int, *, bw: float,
+                  reps: int) -> Row:
+    """Time the CUDA-graph PyTorch baseline at one point; its cache and graph are freed on return."""
+    replay, base = graph_baseline(spec, weights, batch, context)
+    times = time_cuda(replay, reps=reps, warmup=2)
+    routed = [r.clone() for r in base.routed]
+    return row("torch+graph", batch, context, times, step_bytes(spec, batch, context, routed), bw)
 
 
 def _write_profile(dec, sc, spec: ModelSpec, path: Path) -> None:
@@ -260,6 +392,11 @@ def bench_main(a) -> int:
     if not cuda_available():
         print("mkc: error: bench needs a CUDA GPU and none is usable here: expected an H100/H200 (sm_90a)",
               file=sys.stderr)
+        return 2
+    weights_bytes, free = memory_estimate(spec, 1, min(contexts)).weights, free_memory()
+    if weights_bytes + MEMORY_MARGIN > free:
+        print(f"mkc: error: the weights of {spec.name} ({weights_bytes / 1e9:.1f} GB in bf16) do not fit in the "
+              f"{free / 1e9:.1f} GB free on {torch.cuda.get_device_name(0)}", file=sys.stderr)
         return 2
     if a.checkpoint:
         from mkc.runtime.weights import load_checkpoint

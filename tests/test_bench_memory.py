@@ -1,0 +1,168 @@
+"""``mkc bench``'s device-memory estimate and the points it skips (runtime/bench.py), on the CPU:
+the free-memory query and the two timed engines are monkeypatched, so no GPU is needed."""
+
+from __future__ import annotations
+
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from mkc.ir.lower import lower
+from mkc.ir.spec import load_spec
+from mkc.runtime import bench
+from mkc.runtime.bench import MEMORY_MARGIN, Row, Skip, format_table, memory_estimate, memory_skip, write_json
+
+GB = 1e9
+H200 = 141 * GB  # the weights and everything else share it
+
+
+@pytest.fixture(scope="module")
+def nmc():
+    return load_spec("configs/north_mini_code.yaml")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_spec("configs/tiny.yaml")
+
+
+@pytest.mark.parametrize("page_size", [0, 4, 12])
+def test_estimate_is_the_lowered_buffers(tiny, page_size):
+    """Weights and the megakernel's KV cache (pool and page table when paged) are exactly the bytes
+    of the buffers the lowering declares, for a page size that divides the context and one that
+    does not."""
+    prog = lower(tiny, batch=3, context=40, num_sms=8, page_size=page_size)
+    est = memory_estimate(tiny, 3, 40, page_size)
+    assert est.weights == sum(b.nbytes for b in prog.buffers.values() if b.kind == "weight")
+    kv = sum(b.nbytes for n, b in prog.buffers.items() if n.endswith("_cache") or n == "page_table")
+    assert est.kv_cache == kv
+    assert est.kv_cache >= est.baseline_kv_cache  # a full pool is never smaller than the slab
+
+
+def test_north_mini_code_on_an_h200(nmc):
+    """61 GB of bf16 weights; 2 (K, V) x 4 KV heads x 128 x 2 bytes per position and layer, 49
+    layers. Batch 8 at 128K positions does not fit in 141 GB in either layout; the rest does."""
+    est = memory_estimate(nmc, 8, 131072)
+    assert 60 * GB < est.weights < 62 * GB
+    assert est.kv_cache == est.baseline_kv_cache == 49 * 8 * 131072 * (2 * 4 * 128 * 2)
+    assert est.weights + est.megakernel > H200 and est.total > H200
+    assert memory_estimate(nmc, 8, 131072, page_size=256).weights + memory_estimate(
+        nmc, 8, 131072, page_size=256).megakernel > H200
+    for batch, context in [(1, 8192), (1, 32768), (1, 131072), (8, 8192), (8, 32768)]:
+        for page_size in (0, 256):
+            assert memory_estimate(nmc, batch, context, page_size).total < H200, (batch, context, page_size)
+
+
+def test_baseline_needs_its_attention_scratch(nmc):
+    """The baseline's SDPA math fallback widens one layer's K and V to fp32 per query head."""
+    est = memory_estimate(nmc, 1, 8192)
+    assert est.attention_scratch == 8192 * 128 * 4 * (2 * 4 + 3 * 32)
+    assert est.baseline == est.baseline_kv_cache + est.attention_scratch + MEMORY_MARGIN
+    assert est.total == est.weights + est.baseline
+
+
+def test_memory_skip_says_what_was_needed_and_free(nmc):
+    est = memory_estimate(nmc, 8, 131072)
+    assert memory_skip(est, "mkc", free=200 * GB) is None
+    why = memory_skip(est, "mkc", free=80 * GB)
+    assert why.startswith("mkc needs 106.3 GB beside the 61.0 GB of weights (KV cache 105.2 GB")
+    assert why.endswith("80.0 GB free")
+    why = memory_skip(est, "torch+graph", free=80 * GB)
+    assert "KV cache 105.2 GB + attention scratch 55.8 GB" in why and "162.1 GB" in why
+
+
+def test_paged_skip_names_the_contiguous_layout_when_it_fits(tiny):
+    """A page that does not divide the context rounds every sequence up to whole pages: where that
+    no longer fits and the contiguous cache would, the reason says so."""
+    paged, contiguous = memory_estimate(tiny, 8, 40, page_size=32), memory_estimate(tiny, 8, 40)
+    assert paged.kv_cache > contiguous.kv_cache
+    free = (paged.megakernel + contiguous.megakernel) // 2
+    why = memory_skip(paged, "mkc", free, contiguous)
+    assert why is not None and "contiguous KV cache (--page-size 0)" in why and "fits" in why
+    assert "--page-size 0" not in memory_skip(paged, "mkc", contiguous.megakernel - 1, contiguous)
+
+
+class FakeGPU:
+    """torch.cuda's free-memory query and the two timed engines, faked: ``free`` bytes free; a timed
+    engine is recorded and returns a row (or raises ``fail``)."""
+
+    def __init__(self, monkeypatch, free: float, fail: dict | None = None):
+        self.free, self.fail, self.ran = int(free), fail or {}, []
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (self.free, int(H200)))
+        monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: SimpleNamespace(multi_processor_count=132))
+        monkeypatch.setattr(bench, "measure_read_bandwidth", lambda: 4e12)
+        monkeypatch.setattr(bench, "_megakernel_row", lambda spec, w, b, c, **kw: self._run("mkc", b, c))
+        monkeypatch.setattr(bench, "_baseline_row", lambda spec, w, b, c, **kw: self._run("torch+graph", b, c))
+
+    def _run(self, engine: str, batch: int, context: int) -> Row:
+        if (engine, batch, context) in self.fail:
+            raise self.fail[(engine, batch, context)]
+        self.ran.append((engine, batch, context))
+        return bench.row(engine, batch, context, [1e-3], 10**9, 4e12)
+
+
+def test_points_that_do_not_fit_are_skipped_and_the_rest_run(nmc, monkeypatch, tmp_path):
+    """Batch 1 and 8 at 8K, 32K and 128K on an H200 with the weights loaded (80 GB free): batch 8
+    at 128K is skipped for both engines with what each needed; every other point runs."""
+    gpu = FakeGPU(monkeypatch, free=H200 - 61 * GB)
+    log = []
+    out = bench.run_bench(nmc, {}, [1, 8], [8192, 32768, 131072], reps=1, log=log.append)
+    skipped = [r for r in out if isinstance(r, Skip)]
+    assert [(s.engine, s.batch, s.context) for s in skipped] == [("mkc", 8, 131072), ("torch+graph", 8, 131072)]
+    est = memory_estimate(nmc, 8, 131072)
+    assert [s.needed for s in skipped] == [est.megakernel, est.baseline]
+    assert all(s.free == gpu.free for s in skipped)
+    want = [(e, b, c) for b in (1, 8) for c in (8192, 32768, 131072) for e in ("mkc", "torch+graph")
+            if (b, c) != (8, 131072)]
+    assert gpu.ran == want
+    assert sum("skipped: mkc needs 106.3 GB" in line for line in log) == 1
+    table = format_table(out)
+    assert "skipped: needs 106.3 GB beside the weights, 80.0 GB free" in table
+    assert len(table.splitlines()) == 2 + 12
+    write_json(out, tmp_path / "bench.json", {})
+    d = json.loads((tmp_path / "bench.json").read_text())
+    assert len(d["rows"]) == 10 and [s["engine"] for s in d["skipped"]] == ["mkc", "torch+graph"]
+    assert d["skipped"][0]["needed"] == est.megakernel and d["skipped"][0]["free"] == gpu.free
+    assert "80.0 GB free" in d["skipped"][0]["reason"]
+
+
+def test_baseline_alone_can_be_skipped(nmc, monkeypatch):
+    """The megakernel fits where the baseline (its attention scratch too) does not: only the baseline
+    is skipped, and the megakernel's row is kept."""
+    est = memory_estimate(nmc, 8, 32768)
+    gpu = FakeGPU(monkeypatch, free=(est.megakernel + est.baseline) // 2)
+    out = bench.run_bench(nmc, {}, [8], [32768], reps=1, log=lambda s: None)
+    assert isinstance(out[0], Row) and out[0].engine == "mkc"
+    assert isinstance(out[1], Skip) and out[1].engine == "torch+graph" and "attention scratch" in out[1].reason
+    assert gpu.ran == [("mkc", 8, 32768)]
+
+
+def test_out_of_memory_anyway_is_a_skip(nmc, monkeypatch):
+    """An engine that runs out of memory although its estimate fit is skipped too, and the next
+    engine and point still run."""
+    oom = torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
+    gpu = FakeGPU(monkeypatch, free=H200 - 61 * GB, fail={("mkc", 1, 8192): oom})
+    out = bench.run_bench(nmc, {}, [1], [8192, 32768], reps=1, log=lambda s: None)
+    assert isinstance(out[0], Skip) and "ran out of device memory" in out[0].reason
+    assert out[0].reason.endswith("Tried to allocate 2.00 GiB")
+    assert gpu.ran == [("torch+graph", 1, 8192), ("mkc", 1, 32768), ("torch+graph", 1, 32768)]
+
+
+def test_bench_refuses_weights_that_do_not_fit(nmc, monkeypatch, capsys):
+    """Before it makes the weights, mkc bench checks they fit: one clear error, no allocation."""
+    import mkc.runtime.cuda_backend as cb
+
+    FakeGPU(monkeypatch, free=40 * GB)
+    monkeypatch.setattr(cb, "cuda_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100-SXM4-40GB")
+    monkeypatch.setattr(bench, "device_random_weights", lambda *a: pytest.fail("weights made anyway"))
+    a = SimpleNamespace(config="configs/north_mini_code.yaml", batch=[1], context=[8192], page_size=0,
+                        checkpoint=None, seed=0, output="unused", reps=1, profile=False)
+    assert bench.bench_main(a) == 2
+    err = capsys.readouterr().err
+    assert "weights of north_mini_code (61.0 GB in bf16) do not fit in the 40.0 GB free" in err
+    assert math.isclose(memory_estimate(nmc, 1, 8192).weights / GB, 61.0, abs_tol=0.05)
