@@ -75,6 +75,22 @@ def test_attention_splits_scale_with_context(tiny):
     assert s(long) == s(short)
 
 
+def test_attention_splits_fill_one_wave_then_grow_in_keys(tiny):
+    """The split count of a global layer grows with the context only up to one wave of the SMs
+    (num_sms / (batch x kv_heads) splits per stream); past it each split takes more keys. So North
+    Mini Code at batch 1 has 128 splits per global layer at 8K and 32K positions (132 at 128K), of
+    256, 1024 and 4032 keys, and the splits always cover the context."""
+    def global_layer(context):
+        ts = [t for t in lower(tiny, batch=1, context=context, num_sms=16).tasks
+              if t.op == Opcode.ATTN_SPLIT and t.layer == 0]
+        assert len({t.arg("split") for t in ts}) * ts[0].arg("split_keys") >= context
+        return len(ts), ts[0].arg("split_keys")
+
+    (n1, k1), (n2, k2), (n3, k3), (n4, k4) = (global_layer(c) for c in (512, 2048, 8192, 32768))
+    assert n1 < n2 == n3 == n4 == 16  # 2 KV heads x 8 splits: one wave of 16 SMs
+    assert k1 == k2 < k3 < k4
+
+
 def test_moe_slots_cover_batch_times_top_k(tiny):
     for b, slots in [(1, 4), (2, 8), (8, 16)]:
         prog = lower(tiny, batch=b, context=16, num_sms=8)
@@ -89,9 +105,9 @@ def test_tiling_rule():
     assert row_tile(96, 256, 1, 8, 32) == 96  # tiny op: one task (min bytes per task)
 
 
-@pytest.mark.parametrize("kw", [dict(batch=0), dict(batch=9), dict(context=0), dict(num_sms=0)])
+@pytest.mark.parametrize("kw", [{"batch": 0}, {"batch": 9}, {"context": 0}, {"num_sms": 0}])
 def test_bad_options(tiny, kw):
-    args = dict(batch=1, context=16, num_sms=8) | kw
+    args = {"batch": 1, "context": 16, "num_sms": 8} | kw
     with pytest.raises(SpecError):
         lower(tiny, **args)
 
