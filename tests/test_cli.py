@@ -11,7 +11,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def mkc(*args, cwd=ROOT):
-    return subprocess.run([sys.executable, "-m", "mkc.cli", *map(str, args)], capture_output=True, text=True, cwd=cwd)
+    return subprocess.run([sys.executable, "-m", "mkc.cli", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, check=False)
 
 
 @pytest.fixture(scope="module")
