@@ -5,7 +5,9 @@
 Each variant is a set of CodegenOptions (one kernel binary each); every variant runs the same
 schedule, weights and KV cache, so differences are the kernel's alone. Timing as in
 megakernel_step.py: one warm-up, then ``reps`` steps timed one by one with CUDA events, median.
-Variants that differ only in prefetch hints compute bitwise the same step.
+Variants that differ only in prefetch hints or in how weights reach the registers (register batches
+or the shared-memory ring) compute bitwise the same step: each variant's logits are compared with
+the first variant's, and the same step is rerun (--repeat) to check it is deterministic.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ VARIANTS: dict[str, CodegenOptions] = {
     "desc-global": dataclasses.replace(PREFETCH_ALL, desc_mode=0),
     "desc-shared-ca": dataclasses.replace(PREFETCH_ALL, desc_mode=2),
     "default": CodegenOptions(),
+    "unroll-4": CodegenOptions(gemv_unroll=4),
+    "ring-8k": CodegenOptions(gemv_ring_bytes=8 * 1024),
+    "ring-16k": CodegenOptions(gemv_ring_bytes=16 * 1024),
 }
 
 
@@ -44,6 +49,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--repeat", type=int, default=2, help="steps rerun on the same inputs to check determinism")
     ap.add_argument("--build-only", action="store_true", help="compile every variant's kernel (no GPU) and exit")
     ap.add_argument("--sms", type=int, default=132, help="SM count for --build-only")
     a = ap.parse_args()
@@ -71,10 +77,13 @@ def main() -> None:
                 for t in dec.kv_cache(layer):
                     t.normal_(generator=g)
             logits, _ = dec.step(tokens, positions)
-            same = "reference" if ref is None else ("bitwise equal" if torch.equal(ref, logits) else
-                                                     f"DIFFERS (max abs {float((ref - logits).abs().max()):.3g})")
+            repeat = all(torch.equal(logits, dec.step(tokens, positions)[0]) for _ in range(a.repeat))
             if ref is None:
                 ref = logits.clone()
+            same = "bitwise equal to the first" if torch.equal(ref, logits) else (
+                f"DIFFERS from the first (max abs {float((ref - logits).abs().max()):.3g}, "
+                f"max |logit| {float(ref.abs().max()):.3g})")
+            same += f"; {a.repeat} more steps " + ("bitwise the same" if repeat else "DIFFER (a race)")
             t, sol, times = time_step(dec, spec, batch, a.context, bw, a.reps)
             print(f"batch {batch} {name:<26} {t * 1e6:9.1f} µs  {batch / t:7.1f} tok/s  {sol:6.1%} SOL  "
                   f"(min {min(times) * 1e6:.1f}, max {max(times) * 1e6:.1f})  logits {same}  "

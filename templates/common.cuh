@@ -107,6 +107,12 @@ __device__ __forceinline__ void cp_async16_ca(void* smem_dst, const void* gsrc) 
 
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
+// cp.async groups: commit this thread's uncommitted copies as one group; wait until at most N of
+// its groups are still in flight (the older ones have landed).
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait_group() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
 // CTA-wide barrier that threads may reach from different code locations (the non-.aligned form;
 // __syncthreads() is bar.sync, which must be the same instruction in every thread): GEMV tiles
 // finish their activations' staging inside the weight stream, at a warp-dependent point.

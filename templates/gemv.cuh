@@ -28,6 +28,9 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], u32 a0, u32 a1, u32 a2,
 constexpr int XS_PAD = 32;
 __device__ __forceinline__ int xs_ld(int k) { return k + XS_PAD; }
 
+// The k-split reduction's floats: per warp, two row sets' fragments.
+constexpr int GEMV_RED_FLOATS = NUM_WARPS * 2 * 4 * 32;
+
 // Stage x[:, k0:k0+k] (bf16 [nrows, x_ld]) into shared memory as the 8 columns of the B operand
 // (columns >= nrows zero): the tokens of a GEMV, or the query heads of an attention tile.
 __device__ __forceinline__ void stage_x(bf16* xs, const bf16* x, int x_ld, int k0, int k, int nrows = BATCH) {
@@ -42,10 +45,11 @@ __device__ __forceinline__ void stage_x(bf16* xs, const bf16* x, int x_ld, int k
 // Stage the RMSNorm of the f32 residual stream x [BATCH, HIDDEN] with weight w, columns
 // [k0, k0 + k), as stage_x would stage the normed activations: xn = bf16(x * r * w) with
 // r = rsqrt(mean(x^2) + eps). stage_norm_async copies the rows and the weight columns into
-// `scratch` (NORM_SCRATCH_BYTES of shared memory) with cp.async; stage_norm_finish waits for them,
-// then one warp per token sums the squares quad by quad per lane and across the warp in a fixed
-// order (every consumer of a norm stages the same values) and scales its columns into xs (rows
-// >= BATCH zero). A barrier must follow before xs is read.
+// `scratch` (NORM_SCRATCH_BYTES of shared memory) with cp.async. Once every thread has waited for
+// its own copies (gemv_tile does), stage_norm_finish publishes them with a barrier; then one warp
+// per token sums the squares quad by quad per lane and across the warp in a fixed order (every
+// consumer of a norm stages the same values) and scales its columns into xs (rows >= BATCH zero).
+// A barrier must follow before xs is read.
 constexpr int NORM_QUADS = HIDDEN / 4;
 constexpr int NORM_SCRATCH_BYTES = BATCH * HIDDEN * 4 + HIDDEN * 2;
 static_assert(HIDDEN % 8 == 0, "RMSNorm staging copies 16-byte pieces of the weight");
@@ -59,7 +63,6 @@ __device__ __forceinline__ void stage_norm_async(const float* x, const bf16* w, 
 __device__ __forceinline__ void stage_norm_finish(bf16* xs, int k0, int k, const unsigned char* scratch) {
     const float4* xq = reinterpret_cast<const float4*>(scratch);
     const uint2* wq = reinterpret_cast<const uint2*>(scratch + BATCH * HIDDEN * 4);
-    cp_async_wait_all();
     cta_barrier();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, ld = xs_ld(k), q0 = k0 / 4, nq = k / 4;
 #pragma unroll 1
@@ -90,7 +93,7 @@ __device__ __forceinline__ void stage_norm_finish(bf16* xs, int k0, int k, const
 }
 
 // stage_x with cp.async (16-byte copies straight into the tile; rows >= nrows zeroed by stores):
-// completes at cp_async_wait_all, published by a barrier (CopyFinish in ops.cuh).
+// completes at the issuing thread's cp.async wait, published by a barrier (CopyFinish in ops.cuh).
 __device__ __forceinline__ void stage_x_async(bf16* xs, const bf16* x, int x_ld, int k0, int k, int nrows = BATCH) {
     const int ld = xs_ld(k), chunks = k / 8;
     for (int i = threadIdx.x; i < 8 * chunks; i += NUM_THREADS) {
@@ -179,11 +182,93 @@ __device__ __forceinline__ void gemv_prefetch(const bf16* const (&w0)[NACC], con
     }
 }
 
+// ---- the shared-memory weight ring (GEMV_RING_BYTES > 0) ----------------------------------------
+// Instead of two register batches, each warp keeps its weight stream in flight through a ring of
+// GEMV_RING_BYTES of shared memory: stage s holds one 64-wide block of every row set, and each
+// lane copies (cp.async, 16 bytes, L2 only) exactly the four 16-byte pieces per row set it later
+// reads, so a lane waits only for its own copies (cp.async.wait_group) and no barrier is needed.
+// ring_stages - 1 blocks are in flight while one is multiplied. The products are the same, in the
+// same order, as the register path's: the two paths give bitwise equal results.
+extern __shared__ __align__(128) unsigned char gemv_dyn_smem[];  // the kernel's dynamic shared memory
+
+template <int NACC>
+__host__ __device__ constexpr int ring_stages() { return GEMV_RING_BYTES / (NACC * 4 * 32 * 16); }
+
+// this lane's slot 0 of the warp's ring; piece j of stage s is at [(s * NACC * 4 + j) * 32]
+__device__ __forceinline__ uint4* gemv_ring_lane() {
+    return reinterpret_cast<uint4*>(gemv_dyn_smem + GEMV_RING_OFF + (threadIdx.x / 32) * GEMV_RING_BYTES) +
+           threadIdx.x % 32;
+}
+
+// Copy block kbu of rows (g, g + 8) of every row set into stage st, as one cp.async group (empty
+// past kb_end or for rows past the tile, which the reader replaces by zeros).
+template <int NACC>
+__device__ __forceinline__ void ring_issue(uint4* ring, int st, const bf16* const (&w0)[NACC],
+                                           const bf16* const (&w1)[NACC], bool v0, bool v1, int kbu, int kb_end) {
+    if (kbu < kb_end) {
+        const int k = kbu * 64;
+        uint4* s = ring + st * NACC * 4 * 32;
+#pragma unroll
+        for (int a = 0; a < NACC; ++a) {
+            if (v0) {
+                cp_async16(s + (4 * a + 0) * 32, w0[a] + k);
+                cp_async16(s + (4 * a + 1) * 32, w0[a] + k + 32);
+            }
+            if (v1) {
+                cp_async16(s + (4 * a + 2) * 32, w1[a] + k);
+                cp_async16(s + (4 * a + 3) * 32, w1[a] + k + 32);
+            }
+        }
+    }
+    cp_async_commit();
+}
+
+// gemv_item through the ring. The thread's earlier copies (the activations' staging, the next task
+// record) are committed first as their own group, so `finish` waits for them alone.
+template <int NACC, class Fin>
+__device__ __forceinline__ void gemv_item_ring(const bf16* const (&w0)[NACC], const bf16* const (&w1)[NACC], bool v0,
+                                               bool v1, const bf16* xrow, int kb_begin, int kb_step, int kb_end,
+                                               float (&acc)[NACC][4], const Fin& finish, bool first) {
+    constexpr int S = ring_stages<NACC>();
+    static_assert(S >= 2, "the GEMV ring needs at least two stages");
+    uint4* ring = gemv_ring_lane();
+    cp_async_commit();
+#pragma unroll
+    for (int i = 0; i < S - 1; ++i) ring_issue<NACC>(ring, i, w0, w1, v0, v1, kb_begin + i * kb_step, kb_end);
+    if (first) {
+        cp_async_wait_group<S - 1>();
+        finish();
+    }
+    int st = 0;
+#pragma unroll 1
+    for (int kb = kb_begin; kb < kb_end; kb += kb_step) {
+        // refill the stage consumed last iteration (its values are in the registers the MMAs used)
+        ring_issue<NACC>(ring, st == 0 ? S - 1 : st - 1, w0, w1, v0, v1, kb + (S - 1) * kb_step, kb_end);
+        cp_async_wait_group<S - 1>();  // block kb has landed
+        const uint4* s = ring + st * NACC * 4 * 32;
+        const int k = kb * 64;
+        const uint4 xa = lds16(xrow + k), xb = lds16(xrow + k + 32);
+        const u32 xw[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+#pragma unroll
+        for (int a = 0; a < NACC; ++a) {
+            const uint4 l0 = v0 ? s[(4 * a + 0) * 32] : zero4(), l1 = v0 ? s[(4 * a + 1) * 32] : zero4();
+            const uint4 h0 = v1 ? s[(4 * a + 2) * 32] : zero4(), h1 = v1 ? s[(4 * a + 3) * 32] : zero4();
+            const u32 lo[8] = {l0.x, l0.y, l0.z, l0.w, l1.x, l1.y, l1.z, l1.w};
+            const u32 hi[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
+#pragma unroll
+            for (int q = 0; q < 4; ++q)
+                mma_16816(acc[a], lo[2 * q], hi[2 * q], lo[2 * q + 1], hi[2 * q + 1], xw[2 * q], xw[2 * q + 1]);
+        }
+        st = st + 1 == S ? 0 : st + 1;
+    }
+}
+
 // Accumulate one warp item: rows (g, g + 8) of each of the NACC weight row sets over the blocks
 // kb_begin, kb_begin + kb_step, ... < kb_end (64 elements each). Software-pipelined over two
 // register batches of U blocks: the loads of one batch are in flight while the other is
 // multiplied, so the stream never drains between batches; for weights (NC), L2 prefetches run
-// GEMV_PF_BATCHES batches further ahead.
+// GEMV_PF_BATCHES batches further ahead. With a weight ring (GEMV_RING_BYTES), weights stream
+// through shared memory instead (gemv_item_ring).
 // With `first`, the tile's `finish` (the end of the activations' staging, see gemv_tile) runs
 // once the first batch's loads are issued, so their round trips overlap.
 template <int NACC, bool NC = true, class Fin>
@@ -191,11 +276,18 @@ __device__ __forceinline__ void gemv_item(const bf16* const (&w0)[NACC],
                                           const bf16* const (&w1)[NACC], bool v0, bool v1, const bf16* xrow,
                                           int kb_begin, int kb_step, int kb_end, float (&acc)[NACC][4],
                                           const Fin& finish, bool first) {
+    if constexpr (NC && GEMV_RING_BYTES > 0) {
+        gemv_item_ring<NACC>(w0, w1, v0, v1, xrow, kb_begin, kb_step, kb_end, acc, finish, first);
+        return;
+    }
     constexpr int U = gemv_batch_blocks<NACC>();
     const int batch = U * kb_step;
     uint4 wa[U][NACC][2][2], wb[U][NACC][2][2];
     gemv_load<U, NACC, NC>(wa, w0, w1, v0, v1, kb_begin, kb_step, kb_end);
-    if (first) finish();
+    if (first) {
+        cp_async_wait_all();
+        finish();
+    }
     for (int kb = kb_begin; kb < kb_end; kb += 2 * batch) {
         gemv_load<U, NACC, NC>(wb, w0, w1, v0, v1, kb + batch, kb_step, kb_end);
         if constexpr (NC && GEMV_PF_BATCHES >= 0)
@@ -242,12 +334,17 @@ __device__ __forceinline__ void gemv_tile(const bf16* const (&w)[NACC], int w_ld
         w1[a] = w[a] + (size_t)r1 * w_ld + q * 8;
     }
     // Finish the staging after the first weight loads are issued (each warp inside its first item;
-    // warps without an item directly). With two row sets the registers are too tight for that
-    // (ptxas spills): there it finishes first, and the op starts its copies early instead.
-    constexpr bool EARLY = NACC == 1;
-    if (!EARLY) finish();
+    // warps without an item directly). With two row sets in register batches the registers are too
+    // tight for that (ptxas spills): there it finishes first, and the op starts its copies early
+    // instead. The weight ring holds no batch in registers.
+    constexpr bool EARLY = NACC == 1 || (NC && GEMV_RING_BYTES > 0);
+    const auto finish_now = [&] {
+        cp_async_wait_all();
+        finish();
+    };
+    if (!EARLY) finish_now();
     if (ks == 1) {
-        if (EARLY && warp >= groups) finish();  // warps without a row group
+        if (EARLY && warp >= groups) finish_now();  // warps without a row group
         for (int gi = warp; gi < groups; gi += NUM_WARPS) {
             const int s0 = gi * 16 + g, s1 = s0 + 8;
             const bf16* u0[NACC];
@@ -265,7 +362,7 @@ __device__ __forceinline__ void gemv_tile(const bf16* const (&w)[NACC], int w_ld
     }
     // fewer groups than warps: warp = grp * ks + part, k split over the ks parts
     float acc[NACC][4] = {};
-    if (EARLY && grp >= groups) finish();
+    if (EARLY && grp >= groups) finish_now();
     if (grp < groups) {
         gemv_item<NACC, NC>(w0, w1, r0 < rows, r1 < rows, xrow, part, ks, blocks, acc, finish, EARLY);
         if (part != 0) {

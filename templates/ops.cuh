@@ -45,7 +45,7 @@ __device__ __forceinline__ float* gemv_red(unsigned char* smem) {
 }
 // after the reduction floats: the norm staging's scratch (NORM_SCRATCH_BYTES)
 __device__ __forceinline__ unsigned char* gemv_scratch(unsigned char* smem) {
-    return smem + GEMV_XS_BYTES + NUM_WARPS * 2 * 4 * 32 * 4;
+    return smem + GEMV_XS_BYTES + GEMV_RED_FLOATS * 4;
 }
 
 // Stage a GEMV's input columns [k0, k0 + k) in two halves around the issue of its first weight
@@ -57,7 +57,9 @@ __device__ __forceinline__ void stage_input_async(const Task& t, unsigned char* 
     else stage_x_async(gemv_xs(smem), t.ptr<bf16>(O::x), t.dim(O::x, 1), k0, k);
 }
 
-// Called by every thread, from a warp-dependent point inside gemv_tile: hence cta_barrier().
+// Called by every thread once its own copies have landed (gemv_tile waits for them), from a
+// warp-dependent point inside gemv_tile: hence cta_barrier(). The last barrier publishes xs (for
+// a norm operand, the normalised rows, which stage_norm_finish computes after its own barrier).
 template <class O>
 struct StageFinish {
     const Task& t;
@@ -65,16 +67,12 @@ struct StageFinish {
     int k0, k;
     __device__ void operator()() const {
         if (t.has(O::norm)) stage_norm_finish(gemv_xs(smem), k0, k, gemv_scratch(smem));
-        else cp_async_wait_all();
         cta_barrier();
     }
 };
 
 struct CopyFinish {  // the end of a plain stage_x_async
-    __device__ void operator()() const {
-        cp_async_wait_all();
-        cta_barrier();
-    }
+    __device__ void operator()() const { cta_barrier(); }
 };
 
 // x[b, :] = embed[tokens[b], :]   (the tokens first, then 16-byte rows with many loads in flight)

@@ -36,6 +36,8 @@ TEMPLATE_DIR = _template_dir()
 KERNEL_TEMPLATE = "kernel.cu.j2"
 KERNEL_NAME = "mkc_decode"
 MAX_SMEM_BYTES = 227 * 1024  # Hopper: opt-in dynamic shared memory per block
+STATIC_SMEM_RESERVE = 2 * 1024  # the kernel's static shared memory (task records, descriptors, routing)
+RING_STAGE_BYTES = 32 * 4 * 16  # one 64-wide block of 16 rows (gemv.cuh: a ring stage per row set)
 
 
 class CodegenError(ValueError):
@@ -54,6 +56,9 @@ class CodegenOptions:
     run_prefetch_bytes: int = 0  # expert weights asked L2 for once the routing is read (0: one row)
     gemv_pf_batches: int = -1  # GEMV register batches prefetched into L2 ahead of the loads (-1: none)
     desc_mode: int = 0  # operand descriptors: 0 read from the global table, 1 / 2 copied to shared (cg / ca)
+    # Weight bytes each warp streams through a shared-memory ring (cp.async) instead of register
+    # batches; 0: register batches. Lowered to what fits beside the GEMV's other shared memory.
+    gemv_ring_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +89,7 @@ class KernelConfig:
     run_prefetch_bytes: int
     gemv_pf_batches: int
     desc_mode: int
+    gemv_ring_request: int  # CodegenOptions.gemv_ring_bytes (the fitted size: gemv_ring_bytes)
 
     @property
     def warps(self) -> int:
@@ -94,11 +100,27 @@ class KernelConfig:
         return _round(8 * (self.gemv_max_k + 32) * 2, 128)  # gemv.cuh: xs_ld = k + XS_PAD
 
     @property
+    def gemv_ring_offset(self) -> int:
+        """Where the weight ring starts: after the activations, k-split reduction and the RMSNorm
+        staging's scratch (gemv.cuh: NORM_SCRATCH_BYTES)."""
+        f = 4
+        red = self.warps * 2 * 4 * 32 * f  # gemv.cuh: GEMV_RED_FLOATS
+        gemv = self.gemv_xs_bytes + red + self.batch * self.hidden * f + self.hidden * 2
+        return _round(gemv, 128)
+
+    @property
+    def gemv_ring_bytes(self) -> int:
+        """Ring bytes per warp: the request, lowered to whole one-row-set stages that fit the shared
+        memory left; 0 (register batches) when fewer than two two-row-set stages fit."""
+        room = (MAX_SMEM_BYTES - STATIC_SMEM_RESERVE - self.gemv_ring_offset) // self.warps
+        per_warp = min(self.gemv_ring_request, room) // RING_STAGE_BYTES * RING_STAGE_BYTES
+        return per_warp if per_warp >= 2 * 2 * RING_STAGE_BYTES else 0
+
+    @property
     def smem_bytes(self) -> int:
         """Dynamic shared memory: the largest need of any op (bytes)."""
         f = 4
-        # activations, k-split reduction, the RMSNorm staging's scratch (gemv.cuh: NORM_SCRATCH_BYTES)
-        gemv = self.gemv_xs_bytes + self.warps * 2 * 4 * 32 * f + self.batch * self.hidden * f + self.hidden * 2
+        gemv = self.gemv_ring_offset + self.warps * self.gemv_ring_bytes
         kl = self.threads // (self.head_dim // 8)
         qx = _round(8 * (self.head_dim + 32) * 2, 128)
         attn = qx + (self.warps * 4 * 32 + self.group * self.head_dim + self.group * self.threads
@@ -174,7 +196,8 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         gemv_max_k=max_k, max_splits=schedule.num_sms, num_experts=moe.num_experts if moe else 1,
         moe_slots=min(moe.num_experts, schedule.batch * moe.top_k) if moe else 1, spin_limit=options.spin_limit,
         prefetch_bytes=options.prefetch_bytes, run_prefetch_bytes=options.run_prefetch_bytes,
-        gemv_pf_batches=options.gemv_pf_batches, desc_mode=options.desc_mode)
+        gemv_pf_batches=options.gemv_pf_batches, desc_mode=options.desc_mode,
+        gemv_ring_request=options.gemv_ring_bytes)
     if cfg.smem_bytes > MAX_SMEM_BYTES:
         raise CodegenError(f"shared memory {cfg.smem_bytes} B (widest GEMV k = {max_k}, batch = {cfg.batch}): "
                            f"expected at most {MAX_SMEM_BYTES} B")
@@ -221,6 +244,8 @@ def template_context(cfg: KernelConfig, banner: str) -> dict[str, Any]:
         "run_prefetch_bytes": cv.c_int(cfg.run_prefetch_bytes),
         "gemv_pf_batches": cv.c_int(cfg.gemv_pf_batches),
         "desc_mode": cv.c_int(cfg.desc_mode),
+        "gemv_ring_bytes": cv.c_int(cfg.gemv_ring_bytes),
+        "gemv_ring_off": cv.c_int(cfg.gemv_ring_offset),
         "max_rank": cv.c_int(MAX_RANK),
         "dtypes": [(cv.c_ident(f"DT_{k.upper()}"), cv.c_int(v)) for k, v in DTYPE_CODES.items()],
         "record_words": [(cv.c_ident(k), cv.c_int(v)) for k, v in RECORD_LAYOUT],
