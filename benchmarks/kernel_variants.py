@@ -37,8 +37,13 @@ VARIANTS: dict[str, CodegenOptions] = {
     "desc-shared-ca": dataclasses.replace(PREFETCH_ALL, desc_mode=2),
     "default": CodegenOptions(),
     "unroll-4": CodegenOptions(gemv_unroll=4),
+    "rows": CodegenOptions(weight_layout="rows"),
+    "rows-ring-8k": CodegenOptions(weight_layout="rows", gemv_ring_bytes=8 * 1024),
     "ring-8k": CodegenOptions(gemv_ring_bytes=8 * 1024),
     "ring-16k": CodegenOptions(gemv_ring_bytes=16 * 1024),
+    "prefetch-0": CodegenOptions(prefetch_bytes=0),
+    "prefetch-256k": CodegenOptions(prefetch_bytes=256 * 1024),
+    "ring-8k-prefetch-256k": CodegenOptions(gemv_ring_bytes=8 * 1024, prefetch_bytes=256 * 1024),
 }
 
 

@@ -262,6 +262,5 @@ class CudaBackend(DecoderBackend):
         if num_sms is None:
             num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
         self.dec = CudaDecoder(compile_schedule(spec, max_batch, context, num_sms, page_size, kv_pages), spec, weights)
-        names = [n for n, b in self.dec.schedule.buffers.items() if b.kind == "weight"]
-        super().__init__(self.dec, spec, {n: self.dec.buffers[n] for n in names}, max_batch=max_batch,
+        super().__init__(self.dec, spec, self.dec.logical_weights(), max_batch=max_batch,
                          context=context, act_dtype=torch.bfloat16, buffers=self.dec.buffers)

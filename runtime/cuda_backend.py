@@ -4,7 +4,8 @@
 
 * the module (``cuModuleLoadData`` of the NVRTC cubin, in torch's primary context);
 * every buffer of the schedule as a torch tensor (``buffers[name]``): weights in bf16, laid out
-  once at load (the lowering's logical layout), activations (poisoned with NaN / -1 at
+  once at load (the lowering's logical layout; with ``CodegenOptions(weight_layout="tiles")`` the
+  GEMV weights named in ``tiled`` are copies in tile order, mkc/codegen/weight_tiles.py), activations (poisoned with NaN / -1 at
   allocation, so a read of something never written shows), the KV cache ``[B, kv_heads, ctx,
   head_dim]`` per layer, the inputs and the outputs;
 * the task words (``mkc.codegen.taskwords``) and the buffer table in device memory;
@@ -21,6 +22,7 @@ decoder must be ``reset()`` (its counters are no longer in step) before it is us
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +32,7 @@ from mkc import settings
 from mkc.codegen import KernelArtifact, build_kernel
 from mkc.codegen.render import CodegenOptions
 from mkc.codegen.taskwords import buffer_table, encode
+from mkc.codegen.weight_tiles import from_tiles, tiled_weights, to_tiles
 from mkc.ir.kv_layout import identity_page_table, logical_view, page_size_of
 from mkc.ir.spec import ModelSpec
 from mkc.schedule.schedule import Schedule
@@ -76,6 +79,41 @@ class LaunchConfig:
     dynamic_smem: int  # bytes
 
 
+class LogicalWeights(Mapping):
+    """Weights by their lowering names in the lowering's row-major layout, over buffers some of
+    which are stored in tile order (``tiled``): PyTorch code such as the prefill reads them. A
+    tile-ordered weight is reordered back on each access, one matrix at a time: ``w[name][e]`` of
+    an expert stack reorders expert e only. Nothing is kept, so the weights are held once."""
+
+    def __init__(self, buffers: dict[str, torch.Tensor], names: list[str], tiled: frozenset[str]):
+        self._buffers, self._names, self._tiled = buffers, names, tiled
+
+    def __getitem__(self, name: str):
+        t = self._buffers[name] if name in self._names else None
+        if t is None:
+            raise KeyError(name)
+        if name not in self._tiled:
+            return t
+        return _TiledStack(t) if t.dim() == 3 else from_tiles(t)
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+class _TiledStack:
+    """A tile-ordered stack of matrices [E, R, K]; indexing by e gives matrix e row-major."""
+
+    def __init__(self, t: torch.Tensor):
+        self._t = t
+        self.shape = t.shape
+
+    def __getitem__(self, e) -> torch.Tensor:
+        return from_tiles(self._t[e])
+
+
 class CudaDecoder:
     """One schedule (batch, context bucket) on one GPU. Not thread-safe."""
 
@@ -99,6 +137,8 @@ class CudaDecoder:
             self._func = _check(driver.cuModuleGetFunction(self._module, self.artifact.kernel_name.encode()),
                                 "cuModuleGetFunction")
             self.launch_config = self._configure()
+            # weights the kernel reads in tile order (CodegenOptions.weight_layout), reordered once here
+            self.tiled = tiled_weights(schedule) if self.artifact.config.weights_tiled else frozenset()
             self.buffers = self._allocate(weights)
             self.page_size = page_size_of(schedule.buffers)
             if self.page_size:  # sequence b's pages are b * pages_per_seq + j until someone remaps them
@@ -110,7 +150,7 @@ class CudaDecoder:
             self._queue_start = torch.from_numpy(words.queue_start).to(dev)
             self._waits = torch.from_numpy(words.waits.reshape(-1)).to(dev)
             table = buffer_table(schedule, words.buffer_names,
-                                 {n: self.buffers[n].data_ptr() for n in words.buffer_names})
+                                 {n: self.buffers[n].data_ptr() for n in words.buffer_names}, self.tiled)
             self._table = torch.from_numpy(table.view(np.uint8).copy()).to(dev)
             self._counters = torch.zeros(max(1, words.num_counters), dtype=torch.int32, device=dev)
             self._abort = torch.zeros(ABORT_WORDS, dtype=torch.int32, device=dev)
@@ -150,7 +190,8 @@ class CudaDecoder:
         for b in self.schedule.buffers.values():
             dt = TORCH_DTYPES[b.dtype]
             if b.kind == "weight":
-                out[b.name] = b.given(weights).to(device=self.device, dtype=dt).contiguous()
+                w = b.given(weights).to(device=self.device, dtype=dt)
+                out[b.name] = to_tiles(w) if b.name in self.tiled else w.contiguous()
             elif b.kind in ("state", "input"):
                 out[b.name] = torch.zeros(b.shape, dtype=dt, device=self.device)
             else:  # act, output: poison, so an element read before it is written shows
@@ -159,6 +200,11 @@ class CudaDecoder:
         return out
 
     # -- running --------------------------------------------------------------------------------
+    def logical_weights(self) -> LogicalWeights:
+        """The decoder's weights as the lowering lays them out (for the PyTorch prefill)."""
+        names = [n for n, b in self.schedule.buffers.items() if b.kind == "weight"]
+        return LogicalWeights(self.buffers, names, self.tiled)
+
     def kv_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Live (k, v) views of a layer's cache, [B, kv_heads, ctx, head_dim] bf16 (for a paged
         cache: under the identity page table the decoder starts with; mkc/ir/kv_layout.py)."""

@@ -179,7 +179,7 @@ __device__ __forceinline__ void warp_argmax(float& v, int& i) {
 struct BufDesc {
     void* ptr;
     int shape[MAX_RANK];  // left-padded with 1s: shape[MAX_RANK - 1] is the innermost dim
-    int dtype;            // DT_BF16 | DT_F32 | DT_I32
+    int dtype;            // DT_BF16 | DT_F32 | DT_I32 | DT_BF16_TILES (weights in tile order)
 };
 
 constexpr int MAX_OPERANDS = W_ARGS - W_OPERANDS;

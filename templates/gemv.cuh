@@ -7,8 +7,10 @@
 // reads whole 64-byte runs of 8 rows (full 32-byte sectors); mma step s of the block feeds it
 // words 2s (logical k 2q, 2q+1) and 2s+1 (logical k 2q+8, 2q+9) of those 16 elements. The B
 // fragment (the activations, staged in shared memory) uses the same permutation, so the dot
-// products are exact sums over all k in a different order. Nothing is reshuffled in memory:
-// weights stay in their checkpoint layout [rows, k].
+// products are exact sums over all k in a different order. Weights are read either in their
+// checkpoint layout [rows, k] or, with WEIGHTS_TILED, in tile order (mkc/codegen/weight_tiles.py:
+// the same pieces stored where each of a warp's loads reads 512 contiguous bytes); the products
+// and their order are the same in both.
 //
 // Work split: a tile of `rows` rows is 16-row groups (one per warp item); when there are fewer
 // groups than warps, k is split over up to KS warps and reduced through shared memory in a fixed
@@ -30,6 +32,35 @@ __device__ __forceinline__ int xs_ld(int k) { return k + XS_PAD; }
 
 // The k-split reduction's floats: per warp, two row sets' fragments.
 constexpr int GEMV_RED_FLOATS = NUM_WARPS * 2 * 4 * 32;
+
+// Where a lane's A-fragment pieces are. Row-major (the checkpoint's layout, and the KV cache):
+// w0 / w1 point at rows g / g + 8 of the group, column 8 q; block kb starts 64 elements further,
+// its second 32 columns 32 further. Tile order (WEIGHTS_TILED, for weights: weight_tiles.py): the
+// group's blocks are 1024 elements each, a lane's pieces 256 apart, rows g + 8 at + 512.
+template <bool NC>
+__host__ __device__ constexpr bool tiled_rows() { return NC && WEIGHTS_TILED; }
+template <bool NC>
+__host__ __device__ constexpr int block_stride() { return tiled_rows<NC>() ? 1024 : 64; }
+template <bool NC>
+__host__ __device__ constexpr int half_offset() { return tiled_rows<NC>() ? 256 : 32; }
+
+// This lane's pointers into 16-row group gi of each row set w[a] (row 0, column 0 of the tile;
+// row stride w_ld elements).
+template <int NACC, bool NC>
+__device__ __forceinline__ void group_rows(const bf16* const (&w)[NACC], int w_ld, int gi, const bf16* (&w0)[NACC],
+                                           const bf16* (&w1)[NACC]) {
+    const int lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+#pragma unroll
+    for (int a = 0; a < NACC; ++a) {
+        if constexpr (tiled_rows<NC>()) {
+            w0[a] = w[a] + (size_t)gi * 16 * w_ld + lane * 8;
+            w1[a] = w0[a] + 512;
+        } else {
+            w0[a] = w[a] + (size_t)(gi * 16 + g) * w_ld + q * 8;
+            w1[a] = w0[a] + (size_t)8 * w_ld;
+        }
+    }
+}
 
 // Stage x[:, k0:k0+k] (bf16 [nrows, x_ld]) into shared memory as the 8 columns of the B operand
 // (columns >= nrows zero): the tokens of a GEMV, or the query heads of an attention tile.
@@ -121,13 +152,13 @@ __device__ __forceinline__ void gemv_load(uint4 (&wv)[U][NACC][2][2], const bf16
     for (int u = 0; u < U; ++u) {
         const int kbu = kb + u * kb_step;
         const bool in = kbu < kb_end;
-        const int k = kbu * 64;
+        const int k = kbu * block_stride<NC>(), h = half_offset<NC>();
 #pragma unroll
         for (int a = 0; a < NACC; ++a) {
             wv[u][a][0][0] = (in && v0) ? ld_rows16<NC>(w0[a] + k) : zero4();
-            wv[u][a][0][1] = (in && v0) ? ld_rows16<NC>(w0[a] + k + 32) : zero4();
+            wv[u][a][0][1] = (in && v0) ? ld_rows16<NC>(w0[a] + k + h) : zero4();
             wv[u][a][1][0] = (in && v1) ? ld_rows16<NC>(w1[a] + k) : zero4();
-            wv[u][a][1][1] = (in && v1) ? ld_rows16<NC>(w1[a] + k + 32) : zero4();
+            wv[u][a][1][1] = (in && v1) ? ld_rows16<NC>(w1[a] + k + h) : zero4();
         }
     }
 }
@@ -175,8 +206,8 @@ __device__ __forceinline__ void gemv_prefetch(const bf16* const (&w0)[NACC], con
         if (kbu < kb_end) {
 #pragma unroll
             for (int a = 0; a < NACC; ++a) {
-                if (v0) prefetch_line_l2(w0[a] + kbu * 64);
-                if (v1) prefetch_line_l2(w1[a] + kbu * 64);
+                if (v0) prefetch_line_l2(w0[a] + kbu * block_stride<true>());
+                if (v1) prefetch_line_l2(w1[a] + kbu * block_stride<true>());
             }
         }
     }
@@ -206,17 +237,17 @@ template <int NACC>
 __device__ __forceinline__ void ring_issue(uint4* ring, int st, const bf16* const (&w0)[NACC],
                                            const bf16* const (&w1)[NACC], bool v0, bool v1, int kbu, int kb_end) {
     if (kbu < kb_end) {
-        const int k = kbu * 64;
+        const int k = kbu * block_stride<true>(), h = half_offset<true>();
         uint4* s = ring + st * NACC * 4 * 32;
 #pragma unroll
         for (int a = 0; a < NACC; ++a) {
             if (v0) {
                 cp_async16(s + (4 * a + 0) * 32, w0[a] + k);
-                cp_async16(s + (4 * a + 1) * 32, w0[a] + k + 32);
+                cp_async16(s + (4 * a + 1) * 32, w0[a] + k + h);
             }
             if (v1) {
                 cp_async16(s + (4 * a + 2) * 32, w1[a] + k);
-                cp_async16(s + (4 * a + 3) * 32, w1[a] + k + 32);
+                cp_async16(s + (4 * a + 3) * 32, w1[a] + k + h);
             }
         }
     }
@@ -326,13 +357,6 @@ __device__ __forceinline__ void gemv_tile(const bf16* const (&w)[NACC], int w_ld
     // this warp's first item: group warp / ks, blocks part, part + ks, ...
     const int grp = warp / ks, part = warp % ks;
     const int r0 = grp * 16 + g, r1 = r0 + 8;
-    const bf16* w0[NACC];
-    const bf16* w1[NACC];
-#pragma unroll
-    for (int a = 0; a < NACC; ++a) {
-        w0[a] = w[a] + (size_t)r0 * w_ld + q * 8;
-        w1[a] = w[a] + (size_t)r1 * w_ld + q * 8;
-    }
     // Finish the staging after the first weight loads are issued (each warp inside its first item;
     // warps without an item directly). With two row sets in register batches the registers are too
     // tight for that (ptxas spills): there it finishes first, and the op starts its copies early
@@ -349,11 +373,7 @@ __device__ __forceinline__ void gemv_tile(const bf16* const (&w)[NACC], int w_ld
             const int s0 = gi * 16 + g, s1 = s0 + 8;
             const bf16* u0[NACC];
             const bf16* u1[NACC];
-#pragma unroll
-            for (int a = 0; a < NACC; ++a) {
-                u0[a] = w[a] + (size_t)s0 * w_ld + q * 8;
-                u1[a] = w[a] + (size_t)s1 * w_ld + q * 8;
-            }
+            group_rows<NACC, NC>(w, w_ld, gi, u0, u1);
             float acc[NACC][4] = {};
             gemv_item<NACC, NC>(u0, u1, s0 < rows, s1 < rows, xrow, 0, 1, blocks, acc, finish, EARLY && gi == warp);
             epi(s0, acc);
@@ -364,6 +384,9 @@ __device__ __forceinline__ void gemv_tile(const bf16* const (&w)[NACC], int w_ld
     float acc[NACC][4] = {};
     if (EARLY && grp >= groups) finish_now();
     if (grp < groups) {
+        const bf16* w0[NACC];
+        const bf16* w1[NACC];
+        group_rows<NACC, NC>(w, w_ld, grp, w0, w1);
         gemv_item<NACC, NC>(w0, w1, r0 < rows, r1 < rows, xrow, part, ks, blocks, acc, finish, EARLY);
         if (part != 0) {
 #pragma unroll

@@ -75,11 +75,28 @@ struct CopyFinish {  // the end of a plain stage_x_async
     __device__ void operator()() const { cta_barrier(); }
 };
 
-// x[b, :] = embed[tokens[b], :]   (the tokens first, then 16-byte rows with many loads in flight)
+// Element offset of the tile starting at (row0, k0) of a weight with k columns: row-major, or in
+// tile order (row0 % 16 == 0 and k0 % 64 == 0, mkc/codegen/weight_tiles.py).
+__device__ __forceinline__ size_t weight_tile_offset(int row0, int k0, int k) {
+    return (size_t)row0 * k + (WEIGHTS_TILED ? 16 * k0 : k0);
+}
+
+// Element offset of the 8 elements at (row, col) (col % 8 == 0) of a [rows, k] matrix in tile
+// order: block (row / 16, col / 64), piece 2 * (row % 16 / 8) + col % 64 / 32, lane 4 * (row % 8)
+// + col % 32 / 8 (weight_tiles.tile_offset).
+__device__ __forceinline__ size_t tile_order_offset(int row, int col, int k) {
+    const int rr = row % 16, cc = col % 64;
+    return ((size_t)(row / 16) * (k / 64) + col / 64) * 1024 + (2 * (rr / 8) + cc / 32) * 256 +
+           (4 * (rr % 8) + cc % 32 / 8) * 8;
+}
+
+// x[b, :] = embed[tokens[b], :]   (the tokens first, then 16-byte rows with many loads in flight;
+// an embedding tied to the LM head is stored in tile order: DT_BF16_TILES)
 __device__ void op_embed(const Task& t, unsigned char* smem) {
     using O = OPND_EMBED;
     const int hidden = t.dim(O::embed, 1), chunks = hidden / 8;
     const bf16* emb = t.ptr<bf16>(O::embed);
+    const bool tiles = t.dtype(O::embed) == DT_BF16_TILES;
     int* tok = reinterpret_cast<int*>(smem);  // [BATCH]
     if (threadIdx.x < BATCH) tok[threadIdx.x] = __ldcg(t.ptr<int>(O::tokens) + threadIdx.x);
     __syncthreads();
@@ -88,7 +105,8 @@ __device__ void op_embed(const Task& t, unsigned char* smem) {
     for (int i = threadIdx.x; i < BATCH * chunks; i += NUM_THREADS) {
         const int b = i / chunks, c = i - b * chunks;
         float f[8];
-        unpack8(__ldg(reinterpret_cast<const uint4*>(emb + (size_t)tok[b] * hidden) + c), f);
+        const size_t at = tiles ? tile_order_offset(tok[b], 8 * c, hidden) : (size_t)tok[b] * hidden + 8 * c;
+        unpack8(__ldg(reinterpret_cast<const uint4*>(emb + at)), f);
         float4* o = reinterpret_cast<float4*>(out + (size_t)b * hidden + 8 * c);
         o[0] = make_float4(f[0], f[1], f[2], f[3]);
         o[1] = make_float4(f[4], f[5], f[6], f[7]);
@@ -229,7 +247,7 @@ __device__ void op_linear(const Task& t, unsigned char* smem) {
     stage_input_async<O>(t, smem, k0, k);
     const StageFinish<O> finish{t, smem, k0, k};
     const int w_ld = t.dim(O::weight, 1);
-    const bf16* const w[1] = {t.ptr<bf16>(O::weight) + (size_t)row0 * w_ld + k0};
+    const bf16* const w[1] = {t.ptr<bf16>(O::weight) + weight_tile_offset(row0, k0, w_ld)};
     const int out_ld = t.dim(O::out, 1);
     const size_t base = (size_t)slab * t.dim(O::out, 2) * out_ld + col0;
     if (t.dtype(O::out) == DT_F32) {
@@ -539,8 +557,11 @@ __device__ void prefetch_weights(const Task& t) {
             using O = OPND_LINEAR;
             using A = ARG_LINEAR;
             const int ld = t.dim(O::weight, 1);
-            prefetch_rows(t.ptr<bf16>(O::weight) + (size_t)t.arg(A::row0) * ld + t.arg(A::k0), t.arg(A::rows),
-                          t.arg(A::k), ld, PREFETCH_BYTES);
+            const bf16* w = t.ptr<bf16>(O::weight) + weight_tile_offset(t.arg(A::row0), t.arg(A::k0), ld);
+            if (WEIGHTS_TILED)  // a run of 16 * k elements per 16-row group, groups 16 * ld apart
+                prefetch_rows(w, (t.arg(A::rows) + 15) / 16, 16 * t.arg(A::k), 16 * ld, PREFETCH_BYTES);
+            else
+                prefetch_rows(w, t.arg(A::rows), t.arg(A::k), ld, PREFETCH_BYTES);
             break;
         }
         case OP_SWIGLU: {

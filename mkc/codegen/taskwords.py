@@ -36,7 +36,7 @@ RECORD_LAYOUT: tuple[tuple[str, int], ...] = (
     ("W_OP", W_OP), ("W_ID", W_ID), ("W_WAIT_OFF", W_WAIT_OFF), ("W_WAIT_CNT", W_WAIT_CNT),
     ("W_SIGNAL", W_SIGNAL), ("W_OPERANDS", W_OPERANDS), ("W_ARGS", W_ARGS), ("RECORD_WORDS", RECORD_WORDS),
 )
-DTYPE_CODES: dict[str, int] = {"bf16": 0, "f32": 1, "i32": 2}
+DTYPE_CODES: dict[str, int] = {"bf16": 0, "f32": 1, "i32": 2, "bf16_tiles": 3}  # bf16_tiles: weight_tiles.py
 
 # struct BufDesc { void* ptr; int shape[MAX_RANK]; int dtype; }  (32 bytes)
 BUF_DESC = np.dtype([("ptr", "<u8"), ("shape", "<i4", (MAX_RANK,)), ("dtype", "<i4")])
@@ -98,12 +98,14 @@ def encode(schedule: Schedule) -> TaskWords:
     return TaskWords(records, queue_start, w, names, len(schedule.counters))
 
 
-def buffer_table(schedule: Schedule, names: tuple[str, ...], pointers: dict[str, int]) -> np.ndarray:
-    """The BUF_DESC array for the kernel: shape and dtype from the schedule, pointers from the runtime."""
+def buffer_table(schedule: Schedule, names: tuple[str, ...], pointers: dict[str, int],
+                 tiled: frozenset[str] = frozenset()) -> np.ndarray:
+    """The BUF_DESC array for the kernel: shape and dtype from the schedule, pointers from the
+    runtime; the bf16 weights named in ``tiled`` are stored in tile order (bf16_tiles)."""
     table = np.zeros(len(names), dtype=BUF_DESC)
     for i, n in enumerate(names):
         b = schedule.buffers[n]
         table[i]["ptr"] = pointers[n]
         table[i]["shape"] = (1,) * (MAX_RANK - len(b.shape)) + tuple(b.shape)
-        table[i]["dtype"] = DTYPE_CODES[b.dtype]
+        table[i]["dtype"] = DTYPE_CODES["bf16_tiles" if n in tiled else b.dtype]
     return table

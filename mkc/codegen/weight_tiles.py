@@ -1,0 +1,88 @@
+"""Weights in tile order: the layout the GEMV tiles stream (CodegenOptions.weight_layout = "tiles").
+
+A weight matrix W [..., R, K] (R % 16 == 0, K % 64 == 0) keeps its shape, but its elements are
+stored block by block, each block in the order the tensor-core fragments read it
+(templates/gemv.cuh): block (G, kb) covers rows [16 G, 16 G + 16) and columns [64 kb, 64 kb + 64)
+and sits at element (G * K / 64 + kb) * 1024. Inside a block, piece j (0..3) of lane l
+(g = l / 4, q = l % 4) holds the 8 elements
+
+    W[16 G + g + 8 (j // 2), 64 kb + 32 (j % 2) + 8 q : + 8]    at offset j * 256 + l * 8,
+
+so each of a warp's four 16-byte loads of a block reads 512 contiguous bytes, and a tile of whole
+16-row groups over whole 64-column blocks is one contiguous run per group (one run in all when the
+tile spans every column). Leading dimensions (experts) are packed one matrix at a time.
+
+Which buffers are stored this way: every weight a GEMV task reads as its ``weight`` operand
+(``tiled_weights``). The embedding, when it is tied to the LM head, is read in tile order by the
+embedding lookup as well (its descriptor says so: DT_BF16_TILES).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from mkc.ir.ops import Opcode
+
+if TYPE_CHECKING:
+    import torch
+
+    from mkc.schedule.schedule import Schedule
+
+TILE_ROWS = 16  # rows of one block (a tensor-core fragment's m)
+TILE_COLS = 64  # columns of one block (four k-steps of 16)
+GEMV_OPS = (Opcode.LINEAR, Opcode.SWIGLU, Opcode.EXPERT_SWIGLU, Opcode.EXPERT_DOWN, Opcode.LM_HEAD)
+
+
+class WeightLayoutError(ValueError):
+    """A weight cannot be stored in tile order; the message names it and the rule."""
+
+
+def tiled_weights(schedule: Schedule) -> frozenset[str]:
+    """Names of the weight buffers stored in tile order: the ``weight`` operands of GEMV tasks."""
+    return frozenset(t.operand("weight") for t in schedule.tasks if t.op in GEMV_OPS)
+
+
+def check_tileable(name: str, shape: tuple[int, ...]) -> None:
+    """Raise WeightLayoutError unless a [..., R, K] weight has R % 16 == 0 and K % 64 == 0."""
+    if len(shape) < 2 or shape[-2] % TILE_ROWS or shape[-1] % TILE_COLS:
+        raise WeightLayoutError(f"weight {name} {tuple(shape)}: tile order needs [..., rows, k] with rows a "
+                                f"multiple of {TILE_ROWS} and k a multiple of {TILE_COLS}")
+
+
+def _blocked(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """[..., R, K] as [..., G, 2 (row half), 8 (g), KB, 2 (column half), 4 (q), 8]."""
+    *lead, r, k = shape
+    return (*lead, r // TILE_ROWS, 2, 8, k // TILE_COLS, 2, 4, 8)
+
+
+def to_tiles(w: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``w`` [..., R, K] in tile order (same shape and dtype)."""
+    check_tileable("tensor", tuple(w.shape))
+    n = w.dim() - 2
+    x = w.reshape(_blocked(tuple(w.shape)))
+    # [..., G, hi, g, KB, half, q, e] -> [..., G, KB, hi, half, g, q, e]: piece j = 2 hi + half,
+    # lane = 4 g + q
+    perm = (*range(n), n, n + 3, n + 1, n + 4, n + 2, n + 5, n + 6)
+    return x.permute(perm).contiguous().reshape(w.shape)
+
+
+def from_tiles(p: torch.Tensor) -> torch.Tensor:
+    """The inverse of to_tiles: ``p`` in tile order back to row-major [..., R, K]."""
+    check_tileable("tensor", tuple(p.shape))
+    n = p.dim() - 2
+    *lead, r, k = p.shape
+    x = p.reshape(*lead, r // TILE_ROWS, k // TILE_COLS, 2, 2, 8, 4, 8)
+    # [..., G, KB, hi, half, g, q, e] -> [..., G, hi, g, KB, half, q, e]
+    perm = (*range(n), n, n + 2, n + 4, n + 1, n + 3, n + 5, n + 6)
+    return x.permute(perm).contiguous().reshape(p.shape)
+
+
+def tile_offset(row: int, col: int, k: int) -> int:
+    """Element offset of W[row, col] (one matrix, k columns) in tile order; the formula the
+    kernel's embedding lookup uses for 8-element chunks (col % 8 == 0)."""
+    g_blk, rr = divmod(row, TILE_ROWS)
+    kb, cc = divmod(col, TILE_COLS)
+    hi, g = divmod(rr, 8)
+    half, c = divmod(cc, 32)
+    q, e = divmod(c, 8)
+    return (g_blk * (k // TILE_COLS) + kb) * 1024 + (2 * hi + half) * 256 + (4 * g + q) * 8 + e

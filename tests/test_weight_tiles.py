@@ -1,0 +1,110 @@
+"""Weights in tile order (mkc/codegen/weight_tiles.py): the reordering, the addresses the kernel
+computes into it, which buffers are reordered, and the checks that refuse what cannot be."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from mkc.codegen.render import CodegenError, CodegenOptions, kernel_config
+from mkc.codegen.taskwords import DTYPE_CODES, buffer_table, encode
+from mkc.codegen.weight_tiles import from_tiles, tile_offset, tiled_weights, to_tiles
+from mkc.ir.lower import lower
+from mkc.ir.spec import load_spec
+from mkc.schedule.scheduler import schedule
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny.yaml"
+NMC = ROOT / "configs" / "north_mini_code.yaml"
+
+
+def test_round_trip_keeps_shape_and_values():
+    w = torch.randn(3, 48, 192).to(torch.bfloat16)
+    p = to_tiles(w)
+    assert p.shape == w.shape and p.dtype == w.dtype and p.is_contiguous()
+    assert not torch.equal(p, w)  # really reordered
+    assert torch.equal(from_tiles(p), w)
+    assert torch.equal(from_tiles(to_tiles(w[1])), w[1])
+
+
+def test_kernel_addresses_read_the_right_elements():
+    """gemv.cuh's group_rows / block_stride / half_offset in tile order: lane l of group G reads
+    piece j of block kb at G * 16 * K + kb * 1024 + l * 8 (+ 256 for the second 32 columns, + 512
+    for rows g + 8): the row-major pieces W[16 G + g (+ 8), 64 kb + 8 q (+ 32) : + 8]."""
+    R, K = 32, 192
+    w = torch.arange(R * K, dtype=torch.int64).reshape(R, K)
+    flat = to_tiles(w).reshape(-1)
+    for G in range(R // 16):
+        for kb in range(K // 64):
+            for lane in range(32):
+                g, q = divmod(lane, 4)
+                w0 = G * 16 * K + lane * 8
+                for hi in (0, 1):
+                    for half in (0, 1):
+                        at = w0 + 512 * hi + kb * 1024 + 256 * half
+                        row, col = 16 * G + g + 8 * hi, 64 * kb + 32 * half + 8 * q
+                        assert torch.equal(flat[at:at + 8], w[row, col:col + 8]), (G, kb, lane, hi, half)
+
+
+def test_tile_offset_matches_the_reordering():
+    """ops.cuh's tile_order_offset (the embedding lookup) is weight_tiles.tile_offset."""
+    R, K = 48, 128
+    w = torch.arange(R * K, dtype=torch.int64).reshape(R, K)
+    flat = to_tiles(w).reshape(-1)
+    for r in range(R):
+        for c in range(K):
+            assert int(flat[tile_offset(r, c, K)]) == int(w[r, c]), (r, c)
+
+
+def test_the_gemv_weights_are_tiled_and_only_they():
+    spec = load_spec(NMC)
+    sc = schedule(lower(spec, 1, 8192, 132), spec.name)
+    names = tiled_weights(sc)
+    assert "embed" in names, "the embedding is tied to the LM head, a GEMV weight"
+    assert any("expert" in n or "moe" in n for n in names), sorted(names)[:10]
+    assert all(sc.buffers[n].kind == "weight" and len(sc.buffers[n].shape) >= 2 for n in names)
+    assert not any(n.endswith("norm") for n in names)
+    assert kernel_config(sc, spec, CodegenOptions(weight_layout="tiles")).weights_tiled
+    assert kernel_config(sc, spec).weights_tiled, "the default ('auto') takes tile order where it can"
+    assert not kernel_config(sc, spec, CodegenOptions(weight_layout="rows")).weights_tiled
+
+
+def test_buffer_table_marks_tiled_weights():
+    spec = load_spec(TINY)
+    sc = schedule(lower(spec, 2, 16, 8), spec.name)
+    words = encode(sc)
+    tiled = tiled_weights(sc)
+    table = buffer_table(sc, words.buffer_names, dict.fromkeys(words.buffer_names, 0), tiled)
+    for i, n in enumerate(words.buffer_names):
+        want = "bf16_tiles" if n in tiled else sc.buffers[n].dtype
+        assert table[i]["dtype"] == DTYPE_CODES[want], n
+
+
+def test_tile_order_refuses_rows_not_a_multiple_of_16():
+    """Asked for, tile order is an error naming the weight; by default the kernel falls back to rows."""
+    spec = load_spec(TINY)
+    odd = dataclasses.replace(spec, vocab_size=520)  # the tied LM head: 520 rows
+    sc = schedule(lower(odd, 2, 16, 8), odd.name)
+    assert not kernel_config(sc, odd).weights_tiled
+    with pytest.raises(CodegenError, match=r"embed .*520.*multiple of 16"):
+        kernel_config(sc, odd, CodegenOptions(weight_layout="tiles"))
+    with pytest.raises(CodegenError, match="weight_layout"):
+        kernel_config(sc, odd, CodegenOptions(weight_layout="columns"))
+
+
+def test_logical_weights_read_tiled_buffers_row_major():
+    """What the CUDA backend's prefill reads: tile-ordered buffers reordered back on access (an
+    expert stack one expert at a time), the others as they are."""
+    from mkc.runtime.cuda_backend import LogicalWeights
+
+    dense, stack, norm = torch.randn(32, 128), torch.randn(4, 16, 64), torch.randn(128)
+    bufs = {"a": to_tiles(dense), "s": to_tiles(stack), "n": norm, "act": torch.zeros(3)}
+    w = LogicalWeights(bufs, ["a", "s", "n"], frozenset({"a", "s"}))
+    assert sorted(w) == ["a", "n", "s"] and len(w) == 3
+    assert torch.equal(w["a"], dense) and w["n"] is norm
+    assert all(torch.equal(w["s"][e], stack[e]) for e in range(4))
+    with pytest.raises(KeyError):
+        w["act"]
