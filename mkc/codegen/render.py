@@ -16,7 +16,14 @@ import jinja2
 
 from mkc.codegen import cvalues as cv
 from mkc.codegen.taskwords import DTYPE_CODES, MAX_RANK, RECORD_LAYOUT
-from mkc.codegen.weight_tiles import GEMV_OPS, TILE_COLS, TILE_ROWS, WeightLayoutError, check_tileable, tiled_weights
+from mkc.codegen.weight_tiles import (
+    GEMV_OPS,
+    TILE_COLS,
+    TILE_ROWS,
+    WeightLayoutError,
+    check_tileable,
+    tiled_weights,
+)
 from mkc.ir.kv_layout import page_size_of
 from mkc.ir.ops import OP_INFO, Opcode
 from mkc.ir.spec import ModelSpec
