@@ -303,6 +303,8 @@ def _megakernel_row(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: in
                     bw: float, reps: int, page_size: int, profile_dir: Path | None, log) -> Row:
     """Time the megakernel at one point (random KV cache, every sequence at position context - 1);
     its buffers are freed on return."""
+    from mkc.codegen import build_kernel
+    from mkc.codegen.weight_tiles import tile_ordered_in_place, tiled_weights
     from mkc.ir.lower import lower
     from mkc.runtime.cuda_backend import CudaDecoder
     from mkc.schedule.scheduler import schedule
@@ -310,7 +312,18 @@ def _megakernel_row(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: in
     tokens = torch.randint(0, spec.vocab_size, (batch,), dtype=torch.int32)
     positions = torch.full((batch,), context - 1, dtype=torch.int32)
     sc = schedule(lower(spec, batch, context, sms, page_size=page_size), spec.name)
-    dec = CudaDecoder(sc, spec, weights)
+    art = build_kernel(sc, spec)
+    # the kernel's GEMV weights in tile order in place for this point: held once, row-major after
+    with tile_ordered_in_place(weights, tiled_weights(sc) if art.config.weights_tiled else ()) as tw:
+        return _time_decoder(CudaDecoder(sc, spec, tw, artifact=art), sc, spec, tokens, positions, bw=bw,
+                             reps=reps, profile_dir=profile_dir, log=log)
+
+
+def _time_decoder(dec, sc, spec: ModelSpec, tokens, positions, *, bw: float, reps: int, profile_dir: Path | None,
+                  log) -> Row:
+    """Time a decoder built at one point (random KV cache, every sequence at position context - 1);
+    it is closed on return."""
+    batch, context = sc.batch, sc.context
     try:
         for layer in range(spec.num_layers):
             for t in dec.kv_cache(layer):

@@ -4,10 +4,12 @@
 
 * the module (``cuModuleLoadData`` of the NVRTC cubin, in torch's primary context);
 * every buffer of the schedule as a torch tensor (``buffers[name]``): weights in bf16, laid out
-  once at load (the lowering's logical layout; with ``CodegenOptions(weight_layout="tiles")`` the
-  GEMV weights named in ``tiled`` are copies in tile order, mkc/codegen/weight_tiles.py), activations (poisoned with NaN / -1 at
-  allocation, so a read of something never written shows), the KV cache ``[B, kv_heads, ctx,
-  head_dim]`` per layer, the inputs and the outputs;
+  once at load: the lowering's logical layout, except the GEMV weights named in ``tiled`` when the
+  kernel reads tile order (CodegenOptions.weight_layout, mkc/codegen/weight_tiles.py), which are
+  reordered copies, or the caller's own tensors when they come as ``TiledWeights`` already in that
+  order (weight_tiles.tile_ordered_in_place); activations (poisoned with NaN / -1 at allocation,
+  so a read of something never written shows), the KV cache ``[B, kv_heads, ctx, head_dim]`` per
+  layer, the inputs and the outputs;
 * the task words (``mkc.codegen.taskwords``) and the buffer table in device memory;
 * the counters (uint32, zero at allocation, never reset: step ``s`` waits for ``target * s``) and
   the abort word of the device watchdog.
@@ -32,7 +34,7 @@ from mkc import settings
 from mkc.codegen import KernelArtifact, build_kernel
 from mkc.codegen.render import CodegenOptions
 from mkc.codegen.taskwords import buffer_table, encode
-from mkc.codegen.weight_tiles import from_tiles, tiled_weights, to_tiles
+from mkc.codegen.weight_tiles import TiledWeights, from_tiles, tiled_weights, to_tiles
 from mkc.ir.kv_layout import identity_page_table, logical_view, page_size_of
 from mkc.ir.spec import ModelSpec
 from mkc.schedule.schedule import Schedule
@@ -191,7 +193,8 @@ class CudaDecoder:
             dt = TORCH_DTYPES[b.dtype]
             if b.kind == "weight":
                 w = b.given(weights).to(device=self.device, dtype=dt)
-                out[b.name] = to_tiles(w) if b.name in self.tiled else w.contiguous()
+                ready = isinstance(weights, TiledWeights) and b.name in weights.tiled
+                out[b.name] = to_tiles(w) if b.name in self.tiled and not ready else w.contiguous()
             elif b.kind in ("state", "input"):
                 out[b.name] = torch.zeros(b.shape, dtype=dt, device=self.device)
             else:  # act, output: poison, so an element read before it is written shows

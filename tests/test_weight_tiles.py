@@ -108,3 +108,21 @@ def test_logical_weights_read_tiled_buffers_row_major():
     assert all(torch.equal(w["s"][e], stack[e]) for e in range(4))
     with pytest.raises(KeyError):
         w["act"]
+
+
+def test_tile_ordered_in_place_reorders_and_restores():
+    """The bench's way to hold the weights once: reordered in their own storage inside the block
+    (a decoder takes TiledWeights as they are), row-major again after it, also after an error."""
+    from mkc.codegen.weight_tiles import TiledWeights, tile_ordered_in_place
+
+    w = {"a": torch.randn(32, 128), "s": torch.randn(2, 16, 64), "n": torch.randn(128)}
+    before = {k: v.clone() for k, v in w.items()}
+    storage = w["a"].data_ptr()
+    with tile_ordered_in_place(w, ["a", "s", "missing"]) as tw:
+        assert isinstance(tw, TiledWeights) and tw.tiled == {"a", "s"}
+        assert tw["a"].data_ptr() == storage and torch.equal(tw["a"], to_tiles(before["a"]))
+        assert torch.equal(tw["s"], to_tiles(before["s"])) and torch.equal(tw["n"], before["n"])
+    assert all(torch.equal(w[k], before[k]) for k in w)
+    with pytest.raises(RuntimeError, match="boom"), tile_ordered_in_place(w, ["a"]):
+        raise RuntimeError("boom")
+    assert torch.equal(w["a"], before["a"])

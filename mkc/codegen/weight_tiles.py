@@ -19,6 +19,8 @@ embedding lookup as well (its descriptor says so: DT_BF16_TILES).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from mkc.ir.ops import Opcode
@@ -86,3 +88,29 @@ def tile_offset(row: int, col: int, k: int) -> int:
     half, c = divmod(cc, 32)
     q, e = divmod(c, 8)
     return (g_blk * (k // TILE_COLS) + kb) * 1024 + (2 * hi + half) * 256 + (4 * g + q) * 8 + e
+
+
+class TiledWeights(dict):
+    """Weights by name of which those in ``tiled`` are already in tile order: a CUDA decoder takes
+    them as they are instead of reordering a copy (tile_ordered_in_place makes one)."""
+
+    def __init__(self, weights: dict, tiled: Iterable[str]):
+        super().__init__(weights)
+        self.tiled = frozenset(tiled)
+
+
+@contextmanager
+def tile_ordered_in_place(weights: dict, names: Iterable[str]) -> Iterator[TiledWeights]:
+    """Reorder the named weights into tile order in their own storage (one matrix stack of scratch
+    at a time) for the duration of the block, and back after it: a decoder built inside the block
+    holds the weights once, and code after it reads them row-major again."""
+    names = [n for n in names if n in weights]
+    done: list[str] = []
+    try:
+        for n in names:
+            weights[n].copy_(to_tiles(weights[n]))
+            done.append(n)
+        yield TiledWeights(weights, names)
+    finally:
+        for n in done:
+            weights[n].copy_(from_tiles(weights[n]))
