@@ -41,9 +41,8 @@ VARIANTS: dict[str, CodegenOptions] = {
     "rows-ring-8k": CodegenOptions(weight_layout="rows", gemv_ring_bytes=8 * 1024),
     "ring-8k": CodegenOptions(gemv_ring_bytes=8 * 1024),
     "ring-16k": CodegenOptions(gemv_ring_bytes=16 * 1024),
-    "prefetch-0": CodegenOptions(prefetch_bytes=0),
+    "prefetch-128k": CodegenOptions(prefetch_bytes=128 * 1024),
     "prefetch-256k": CodegenOptions(prefetch_bytes=256 * 1024),
-    "ring-8k-prefetch-256k": CodegenOptions(gemv_ring_bytes=8 * 1024, prefetch_bytes=256 * 1024),
 }
 
 

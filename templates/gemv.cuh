@@ -225,6 +225,10 @@ extern __shared__ __align__(128) unsigned char gemv_dyn_smem[];  // the kernel's
 template <int NACC>
 __host__ __device__ constexpr int ring_stages() { return GEMV_RING_BYTES / (NACC * 4 * 32 * 16); }
 
+// Whether a GEMV streams its weights through the ring.
+template <int NACC, bool NC>
+__host__ __device__ constexpr bool use_ring() { return NC && GEMV_RING_BYTES > 0; }
+
 // this lane's slot 0 of the warp's ring; piece j of stage s is at [(s * NACC * 4 + j) * 32]
 __device__ __forceinline__ uint4* gemv_ring_lane() {
     return reinterpret_cast<uint4*>(gemv_dyn_smem + GEMV_RING_OFF + (threadIdx.x / 32) * GEMV_RING_BYTES) +
@@ -307,7 +311,7 @@ __device__ __forceinline__ void gemv_item(const bf16* const (&w0)[NACC],
                                           const bf16* const (&w1)[NACC], bool v0, bool v1, const bf16* xrow,
                                           int kb_begin, int kb_step, int kb_end, float (&acc)[NACC][4],
                                           const Fin& finish, bool first) {
-    if constexpr (NC && GEMV_RING_BYTES > 0) {
+    if constexpr (use_ring<NACC, NC>()) {
         gemv_item_ring<NACC>(w0, w1, v0, v1, xrow, kb_begin, kb_step, kb_end, acc, finish, first);
         return;
     }
@@ -361,7 +365,7 @@ __device__ __forceinline__ void gemv_tile(const bf16* const (&w)[NACC], int w_ld
     // warps without an item directly). With two row sets in register batches the registers are too
     // tight for that (ptxas spills): there it finishes first, and the op starts its copies early
     // instead. The weight ring holds no batch in registers.
-    constexpr bool EARLY = NACC == 1 || (NC && GEMV_RING_BYTES > 0);
+    constexpr bool EARLY = NACC == 1 || use_ring<NACC, NC>();
     const auto finish_now = [&] {
         cp_async_wait_all();
         finish();

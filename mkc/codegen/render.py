@@ -57,7 +57,10 @@ class CodegenOptions:
     threads: int = 256  # threads per CTA (8 warps); at most 255 registers each at 1 CTA / SM
     gemv_unroll: int = 8  # 64-wide k blocks in flight per warp (halved for two row sets)
     spin_limit: int = 1 << 26  # polls of one counter wait before the device watchdog fires
-    prefetch_bytes: int = 128 * 1024  # weights a task asks L2 for while it waits (cost.py: Ceilings.prefetch_bytes)
+    # Weights a task asks L2 for while it waits (0: one row). Measured on an H200 with tile-ordered
+    # weights (kernel_variants.py, 2026-11-30): 128 KB was 1.0-1.6% slower than 0 at batch 1, 0.6%
+    # at batch 4, 1.7% at batch 8; 256 KB slower still.
+    prefetch_bytes: int = 0
     # The three below were measured on an H200 (benchmarks/kernel_variants.py, 2026-11-29): per-line
     # L2 prefetches in the GEMV loop, a bulk L2 prefetch of routed experts and a shared-memory copy of
     # the operand descriptors each made the step slower (batch 1: 3.71 ms without them, 4.90 ms with).
