@@ -105,32 +105,33 @@ def _hf_greedy_margins(model, prompt: list[int], n: int) -> tuple[list[int], lis
     return ids[len(prompt):], margins, scale
 
 
-GPU_NEW_TOKENS = 32
+FORCED_STEPS = 32
 
 
-@pytest.mark.gpu
-def test_megakernel_greedy_tokens_match_transformers(hf_model, spec, weights):
-    """The megakernel on the GPU (bf16) decodes 32 greedy tokens per prompt like transformers
-    (float32). A token may differ only where transformers' top-2 margin is within the bf16 budget
-    (BF16_REL_BUDGET of the largest logit: a near tie the rounding may flip); the sequence is then
-    compared no further (its KV cache differs). At least half of all tokens must be compared."""
-    from mkc.runtime.cuda_backend import cuda_available
-
-    if not cuda_available():
-        pytest.skip("no usable CUDA GPU")
-    compared = total = 0
+def test_teacher_forced_greedy_steps_match_transformers(hf_model, spec, weights):
+    """32 greedy steps per prompt: transformers decodes, the float32 executor is fed the same
+    tokens (teacher forcing: every step is compared, whatever happened before) and must pick the
+    same token at every step. The megakernel matches the bf16 executor token for token
+    (test_generate_gpu.py); bf16 against float32 is compared in test_bf16_executor_close_to_float32:
+    on this checkpoint bf16 rounding flips routing near-ties, which moves later logits by up to
+    ~19% of the largest one (2026-11-30), so tokens are not compared across the two dtypes."""
+    sc = schedule(lower(spec, 1, 64, 8), spec.name)
     for i, prompt in enumerate(_prompts()):
-        want, margins, scale = _hf_greedy_margins(hf_model, prompt, GPU_NEW_TOKENS)
-        got = greedy_generate(spec, weights, prompt, GPU_NEW_TOKENS, backend="cuda", seed=i)
-        total += len(want)
-        for j, (g, w) in enumerate(zip(got, want, strict=True)):
-            if g != w:
-                assert margins[j] <= BF16_REL_BUDGET * scale, (
-                    f"prompt {i}, token {j}: mkc {g} vs transformers {w}, top-2 margin {margins[j]:.3g} "
-                    f"> {BF16_REL_BUDGET} x {scale:.3g}\nmkc {got}\ntransformers {want}")
-                break
-            compared += 1
-    assert compared >= total // 2, f"only {compared} of {total} tokens compared before near-tie flips"
+        want, margins, _ = _hf_greedy_margins(hf_model, prompt, FORCED_STEPS)
+        ex = CpuExecutor(sc, spec, weights, poison_weights=False)
+        seq = prompt + want
+        got = _forced(ex, seq, len(prompt))
+        assert got == want, f"prompt {i}: mkc {got} vs transformers {want} (top-2 margins {margins})"
+
+
+def _forced(ex: CpuExecutor, seq: list[int], prompt_len: int) -> list[int]:
+    """Feed seq token by token; the greedy token predicted after each of positions prompt_len - 1.."""
+    out = []
+    for pos in range(len(seq) - 1):
+        _, nxt = ex.step([seq[pos]], [pos], seed=pos)
+        if pos >= prompt_len - 1:
+            out.append(int(nxt[0]))
+    return out
 
 
 def test_spec_from_checkpoint_matches_tiny_yaml(spec):
