@@ -111,7 +111,8 @@ def _cuda_runner(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, 
         raise ValueError("backend 'cuda': no usable CUDA GPU here: expected an H100/H200 (sm_90a)")
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     sc = schedule(lower(spec, batch, context, sms), spec.name)
-    dec = CudaDecoder(sc, spec, {k: v.to("cuda", torch.bfloat16) for k, v in weights.items()})
+    # the decoder moves (and reorders) one weight at a time: the GPU never holds two copies
+    dec = CudaDecoder(sc, spec, weights)
 
     def run(tokens: list[int], pos: int, i: int) -> list[int]:
         _, nxt = dec.step(tokens, [pos] * batch)
