@@ -58,7 +58,8 @@ def tiny():
 
 @pytest.mark.parametrize("batch", [1, 8])
 def test_nmc_kernel_compiles_without_local_memory(cache, batch):
-    """North Mini Code, context 8192, 132 SMs: a cubin with no LDL/STL, HMMA for the GEMVs."""
+    """North Mini Code, context 8192, 132 SMs: a cubin with no LDL/STL, HMMA for the GEMVs, and
+    the cp.async and bulk-prefetch instructions the templates use."""
     spec = load_spec(NMC)
     sc = schedule(lower(spec, batch, 8192, 132), spec.name)
     art = build_kernel(sc, spec, cache_dir=cache)
@@ -72,6 +73,10 @@ def test_nmc_kernel_compiles_without_local_memory(cache, batch):
     assert not local, f"{art.name}: {len(local)} local-memory instructions, e.g.\n" + "\n".join(local[:10])
     ops = opcode_counts(sass)
     assert ops["HMMA"] > 0, "the GEMV tiles should run on the tensor cores (no HMMA in SASS)"
+    # the asynchronous copies the templates ask for: cp.async (LDGSTS) for staged activations and
+    # the task records, the TMA unit's bulk L2 prefetch (UBLKPF) for the next K/V chunk and weights
+    assert ops["LDGSTS"] > 0, "no cp.async (LDGSTS) in SASS"
+    assert ops["UBLKPF"] > 0, "no bulk L2 prefetch (cp.async.bulk.prefetch, UBLKPF) in SASS"
 
 
 def test_rendered_enum_and_dispatch_match_opcode(tiny):
