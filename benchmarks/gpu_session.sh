@@ -5,20 +5,22 @@
 # 10-minute limit of one call.
 #
 #   OUT=/path bash benchmarks/gpu_session.sh [--quick]   # default mode
+#   OUT=/path bash benchmarks/gpu_session.sh --bench     # timing only
 #   OUT=/path bash benchmarks/gpu_session.sh --long      # long-context mode
 #
-# Default mode (limits 20 + 315 + 95 + 95 + 60 = 585 s):
+# Default mode (limits 20 + 380 + 100 + 60 = 560 s):
 #   pip          the package installed in place, no network, no dependencies (python3 -m pip
 #                install --no-deps --no-build-isolation -e .): the device machine has torch and the
 #                CUDA wheels but not mkc; log in $OUT/pip.log
 #   gpu_tests    the GPU tests, by file (collecting tests/ whole fails there: openai and gguf are
 #                missing): test_gpu, test_families_gpu, test_generate_gpu, test_backends_gpu,
-#                test_paged_kv (292 s together on an H200)
+#                test_paged_kv, test_transformers_oracle (338 s together on an H200, 2026-11-30)
 #   bench        mkc bench at context 8192, batch 1,2,4,8 (--quick: 1,8), contiguous KV cache,
 #                beside the CUDA-graph PyTorch baseline
-#   bench_paged  the same with the paged KV cache (--page-size 256)
 #   profile      benchmarks/megakernel_step.py --profile at batch 1 and 8, context 8192
 # --quick: the default stages at batch 1 and 8 only.
+# --bench (limits 20 + 100 + 100 + 60 = 280 s): pip, bench, bench_paged (the same with the paged KV
+#   cache, --page-size 256), profile.
 # --long (limits 20 + 270 + 270 = 560 s): pip, then mkc bench at batch 1 and 8 and contexts 32768
 #   and 131072, contiguous (bench_long) and paged (bench_long_paged). Before each engine allocates,
 #   bench compares its memory estimate with the GPU's free memory and skips it with what it needed
@@ -33,8 +35,9 @@ mode=default
 for arg in "$@"; do
   case $arg in
     --quick) batches=1,8 ;;
+    --bench) mode=bench ;;
     --long) mode=long ;;
-    *) echo "usage: OUT=DIR bash benchmarks/gpu_session.sh [--quick | --long]" >&2; exit 2 ;;
+    *) echo "usage: OUT=DIR bash benchmarks/gpu_session.sh [--quick | --bench | --long]" >&2; exit 2 ;;
   esac
 done
 stage() {  # name, timeout (s), command...
@@ -56,8 +59,11 @@ if [ "$mode" = long ]; then
   bench bench_long_paged 270 --batch 1,8 --context 32768,131072 --page-size 256
   exit 0
 fi
-stage gpu_tests 315 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_gpu.py \
-  tests/test_families_gpu.py tests/test_generate_gpu.py tests/test_backends_gpu.py tests/test_paged_kv.py
-bench bench 95 --batch "$batches" --context 8192
-bench bench_paged 95 --batch "$batches" --context 8192 --page-size 256
+if [ "$mode" = default ]; then
+  stage gpu_tests 380 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_gpu.py \
+    tests/test_families_gpu.py tests/test_generate_gpu.py tests/test_backends_gpu.py tests/test_paged_kv.py \
+    tests/test_transformers_oracle.py
+fi
+bench bench 100 --batch "$batches" --context 8192
+[ "$mode" = bench ] && bench bench_paged 100 --batch "$batches" --context 8192 --page-size 256
 stage profile 60 python3 benchmarks/megakernel_step.py --batch 1 8 --context 8192 --reps 10 --profile "$OUT/prof"
