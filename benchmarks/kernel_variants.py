@@ -42,6 +42,7 @@ VARIANTS: dict[str, CodegenOptions] = {
     "ring-8k": CodegenOptions(gemv_ring_bytes=8 * 1024),
     "ring-16k": CodegenOptions(gemv_ring_bytes=16 * 1024),
     "prefetch-128k": CodegenOptions(prefetch_bytes=128 * 1024),
+    "early-two-sets": CodegenOptions(gemv_early_two_sets=True),
     "prefetch-256k": CodegenOptions(prefetch_bytes=256 * 1024),
 }
 

@@ -76,6 +76,10 @@ class CodegenOptions:
     # (tiles where the shapes allow, else rows). Tiles measured 4% faster at batch 1 and 2% at
     # batch 8 on an H200 (BENCHMARKS.md), bitwise the same results.
     weight_layout: str = "auto"
+    # Two-row-set GEMVs (SwiGLU, expert-up) finish staging their activations (the RMSNorm) after
+    # their first weight batch is issued, as one-row-set GEMVs do; False: before. Compiles without
+    # spills since 2026-11-30; not yet measured (benchmarks/kernel_variants.py: "early-two-sets").
+    gemv_early_two_sets: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +112,7 @@ class KernelConfig:
     desc_mode: int
     gemv_ring_request: int  # CodegenOptions.gemv_ring_bytes (the fitted size: gemv_ring_bytes)
     weights_tiled: bool  # GEMV weights in tile order (CodegenOptions.weight_layout, resolved)
+    gemv_early_two_sets: bool
 
     @property
     def warps(self) -> int:
@@ -238,7 +243,8 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         moe_slots=min(moe.num_experts, schedule.batch * moe.top_k) if moe else 1, spin_limit=options.spin_limit,
         prefetch_bytes=options.prefetch_bytes, run_prefetch_bytes=options.run_prefetch_bytes,
         gemv_pf_batches=options.gemv_pf_batches, desc_mode=options.desc_mode,
-        gemv_ring_request=options.gemv_ring_bytes, weights_tiled=tiled)
+        gemv_ring_request=options.gemv_ring_bytes, weights_tiled=tiled,
+        gemv_early_two_sets=options.gemv_early_two_sets)
     if cfg.smem_bytes > MAX_SMEM_BYTES:
         raise CodegenError(f"shared memory {cfg.smem_bytes} B (widest GEMV k = {max_k}, batch = {cfg.batch}): "
                            f"expected at most {MAX_SMEM_BYTES} B")
@@ -288,6 +294,7 @@ def template_context(cfg: KernelConfig, banner: str) -> dict[str, Any]:
         "gemv_ring_bytes": cv.c_int(cfg.gemv_ring_bytes),
         "gemv_ring_off": cv.c_int(cfg.gemv_ring_offset),
         "weights_tiled": cv.c_bool(cfg.weights_tiled),
+        "gemv_early_two_sets": cv.c_bool(cfg.gemv_early_two_sets),
         "max_rank": cv.c_int(MAX_RANK),
         "dtypes": [(cv.c_ident(f"DT_{k.upper()}"), cv.c_int(v)) for k, v in DTYPE_CODES.items()],
         "record_words": [(cv.c_ident(k), cv.c_int(v)) for k, v in RECORD_LAYOUT],
