@@ -70,6 +70,21 @@ def _contexts(v: str) -> list[int]:
 # -- commands -------------------------------------------------------------------------------------
 
 
+def _kernel_line(kernel_json: Path, schedule) -> str:
+    """One summary line for the compiled kernel: its name, resources and weight layout (and, when
+    the GEMV weights stay row-major, why tile order was not possible)."""
+    import json
+
+    from mkc.codegen.render import tile_order_problem
+
+    k = json.loads(kernel_json.read_text())
+    layout = "weights in tile order"
+    if not k["config"]["weights_tiled"]:
+        layout = f"weights row-major ({tile_order_problem(schedule) or 'asked for'})"
+    return (f"kernel          {k['name']}: {k['regs']} registers, {k['dynamic_smem']} + {k['static_smem']} B "
+            f"shared memory, {layout}")
+
+
 def cmd_compile(a: argparse.Namespace) -> int:
     from mkc.compiler import compile_to_folder
     from mkc.schedule import visualize
@@ -80,6 +95,8 @@ def cmd_compile(a: argparse.Namespace) -> int:
                             page_size=a.page_size, kernel=not a.no_kernel)
     wall = time.perf_counter() - t0
     print(visualize.format_summary(visualize.summary(res.schedule, res.spec)))
+    if "kernel.json" in res.files:
+        print(_kernel_line(res.files["kernel.json"], res.schedule))
     stages = ", ".join(f"{k} {v:.2f}s" for k, v in res.timings.items())
     print(f"compiled in {wall:.2f}s ({stages})")
     print(f"wrote {out}/: " + ", ".join(sorted(res.files)))

@@ -86,3 +86,15 @@ def test_bad_input_is_one_clear_line(args, needle):
     r = mkc(*args)
     assert r.returncode == 2
     assert needle in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize(("config", "layout"), [
+    ("configs/tiny.yaml", "weights in tile order"),
+    ("configs/mixtral_tiny.yaml", "weights row-major (weight L0.w_router (8, 128)"),  # an 8-row router
+])
+def test_compile_names_the_kernel_and_its_weight_layout(config, layout, tmp_path):
+    pytest.importorskip("cuda.bindings.nvrtc", reason="NVRTC (cuda-bindings) is not installed")
+    r = mkc("compile", config, "-o", tmp_path, "--batch", 1, "--context", 64, "--num-sms", 8)
+    assert r.returncode == 0, r.stderr
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("kernel "))
+    assert "registers" in line and layout in line, line
