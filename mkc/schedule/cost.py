@@ -30,8 +30,11 @@ class Ceilings:
     grid_barrier: float = 0.8e-6  # s: a grid-wide counter barrier
     launch_in_graph: float = 0.5e-6  # s: kernel launch inside a CUDA graph
     # weights a task may load before its inputs are ready (prefetch before wait), credited by the
-    # scheduler as overlap with the wait; a profiled step suggests the credit is optimistic
-    # (BENCHMARKS.md): benchmarks/schedule_variants.py measures schedules made without it
+    # scheduler as overlap with the wait. A profiled step suggests the credit is optimistic, yet
+    # schedules made without it were no faster (benchmarks/schedule_variants.py, 2026-11-30, with
+    # the kernel's 128 KB L2 prefetch then on; BENCHMARKS.md). Since then the kernel asks L2 for one
+    # row only (CodegenOptions.prefetch_bytes): the credit stands for the first weight batch, issued
+    # before the staging finishes, and is to be re-measured against that kernel.
     prefetch_bytes: int = 96 * 1024
 
 
