@@ -22,7 +22,7 @@ Two cache layouts (mkc/ir/kv_layout.py):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -93,11 +93,12 @@ class PagePool:
 class DecoderBackend:
     """``Backend`` (runtime/engine.py) over a step decoder; also ``read_kv``/``write_kv`` (prefix cache).
 
-    ``weights`` are the decoder's own copies (same device and dtype as its cache) and feed the
+    ``weights`` are the decoder's own, by logical name and row-major (same device and dtype as its
+    cache; for the CUDA decoder a ``LogicalWeights`` view of its tile-ordered buffers) and feed the
     prefill; ``act_dtype`` is the storage dtype of the decoder's "bf16" activations.
     """
 
-    def __init__(self, decoder: StepDecoder, spec: ModelSpec, weights: dict[str, torch.Tensor], *,
+    def __init__(self, decoder: StepDecoder, spec: ModelSpec, weights: Mapping[str, torch.Tensor], *,
                  max_batch: int, context: int, act_dtype: torch.dtype, buffers: dict[str, torch.Tensor]):
         self.decoder, self.spec = decoder, spec
         self.max_batch, self.context, self.vocab_size = max_batch, context, spec.vocab_size
