@@ -163,7 +163,17 @@ __device__ __forceinline__ void gemv_load(uint4 (&wv)[U][NACC][2][2], const bf16
     }
 }
 
-// The tensor-core work of one loaded batch (see the file comment for the k permutation).
+// The four MMAs of one 64-wide block of one row set: pieces l0, l1 (row g) and h0, h1 (row g + 8)
+// of the A fragment, the block's activations xw (the file comment has the k permutation).
+__device__ __forceinline__ void mma_block(float (&acc)[4], const uint4& l0, const uint4& l1, const uint4& h0,
+                                          const uint4& h1, const u32 (&xw)[8]) {
+    const u32 lo[8] = {l0.x, l0.y, l0.z, l0.w, l1.x, l1.y, l1.z, l1.w};
+    const u32 hi[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
+#pragma unroll
+    for (int s = 0; s < 4; ++s) mma_16816(acc, lo[2 * s], hi[2 * s], lo[2 * s + 1], hi[2 * s + 1], xw[2 * s], xw[2 * s + 1]);
+}
+
+// The tensor-core work of one loaded batch.
 template <int U, int NACC>
 __device__ __forceinline__ void gemv_mma(const uint4 (&wv)[U][NACC][2][2], const bf16* xrow, int kb, int kb_step,
                                          int kb_end, float (&acc)[NACC][4]) {
@@ -175,15 +185,7 @@ __device__ __forceinline__ void gemv_mma(const uint4 (&wv)[U][NACC][2][2], const
             const uint4 xa = lds16(xrow + k), xb = lds16(xrow + k + 32);
             const u32 xw[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
 #pragma unroll
-            for (int a = 0; a < NACC; ++a) {
-                const uint4 l0 = wv[u][a][0][0], l1 = wv[u][a][0][1];
-                const uint4 h0 = wv[u][a][1][0], h1 = wv[u][a][1][1];
-                const u32 lo[8] = {l0.x, l0.y, l0.z, l0.w, l1.x, l1.y, l1.z, l1.w};
-                const u32 hi[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
-#pragma unroll
-                for (int s = 0; s < 4; ++s)
-                    mma_16816(acc[a], lo[2 * s], hi[2 * s], lo[2 * s + 1], hi[2 * s + 1], xw[2 * s], xw[2 * s + 1]);
-            }
+            for (int a = 0; a < NACC; ++a) mma_block(acc[a], wv[u][a][0][0], wv[u][a][0][1], wv[u][a][1][0], wv[u][a][1][1], xw);
         }
     }
 }
@@ -288,11 +290,7 @@ __device__ __forceinline__ void gemv_item_ring(const bf16* const (&w0)[NACC], co
         for (int a = 0; a < NACC; ++a) {
             const uint4 l0 = v0 ? s[(4 * a + 0) * 32] : zero4(), l1 = v0 ? s[(4 * a + 1) * 32] : zero4();
             const uint4 h0 = v1 ? s[(4 * a + 2) * 32] : zero4(), h1 = v1 ? s[(4 * a + 3) * 32] : zero4();
-            const u32 lo[8] = {l0.x, l0.y, l0.z, l0.w, l1.x, l1.y, l1.z, l1.w};
-            const u32 hi[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
-#pragma unroll
-            for (int q = 0; q < 4; ++q)
-                mma_16816(acc[a], lo[2 * q], hi[2 * q], lo[2 * q + 1], hi[2 * q + 1], xw[2 * q], xw[2 * q + 1]);
+            mma_block(acc[a], l0, l1, h0, h1, xw);
         }
         st = st + 1 == S ? 0 : st + 1;
     }
