@@ -263,6 +263,21 @@ __device__ void op_linear(const Task& t, unsigned char* smem) {
     }
 }
 
+// The SwiGLU GEMVs' epilogue: out[tok * out_ld + r] = bf16(silu(gate) * up) for the rows r < rows
+// and tokens of a finished 16-row group (gemv_tile's epi with two row sets: gate, up).
+struct SwigluStore {
+    bf16* out;
+    int out_ld, rows;
+    __device__ __forceinline__ void operator()(int r0, float (&acc)[2][4]) const {
+        const int n = 2 * (threadIdx.x % 4);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int r = r0 + (i >= 2 ? 8 : 0), tok = n + (i & 1);
+            if (r < rows && tok < BATCH) store_bf16(out + (size_t)tok * out_ld + r, silu(acc[0][i]) * acc[1][i]);
+        }
+    }
+};
+
 // h[b, col0 + i] = silu(x . w[row0 + i]) * (x . w[up_row0 + i])   (out bf16)
 __device__ void op_swiglu(const Task& t, unsigned char* smem) {
     using O = OPND_SWIGLU;
@@ -277,14 +292,7 @@ __device__ void op_swiglu(const Task& t, unsigned char* smem) {
     const bf16* const w[2] = {wb + (size_t)row0 * w_ld, wb + (size_t)up0 * w_ld};
     bf16* out = t.ptr<bf16>(O::out) + col0;
     const int out_ld = t.dim(O::out, 1);
-    gemv_tile<2>(w, w_ld, rows, k, xs, gemv_red(smem), [&](int r0, float (&acc)[2][4]) {
-        const int n = 2 * (threadIdx.x % 4);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int r = r0 + (i >= 2 ? 8 : 0), tok = n + (i & 1);
-            if (r < rows && tok < BATCH) store_bf16(out + (size_t)tok * out_ld + r, silu(acc[0][i]) * acc[1][i]);
-        }
-    }, finish);
+    gemv_tile<2>(w, w_ld, rows, k, xs, gemv_red(smem), SwigluStore{out, out_ld, rows}, finish);
 }
 
 // h[slot, b, row0 + i] = silu(x . Wg[e, row0 + i]) * (x . Wu[e, row0 + i]), e = the expert of
@@ -309,14 +317,7 @@ __device__ void op_expert_swiglu(const Task& t, unsigned char* smem) {
     const StageFinish<O> finish{t, smem, 0, k};
     const int out_ld = t.dim(O::out, 1);
     bf16* out = t.ptr<bf16>(O::out) + (size_t)slot * t.dim(O::out, 2) * out_ld + row0;
-    gemv_tile<2>(w, w_ld, rows, k, xs, gemv_red(smem), [&](int r0, float (&acc)[2][4]) {
-        const int n = 2 * (threadIdx.x % 4);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int r = r0 + (i >= 2 ? 8 : 0), tok = n + (i & 1);
-            if (r < rows && tok < BATCH) store_bf16(out + (size_t)tok * out_ld + r, silu(acc[0][i]) * acc[1][i]);
-        }
-    }, finish);
+    gemv_tile<2>(w, w_ld, rows, k, xs, gemv_red(smem), SwigluStore{out, out_ld, rows}, finish);
 }
 
 // out[slot, b, row0 + i] = weights[slot, b] * (h[slot, b] . Wd[e, row0 + i]); no-op past count
