@@ -21,7 +21,13 @@ import torch
 from mkc.codegen import CodegenOptions, build_kernel
 from mkc.ir.lower import lower
 from mkc.ir.spec import load_spec
-from mkc.runtime.bench import device_random_weights, measure_read_bandwidth, time_step
+from mkc.runtime.bench import (
+    device_random_weights,
+    fill_random_kv,
+    measure_read_bandwidth,
+    release,
+    time_step,
+)
 from mkc.runtime.cuda_backend import CudaDecoder
 from mkc.schedule.scheduler import schedule
 
@@ -77,10 +83,7 @@ def main() -> None:
         ref = None
         for name in a.variants:
             dec = CudaDecoder(sc, spec, weights, options=VARIANTS[name])
-            g = torch.Generator(device="cuda").manual_seed(batch)
-            for layer in range(spec.num_layers):
-                for t in dec.kv_cache(layer):
-                    t.normal_(generator=g)
+            fill_random_kv(dec, spec, torch.Generator(device="cuda").manual_seed(batch))
             logits, _ = dec.step(tokens, positions)
             repeat = all(torch.equal(logits, dec.step(tokens, positions)[0]) for _ in range(a.repeat))
             if ref is None:
@@ -93,9 +96,8 @@ def main() -> None:
             print(f"batch {batch} {name:<26} {t * 1e6:9.1f} µs  {batch / t:7.1f} tok/s  {sol:6.1%} SOL  "
                   f"(min {min(times) * 1e6:.1f}, max {max(times) * 1e6:.1f})  logits {same}  "
                   f"[{dec.artifact.name}, {dec.artifact.regs} regs]", flush=True)
-            dec.close()
+            release(dec)
             del dec
-            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

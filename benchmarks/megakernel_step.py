@@ -22,8 +22,10 @@ from mkc.ir.lower import lower
 from mkc.ir.spec import load_spec
 from mkc.runtime.bench import (
     device_random_weights,
+    fill_random_kv,
     format_table,
     measure_read_bandwidth,
+    release,
     row,
     step_bytes,
     time_cuda,
@@ -88,9 +90,7 @@ def main() -> None:
         for context in a.context:
             sc = schedule(lower(spec, batch, context, sms), spec.name)
             dec = CudaDecoder(sc, spec, weights)
-            for layer in range(spec.num_layers):
-                for t in dec.kv_cache(layer):
-                    t.normal_()
+            fill_random_kv(dec, spec)
             tokens = torch.randint(0, spec.vocab_size, (batch,), dtype=torch.int32)
             positions = torch.tensor([context - 1] * batch, dtype=torch.int32)
             dec.step(tokens, positions)
@@ -107,9 +107,8 @@ def main() -> None:
                   f"spread {statistics.pstdev(times) * 1e6:.1f} µs", flush=True)
             if a.profile:
                 print(profile_summary(dec, f"{a.profile}/timeline-b{batch}-c{context}.npz"), flush=True)
-            dec.close()
+            release(dec)
             del dec
-            torch.cuda.empty_cache()
     print(format_table(rows))
     if a.json:
         write_json(rows, a.json, {"gpu": torch.cuda.get_device_name(0), "read_bw": bw, "reps": a.reps})

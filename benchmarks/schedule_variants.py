@@ -21,7 +21,13 @@ import torch
 
 from mkc.ir.lower import lower
 from mkc.ir.spec import load_spec
-from mkc.runtime.bench import device_random_weights, measure_read_bandwidth, time_step
+from mkc.runtime.bench import (
+    device_random_weights,
+    fill_random_kv,
+    measure_read_bandwidth,
+    release,
+    time_step,
+)
 from mkc.runtime.cuda_backend import CudaDecoder
 from mkc.schedule.cost import H200
 from mkc.schedule.scheduler import schedule
@@ -58,17 +64,14 @@ def main() -> None:
         for name in a.variants:
             sc = schedule(program, spec.name, VARIANTS[name])
             dec = CudaDecoder(sc, spec, weights)
-            g = torch.Generator(device="cuda").manual_seed(batch)  # the same KV cache for every variant
-            for layer in range(spec.num_layers):
-                for t in dec.kv_cache(layer):
-                    t.normal_(generator=g)
+            # the same KV cache for every variant
+            fill_random_kv(dec, spec, torch.Generator(device="cuda").manual_seed(batch))
             dec.step(tokens, positions)
             med, sol, _ = time_step(dec, spec, batch, a.context, bw, a.reps)
             print(f"batch {batch} {name:<20} measured {med * 1e6:8.1f} µs ({sol:.1%} SOL), "
                   f"predicted {sc.predicted['step_us']:8.1f} µs", flush=True)
-            dec.close()
+            release(dec)
             del dec
-            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -244,6 +244,20 @@ def device_random_weights(spec: ModelSpec, seed: int, device: str = "cuda") -> d
     return out
 
 
+def fill_random_kv(dec, spec: ModelSpec, generator: torch.Generator | None = None) -> None:
+    """Every layer's KV cache of a decoder filled with normal(0, 1) values: the cache a benchmarked
+    step attends to (``generator``: the same cache for every decoder of a comparison)."""
+    for layer in range(spec.num_layers):
+        for t in dec.kv_cache(layer):
+            t.normal_(generator=generator)
+
+
+def release(dec) -> None:
+    """Close a decoder and hand its memory back to the device, before the next one is built."""
+    dec.close()
+    torch.cuda.empty_cache()
+
+
 def time_step(dec, spec: ModelSpec, batch: int, context: int, bw: float, reps: int) -> tuple[float, float, list[float]]:
     """Time ``reps`` launches of a decoder whose inputs are in place (after 2 warm-ups): the median
     step (s), its speed-of-light fraction (the distinct experts it routed, read bandwidth ``bw``)
@@ -325,9 +339,7 @@ def _time_decoder(dec, sc, spec: ModelSpec, tokens, positions, *, bw: float, rep
     it is closed on return."""
     batch, context = sc.batch, sc.context
     try:
-        for layer in range(spec.num_layers):
-            for t in dec.kv_cache(layer):
-                t.normal_()
+        fill_random_kv(dec, spec)
         dec.step(tokens, positions)
         times = time_cuda(dec.launch, reps=reps, warmup=2)
         dec.check()
