@@ -88,12 +88,12 @@ class LogicalWeights(Mapping):
     an expert stack reorders expert e only. Nothing is kept, so the weights are held once."""
 
     def __init__(self, buffers: dict[str, torch.Tensor], names: list[str], tiled: frozenset[str]):
-        self._buffers, self._names, self._tiled = buffers, names, tiled
+        self._buffers, self._names, self._tiled = buffers, dict.fromkeys(names), tiled
 
     def __getitem__(self, name: str):
-        t = self._buffers[name] if name in self._names else None
-        if t is None:
+        if name not in self._names:
             raise KeyError(name)
+        t = self._buffers[name]
         if name not in self._tiled:
             return t
         return _TiledStack(t) if t.dim() == 3 else from_tiles(t)

@@ -168,8 +168,6 @@ def _gemv_k(schedule: Schedule, t) -> tuple[int, int, str]:
     return b[t.operand("weight")].shape[-1], 0, t.operand("x")
 
 
-
-
 def tile_order_problem(schedule: Schedule) -> str | None:
     """Why the GEMV weights of ``schedule`` cannot be stored in tile order, or None: every such
     weight needs whole 16 x 64 blocks and every GEMV tile must start on a block."""
