@@ -228,7 +228,7 @@ template <int NACC>
 __host__ __device__ constexpr int ring_stages() { return GEMV_RING_BYTES / (NACC * 4 * 32 * 16); }
 
 // Whether a GEMV streams its weights through the ring.
-template <int NACC, bool NC>
+template <bool NC>
 __host__ __device__ constexpr bool use_ring() { return NC && GEMV_RING_BYTES > 0; }
 
 // this lane's slot 0 of the warp's ring; piece j of stage s is at [(s * NACC * 4 + j) * 32]
@@ -309,7 +309,7 @@ __device__ __forceinline__ void gemv_item(const bf16* const (&w0)[NACC],
                                           const bf16* const (&w1)[NACC], bool v0, bool v1, const bf16* xrow,
                                           int kb_begin, int kb_step, int kb_end, float (&acc)[NACC][4],
                                           const Fin& finish, bool first) {
-    if constexpr (use_ring<NACC, NC>()) {
+    if constexpr (use_ring<NC>()) {
         gemv_item_ring<NACC>(w0, w1, v0, v1, xrow, kb_begin, kb_step, kb_end, acc, finish, first);
         return;
     }
@@ -364,7 +364,7 @@ __device__ __forceinline__ void gemv_tile(const bf16* const (&w)[NACC], int w_ld
     // there it finishes first unless GEMV_EARLY_TWO_SETS (no spills since 2026-11-30, not yet
     // measured), and the op starts its copies early instead. The weight ring holds no batch in
     // registers.
-    constexpr bool EARLY = NACC == 1 || use_ring<NACC, NC>() || GEMV_EARLY_TWO_SETS;
+    constexpr bool EARLY = NACC == 1 || use_ring<NC>() || GEMV_EARLY_TWO_SETS;
     const auto finish_now = [&] {
         cp_async_wait_all();
         finish();
