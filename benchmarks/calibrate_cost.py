@@ -16,10 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from mkc.ir.lower import lower
 from mkc.ir.spec import load_spec
 from mkc.schedule.cost import fit_op_costs
-from mkc.schedule.scheduler import schedule
+from mkc.schedule.plan import plan
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,9 +31,10 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--num-sms", type=int, default=132)
     ap.add_argument("--page-size", type=int, default=0)
+    ap.add_argument("--attention-sms", type=int, default=None, help="as profiled (default: the compiler's choice)")
     a = ap.parse_args()
     spec = load_spec(a.config)
-    sc = schedule(lower(spec, a.batch, a.context, a.num_sms, page_size=a.page_size), spec.name)
+    sc = plan(spec, a.batch, a.context, a.num_sms, page_size=a.page_size, attention_sms=a.attention_sms)
     tl = np.load(a.timeline)
     if len(tl["end"]) != len(sc.tasks) or not np.array_equal(tl["op"], [int(t.op) for t in sc.tasks]):
         raise SystemExit(f"{a.timeline}: its tasks are not this tree's schedule for batch {a.batch}, "

@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 
 from mkc.codegen import CodegenOptions, build_kernel
-from mkc.ir.lower import lower
 from mkc.ir.spec import load_spec
 from mkc.runtime.bench import (
     device_random_weights,
@@ -29,7 +28,7 @@ from mkc.runtime.bench import (
     time_step,
 )
 from mkc.runtime.cuda_backend import CudaDecoder
-from mkc.schedule.scheduler import schedule
+from mkc.schedule.plan import plan
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,7 +66,7 @@ def main() -> None:
     spec = load_spec(a.config)
     if a.build_only:
         for batch in a.batch:
-            sc = schedule(lower(spec, batch, a.context, a.sms), spec.name)
+            sc = plan(spec, batch, a.context, a.sms)
             for name in a.variants:
                 art = build_kernel(sc, spec, VARIANTS[name])
                 print(f"b{batch} {name}: {art.name} regs {art.regs} spills {art.spills}", flush=True)
@@ -77,7 +76,7 @@ def main() -> None:
     bw = measure_read_bandwidth()
     print(f"read bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     for batch in a.batch:
-        sc = schedule(lower(spec, batch, a.context, sms), spec.name)
+        sc = plan(spec, batch, a.context, sms)
         tokens = torch.randint(0, spec.vocab_size, (batch,), dtype=torch.int32)
         positions = torch.full((batch,), a.context - 1, dtype=torch.int32)
         ref = None

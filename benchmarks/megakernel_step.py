@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 
-from mkc.ir.lower import lower
 from mkc.ir.spec import load_spec
 from mkc.runtime.bench import (
     device_random_weights,
@@ -32,8 +31,8 @@ from mkc.runtime.bench import (
     write_json,
 )
 from mkc.runtime.cuda_backend import CudaDecoder
+from mkc.schedule.plan import plan
 from mkc.schedule.profile import format_chain
-from mkc.schedule.scheduler import schedule
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -76,6 +75,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", default=None, help="folder: per-task timeline (npz) and per-op summary")
+    ap.add_argument("--attention-sms", type=int, default=None,
+                    help="SMs set apart for the attention splits (default: the compiler's choice)")
     a = ap.parse_args()
     spec = load_spec(a.config)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -88,7 +89,7 @@ def main() -> None:
     rows = []
     for batch in a.batch:
         for context in a.context:
-            sc = schedule(lower(spec, batch, context, sms), spec.name)
+            sc = plan(spec, batch, context, sms, attention_sms=a.attention_sms)
             dec = CudaDecoder(sc, spec, weights)
             fill_random_kv(dec, spec)
             tokens = torch.randint(0, spec.vocab_size, (batch,), dtype=torch.int32)

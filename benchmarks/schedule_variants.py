@@ -1,10 +1,12 @@
-"""Step time of schedules made with different cost-model assumptions, side by side in one run.
+"""Step time of schedules made with different cost-model assumptions or lowerings, side by side in one run.
 
-    python benchmarks/schedule_variants.py --batch 1 8 --context 8192 [--reps 20] [--variants NAME ...]
+    python benchmarks/schedule_variants.py --batch 1 8 --context 8192 [--reps 20] [--variants NAME ...] \
+        [--attention-sms 0 32 ...] [--build-only]
 
-Every variant lowers the same program and runs the same default kernel over the same weights and
-KV cache; only the scheduler's cost model (mkc/schedule/cost.py: Ceilings) differs, so only the
-placement, queue order and counters change. The profile of 2026-11-29 (BENCHMARKS.md, "Where the
+Every variant runs the default kernel over the same weights and KV cache; only the scheduler's
+cost model (mkc/schedule/cost.py: Ceilings) or the lowering's SM split between the attention
+splits and the expert tiles of a parallel block (LowerOptions.attention_sms) differs, so only the
+tiles, placement, queue order and counters change. The profile of 2026-11-29 (BENCHMARKS.md, "Where the
 time goes now") found the model optimistic between tasks: it credits up to 96 KB of prefetch per
 task as overlap with its wait and charges 0.6 µs per hand-off, while the critical chain measured
 0.75 µs a hop and no overlap. Timing as megakernel_step.py: one warm-up, then ``reps`` steps timed
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from mkc.ir.lower import lower
+from mkc.codegen.build import build_kernel
 from mkc.ir.spec import load_spec
 from mkc.runtime.bench import (
     device_random_weights,
@@ -30,7 +32,7 @@ from mkc.runtime.bench import (
 )
 from mkc.runtime.cuda_backend import CudaDecoder
 from mkc.schedule.cost import H200
-from mkc.schedule.scheduler import schedule
+from mkc.schedule.plan import plan
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,25 +53,51 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--attention-sms", nargs="+", default=["auto"],
+                    help="LowerOptions.attention_sms values to lower with: numbers (0: every op fills all SMs) "
+                         "or auto (the compiler's choice, mkc/schedule/plan.py)")
+    ap.add_argument("--build-only", action="store_true", help="compile every variant's kernel (no GPU) and exit")
+    ap.add_argument("--sms", type=int, default=132, help="SM count for --build-only")
     a = ap.parse_args()
+    a.attention_sms = [None if v == "auto" else int(v) for v in a.attention_sms]
     spec = load_spec(a.config)
+    if a.build_only:
+        for batch in a.batch:
+            for att in a.attention_sms:
+                for name in a.variants:
+                    sc = plan(spec, batch, a.context, a.sms, attention_sms=att, ceilings=VARIANTS[name])
+                    art = build_kernel(sc, spec)
+                    print(f"b{batch} attention_sms={sc.meta['attention_sms']['chosen']} {name}: {art.name} "
+                          f"regs {art.regs} spills {art.spills}")
+        return
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     bw = measure_read_bandwidth()
     weights = device_random_weights(spec, 2026)
     print(f"read bandwidth {bw / 1e12:.2f} TB/s")
     for batch in a.batch:
-        program = lower(spec, batch, a.context, sms)
-        tokens = torch.randint(0, spec.vocab_size, (batch,), dtype=torch.int32)
+        # the same tokens, positions and KV cache for every variant of a batch
+        tokens = torch.randint(0, spec.vocab_size, (batch,), dtype=torch.int32,
+                               generator=torch.Generator().manual_seed(batch))
         positions = torch.full((batch,), a.context - 1, dtype=torch.int32)
-        for name in a.variants:
-            sc = schedule(program, spec.name, VARIANTS[name])
+        ref = None
+        for att, name in ((att, name) for att in a.attention_sms for name in a.variants):
+            sc = plan(spec, batch, a.context, sms, attention_sms=att, ceilings=VARIANTS[name])
+            label = f"{sc.meta['attention_sms']['chosen']}" + (" (auto)" if att is None else "")
             dec = CudaDecoder(sc, spec, weights)
-            # the same KV cache for every variant
             fill_random_kv(dec, spec, torch.Generator(device="cuda").manual_seed(batch))
-            dec.step(tokens, positions)
+            logits, _ = dec.step(tokens, positions)
+            repeat = torch.equal(logits, dec.step(tokens, positions)[0])
+            if ref is None:
+                ref = logits.clone()
+            # another lowering sums in another order, and on random weights a routing near-tie can
+            # flip: the logits may differ; the GPU tests check each lowering against the executor
+            diff = float((ref - logits).abs().max()) / float(ref.abs().max())
+            same = (f"logits within {diff:.2e} of the first's largest, argmax "
+                    + ("equal" if torch.equal(ref.argmax(-1), logits.argmax(-1)) else "DIFFERS")
+                    + ", rerun " + ("bitwise the same" if repeat else "DIFFERS (a race)"))
             med, sol, _ = time_step(dec, spec, batch, a.context, bw, a.reps)
-            print(f"batch {batch} {name:<20} measured {med * 1e6:8.1f} µs ({sol:.1%} SOL), "
-                  f"predicted {sc.predicted['step_us']:8.1f} µs", flush=True)
+            print(f"batch {batch} attention_sms {label:<9} {name:<20} measured {med * 1e6:8.1f} µs ({sol:.1%} SOL), "
+                  f"predicted {sc.predicted['step_us']:8.1f} µs; {same}", flush=True)
             release(dec)
             del dec
 

@@ -47,6 +47,11 @@ def _at_least(lo: int, expected: str):
 
 _positive = _at_least(1, "a positive integer")
 _page_size = _at_least(0, "0 (one KV slab per sequence) or a positive page size")
+_sms_count = _at_least(0, "'auto' or a number of SMs (0: none set apart)")
+
+
+def _attention_sms(v: str) -> int | None:
+    return None if v == "auto" else _sms_count(v)
 
 
 def _ids(v: str) -> list[int]:
@@ -92,7 +97,7 @@ def cmd_compile(a: argparse.Namespace) -> int:
     out = Path(a.output or f"build/{Path(a.config).stem}-b{a.batch}-c{a.context}")
     t0 = time.perf_counter()
     res = compile_to_folder(a.config, out, batch=a.batch, context=a.context, num_sms=a.num_sms,
-                            page_size=a.page_size, kernel=not a.no_kernel)
+                            page_size=a.page_size, attention_sms=a.attention_sms, kernel=not a.no_kernel)
     wall = time.perf_counter() - t0
     print(visualize.format_summary(visualize.summary(res.schedule, res.spec)))
     if "kernel.json" in res.files:
@@ -205,6 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--page-size", type=_page_size, default=0,
                    help="KV cache page in positions, read through a page table (default 0: one contiguous "
                         "slab per sequence; see docs/kernel.md)")
+    c.add_argument("--attention-sms", type=_attention_sms, default=None, metavar="auto|N",
+                   help="SMs set apart for the attention splits of a parallel block, the MLP tiles filling the "
+                        "rest (default auto: the compiler picks the count its cost model predicts fastest; "
+                        "0: every op fills all SMs)")
     c.add_argument("--no-kernel", action="store_true", help="skip rendering and compiling the CUDA kernel")
     c.set_defaults(fn=cmd_compile)
 

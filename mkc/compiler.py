@@ -10,10 +10,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mkc.ir.lower import lower
 from mkc.ir.spec import ModelSpec, load_spec
+from mkc.schedule.plan import plan
 from mkc.schedule.schedule import Schedule
-from mkc.schedule.scheduler import schedule as make_schedule
 
 
 @dataclass(slots=True)
@@ -24,21 +23,21 @@ class CompileResult:
     timings: dict[str, float] = field(default_factory=dict)  # stage → seconds
 
 
-def compile_schedule(spec: ModelSpec, batch: int, context: int, num_sms: int,
-                     page_size: int = 0) -> tuple[Schedule, dict[str, float]]:
-    """Lower, schedule and validate; raises SpecError or ScheduleError."""
+def compile_schedule(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int = 0,
+                     attention_sms: int | None = None) -> tuple[Schedule, dict[str, float]]:
+    """Lower, schedule (choosing the attention SMs unless given: mkc/schedule/plan.py) and
+    validate; raises SpecError or ScheduleError."""
     from mkc.schedule.validator import check
 
     times: dict[str, float] = {}
     t0 = time.perf_counter()
-    program = lower(spec, batch=batch, context=context, num_sms=num_sms, page_size=page_size)
+    sc = plan(spec, batch, context, num_sms, page_size, attention_sms=attention_sms)
     t1 = time.perf_counter()
-    sc = make_schedule(program, spec.name)
-    t2 = time.perf_counter()
     check(sc)
-    t3 = time.perf_counter()
-    times.update(lower=t1 - t0, schedule=t2 - t1, validate=t3 - t2)
-    sc.meta.update(options={"batch": batch, "context": context, "num_sms": num_sms})
+    t2 = time.perf_counter()
+    times.update(plan=t1 - t0, validate=t2 - t1)
+    sc.meta.update(options={"batch": batch, "context": context, "num_sms": num_sms, "page_size": page_size,
+                            "attention_sms": sc.meta["attention_sms"]["chosen"]})
     return sc, times
 
 
@@ -54,12 +53,13 @@ def _check_kernel_resources(sc: Schedule, kernel_json: Path) -> None:
 
 
 def compile_to_folder(spec_path: str | Path, out_dir: str | Path, *, batch: int = 1, context: int = 8192,
-                      num_sms: int = 132, page_size: int = 0, kernel: bool = True) -> CompileResult:
+                      num_sms: int = 132, page_size: int = 0, attention_sms: int | None = None,
+                      kernel: bool = True) -> CompileResult:
     """Run the whole pipeline and write every artifact into out_dir."""
     from mkc.schedule import visualize
 
     spec = load_spec(spec_path)
-    sc, times = compile_schedule(spec, batch, context, num_sms, page_size)
+    sc, times = compile_schedule(spec, batch, context, num_sms, page_size, attention_sms)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()

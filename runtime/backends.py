@@ -27,11 +27,10 @@ from typing import Any, Protocol
 
 import torch
 
-from mkc.ir.lower import lower
 from mkc.ir.spec import ModelSpec
 from mkc.runtime.prefill import Prefill
+from mkc.schedule.plan import plan
 from mkc.schedule.schedule import Schedule
-from mkc.schedule.scheduler import schedule
 
 
 class StepDecoder(Protocol):
@@ -232,8 +231,8 @@ class DecoderBackend:
 def compile_schedule(spec: ModelSpec, max_batch: int, context: int, num_sms: int, page_size: int = 0,
                      kv_pages: int = 0) -> Schedule:
     """The backend's schedule; a paged cache gets ``kv_pages`` pages plus the scratch page."""
-    return schedule(lower(spec, max_batch, context, num_sms, page_size=page_size,
-                          kv_pages=kv_pages + 1 if page_size and kv_pages else 0), spec.name)
+    return plan(spec, max_batch, context, num_sms, page_size=page_size,
+                kv_pages=kv_pages + 1 if page_size and kv_pages else 0)
 
 
 class CpuBackend(DecoderBackend):

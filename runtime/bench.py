@@ -319,13 +319,12 @@ def _megakernel_row(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: in
     its buffers are freed on return."""
     from mkc.codegen import build_kernel
     from mkc.codegen.weight_tiles import tile_ordered_in_place, tiled_weights
-    from mkc.ir.lower import lower
     from mkc.runtime.cuda_backend import CudaDecoder
-    from mkc.schedule.scheduler import schedule
+    from mkc.schedule.plan import plan
 
     tokens = torch.randint(0, spec.vocab_size, (batch,), dtype=torch.int32)
     positions = torch.full((batch,), context - 1, dtype=torch.int32)
-    sc = schedule(lower(spec, batch, context, sms, page_size=page_size), spec.name)
+    sc = plan(spec, batch, context, sms, page_size=page_size)
     art = build_kernel(sc, spec)
     # the kernel's GEMV weights in tile order in place for this point: held once, row-major after
     with tile_ordered_in_place(weights, tiled_weights(sc) if art.config.weights_tiled else ()) as tw:

@@ -11,11 +11,10 @@ import contextlib
 
 import torch
 
-from mkc.ir.lower import lower
 from mkc.ir.spec import ModelSpec
 from mkc.runtime.reference import DenseReference
 from mkc.schedule.executor import CpuExecutor
-from mkc.schedule.scheduler import schedule
+from mkc.schedule.plan import plan
 
 BACKENDS = ("cpu", "cuda", "reference")
 MIN_CONTEXT = 64
@@ -75,7 +74,7 @@ def greedy_generate_batch(spec: ModelSpec, weights: dict[str, torch.Tensor], pro
         raise ValueError(f"context {ctx} is too small for {steps} positions (longest prompt + max_new_tokens - 1)")
     B = len(prompts)
     if backend == "cpu":
-        sc = schedule(lower(spec, B, ctx, num_sms), spec.name)
+        sc = plan(spec, B, ctx, num_sms)
         ex = CpuExecutor(sc, spec, weights, dtype=dtype, poison_weights=poison_weights)
 
         def run(tokens: list[int], pos: int, i: int) -> list[int]:
@@ -110,7 +109,7 @@ def _cuda_runner(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, 
     if not cuda_available():
         raise ValueError("backend 'cuda': no usable CUDA GPU here: expected an H100/H200 (sm_90a)")
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    sc = schedule(lower(spec, batch, context, sms), spec.name)
+    sc = plan(spec, batch, context, sms)
     # the decoder moves (and reorders) one weight at a time: the GPU never holds two copies
     dec = CudaDecoder(sc, spec, weights)
 

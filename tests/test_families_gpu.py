@@ -12,9 +12,8 @@ import pytest
 import torch
 from conftest import fill_random_kv
 
-from mkc.ir.lower import lower
 from mkc.ir.spec import load_spec
-from mkc.schedule.scheduler import schedule
+from mkc.schedule.plan import plan
 
 ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = ["tiny", "qwen3_moe_tiny", "llama_tiny", "qwen3_tiny", "mixtral_tiny"]
@@ -40,7 +39,7 @@ def test_family_step_matches_cpu_executor(family):
     weights = random_weights(spec, seed=11, dtype=torch.float32, std=0.1)
     batch, context = 2, 24
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    sc = schedule(lower(spec, batch, context, sms), spec.name)
+    sc = plan(spec, batch, context, sms)
     dec = CudaDecoder(sc, spec, weights)
     ex = CpuExecutor(sc, spec, weights, dtype=torch.bfloat16, poison_weights=False)
     gen = torch.Generator().manual_seed(5)

@@ -33,9 +33,8 @@ import pytest
 import torch
 from conftest import fill_random_kv
 
-from mkc.ir.lower import lower
 from mkc.ir.spec import load_spec
-from mkc.schedule.scheduler import schedule
+from mkc.schedule.plan import plan
 
 pytestmark = pytest.mark.gpu
 
@@ -142,7 +141,7 @@ def test_tiny_step_matches_cpu_executor(tiny, num_sms, batch):
 
     spec, weights = tiny
     context = 24
-    sc = schedule(lower(spec, batch, context, num_sms), spec.name)
+    sc = plan(spec, batch, context, num_sms)
     dec = CudaDecoder(sc, spec, weights)
     ex = CpuExecutor(sc, spec, weights, dtype=torch.bfloat16)
     gen = torch.Generator().manual_seed(batch)
@@ -188,7 +187,7 @@ def test_tiny_decode_sequence_matches_mirror(tiny, num_sms, batch):
 
     spec, weights = tiny
     context = 24
-    sc = schedule(lower(spec, batch, context, num_sms), spec.name)
+    sc = plan(spec, batch, context, num_sms)
     dec = CudaDecoder(sc, spec, weights)
     wgpu = {k: v.cuda().bfloat16() for k, v in weights.items()}
     gen = torch.Generator().manual_seed(100 + batch)
@@ -203,7 +202,7 @@ def test_tiny_deterministic(tiny, num_sms):
     from mkc.runtime.cuda_backend import CudaDecoder
 
     spec, weights = tiny
-    sc = schedule(lower(spec, 8, 16, num_sms), spec.name)
+    sc = plan(spec, 8, 16, num_sms)
     dec = CudaDecoder(sc, spec, weights)
     tokens = torch.arange(8, dtype=torch.int32) * 37
     positions = torch.arange(8, dtype=torch.int32)
@@ -224,7 +223,7 @@ def test_watchdog_names_stuck_task(tiny, num_sms, monkeypatch):
     from mkc.runtime.cuda_backend import CudaDecoder, StepTimeout
 
     spec, weights = tiny
-    sc = schedule(lower(spec, 1, 16, num_sms), spec.name)
+    sc = plan(spec, 1, 16, num_sms)
     victim = next(t for t in sc.tasks if t.op.name == "ARGMAX")  # the last task: nothing waits on it
     waits = [list(w) for w in sc.waits]
     waits[victim.id].append((0, sc.counters[0].target + 1))  # one more signal than there are producers
@@ -268,7 +267,7 @@ def nmc_positions(batch: int, context: int) -> torch.Tensor:
 def nmc_decoder(spec, weights, batch: int, context: int, num_sms: int):
     from mkc.runtime.cuda_backend import CudaDecoder
 
-    sc = schedule(lower(spec, batch, context, num_sms), spec.name)
+    sc = plan(spec, batch, context, num_sms)
     dec = CudaDecoder(sc, spec, weights)
     g = torch.Generator(device="cuda").manual_seed(batch * 100003 + context)
     for layer in range(spec.num_layers):

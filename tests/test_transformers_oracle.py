@@ -15,12 +15,11 @@ from conftest import save_checkpoint
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from mkc.ir.lower import lower
 from mkc.ir.spec import load_spec
 from mkc.runtime.generate import greedy_generate, greedy_generate_batch
 from mkc.runtime.weights import CheckpointError, load_checkpoint
 from mkc.schedule.executor import CpuExecutor
-from mkc.schedule.scheduler import schedule
+from mkc.schedule.plan import plan
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 
@@ -115,7 +114,7 @@ def test_teacher_forced_greedy_steps_match_transformers(hf_model, spec, weights)
     (test_generate_gpu.py); bf16 against float32 is compared in test_bf16_executor_close_to_float32:
     on this checkpoint bf16 rounding flips routing near-ties, which moves later logits by up to
     ~19% of the largest one (2026-11-30), so tokens are not compared across the two dtypes."""
-    sc = schedule(lower(spec, 1, 64, 8), spec.name)
+    sc = plan(spec, 1, 64, 8)
     for i, prompt in enumerate(_prompts()):
         want, margins, _ = _hf_greedy_margins(hf_model, prompt, FORCED_STEPS)
         ex = CpuExecutor(sc, spec, weights, poison_weights=False)
@@ -135,8 +134,8 @@ def test_megakernel_teacher_forced_steps_match_transformers(hf_model, spec, weig
     from mkc.runtime.cuda_backend import CudaDecoder
 
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    gpu_sc = schedule(lower(spec, 1, 64, sms), spec.name)
-    cpu_sc = schedule(lower(spec, 1, 64, 8), spec.name)
+    gpu_sc = plan(spec, 1, 64, sms)
+    cpu_sc = plan(spec, 1, 64, 8)
     w16 = {k: v.to(torch.bfloat16) for k, v in weights.items()}
     agree = steps = ties = 0
     for i, prompt in enumerate(_prompts()):
@@ -203,7 +202,7 @@ def test_prompt_logits_match_transformers(hf_model, spec, weights):
     prompt = _prompts()[2]
     with torch.no_grad():
         want = hf_model(torch.tensor([prompt])).logits[0]
-    ex = CpuExecutor(schedule(lower(spec, 1, 64, 8), spec.name), spec, weights)
+    ex = CpuExecutor(plan(spec, 1, 64, 8), spec, weights)
     got = torch.stack([ex.step([t], [i], seed=i)[0][0] for i, t in enumerate(prompt)])
     err = (got - want).abs().max().item()
     budget = 1e-4  # float32 both sides, different summation orders (see test_executor.py)
@@ -223,7 +222,7 @@ def _routed(ex: CpuExecutor, spec) -> list[list[frozenset[int]]]:
 def test_bf16_executor_close_to_float32(checkpoint, spec):
     w = load_checkpoint(checkpoint, spec, torch.bfloat16)
     batch, steps = 4, 12
-    sc = schedule(lower(spec, batch, 64, 8), spec.name)
+    sc = plan(spec, batch, 64, 8)
     f32, b16 = CpuExecutor(sc, spec, w, dtype=torch.float32), CpuExecutor(sc, spec, w, dtype=torch.bfloat16)
     tokens = torch.randint(0, spec.vocab_size, (steps, batch))
     live = set(range(batch))  # sequences whose routing has agreed so far

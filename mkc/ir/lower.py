@@ -24,6 +24,9 @@ class LowerOptions:
     num_sms: int  # persistent CTAs (one per SM)
     page_size: int = 0  # KV positions per cache page; 0: one contiguous slab per sequence (kv_layout.py)
     kv_pages: int = 0  # pages in each layer's pool; 0: batch x pages per sequence (every slot full)
+    # parallel block: SMs whose one wave the attention splits fill, while the MLP tiles fill the
+    # other SMs, so the two branches run side by side; 0: every op fills all SMs (mkc/schedule/plan.py)
+    attention_sms: int = 0
 
     def check(self) -> None:
         if not 1 <= self.batch <= 8:
@@ -32,6 +35,9 @@ class LowerOptions:
             raise SpecError(f"--context {self.context}: expected a positive number of positions")
         if self.num_sms < 1:
             raise SpecError(f"--num-sms {self.num_sms}: expected at least 1")
+        if not 0 <= self.attention_sms < self.num_sms:
+            raise SpecError(f"--attention-sms {self.attention_sms}: expected 0 (every op fills all SMs) or fewer "
+                            f"than the {self.num_sms} SMs, so the MLP tiles keep some")
         if self.page_size < 0 or self.page_size > self.context:
             raise SpecError(f"--page-size {self.page_size}: expected 0 (contiguous) or 1 to the context "
                             f"({self.context}) positions per KV page")
@@ -97,6 +103,16 @@ class _Lowerer:
         self.tasks.append(t)
         return t
 
+    def attention_sms(self) -> int:
+        """SMs the attention splits of one layer fill in one wave."""
+        return self.opt.attention_sms if self.opt.attention_sms and self.spec.block == "parallel" else self.opt.num_sms
+
+    def mlp_sms(self) -> int:
+        """SMs the MLP's first GEMV (dense SwiGLU or expert gate/up) fills beside the splits."""
+        if self.opt.attention_sms and self.spec.block == "parallel":
+            return self.opt.num_sms - self.opt.attention_sms
+        return self.opt.num_sms
+
     # -- ops -----------------------------------------------------------------------------------
     def linear(self, layer: int, label: str, x: Buffer | Normed, w: Buffer, out: Buffer, *, k0: int = 0,
                k: int | None = None, slab: int = 0, col0: int = 0, instances: int = 1,
@@ -118,7 +134,7 @@ class _Lowerer:
 
     def swiglu(self, layer: int, label: str, x: Buffer | Normed, w: Buffer, out: Buffer, inter: int) -> None:
         H, B = w.shape[1], self.opt.batch
-        tile = row_tile(inter, 2 * H * DTYPE_BYTES[w.dtype], 1, self.opt.num_sms)
+        tile = row_tile(inter, 2 * H * DTYPE_BYTES[w.dtype], 1, self.mlp_sms())
         xin, xreads = gemv_input(x)
         for lo, hi in tiles(inter, tile):
             self.emit(Opcode.SWIGLU, layer, f"L{layer}.{label}[{lo}:{hi}]", {**xin, "weight": w, "out": out},
@@ -162,7 +178,7 @@ class _Lowerer:
         self.emit(Opcode.ARGMAX, L, "argmax", {"best_val": bval, "best_idx": bidx, "out": nxt},
                   {"tiles": ntiles}, [full(bval), full(bidx)], [full(nxt)])
         prog = Program(self.buffers, self.tasks, {"batch": B, "context": C, "num_sms": opt.num_sms,
-                                                  "page_size": opt.page_size})
+                                                  "page_size": opt.page_size, "attention_sms": opt.attention_sms})
         derive_edges(prog)
         return prog
 
@@ -215,7 +231,7 @@ class _Lowerer:
         window = a.sliding_window if ls.attention == "sliding" else 0
         keys = min(C, window) if window else C
         # a sliding window may straddle the bucket start, so it can touch one extra split's worth
-        split_keys = attention_split_keys(keys, 2 * D * 2, B * G, opt.num_sms)
+        split_keys = attention_split_keys(keys, 2 * D * 2, B * G, self.attention_sms())
         nsplit = math.ceil(keys / split_keys)
         part_o = self.buf(f"{P}.attn_part_o", (B, G, nsplit, GS, D), "f32", "act",
                           "[B, kv_heads, splits, group, head_dim] unnormalised partial outputs")
@@ -300,7 +316,7 @@ class _Lowerer:
         wd = self.buf(f"{P}.w_experts_down", (E, H, I), "bf16", "weight", "[experts, hidden, inter]")
         h = self.buf(f"{P}.moe_h", (slots, B, I), "bf16", "act", "[slots, B, inter]")
         out = self.buf(f"{P}.moe_out", (slots, B, H), "f32", "act", "[slots, B, hidden] weighted expert outputs")
-        up_tile = row_tile(I, 2 * H * 2, slots, opt.num_sms)
+        up_tile = row_tile(I, 2 * H * 2, slots, self.mlp_sms())
         xin, xreads = gemv_input(n)
         down_tile = row_tile(H, I * 2, slots, opt.num_sms)
         for j in range(slots):
@@ -344,8 +360,10 @@ class _Lowerer:
                                                                + (tslots.shape[1] if tslots is not None else 1)))
 
 
-def lower(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int = 0, kv_pages: int = 0) -> Program:
+def lower(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int = 0, kv_pages: int = 0,
+          attention_sms: int = 0) -> Program:
     """Lower a model into a Program (buffers, tasks in program order, derived DAG)."""
-    opt = LowerOptions(batch=batch, context=context, num_sms=num_sms, page_size=page_size, kv_pages=kv_pages)
+    opt = LowerOptions(batch=batch, context=context, num_sms=num_sms, page_size=page_size, kv_pages=kv_pages,
+                       attention_sms=attention_sms)
     opt.check()
     return _Lowerer(spec, opt).lower()

@@ -136,7 +136,7 @@ def summary(sc: Schedule, spec: ModelSpec) -> dict[str, Any]:
         "tasks_per_sm": _stats(n_tasks), "bytes_per_sm": _stats(sm_bytes), "busy_us_per_sm": _stats(busy),
         "critical_path_tasks": len(p.get("critical_path", [])),
         "critical_path_us": float(p.get("critical_path_us", 0.0)),
-        "step_us": step_us,
+        "step_us": step_us, "attention_sms": sc.meta.get("attention_sms"),
         "bytes": wbytes + abytes, "weight_bytes": wbytes, "act_bytes": abytes,
         "read_bw": read_bw,
         "sol_us": sol_us,
@@ -164,6 +164,7 @@ def _summary_rows(d: dict[str, Any]) -> list[tuple[str, str]]:
         ("bytes / SM", f"{_fmt_bytes(bp['min'])} / {_fmt_bytes(bp['mean'])} / {_fmt_bytes(bp['max'])}"),
         ("busy / SM", (f"{up['min']:.1f} / {up['mean']:.1f} / {up['max']:.1f} µs  "
                       f"(utilisation {d['utilisation']:.1%})")),
+        *([("attention SMs", _attention_sms_row(d))] if d.get("attention_sms") else []),
         ("critical path", f"{d['critical_path_tasks']} tasks, {d['critical_path_us']:.1f} µs"),
         ("bytes read", (f"{_fmt_bytes(d['bytes'])}  (weights {_fmt_bytes(d['weight_bytes'])}, "
                        f"activations/KV {_fmt_bytes(d['act_bytes'])})")),
@@ -171,6 +172,18 @@ def _summary_rows(d: dict[str, Any]) -> list[tuple[str, str]]:
         ("predicted step", (f"{d['step_us']:.1f} µs  →  {d['tok_s']:.1f} tok/s, "
                            f"{d['sol_fraction']:.1%} of SOL")),
     ]
+
+
+def _attention_sms_row(d: dict[str, Any]) -> str:
+    """How the parallel block's branches share the SMs, and why (mkc/schedule/plan.py)."""
+    a = d["attention_sms"]
+    n = a["chosen"]
+    head = (f"{n} for the attention splits, {d['num_sms'] - n} for the MLP tiles" if n
+            else "none set apart (every op fills all SMs)")
+    if a["chosen_by"] != "compiler":
+        return f"{head}, as asked"
+    tried = ", ".join(f"{k}: {v:.1f}" for k, v in a["probe_predicted_us"].items())
+    return f"{head}; chosen by predicted step of a probe (µs by attention SMs: {tried})"
 
 
 def format_summary(d: dict[str, Any]) -> str:

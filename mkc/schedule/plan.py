@@ -1,0 +1,81 @@
+"""Planning a step: lower and schedule, choosing how a parallel block shares the SMs.
+
+In a parallel block (x + attn(n) + mlp(n)) the attention branch and the MLP branch read the same
+normed input and run side by side. Lowered with every op filling all SMs, each phase is one wave
+over the whole GPU and the layer becomes the sum of its phases: the attention splits queue behind
+the expert tiles on the same SMs. ``LowerOptions.attention_sms`` gives the attention splits their
+own SMs (one wave of splits there) and the MLP tiles the rest, so the latency-bound attention chain
+(RoPE, splits, combine) runs beside the weight stream.
+
+How many SMs is a property of the model, the batch and the GPU, so the compiler decides it: it
+lowers a probe (the model cut after the first layer of each kind, so every kind is in it) with
+each candidate, schedules it, and keeps the candidate whose predicted step is shortest. The
+candidates are 0 (no split) and the (sequence, KV head) streams times a power of two, up to half
+the SMs: each stream then gets the same number of key splits. Measured on an H200 at 8K context
+(BENCHMARKS.md, 2026-11-30), the choice is the fastest of the candidates run at batch 1 and 8.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from mkc.ir.lower import lower
+from mkc.ir.spec import ModelSpec, SpecError
+from mkc.schedule.cost import H200, Ceilings
+from mkc.schedule.schedule import Schedule
+from mkc.schedule.scheduler import schedule
+
+
+def attention_sms_candidates(spec: ModelSpec, batch: int, num_sms: int) -> list[int]:
+    """0, then batch x KV heads x 2^i while at most half the SMs; only 0 for a sequential block."""
+    if spec.block != "parallel":
+        return [0]
+    streams = batch * spec.attention.num_kv_heads
+    out, a = [0], streams
+    while a <= num_sms // 2:
+        out.append(a)
+        a *= 2
+    return out
+
+
+def probe_spec(spec: ModelSpec) -> ModelSpec:
+    """The model cut after the first layer of each kind (attention, MLP, RoPE) it has."""
+    seen: set[tuple[str, str, bool]] = set()
+    last = 0
+    for i, ls in enumerate(spec.layers):
+        kind = (ls.attention, ls.mlp, ls.rope)
+        if kind not in seen:
+            seen.add(kind)
+            last = i
+    return dataclasses.replace(spec, num_layers=last + 1, layers=spec.layers[:last + 1])
+
+
+def choose_attention_sms(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int = 0,
+                         kv_pages: int = 0, ceilings: Ceilings = H200) -> tuple[int, dict[int, float]]:
+    """The candidate whose probe schedule is predicted fastest (ties: the smaller), and every
+    candidate's predicted probe step in µs."""
+    cands = attention_sms_candidates(spec, batch, num_sms)
+    if len(cands) == 1:
+        return cands[0], {}
+    probe = probe_spec(spec)
+    predicted = {a: schedule(lower(probe, batch, context, num_sms, page_size, kv_pages, attention_sms=a),
+                             probe.name, ceilings).predicted["step_us"] for a in cands}
+    return min(cands, key=lambda a: (predicted[a], a)), predicted
+
+
+def plan(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int = 0, kv_pages: int = 0,
+         attention_sms: int | None = None, ceilings: Ceilings = H200) -> Schedule:
+    """Lower and schedule one decode step: the schedule every runtime path runs.
+    ``attention_sms=None`` lets the compiler choose (see the module doc); the choice and every
+    candidate's predicted probe step are in ``meta["attention_sms"]``."""
+    tried: dict[int, float] = {}
+    if attention_sms is None:
+        attention_sms, tried = choose_attention_sms(spec, batch, context, num_sms, page_size, kv_pages, ceilings)
+    elif attention_sms and spec.block != "parallel":
+        raise SpecError(f"--attention-sms {attention_sms}: {spec.name} has a sequential block, whose attention "
+                        f"and MLP do not run side by side: expected 0")
+    program = lower(spec, batch, context, num_sms, page_size, kv_pages, attention_sms=attention_sms)
+    sc = schedule(program, spec.name, ceilings)
+    sc.meta["attention_sms"] = {"chosen": attention_sms, "chosen_by": "compiler" if tried else "asked",
+                                "probe_predicted_us": {str(a): us for a, us in tried.items()}}
+    return sc

@@ -1,0 +1,121 @@
+"""Planning a step: the SMs a parallel block sets apart for its attention splits (mkc/schedule/plan.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mkc.ir.lower import lower
+from mkc.ir.ops import Opcode
+from mkc.ir.spec import SpecError, load_spec
+from mkc.runtime.reference import DenseReference
+from mkc.runtime.weights import random_weights
+from mkc.schedule.executor import CpuExecutor
+from mkc.schedule.plan import attention_sms_candidates, choose_attention_sms, plan, probe_spec
+from mkc.schedule.scheduler import schedule
+from mkc.schedule.validator import validate
+
+# the float32 executor against the float32 dense reference: the same sums in other orders (longer
+# attention splits, taller MLP tiles). The budget of tests/test_executor.py; measured 1.4e-6 at
+# most here, while a wrong split or tile gives errors of 1e-2 and more
+F32_ATOL, F32_RTOL = 5e-5, 5e-5
+
+
+@pytest.fixture(scope="module")
+def nmc():
+    return load_spec("configs/north_mini_code.yaml")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_spec("configs/tiny.yaml")
+
+
+def layer_ops(prog, layer: int) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for t in prog.tasks:
+        if t.layer == layer:
+            out[t.op.name] = out.get(t.op.name, 0) + 1
+    return out
+
+
+def test_candidates_are_streams_times_powers_of_two_up_to_half_the_sms(nmc):
+    assert attention_sms_candidates(nmc, 1, 132) == [0, 4, 8, 16, 32, 64]
+    assert attention_sms_candidates(nmc, 8, 132) == [0, 32, 64]
+    assert attention_sms_candidates(load_spec("configs/mixtral_tiny.yaml"), 1, 132) == [0]
+
+
+def test_probe_holds_one_layer_of_each_kind(nmc):
+    probe = probe_spec(nmc)
+    kinds = {(ls.attention, ls.mlp, ls.rope) for ls in nmc.layers}
+    assert {(ls.attention, ls.mlp, ls.rope) for ls in probe.layers} == kinds
+    assert probe.num_layers == len(probe.layers) == 5  # dense 0, sliding 1, global 4
+
+
+def test_attention_sms_gives_the_splits_their_own_wave(nmc):
+    """Batch 1: 4 (sequence, KV head) streams; 32 attention SMs give 8 splits per stream, and the
+    expert gate/up tiles fill the other 100 SMs (96 tiles: 8 experts x 12 tiles of 64 rows)."""
+    default = layer_ops(lower(nmc, 1, 8192, 132), 1)
+    split = layer_ops(lower(nmc, 1, 8192, 132, attention_sms=32), 1)
+    assert default["ATTN_SPLIT"] == 128 and default["EXPERT_SWIGLU"] == 128
+    assert split["ATTN_SPLIT"] == 32 and split["EXPERT_SWIGLU"] == 96
+    for op in ("LINEAR", "ROPE_APPEND", "ATTN_COMBINE", "EXPERT_DOWN", "RESIDUAL", "TOPK"):
+        assert split[op] == default[op], op
+    # global layers hold the whole context: the same 32 splits, each twice as long
+    assert layer_ops(lower(nmc, 1, 8192, 132, attention_sms=32), 4)["ATTN_SPLIT"] == 32
+
+
+@pytest.mark.parametrize("batch, attention_sms", [(1, 32), (8, 64)])
+def test_split_schedules_are_safe(nmc, batch, attention_sms):
+    sc = schedule(lower(nmc, batch, 8192, 132, attention_sms=attention_sms), nmc.name)
+    assert validate(sc) == []
+
+
+def test_the_compiler_keeps_the_candidate_predicted_fastest(nmc):
+    chosen, predicted = choose_attention_sms(nmc, 1, 8192, 132)
+    assert set(predicted) == set(attention_sms_candidates(nmc, 1, 132))
+    assert predicted[chosen] == min(predicted.values())
+    sc = plan(nmc, 1, 8192, 132)
+    assert sc.meta["attention_sms"]["chosen"] == chosen
+    assert sc.meta["attention_sms"]["chosen_by"] == "compiler"
+    splits = sum(1 for t in sc.tasks if t.layer == 1 and t.op == Opcode.ATTN_SPLIT)
+    assert splits == (chosen if chosen else 128)  # 4 streams: the chosen count divides among them
+
+
+def test_asked_count_is_used_and_recorded(nmc):
+    sc = plan(nmc, 8, 8192, 132, attention_sms=0)
+    assert sc.meta["attention_sms"] == {"chosen": 0, "chosen_by": "asked", "probe_predicted_us": {}}
+    assert sum(1 for t in sc.tasks if t.layer == 1 and t.op == Opcode.ATTN_SPLIT) == 128
+
+
+@pytest.mark.parametrize("bad", [132, 500, -1])
+def test_impossible_attention_sms_is_a_clear_error(nmc, bad):
+    with pytest.raises(SpecError, match="--attention-sms .*expected 0 .* or fewer than the 132 SMs"):
+        lower(nmc, 1, 8192, 132, attention_sms=bad)
+
+
+def test_sequential_block_refuses_attention_sms():
+    spec = load_spec("configs/mixtral_tiny.yaml")
+    with pytest.raises(SpecError, match="sequential block.*expected 0"):
+        plan(spec, 1, 64, 16, attention_sms=4)
+    assert plan(spec, 1, 64, 16).meta["attention_sms"]["chosen"] == 0
+
+
+@pytest.mark.parametrize("batch, attention_sms", [(1, 2), (1, 4), (2, 8), (3, 6)])
+def test_executor_with_split_sms_matches_the_dense_reference(tiny, batch, attention_sms):
+    """Fewer, longer attention splits and fewer, taller MLP tiles compute the same step: the
+    float32 executor (random interleavings) matches the dense reference past the sliding window."""
+    weights = random_weights(tiny, seed=7, dtype=torch.float32, std=0.1)
+    sc = plan(tiny, batch, 40, 16, attention_sms=attention_sms)
+    assert validate(sc) == []
+    ex = CpuExecutor(sc, tiny, weights)
+    ref = DenseReference(tiny, weights)
+    g = torch.Generator().manual_seed(batch)
+    for step in range(12):
+        tokens = torch.randint(0, tiny.vocab_size, (batch,), generator=g)
+        pos = [max(0, step - 2 * b) for b in range(batch)]
+        logits, _ = ex.step(tokens, pos, seed=step)
+        want = ref.step(tokens, pos)
+        err = (logits - want).abs()
+        assert bool((err <= F32_ATOL + F32_RTOL * want.abs()).all()), (
+            f"batch {batch} attention_sms {attention_sms} step {step}: max error {err.max().item():.3g}")
