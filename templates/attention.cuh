@@ -17,6 +17,11 @@ constexpr int ATT_GRED_FLOATS = NUM_WARPS * 4 * 32;                      // GEMV
 constexpr int ATT_KL = NUM_THREADS / ATT_DC;    // key lanes of the P.V phase
 constexpr int ATT_CHUNK = NUM_THREADS;          // keys per pass (one per thread in the Q.K phase)
 static_assert(HEAD_DIM % 8 == 0 && NUM_THREADS % ATT_DC == 0, "attention: head_dim / threads");
+// ATTN_STAGE_V: after the layout below (16-aligned), this chunk's V rows [ATT_CHUNK][HEAD_DIM] bf16;
+// after the last chunk the same bytes hold every head's key-lane partials [GROUP][ATT_KL][HEAD_DIM]
+// (mkc/codegen/render.py sizes it as the larger of the two)
+constexpr int ATT_VS_OFF = (ATT_QX_BYTES + (ATT_GRED_FLOATS + GROUP * HEAD_DIM + GROUP * ATT_CHUNK +
+                                            ATT_KL * HEAD_DIM + 3 * GROUP) * 4 + 15) / 16 * 16;
 
 #if MKC_PAGED
 // Paged KV cache (MKC_PAGED, mkc/ir/kv_layout.py): the K (or V) rows of one (sequence, KV head) are
@@ -81,6 +86,7 @@ __device__ void op_attn_split(const Task& t, unsigned char* smem) {
     float* st_m = red + ATT_KL * HEAD_DIM;        // [GROUP] running max
     float* st_l = st_m + GROUP;                   // [GROUP] running sum
     float* st_a = st_l + GROUP;                   // [GROUP] rescale of this pass
+    bf16* vs = reinterpret_cast<bf16*>(smem + ATT_VS_OFF);  // ATTN_STAGE_V: [ATT_CHUNK][HEAD_DIM]
 
     const bf16* q = t.ptr<bf16>(O::q) + (size_t)b * t.dim(O::q, 1) + (size_t)g * GROUP * HEAD_DIM;
     if constexpr (ATT_MMA) stage_x(qx, q, HEAD_DIM, 0, HEAD_DIM, GROUP);
@@ -125,6 +131,10 @@ __device__ void op_attn_split(const Task& t, unsigned char* smem) {
                             (u32)min(4096, nb - off));
         }
 #endif
+        if constexpr (ATTN_STAGE_V) {  // this chunk's V: each thread copies the pieces it reads in P.V
+            for (int j = kl; j < n; j += ATT_KL)
+                cp_async16(vs + (size_t)j * HEAD_DIM + dc * 8, vc + (size_t)(c0 + j) * HEAD_DIM + dc * 8);
+        }
         if constexpr (ATT_MMA) {  // scores on the tensor cores: key rows x the group's query heads
             const bf16* const kw[1] = {kc + (size_t)c0 * HEAD_DIM};
             auto epi = [&](int r0, float (&acc)[1][4]) {
@@ -181,10 +191,12 @@ __device__ void op_attn_split(const Task& t, unsigned char* smem) {
 #pragma unroll
             for (int e = 0; e < 8; ++e) o[h][e] *= a;
         }
+        if constexpr (ATTN_STAGE_V) cp_async_wait_all();  // only this thread's own pieces: no barrier
 #pragma unroll 8
         for (int j = kl; j < n; j += ATT_KL) {
             float vf[8];
-            unpack8(ld_act16(vc + (size_t)(c0 + j) * HEAD_DIM + dc * 8), vf);
+            unpack8(ATTN_STAGE_V ? *reinterpret_cast<const uint4*>(vs + (size_t)j * HEAD_DIM + dc * 8)
+                                 : ld_act16(vc + (size_t)(c0 + j) * HEAD_DIM + dc * 8), vf);
 #pragma unroll
             for (int h = 0; h < GROUP; ++h) {
                 const float p = sc[h * ATT_CHUNK + j];
@@ -198,18 +210,35 @@ __device__ void op_attn_split(const Task& t, unsigned char* smem) {
     // reduce the key lanes (fixed order) and write the partials
     const int splits = t.dim(O::part_o, 3);
     float* po = t.ptr<float>(O::part_o) + (((size_t)b * kv_heads + g) * splits + sp) * GROUP * HEAD_DIM;
+    if constexpr (ATTN_STAGE_V) {  // every head at once, behind one barrier (the loop ended with one)
+        float* pr = reinterpret_cast<float*>(vs);  // [GROUP][ATT_KL][HEAD_DIM]
 #pragma unroll
-    for (int h = 0; h < GROUP; ++h) {
-        float4* r = reinterpret_cast<float4*>(red + kl * HEAD_DIM + dc * 8);
-        r[0] = make_float4(o[h][0], o[h][1], o[h][2], o[h][3]);
-        r[1] = make_float4(o[h][4], o[h][5], o[h][6], o[h][7]);
-        __syncthreads();
-        for (int d = tid; d < HEAD_DIM; d += NUM_THREADS) {
-            float acc = 0.f;
-            for (int k = 0; k < ATT_KL; ++k) acc += red[k * HEAD_DIM + d];
-            po[h * HEAD_DIM + d] = acc;
+        for (int h = 0; h < GROUP; ++h) {
+            float4* r = reinterpret_cast<float4*>(pr + (h * ATT_KL + kl) * HEAD_DIM + dc * 8);
+            r[0] = make_float4(o[h][0], o[h][1], o[h][2], o[h][3]);
+            r[1] = make_float4(o[h][4], o[h][5], o[h][6], o[h][7]);
         }
         __syncthreads();
+        for (int i = tid; i < GROUP * HEAD_DIM; i += NUM_THREADS) {
+            const float* src = pr + (i / HEAD_DIM) * ATT_KL * HEAD_DIM + i % HEAD_DIM;
+            float acc = 0.f;
+            for (int k = 0; k < ATT_KL; ++k) acc += src[k * HEAD_DIM];
+            po[i] = acc;
+        }
+    } else {  // head by head through one lane buffer
+#pragma unroll
+        for (int h = 0; h < GROUP; ++h) {
+            float4* r = reinterpret_cast<float4*>(red + kl * HEAD_DIM + dc * 8);
+            r[0] = make_float4(o[h][0], o[h][1], o[h][2], o[h][3]);
+            r[1] = make_float4(o[h][4], o[h][5], o[h][6], o[h][7]);
+            __syncthreads();
+            for (int d = tid; d < HEAD_DIM; d += NUM_THREADS) {
+                float acc = 0.f;
+                for (int k = 0; k < ATT_KL; ++k) acc += red[k * HEAD_DIM + d];
+                po[h * HEAD_DIM + d] = acc;
+            }
+            __syncthreads();
+        }
     }
     if (tid < GROUP) {
         float* ml = t.ptr<float>(O::part_ml) + ((((size_t)b * kv_heads + g) * splits + sp) * GROUP + tid) * 2;

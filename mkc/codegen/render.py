@@ -80,6 +80,11 @@ class CodegenOptions:
     # their first weight batch is issued, as one-row-set GEMVs do; False: before. Compiles without
     # spills since 2026-11-30; not yet measured (benchmarks/kernel_variants.py: "early-two-sets").
     gemv_early_two_sets: bool = False
+    # Attention splits copy each chunk's V rows into shared memory (cp.async, every thread the
+    # pieces it later reads) before the chunk's Q.K, so the P.V phase finds them there, and reduce
+    # the key lanes of every head behind one barrier; False: P.V loads V from global memory after
+    # the softmax, and the lanes are reduced head by head. The same arithmetic in the same order.
+    attn_stage_v: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +118,7 @@ class KernelConfig:
     gemv_ring_request: int  # CodegenOptions.gemv_ring_bytes (the fitted size: gemv_ring_bytes)
     weights_tiled: bool  # GEMV weights in tile order (CodegenOptions.weight_layout, resolved)
     gemv_early_two_sets: bool
+    attn_stage_v: bool
 
     @property
     def warps(self) -> int:
@@ -148,6 +154,8 @@ class KernelConfig:
         qx = _round(8 * (self.head_dim + 32) * 2, 128)
         attn = qx + (self.warps * 4 * 32 + self.group * self.head_dim + self.group * self.threads
                      + kl * self.head_dim + 3 * self.group) * f
+        if self.attn_stage_v:  # attention.cuh: V chunk (then every head's key-lane partials), 16-aligned
+            attn = _round(attn, 16) + max(self.threads * self.head_dim * 2, self.group * kl * self.head_dim * f)
         combine = _round(self.batch * self.group * self.max_splits * f, 16) + self.threads * 4 * f  # weights, partial sums
         # ops.cuh: positions, qk-norm factors, then the group's q/k/v rows of every sequence
         rope = 128 + _round(self.batch * (self.group + 1) * f, 128) + self.batch * (self.group + 2) * self.head_dim * 2
@@ -242,7 +250,7 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         prefetch_bytes=options.prefetch_bytes, run_prefetch_bytes=options.run_prefetch_bytes,
         gemv_pf_batches=options.gemv_pf_batches, desc_mode=options.desc_mode,
         gemv_ring_request=options.gemv_ring_bytes, weights_tiled=tiled,
-        gemv_early_two_sets=options.gemv_early_two_sets)
+        gemv_early_two_sets=options.gemv_early_two_sets, attn_stage_v=options.attn_stage_v)
     if cfg.smem_bytes > MAX_SMEM_BYTES:
         raise CodegenError(f"shared memory {cfg.smem_bytes} B (widest GEMV k = {max_k}, batch = {cfg.batch}): "
                            f"expected at most {MAX_SMEM_BYTES} B")
@@ -293,6 +301,7 @@ def template_context(cfg: KernelConfig, banner: str) -> dict[str, Any]:
         "gemv_ring_off": cv.c_int(cfg.gemv_ring_offset),
         "weights_tiled": cv.c_bool(cfg.weights_tiled),
         "gemv_early_two_sets": cv.c_bool(cfg.gemv_early_two_sets),
+        "attn_stage_v": cv.c_bool(cfg.attn_stage_v),
         "max_rank": cv.c_int(MAX_RANK),
         "dtypes": [(cv.c_ident(f"DT_{k.upper()}"), cv.c_int(v)) for k, v in DTYPE_CODES.items()],
         "record_words": [(cv.c_ident(k), cv.c_int(v)) for k, v in RECORD_LAYOUT],
