@@ -48,8 +48,9 @@ VARIANTS: dict[str, CodegenOptions] = {
     "ring-16k": CodegenOptions(gemv_ring_bytes=16 * 1024),
     "prefetch-128k": CodegenOptions(prefetch_bytes=128 * 1024),
     "early-two-sets": CodegenOptions(gemv_early_two_sets=True),
-    # attention: V chunks copied to shared memory ahead of P.V, key lanes reduced behind one barrier
-    "attn-stage-v": CodegenOptions(attn_stage_v=True),
+    # attention: P.V loads V from global memory, key lanes reduced head by head (the default until
+    # 2026-11-30 copies V chunks to shared memory ahead of P.V)
+    "attn-global-v": CodegenOptions(attn_stage_v=False),
     "prefetch-256k": CodegenOptions(prefetch_bytes=256 * 1024),
 }
 

@@ -77,14 +77,17 @@ class CodegenOptions:
     # batch 8 on an H200 (BENCHMARKS.md), bitwise the same results.
     weight_layout: str = "auto"
     # Two-row-set GEMVs (SwiGLU, expert-up) finish staging their activations (the RMSNorm) after
-    # their first weight batch is issued, as one-row-set GEMVs do; False: before. Compiles without
-    # spills since 2026-11-30; not yet measured (benchmarks/kernel_variants.py: "early-two-sets").
+    # their first weight batch is issued, as one-row-set GEMVs do; False: before. Measured on an H200
+    # (kernel_variants.py, 2026-11-30 01:40 UTC, bitwise the same logits): batch 1 3535 µs against
+    # 3531 (+0.1%), batch 8 12567 against 12666 (-0.8%); within the spread between calls, so off.
     gemv_early_two_sets: bool = False
     # Attention splits copy each chunk's V rows into shared memory (cp.async, every thread the
     # pieces it later reads) before the chunk's Q.K, so the P.V phase finds them there, and reduce
     # the key lanes of every head behind one barrier; False: P.V loads V from global memory after
-    # the softmax, and the lanes are reduced head by head. The same arithmetic in the same order.
-    attn_stage_v: bool = False
+    # the softmax, and the lanes are reduced head by head. The same arithmetic in the same order:
+    # bitwise the same logits on an H200 (kernel_variants.py, 2026-11-30 01:58 UTC), batch 1 3241
+    # µs against 3268 (-0.8%), batch 8 11225 against 11225.
+    attn_stage_v: bool = True
 
 
 @dataclass(frozen=True, slots=True)
