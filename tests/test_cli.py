@@ -32,6 +32,20 @@ def test_compile_writes_the_folder(compiled):
     assert manifest["options"] == {"batch": 2, "context": 64, "num_sms": 8}
 
 
+def test_compile_says_how_the_branches_share_the_sms(compiled, tmp_path):
+    """The compiler's choice of attention SMs, with every candidate's prediction; an asked count."""
+    _, stdout = compiled
+    line = next(ln for ln in stdout.splitlines() if ln.startswith("attention SMs"))
+    assert "chosen by predicted step of a probe" in line and "0: " in line, line
+    r = mkc("compile", "configs/tiny.yaml", "-o", tmp_path, "--batch", 2, "--context", 64, "--num-sms", 8,
+            "--attention-sms", 4, "--no-kernel")
+    assert r.returncode == 0, r.stderr
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("attention SMs"))
+    assert "4 for the attention splits, 4 for the MLP tiles, as asked" in line, line
+    meta = json.loads((tmp_path / "schedule.json").read_text())["meta"]
+    assert meta["attention_sms"]["chosen"] == 4
+
+
 def test_check_accepts_the_compiled_schedule(compiled):
     out, _ = compiled
     r = mkc("check", out / "schedule.json")
@@ -81,6 +95,10 @@ def test_import_hf_round_trip(tmp_path):
     (("compile", "configs/tiny.yaml", "--context", "64", "--page-size", "65", "--no-kernel"), "--page-size 65"),
     (("bench", "--config", "configs/tiny.yaml", "--random-weights", "--context", "128", "--page-size", "256"),
      "--page-size 256 is longer than the context 128"),
+    (("compile", "configs/tiny.yaml", "--attention-sms", "some", "--no-kernel"), "'some': expected 'auto' or a number"),
+    (("compile", "configs/tiny.yaml", "--num-sms", "8", "--attention-sms", "8", "--no-kernel"),
+     "--attention-sms 8: expected 0 (every op fills all SMs) or fewer than the 8 SMs"),
+    (("compile", "configs/mixtral_tiny.yaml", "--attention-sms", "4", "--no-kernel"), "sequential block"),
 ])
 def test_bad_input_is_one_clear_line(args, needle):
     r = mkc(*args)
