@@ -243,6 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--context", type=_contexts, default="8192", help="comma-separated contexts (default 8192)")
     b.add_argument("--reps", type=_positive, default=20, help="timed steps per point (median reported)")
     b.add_argument("--profile", action="store_true", help="also write a per-task Perfetto trace of a real step")
+    b.add_argument("--tune", action="store_true",
+                   help="first time every count of attention SMs the compiler considers and record the fastest "
+                        "(MKC_TUNING_FILE, default tuning.json in the kernel cache); later compiles, benches and "
+                        "servers at the same point use it instead of the cost model's prediction")
     b.add_argument("--page-size", type=_page_size, default=0, help="the megakernel's KV cache in pages of this many "
                                                              "positions (default 0: one slab per sequence)")
     b.add_argument("-o", "--output", default="build/bench", help="folder for bench.json and traces")

@@ -23,6 +23,9 @@ class EnvVar:
 
 MKC_CACHE_DIR = EnvVar("MKC_CACHE_DIR", "~/.cache/mkc",
                        "where compiled kernels are cached (content-addressed; safe to delete)")
+MKC_TUNING_FILE = EnvVar("MKC_TUNING_FILE", "",
+                         "measured schedule choices (mkc bench --tune) that override the cost model; "
+                         "default: tuning.json in the kernel cache")
 MKC_WATCHDOG_MS = EnvVar("MKC_WATCHDOG_MS", "2000",
                          "a task waiting longer than this on one counter aborts the decode step")
 
@@ -32,12 +35,17 @@ CUDA_HOME = EnvVar("CUDA_HOME", "/usr/local/cuda",
 MKC_TEST_SERVE_BACKEND = EnvVar("MKC_TEST_SERVE_BACKEND", "cpu",
                                 "backend the server tests start (cpu anywhere; cuda on an H100/H200)")
 
-ALL: tuple[EnvVar, ...] = (MKC_CACHE_DIR, MKC_WATCHDOG_MS, CUDA_HOME, MKC_TEST_SERVE_BACKEND)
+ALL: tuple[EnvVar, ...] = (MKC_CACHE_DIR, MKC_TUNING_FILE, MKC_WATCHDOG_MS, CUDA_HOME, MKC_TEST_SERVE_BACKEND)
 
 
 def cache_dir() -> Path:
     """Root of the compiled-kernel cache (created on first write, not here)."""
     return Path(MKC_CACHE_DIR.get()).expanduser()
+
+
+def tuning_file() -> Path:
+    """The measured choices mkc bench --tune writes and the planner reads (mkc/schedule/tuning.py)."""
+    return Path(MKC_TUNING_FILE.get()).expanduser() if MKC_TUNING_FILE.get() else cache_dir() / "tuning.json"
 
 
 def watchdog_ns() -> int:

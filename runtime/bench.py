@@ -8,6 +8,7 @@ same run. SOL fraction = SOL time / measured step time.
 
 from __future__ import annotations
 
+import datetime
 import gc
 import json
 import math
@@ -270,10 +271,12 @@ def time_step(dec, spec: ModelSpec, batch: int, context: int, bw: float, reps: i
 
 
 def run_bench(spec: ModelSpec, weights: dict[str, torch.Tensor], batches: list[int], contexts: list[int], *,
-              reps: int = 20, profile_dir: Path | None = None, page_size: int = 0,
+              reps: int = 20, profile_dir: Path | None = None, page_size: int = 0, tune: bool = False,
               log=print) -> list[Row | Skip]:
     """Megakernel and CUDA-graph PyTorch baseline, side by side, per (batch, context); the
-    megakernel's KV cache paged when ``page_size`` > 0 (under the identity page table).
+    megakernel's KV cache paged when ``page_size`` > 0 (under the identity page table). With
+    ``tune``, each point first times every attention-SM count (tune_attention_sms), so the
+    megakernel row runs the measured fastest.
 
     Before each engine allocates anything its memory estimate (memory_estimate) is compared with
     the GPU's free memory: an engine that does not fit is skipped with a Skip saying what it needed
@@ -293,6 +296,9 @@ def run_bench(spec: ModelSpec, weights: dict[str, torch.Tensor], batches: list[i
                 if why is None:
                     try:
                         if engine == "mkc":
+                            if tune:
+                                tune_attention_sms(spec, weights, batch, context, sms=sms, bw=bw, reps=reps,
+                                                   page_size=page_size, log=log)
                             out.append(_megakernel_row(spec, weights, batch, context, sms=sms, bw=bw,
                                                        reps=reps, page_size=page_size,
                                                        profile_dir=profile_dir, log=log))
@@ -313,18 +319,46 @@ def run_bench(spec: ModelSpec, weights: dict[str, torch.Tensor], batches: list[i
     return out
 
 
+def tune_attention_sms(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context: int, *, sms: int,
+                       bw: float, reps: int, page_size: int = 0, log=print) -> int | None:
+    """Time the megakernel with every attention-SM count the planner considers at this point
+    (mkc/schedule/plan.py) and record the fastest (mkc/schedule/tuning.py); None when there is
+    only one candidate. Every count runs the same tokens and KV cache."""
+    from mkc.schedule import tuning
+    from mkc.schedule.plan import attention_sms_candidates
+
+    candidates = attention_sms_candidates(spec, batch, sms)
+    if len(candidates) == 1:
+        return None
+    measured: dict[int, float] = {}
+    for a in candidates:
+        r = _megakernel_row(spec, weights, batch, context, sms=sms, bw=bw, reps=reps, page_size=page_size,
+                            profile_dir=None, log=lambda *_: None, attention_sms=a)
+        measured[a] = r.step_us
+        log(f"batch {batch} context {context}: {a} attention SMs: {r.step_us:.1f} µs ({r.sol_fraction:.1%} SOL)")
+    best = min(measured, key=lambda a: (measured[a], a))
+    path = tuning.record(tuning.tuning_key(spec, batch, context, sms, page_size), {
+        "attention_sms": best, "measured_us": {str(a): round(t, 1) for a, t in measured.items()},
+        "gpu": torch.cuda.get_device_name(0), "reps": reps,
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")})
+    log(f"batch {batch} context {context}: fastest with {best} attention SMs; recorded in {path}")
+    return best
+
+
 def _megakernel_row(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context: int, *, sms: int,
-                    bw: float, reps: int, page_size: int, profile_dir: Path | None, log) -> Row:
-    """Time the megakernel at one point (random KV cache, every sequence at position context - 1);
-    its buffers are freed on return."""
+                    bw: float, reps: int, page_size: int, profile_dir: Path | None, log,
+                    attention_sms: int | None = None) -> Row:
+    """Time the megakernel at one point (random KV cache, every sequence at position context - 1;
+    the same tokens for a batch size every time); its buffers are freed on return."""
     from mkc.codegen import build_kernel
     from mkc.codegen.weight_tiles import tile_ordered_in_place, tiled_weights
     from mkc.runtime.cuda_backend import CudaDecoder
     from mkc.schedule.plan import plan
 
-    tokens = torch.randint(0, spec.vocab_size, (batch,), dtype=torch.int32)
+    tokens = torch.randint(0, spec.vocab_size, (batch,), dtype=torch.int32,
+                           generator=torch.Generator().manual_seed(batch))
     positions = torch.full((batch,), context - 1, dtype=torch.int32)
-    sc = plan(spec, batch, context, sms, page_size=page_size)
+    sc = plan(spec, batch, context, sms, page_size=page_size, attention_sms=attention_sms)
     art = build_kernel(sc, spec)
     # the kernel's GEMV weights in tile order in place for this point: held once, row-major after
     with tile_ordered_in_place(weights, tiled_weights(sc) if art.config.weights_tiled else ()) as tw:
@@ -338,16 +372,17 @@ def _time_decoder(dec, sc, spec: ModelSpec, tokens, positions, *, bw: float, rep
     it is closed on return."""
     batch, context = sc.batch, sc.context
     try:
-        fill_random_kv(dec, spec)
+        fill_random_kv(dec, spec, torch.Generator(device="cuda").manual_seed(batch * 100003 + context))
         dec.step(tokens, positions)
         times = time_cuda(dec.launch, reps=reps, warmup=2)
         dec.check()
         routed = [dec.buffers[f"L{i}.moe_selected"].clone()
                   for i, ls in enumerate(spec.layers) if ls.mlp == "moe"]
         art = dec.artifact
+        att = sc.meta.get("attention_sms", {})
         log(f"batch {batch}: kernel {art.name}: {art.regs} registers/thread, {art.dynamic_smem} B dynamic + "
             f"{art.smem} B static shared memory per CTA, {dec.launch_config.threads} threads, "
-            f"grid {dec.launch_config.grid}")
+            f"grid {dec.launch_config.grid}; attention SMs {att.get('chosen', 0)} ({att.get('chosen_by', '-')})")
         if profile_dir is not None:
             _write_profile(dec, sc, spec, Path(profile_dir) / f"trace-b{batch}-c{context}.json")
     finally:
@@ -431,7 +466,7 @@ def bench_main(a) -> int:
     out = Path(a.output)
     out.mkdir(parents=True, exist_ok=True)
     rows = run_bench(spec, weights, batches, contexts, reps=a.reps, profile_dir=out if a.profile else None,
-                     page_size=a.page_size)
+                     page_size=a.page_size, tune=a.tune)
     print(format_table(rows))
     write_json(rows, out / "bench.json", {"gpu": torch.cuda.get_device_name(0), "model": spec.name,
                                           "reps": a.reps, "weights": "checkpoint" if a.checkpoint else "random",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -19,6 +20,20 @@ SEED = 1234  # one seed for everything a test does not seed itself
 # The CPU tests run thousands of tiny ops (one per tile); on a 2-core machine torch's intra-op
 # thread pool makes them ~10x slower (threads spin and hand off for 100-element matmuls).
 torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_machine_tuning(tmp_path_factory):
+    """Schedules in tests never depend on this machine's measured choices (mkc bench --tune):
+    every test, and every CLI it starts, reads an empty tuning file of its own."""
+    path = tmp_path_factory.mktemp("tuning") / "tuning.json"
+    old = os.environ.get("MKC_TUNING_FILE")
+    os.environ["MKC_TUNING_FILE"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("MKC_TUNING_FILE", None)
+    else:
+        os.environ["MKC_TUNING_FILE"] = old
 
 
 @pytest.fixture(autouse=True)

@@ -7,12 +7,14 @@ the expert tiles on the same SMs. ``LowerOptions.attention_sms`` gives the atten
 own SMs (one wave of splits there) and the MLP tiles the rest, so the latency-bound attention chain
 (RoPE, splits, combine) runs beside the weight stream.
 
-How many SMs is a property of the model, the batch and the GPU, so the compiler decides it: it
-lowers a probe (the model cut after the first layer of each kind, so every kind is in it) with
-each candidate, schedules it, and keeps the candidate whose predicted step is shortest. The
+How many SMs is a property of the model, the batch and the GPU, so the compiler decides it. The
 candidates are 0 (no split) and the (sequence, KV head) streams times a power of two, up to half
-the SMs: each stream then gets the same number of key splits. Measured on an H200 at 8K context
-(BENCHMARKS.md, 2026-11-30), the choice is the fastest of the candidates run at batch 1 and 8.
+the SMs: each stream then gets the same number of key splits. A choice measured on the GPU
+(``mkc bench --tune``, mkc/schedule/tuning.py) wins; otherwise the compiler lowers a probe (the
+model cut after the first layer of each kind, so every kind is in it) with each candidate,
+schedules it, and keeps the candidate whose predicted step is shortest. On an H200 (BENCHMARKS.md,
+2026-11-30) the prediction picked the fastest count at batch 1 and 8 (8K context) and at 128K,
+but at batch 4 and at 32K a count measured 6-8% slower than the best: hence the measurement.
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ import dataclasses
 
 from mkc.ir.lower import lower
 from mkc.ir.spec import ModelSpec, SpecError
+from mkc.schedule import tuning
 from mkc.schedule.cost import H200, Ceilings
 from mkc.schedule.schedule import Schedule
 from mkc.schedule.scheduler import schedule
+from mkc.schedule.tuning import tuning_key
 
 
 def attention_sms_candidates(spec: ModelSpec, batch: int, num_sms: int) -> list[int]:
@@ -66,16 +70,24 @@ def choose_attention_sms(spec: ModelSpec, batch: int, context: int, num_sms: int
 def plan(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int = 0, kv_pages: int = 0,
          attention_sms: int | None = None, ceilings: Ceilings = H200) -> Schedule:
     """Lower and schedule one decode step: the schedule every runtime path runs.
-    ``attention_sms=None`` lets the compiler choose (see the module doc); the choice and every
-    candidate's predicted probe step are in ``meta["attention_sms"]``."""
-    tried: dict[int, float] = {}
+    ``attention_sms=None`` lets the compiler choose (see the module doc); the choice, who made it
+    and the candidates' measured or predicted step are in ``meta["attention_sms"]``."""
+    how = {"chosen_by": "asked", "probe_predicted_us": {}}
     if attention_sms is None:
-        attention_sms, tried = choose_attention_sms(spec, batch, context, num_sms, page_size, kv_pages, ceilings)
+        measured = tuning.lookup(tuning_key(spec, batch, context, num_sms, page_size, kv_pages))
+        if measured and measured.get("attention_sms") in attention_sms_candidates(spec, batch, num_sms):
+            attention_sms = int(measured["attention_sms"])
+            how = {"chosen_by": "measured", "measured_us": measured.get("measured_us", {}),
+                   "measured_on": measured.get("gpu", "?"), "measured_at": measured.get("date", "?")}
+        else:
+            attention_sms, tried = choose_attention_sms(spec, batch, context, num_sms, page_size, kv_pages,
+                                                        ceilings)
+            how = {"chosen_by": "compiler" if tried else "only candidate",
+                   "probe_predicted_us": {str(a): us for a, us in tried.items()}}
     elif attention_sms and spec.block != "parallel":
         raise SpecError(f"--attention-sms {attention_sms}: {spec.name} has a sequential block, whose attention "
                         f"and MLP do not run side by side: expected 0")
     program = lower(spec, batch, context, num_sms, page_size, kv_pages, attention_sms=attention_sms)
     sc = schedule(program, spec.name, ceilings)
-    sc.meta["attention_sms"] = {"chosen": attention_sms, "chosen_by": "compiler" if tried else "asked",
-                                "probe_predicted_us": {str(a): us for a, us in tried.items()}}
+    sc.meta["attention_sms"] = {"chosen": attention_sms, **how}
     return sc

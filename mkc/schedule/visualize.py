@@ -180,10 +180,14 @@ def _attention_sms_row(d: dict[str, Any]) -> str:
     n = a["chosen"]
     head = (f"{n} for the attention splits, {d['num_sms'] - n} for the MLP tiles" if n
             else "none set apart (every op fills all SMs)")
-    if a["chosen_by"] != "compiler":
-        return f"{head}, as asked"
-    tried = ", ".join(f"{k}: {v:.1f}" for k, v in a["probe_predicted_us"].items())
-    return f"{head}; chosen by predicted step of a probe (µs by attention SMs: {tried})"
+    if a["chosen_by"] == "measured":
+        timed = ", ".join(f"{k}: {v:.1f}" for k, v in a["measured_us"].items())
+        return (f"{head}; measured fastest by mkc bench --tune on {a['measured_on']}, {a['measured_at']} "
+                f"(step µs by attention SMs: {timed})")
+    if a["chosen_by"] == "compiler":
+        tried = ", ".join(f"{k}: {v:.1f}" for k, v in a["probe_predicted_us"].items())
+        return f"{head}; chosen by predicted step of a probe (µs by attention SMs: {tried})"
+    return f"{head}, as asked" if a["chosen_by"] == "asked" else f"{head} (the only candidate)"
 
 
 def format_summary(d: dict[str, Any]) -> str:

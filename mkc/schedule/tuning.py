@@ -1,0 +1,69 @@
+"""Measured schedule choices that override the cost model's prediction.
+
+Where the cost model cannot tell candidates apart reliably (the attention SMs of a parallel
+block: mkc/schedule/plan.py), ``mkc bench --tune`` times every candidate on the GPU and records
+the fastest here, keyed by what the choice depends on: the model (a digest of its spec), the batch,
+the context bucket, the SM count and the KV layout. The planner uses a recorded choice when one
+matches, and says so (``meta["attention_sms"]["chosen_by"] == "measured"``); otherwise it
+predicts. The file is JSON (``settings.tuning_file()``, by default tuning.json in the kernel
+cache); an unreadable one is reported once and ignored, never fatal.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from mkc import settings
+from mkc.ir.spec import ModelSpec
+
+_warned: set[Path] = set()
+
+
+def tuning_key(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int = 0,
+               kv_pages: int = 0) -> str:
+    digest = hashlib.sha256(json.dumps(spec.to_yaml_dict(), sort_keys=True).encode()).hexdigest()[:16]
+    return f"{spec.name}-{digest}/b{batch}/c{context}/sms{num_sms}/page{page_size}/pages{kv_pages}"
+
+
+def load(path: Path | None = None) -> dict[str, Any]:
+    """Every recorded entry; {} when there is no file or it cannot be read (reported once)."""
+    path = path or settings.tuning_file()
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        return _ignored(path, str(e))
+    return data if isinstance(data, dict) else _ignored(path, "expected a JSON object of entries")
+
+
+def _ignored(path: Path, why: str) -> dict[str, Any]:
+    if path not in _warned:
+        _warned.add(path)
+        print(f"mkc: warning: ignoring the tuning file {path} ({why}); the cost model decides instead",
+              file=sys.stderr)
+    return {}
+
+
+def lookup(key: str, path: Path | None = None) -> dict[str, Any] | None:
+    entry = load(path).get(key)
+    return entry if isinstance(entry, dict) else None
+
+
+def record(key: str, entry: dict[str, Any], path: Path | None = None) -> Path:
+    """Add or replace one entry (the file is rewritten atomically, so a reader never sees half)."""
+    path = path or settings.tuning_file()
+    data = load(path)
+    data[key] = entry
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tuning-")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,138 @@
+"""Measured choices (mkc/schedule/tuning.py): ``mkc bench --tune`` records the fastest attention-SM
+count, and the planner uses it instead of the cost model's prediction. On the CPU: the timed
+megakernel is faked, so no GPU is needed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from mkc.ir.spec import load_spec
+from mkc.runtime import bench
+from mkc.schedule import tuning
+from mkc.schedule.plan import attention_sms_candidates, plan
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture()
+def tiny():
+    return load_spec("configs/tiny.yaml")
+
+
+@pytest.fixture()
+def tuning_file(monkeypatch, tmp_path):
+    path = tmp_path / "tuning.json"
+    monkeypatch.setenv("MKC_TUNING_FILE", str(path))
+    return path
+
+
+def entry(attention_sms: int) -> dict:
+    return {"attention_sms": attention_sms, "measured_us": {"0": 120.0, str(attention_sms): 100.0},
+            "gpu": "NVIDIA H200", "date": "2026-11-30 02:30 UTC", "reps": 20}
+
+
+def test_a_recorded_choice_overrides_the_prediction(tiny, tuning_file):
+    predicted = plan(tiny, 2, 40, 16).meta["attention_sms"]
+    assert predicted["chosen_by"] == "compiler"
+    other = next(a for a in attention_sms_candidates(tiny, 2, 16) if a != predicted["chosen"])
+    tuning.record(tuning.tuning_key(tiny, 2, 40, 16), entry(other))
+    meta = plan(tiny, 2, 40, 16).meta["attention_sms"]
+    assert meta["chosen"] == other and meta["chosen_by"] == "measured"
+    assert meta["measured_us"][str(other)] == 100.0 and meta["measured_on"] == "NVIDIA H200"
+    # only the point it was measured at: another batch, context or SM count still predicts
+    for args in ((1, 40, 16), (2, 64, 16), (2, 40, 32)):
+        assert plan(tiny, *args).meta["attention_sms"]["chosen_by"] == "compiler", args
+    # an explicit count still wins over the record
+    assert plan(tiny, 2, 40, 16, attention_sms=0).meta["attention_sms"]["chosen_by"] == "asked"
+
+
+def test_a_changed_model_does_not_match_old_records(tiny, tuning_file):
+    import dataclasses
+
+    tuning.record(tuning.tuning_key(tiny, 2, 40, 16), entry(4))
+    changed = dataclasses.replace(tiny, norm_eps=1e-5)
+    assert tuning.tuning_key(changed, 2, 40, 16) != tuning.tuning_key(tiny, 2, 40, 16)
+    assert plan(changed, 2, 40, 16).meta["attention_sms"]["chosen_by"] == "compiler"
+
+
+def test_a_record_that_is_no_candidate_is_ignored(tiny, tuning_file):
+    tuning.record(tuning.tuning_key(tiny, 2, 40, 16), entry(5))  # not streams x 2^i
+    assert plan(tiny, 2, 40, 16).meta["attention_sms"]["chosen_by"] == "compiler"
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]"])
+def test_an_unreadable_file_is_reported_and_ignored(tiny, tuning_file, capsys, text):
+    tuning_file.write_text(text)
+    tuning._warned.discard(tuning_file)
+    assert plan(tiny, 2, 40, 16).meta["attention_sms"]["chosen_by"] == "compiler"
+    err = capsys.readouterr().err
+    assert f"ignoring the tuning file {tuning_file}" in err and "the cost model decides instead" in err
+
+
+def test_record_keeps_the_other_entries(tiny, tuning_file):
+    tuning.record("a", {"attention_sms": 0})
+    tuning.record("b", {"attention_sms": 4})
+    tuning.record("a", {"attention_sms": 8})
+    assert json.loads(tuning_file.read_text()) == {"a": {"attention_sms": 8}, "b": {"attention_sms": 4}}
+
+
+def test_tune_times_every_candidate_and_records_the_fastest(tiny, tuning_file, monkeypatch):
+    """Fake timings (fastest at 4 attention SMs): every candidate is timed once, the fastest is
+    recorded with every timing, and the planner then picks it."""
+    timed = []
+
+    def fake_row(spec, w, b, c, *, attention_sms, **kw):
+        timed.append(attention_sms)
+        return bench.row("mkc", b, c, [1e-4 * (1 + abs(attention_sms - 4))], 10**6, 4e12)
+
+    monkeypatch.setattr(bench, "_megakernel_row", fake_row)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    logs = []
+    best = bench.tune_attention_sms(tiny, {}, 2, 40, sms=16, bw=4e12, reps=3, log=logs.append)
+    assert best == 4 and timed == attention_sms_candidates(tiny, 2, 16)
+    rec = json.loads(tuning_file.read_text())[tuning.tuning_key(tiny, 2, 40, 16)]
+    assert rec["attention_sms"] == 4 and rec["gpu"] == "NVIDIA H200" and rec["reps"] == 3
+    assert set(rec["measured_us"]) == {str(a) for a in timed}
+    assert any("fastest with 4 attention SMs" in ln for ln in logs)
+    assert plan(tiny, 2, 40, 16).meta["attention_sms"] == {
+        "chosen": 4, "chosen_by": "measured", "measured_us": rec["measured_us"], "measured_on": "NVIDIA H200",
+        "measured_at": rec["date"]}
+
+
+def test_tune_skips_a_point_with_one_candidate(monkeypatch, tuning_file):
+    spec = load_spec("configs/mixtral_tiny.yaml")
+    monkeypatch.setattr(bench, "_megakernel_row", lambda *a, **kw: pytest.fail("nothing to time"))
+    assert bench.tune_attention_sms(spec, {}, 1, 64, sms=16, bw=4e12, reps=3, log=print) is None
+    assert not tuning_file.exists()
+
+
+def test_run_bench_tunes_before_the_megakernel_row(tiny, tuning_file, monkeypatch):
+    order = []
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: SimpleNamespace(multi_processor_count=16))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (10**12, 10**12))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(bench, "measure_read_bandwidth", lambda: 4e12)
+    monkeypatch.setattr(bench, "tune_attention_sms", lambda *a, **kw: order.append("tune"))
+    monkeypatch.setattr(bench, "_megakernel_row", lambda spec, w, b, c, **kw: order.append("mkc")
+                        or bench.row("mkc", b, c, [1e-4], 10**6, 4e12))
+    monkeypatch.setattr(bench, "_baseline_row", lambda spec, w, b, c, **kw: order.append("torch")
+                        or bench.row("torch+graph", b, c, [2e-4], 10**6, 4e12))
+    bench.run_bench(tiny, {}, [2], [40], reps=3, tune=True, log=lambda *_: None)
+    assert order == ["tune", "mkc", "torch"]
+
+
+def test_compile_says_the_choice_was_measured(tiny, tuning_file, tmp_path):
+    tuning.record(tuning.tuning_key(tiny, 2, 64, 8), entry(4))
+    r = subprocess.run([sys.executable, "-m", "mkc.cli", "compile", "configs/tiny.yaml", "-o", str(tmp_path / "out"),
+                        "--batch", "2", "--context", "64", "--num-sms", "8", "--no-kernel"],
+                       capture_output=True, text=True, cwd=ROOT, check=False)
+    assert r.returncode == 0, r.stderr
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("attention SMs"))
+    assert "4 for the attention splits" in line and "measured fastest by mkc bench --tune on NVIDIA H200" in line
