@@ -3,7 +3,7 @@
 Where the cost model cannot tell candidates apart reliably (the attention SMs of a parallel
 block: mkc/schedule/plan.py), ``mkc bench --tune`` times every candidate on the GPU and records
 the fastest here, keyed by what the choice depends on: the model (a digest of its spec), the batch,
-the context bucket, the SM count and the KV layout. The planner uses a recorded choice when one
+the context bucket, the SM count and the KV page size. The planner uses a recorded choice when one
 matches, and says so (``meta["attention_sms"]["chosen_by"] == "measured"``); otherwise it
 predicts. The file is JSON (``settings.tuning_file()``, by default tuning.json in the kernel
 cache); an unreadable one is reported once and ignored, never fatal.
@@ -25,10 +25,11 @@ from mkc.ir.spec import ModelSpec
 _warned: set[Path] = set()
 
 
-def tuning_key(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int = 0,
-               kv_pages: int = 0) -> str:
+def tuning_key(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int = 0) -> str:
+    """What a measured choice depends on. Not the page pool's size: it changes no tile, so a
+    server's pool (mkc serve) uses what mkc bench --tune measured at its page size."""
     digest = hashlib.sha256(json.dumps(spec.to_yaml_dict(), sort_keys=True).encode()).hexdigest()[:16]
-    return f"{spec.name}-{digest}/b{batch}/c{context}/sms{num_sms}/page{page_size}/pages{kv_pages}"
+    return f"{spec.name}-{digest}/b{batch}/c{context}/sms{num_sms}/page{page_size}"
 
 
 def load(path: Path | None = None) -> dict[str, Any]:
