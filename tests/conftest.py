@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -20,6 +21,22 @@ SEED = 1234  # one seed for everything a test does not seed itself
 # The CPU tests run thousands of tiny ops (one per tile); on a 2-core machine torch's intra-op
 # thread pool makes them ~10x slower (threads spin and hand off for 100-element matmuls).
 torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    """The tiny North Mini Code look-alike (configs/tiny.yaml); a test file may define its own."""
+    from mkc.ir.spec import load_spec
+
+    return load_spec(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
+
+
+@pytest.fixture(scope="session")
+def nmc():
+    """North Mini Code at full size (configs/north_mini_code.yaml)."""
+    from mkc.ir.spec import load_spec
+
+    return load_spec(Path(__file__).resolve().parents[1] / "configs" / "north_mini_code.yaml")
 
 
 @pytest.fixture(scope="session", autouse=True)

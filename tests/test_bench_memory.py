@@ -11,22 +11,11 @@ import pytest
 import torch
 
 from mkc.ir.lower import lower
-from mkc.ir.spec import load_spec
 from mkc.runtime import bench
 from mkc.runtime.bench import MEMORY_MARGIN, Row, Skip, format_table, memory_estimate, memory_skip, write_json
 
 GB = 1e9
 H200 = 141 * GB  # the weights and everything else share it
-
-
-@pytest.fixture(scope="module")
-def nmc():
-    return load_spec("configs/north_mini_code.yaml")
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load_spec("configs/tiny.yaml")
 
 
 @pytest.mark.parametrize("page_size", [0, 4, 12])

@@ -10,11 +10,6 @@ from mkc.ir.spec import SpecError, load_spec
 from mkc.ir.tiling import row_tile
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    return load_spec("configs/tiny.yaml")
-
-
 def by_name(prog, name):
     return next(t for t in prog.tasks if t.name == name)
 

@@ -21,16 +21,6 @@ from mkc.schedule.validator import validate
 F32_ATOL, F32_RTOL = 5e-5, 5e-5
 
 
-@pytest.fixture(scope="module")
-def nmc():
-    return load_spec("configs/north_mini_code.yaml")
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load_spec("configs/tiny.yaml")
-
-
 def layer_ops(prog, layer: int) -> dict[str, int]:
     out: dict[str, int] = {}
     for t in prog.tasks:

@@ -22,11 +22,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture()
-def tiny():
-    return load_spec("configs/tiny.yaml")
-
-
-@pytest.fixture()
 def tuning_file(monkeypatch, tmp_path):
     path = tmp_path / "tuning.json"
     monkeypatch.setenv("MKC_TUNING_FILE", str(path))
@@ -138,12 +133,11 @@ def test_compile_says_the_choice_was_measured(tiny, tuning_file, tmp_path):
     assert "4 for the attention splits" in line and "measured fastest by mkc bench --tune on NVIDIA H200" in line
 
 
-def test_the_shipped_h200_table_matches_north_mini_code(monkeypatch):
+def test_the_shipped_h200_table_matches_north_mini_code(nmc, monkeypatch):
     """configs/tuning/h200.json (mkc bench --tune on an H200, 2026-11-30) is keyed by today's
     North Mini Code spec: pointed at it, the planner takes its measured counts (a changed spec
     would silently stop matching, which this catches)."""
     monkeypatch.setenv("MKC_TUNING_FILE", str(ROOT / "configs" / "tuning" / "h200.json"))
-    nmc = load_spec(ROOT / "configs" / "north_mini_code.yaml")
     table = tuning.load()
     assert table, "configs/tuning/h200.json is empty or unreadable"
     for batch, context, want in ((1, 8192, 32), (2, 8192, 64), (4, 8192, 0), (8, 8192, 64), (1, 32768, 64)):
