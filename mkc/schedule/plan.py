@@ -27,7 +27,6 @@ from mkc.schedule import tuning
 from mkc.schedule.cost import H200, Ceilings
 from mkc.schedule.schedule import Schedule
 from mkc.schedule.scheduler import schedule
-from mkc.schedule.tuning import tuning_key
 
 
 def attention_sms_candidates(spec: ModelSpec, batch: int, num_sms: int) -> list[int]:
@@ -74,7 +73,7 @@ def plan(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int
     and the candidates' measured or predicted step are in ``meta["attention_sms"]``."""
     how = {"chosen_by": "asked", "probe_predicted_us": {}}
     if attention_sms is None:
-        measured = tuning.lookup(tuning_key(spec, batch, context, num_sms, page_size))
+        measured = tuning.lookup(tuning.tuning_key(spec, batch, context, num_sms, page_size))
         if measured and measured.get("attention_sms") in attention_sms_candidates(spec, batch, num_sms):
             attention_sms = int(measured["attention_sms"])
             how = {"chosen_by": "measured", "measured_us": measured.get("measured_us", {}),
