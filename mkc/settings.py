@@ -24,8 +24,8 @@ class EnvVar:
 MKC_CACHE_DIR = EnvVar("MKC_CACHE_DIR", "~/.cache/mkc",
                        "where compiled kernels are cached (content-addressed; safe to delete)")
 MKC_TUNING_FILE = EnvVar("MKC_TUNING_FILE", "",
-                         "measured schedule choices (mkc bench --tune) that override the cost model; "
-                         "default: tuning.json in the kernel cache")
+                         "the one file of measured schedule choices (mkc bench --tune) to read and write; "
+                         "default: tuning.json in the kernel cache, over the tables in configs/tuning/")
 MKC_WATCHDOG_MS = EnvVar("MKC_WATCHDOG_MS", "2000",
                          "a task waiting longer than this on one counter aborts the decode step")
 
@@ -46,6 +46,14 @@ def cache_dir() -> Path:
 def tuning_file() -> Path:
     """The measured choices mkc bench --tune writes and the planner reads (mkc/schedule/tuning.py)."""
     return Path(MKC_TUNING_FILE.get()).expanduser() if MKC_TUNING_FILE.get() else cache_dir() / "tuning.json"
+
+
+def tuning_tables() -> list[Path]:
+    """Measured choices shipped with mkc (configs/tuning/*.json of a source checkout), read under
+    tuning_file(); none when MKC_TUNING_FILE names the one file to use."""
+    if MKC_TUNING_FILE.get():
+        return []
+    return sorted((Path(__file__).resolve().parents[1] / "configs" / "tuning").glob("*.json"))
 
 
 def watchdog_ns() -> int:

@@ -146,3 +146,15 @@ def test_the_shipped_h200_table_matches_north_mini_code(nmc, monkeypatch):
         assert rec["attention_sms"] == want and fastest == str(want), (batch, context, rec)
         meta = plan(nmc, batch, context, 132).meta["attention_sms"]
         assert meta["chosen"] == want and meta["chosen_by"] == "measured", (batch, context, meta)
+
+
+def test_without_a_named_file_the_shipped_tables_apply_under_the_cache(nmc, monkeypatch, tmp_path):
+    """MKC_TUNING_FILE unset: the kernel cache's tuning.json first, then configs/tuning/*.json."""
+    monkeypatch.delenv("MKC_TUNING_FILE", raising=False)
+    monkeypatch.setenv("MKC_CACHE_DIR", str(tmp_path))
+    meta = plan(nmc, 4, 8192, 132).meta["attention_sms"]
+    assert meta["chosen"] == 0 and meta["chosen_by"] == "measured" and meta["measured_on"] == "NVIDIA H200"
+    tuning.record(tuning.tuning_key(nmc, 4, 8192, 132), entry(64))  # this machine's own measurement
+    assert (tmp_path / "tuning.json").exists()
+    meta = plan(nmc, 4, 8192, 132).meta["attention_sms"]
+    assert meta["chosen"] == 64 and meta["measured_us"]["64"] == 100.0

@@ -6,7 +6,9 @@ the fastest here, keyed by what the choice depends on: the model (a digest of it
 the context bucket, the SM count and the KV page size. The planner uses a recorded choice when one
 matches, and says so (``meta["attention_sms"]["chosen_by"] == "measured"``); otherwise it
 predicts. The file is JSON (``settings.tuning_file()``, by default tuning.json in the kernel
-cache); an unreadable one is reported once and ignored, never fatal.
+cache); an unreadable one is reported once and ignored, never fatal. Under it the planner reads
+the tables shipped in configs/tuning/ (the counts measured for North Mini Code on an H200), unless
+MKC_TUNING_FILE names the one file to use.
 """
 
 from __future__ import annotations
@@ -53,8 +55,14 @@ def _ignored(path: Path, why: str) -> dict[str, Any]:
 
 
 def lookup(key: str, path: Path | None = None) -> dict[str, Any] | None:
-    entry = load(path).get(key)
-    return entry if isinstance(entry, dict) else None
+    """The entry for ``key``: from ``path`` if given, else from the tuning file, else from the
+    shipped tables (settings.tuning_tables)."""
+    sources = [path] if path else [settings.tuning_file(), *settings.tuning_tables()]
+    for src in sources:
+        entry = load(src).get(key)
+        if isinstance(entry, dict):
+            return entry
+    return None
 
 
 def record(key: str, entry: dict[str, Any], path: Path | None = None) -> Path:
