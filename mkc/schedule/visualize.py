@@ -181,7 +181,7 @@ def _attention_sms_row(d: dict[str, Any]) -> str:
     head = (f"{n} for the attention splits, {d['num_sms'] - n} for the MLP tiles" if n
             else "none set apart (every op fills all SMs)")
     if a["chosen_by"] == "measured":
-        timed = ", ".join(f"{k}: {v:.1f}" for k, v in a["measured_us"].items())
+        timed = ", ".join(f"{k}: {v:.1f}" for k, v in sorted(a["measured_us"].items(), key=lambda kv: int(kv[0])))
         return (f"{head}; measured fastest by mkc bench --tune on {a['measured_on']}, {a['measured_at']} "
                 f"(step µs by attention SMs: {timed})")
     if a["chosen_by"] == "compiler":
