@@ -74,6 +74,9 @@ def box(buf: Buffer, *ranges: tuple[int, int] | None) -> Region:
 
 class _Lowerer:
     def __init__(self, spec: ModelSpec, opt: LowerOptions):
+        if opt.attention_sms and spec.block != "parallel":
+            raise SpecError(f"--attention-sms {opt.attention_sms}: {spec.name} has a sequential block, whose "
+                            f"attention and MLP do not run side by side: expected 0")
         self.spec, self.opt = spec, opt
         self.buffers: dict[str, Buffer] = {}
         self.tasks: list[Task] = []
@@ -104,14 +107,12 @@ class _Lowerer:
         return t
 
     def attention_sms(self) -> int:
-        """SMs the attention splits of one layer fill in one wave."""
-        return self.opt.attention_sms if self.opt.attention_sms and self.spec.block == "parallel" else self.opt.num_sms
+        """SMs the attention splits of one layer fill in one wave (a parallel block only: __init__)."""
+        return self.opt.attention_sms or self.opt.num_sms
 
     def mlp_sms(self) -> int:
         """SMs the MLP's first GEMV (dense SwiGLU or expert gate/up) fills beside the splits."""
-        if self.opt.attention_sms and self.spec.block == "parallel":
-            return self.opt.num_sms - self.opt.attention_sms
-        return self.opt.num_sms
+        return self.opt.num_sms - self.opt.attention_sms
 
     # -- ops -----------------------------------------------------------------------------------
     def linear(self, layer: int, label: str, x: Buffer | Normed, w: Buffer, out: Buffer, *, k0: int = 0,

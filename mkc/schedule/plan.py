@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 
 from mkc.ir.lower import lower
-from mkc.ir.spec import ModelSpec, SpecError
+from mkc.ir.spec import ModelSpec
 from mkc.schedule import tuning
 from mkc.schedule.cost import H200, Ceilings
 from mkc.schedule.schedule import Schedule
@@ -83,9 +83,6 @@ def plan(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int
                                                         ceilings)
             how = {"chosen_by": "compiler" if tried else "only candidate",
                    "probe_predicted_us": {str(a): us for a, us in tried.items()}}
-    elif attention_sms and spec.block != "parallel":
-        raise SpecError(f"--attention-sms {attention_sms}: {spec.name} has a sequential block, whose attention "
-                        f"and MLP do not run side by side: expected 0")
     program = lower(spec, batch, context, num_sms, page_size, kv_pages, attention_sms=attention_sms)
     sc = schedule(program, spec.name, ceilings)
     sc.meta["attention_sms"] = {"chosen": attention_sms, **how}
