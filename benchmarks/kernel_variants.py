@@ -52,6 +52,10 @@ VARIANTS: dict[str, CodegenOptions] = {
     # 2026-11-30 copies V chunks to shared memory ahead of P.V)
     "attn-global-v": CodegenOptions(attn_stage_v=False),
     "prefetch-256k": CodegenOptions(prefetch_bytes=256 * 1024),
+    # K and V rows an attention split asks L2 for while it waits (CodegenOptions.attn_prefetch_bytes)
+    "attn-prefetch-128k": CodegenOptions(attn_prefetch_bytes=128 * 1024),
+    "attn-prefetch-512k": CodegenOptions(attn_prefetch_bytes=512 * 1024),
+    "attn-prefetch-all": CodegenOptions(attn_prefetch_bytes=1 << 30),
 }
 
 

@@ -56,19 +56,23 @@ def main() -> None:
     ap.add_argument("--attention-sms", nargs="+", default=["auto"],
                     help="LowerOptions.attention_sms values to lower with: numbers (0: every op fills all SMs) "
                          "or auto (the compiler's choice, mkc/schedule/plan.py)")
+    ap.add_argument("--rope-in-splits", nargs="+", default=["yes"], choices=["yes", "no"],
+                    help="LowerOptions.rope_in_splits values to lower with (no: a ROPE_APPEND task rotates q "
+                         "and the splits wait for it)")
     ap.add_argument("--build-only", action="store_true", help="compile every variant's kernel (no GPU) and exit")
     ap.add_argument("--sms", type=int, default=132, help="SM count for --build-only")
     a = ap.parse_args()
     a.attention_sms = [None if v == "auto" else int(v) for v in a.attention_sms]
     spec = load_spec(a.config)
+    variants = [(att, rope, name) for att in a.attention_sms for rope in a.rope_in_splits for name in a.variants]
     if a.build_only:
         for batch in a.batch:
-            for att in a.attention_sms:
-                for name in a.variants:
-                    sc = plan(spec, batch, a.context, a.sms, attention_sms=att, ceilings=VARIANTS[name])
-                    art = build_kernel(sc, spec)
-                    print(f"b{batch} attention_sms={sc.meta['attention_sms']['chosen']} {name}: {art.name} "
-                          f"regs {art.regs} spills {art.spills}")
+            for att, rope, name in variants:
+                sc = plan(spec, batch, a.context, a.sms, attention_sms=att, ceilings=VARIANTS[name],
+                          rope_in_splits=rope == "yes")
+                art = build_kernel(sc, spec)
+                print(f"b{batch} attention_sms={sc.meta['attention_sms']['chosen']} rope in splits {rope} {name}: "
+                      f"{art.name} regs {art.regs} spills {art.spills}")
         return
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     bw = measure_read_bandwidth()
@@ -80,9 +84,11 @@ def main() -> None:
                                generator=torch.Generator().manual_seed(batch))
         positions = torch.full((batch,), a.context - 1, dtype=torch.int32)
         ref = None
-        for att, name in ((att, name) for att in a.attention_sms for name in a.variants):
-            sc = plan(spec, batch, a.context, sms, attention_sms=att, ceilings=VARIANTS[name])
+        for att, rope, name in variants:
+            sc = plan(spec, batch, a.context, sms, attention_sms=att, ceilings=VARIANTS[name],
+                      rope_in_splits=rope == "yes")
             label = f"{sc.meta['attention_sms']['chosen']}" + (" (auto)" if att is None else "")
+            label += f", rope in splits {rope}"
             dec = CudaDecoder(sc, spec, weights)
             fill_random_kv(dec, spec, torch.Generator(device="cuda").manual_seed(batch))
             logits, _ = dec.step(tokens, positions)
@@ -96,7 +102,7 @@ def main() -> None:
                     + ("equal" if torch.equal(ref.argmax(-1), logits.argmax(-1)) else "DIFFERS")
                     + ", rerun " + ("bitwise the same" if repeat else "DIFFERS (a race)"))
             med, sol, _ = time_step(dec, spec, batch, a.context, bw, a.reps)
-            print(f"batch {batch} attention_sms {label:<9} {name:<20} measured {med * 1e6:8.1f} µs ({sol:.1%} SOL), "
+            print(f"batch {batch} attention_sms {label:<30} {name:<20} measured {med * 1e6:8.1f} µs ({sol:.1%} SOL), "
                   f"predicted {sc.predicted['step_us']:8.1f} µs; {same}", flush=True)
             release(dec)
             del dec

@@ -20,8 +20,59 @@ static_assert(HEAD_DIM % 8 == 0 && NUM_THREADS % ATT_DC == 0, "attention: head_d
 // ATTN_STAGE_V: after the layout below (16-aligned), this chunk's V rows [ATT_CHUNK][HEAD_DIM] bf16;
 // after the last chunk the same bytes hold every head's key-lane partials [GROUP][ATT_KL][HEAD_DIM]
 // (mkc/codegen/render.py sizes it as the larger of the two)
+// the key-lane buffer, which before the chunks holds the rows a split that rotates its own query
+// takes from qkv ([GROUP + 2][HEAD_DIM] bf16: query heads, key, value) and their qk-norm factors
+constexpr int ATT_RED_FLOATS = ATT_KL * HEAD_DIM > ((GROUP + 2) * HEAD_DIM * 2 + (GROUP + 1) * 4 + 3) / 4
+                                   ? ATT_KL * HEAD_DIM : ((GROUP + 2) * HEAD_DIM * 2 + (GROUP + 1) * 4 + 3) / 4;
 constexpr int ATT_VS_OFF = (ATT_QX_BYTES + (ATT_GRED_FLOATS + GROUP * HEAD_DIM + GROUP * ATT_CHUNK +
-                                            ATT_KL * HEAD_DIM + 3 * GROUP) * 4 + 15) / 16 * 16;
+                                            ATT_RED_FLOATS + 3 * GROUP) * 4 + 15) / 16 * 16;
+
+// sin and cos of the RoPE angle pos * theta^(-2p / head_dim), the angle rounded to float as in
+// the reference (inv_freq in float, times the position in float). The angle is reduced modulo
+// 2 pi in double, so the fast hardware sin/cos (abs. error ~1e-6 on [-pi, pi]) suffice and the
+// slow Payne-Hanek path of sincosf (a local-memory table) is never compiled in.
+__device__ __forceinline__ void rope_sincos(int pos, int p, float& sn, float& cs) {
+    const float inv_freq = 1.f / powf(ROPE_THETA, (float)(2 * p) / (float)HEAD_DIM);
+    const double angle = (double)((float)pos * inv_freq);
+    const double two_pi = 6.283185307179586;
+    const float r = (float)(angle - rint(angle * (1.0 / two_pi)) * two_pi);
+    __sincosf(r, &sn, &cs);
+}
+
+
+// qk-norm factor of one head row (one warp; every lane returns it): rsqrt(mean(x^2) + eps)
+__device__ __forceinline__ float head_rinv(const bf16* row, int lane) {
+    float ss = 0.f;
+    for (int i = lane; i < HEAD_DIM; i += 32) {
+        const float v = __bfloat162float(row[i]);
+        ss = __fmaf_rn(v, v, ss);
+    }
+    return rsqrtf(warp_sum(ss) / (float)HEAD_DIM + NORM_EPS);
+}
+
+// Element pair p of a head row (ia, ib: GPT-J or NeoX pairing) as ROPE_APPEND and the attention
+// splits both compute it, rounded alike everywhere (explicit roundings, no contraction left to
+// the compiler): qk-norm with weight w (nullptr: none) and factor r, rounded to bf16, times the
+// bf16 weight, rounded again (as transformers), then RoPE at pos in float (rope: else unrotated).
+__device__ __forceinline__ void rope_pair(const bf16* row, int p, int pos, bool rope, const bf16* w, float r,
+                                          float& oa, float& ob, int& ia, int& ib) {
+    ia = ROPE_INTERLEAVED ? 2 * p : p;
+    ib = ROPE_INTERLEAVED ? 2 * p + 1 : p + HEAD_DIM / 2;
+    float a = __bfloat162float(row[ia]), c = __bfloat162float(row[ib]);
+    if (w) {
+        a = bf16_round(bf16_round(__fmul_rn(a, r)) * __bfloat162float(w[ia]));
+        c = bf16_round(bf16_round(__fmul_rn(c, r)) * __bfloat162float(w[ib]));
+    }
+    if (rope) {
+        float sn, cs;
+        rope_sincos(pos, p, sn, cs);
+        oa = __fmaf_rn(a, cs, -__fmul_rn(c, sn));
+        ob = __fmaf_rn(c, cs, __fmul_rn(a, sn));
+    } else {
+        oa = a;
+        ob = c;
+    }
+}
 
 #if MKC_PAGED
 // Paged KV cache (MKC_PAGED, mkc/ir/kv_layout.py): the K (or V) rows of one (sequence, KV head) are
@@ -59,6 +110,68 @@ __device__ __forceinline__ void attn_key_range(const Task& t, int& lo, int& hi) 
     hi = min(pos + 1, lo + split_keys);
 }
 
+// A split with a qkv operand (LowerOptions.rope_in_splits) stages its query itself: the GROUP
+// query heads of sequence b, KV group g from qkv, qk-norm (q_norm / k_norm operands) and RoPE as
+// ROPE_APPEND computes them (rope_pair), rounded to bf16 as ROPE_APPEND stores them, into qx (the
+// MMA's B operand, rows >= GROUP zero) or qs (scaled floats, CUDA-core path). With `own` (the
+// split holds the step's position) also the key head, rotated in place, and the value head: both
+// stay in `rows` ([GROUP + 2][HEAD_DIM] bf16, then [GROUP + 1] f32 qk-norm factors) for the chunks.
+// Ends with a barrier.
+__device__ void stage_own_query(const Task& t, int b, int g, bool own, bf16* qx, float* qs, bf16* rows) {
+    using O = OPND_ATTN_SPLIT;
+    using A = ARG_ATTN_SPLIT;
+    constexpr int CH = HEAD_DIM / 8, HALF = HEAD_DIM / 2;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+#if MKC_PAGED
+    const int kv_heads = t.dim(O::k_cache, 4);
+#else
+    const int kv_heads = t.dim(O::k_cache, 3);
+#endif
+    const int qkv_ld = t.dim(O::qkv, 1), q_heads = qkv_ld / HEAD_DIM - 2 * kv_heads;
+    const int nrows = GROUP + (own ? 2 : 0), nrot = GROUP + (own ? 1 : 0);
+    const bf16* qkv = t.ptr<bf16>(O::qkv) + (size_t)b * qkv_ld;
+    float* rinv = reinterpret_cast<float*>(rows + (GROUP + 2) * HEAD_DIM);
+    for (int i = tid; i < nrows * CH; i += NUM_THREADS) {
+        const int j = i / CH, c = i % CH;
+        const int head = j < GROUP ? g * GROUP + j : (j == GROUP ? q_heads + g : q_heads + kv_heads + g);
+        *reinterpret_cast<uint4*>(rows + j * HEAD_DIM + c * 8) = ld_act16(qkv + (size_t)head * HEAD_DIM + c * 8);
+    }
+    if constexpr (ATT_MMA)  // the padding rows of the MMA's B operand
+        for (int i = tid; i < (8 - GROUP) * CH; i += NUM_THREADS)
+            *reinterpret_cast<uint4*>(qx + (GROUP + i / CH) * xs_ld(HEAD_DIM) + (i % CH) * 8) = zero4();
+    __syncthreads();
+    const bool qk_norm = t.has(O::q_norm);
+    if (qk_norm) {
+        for (int r = warp; r < nrot; r += NUM_WARPS) {
+            const float v = head_rinv(rows + r * HEAD_DIM, lane);
+            if (lane == 0) rinv[r] = v;
+        }
+        __syncthreads();
+    }
+    const bool rope = t.arg(A::rope) != 0;
+    const int pos = ld_act_i32(t.ptr<int>(O::positions) + b);
+    const bf16* qn = t.ptr<bf16>(O::q_norm);
+    const bf16* kn = t.ptr<bf16>(O::k_norm);
+    for (int i = tid; i < nrot * HALF; i += NUM_THREADS) {
+        const int j = i / HALF, p = i % HALF;
+        float a, c;
+        int ia, ib;
+        rope_pair(rows + j * HEAD_DIM, p, pos, rope, qk_norm ? (j < GROUP ? qn : kn) : nullptr,
+                  qk_norm ? rinv[j] : 1.f, a, c, ia, ib);
+        if (j == GROUP) {  // the key, in place: this thread alone reads and writes elements ia and ib
+            store_bf16(rows + j * HEAD_DIM + ia, a);
+            store_bf16(rows + j * HEAD_DIM + ib, c);
+        } else if constexpr (ATT_MMA) {
+            store_bf16(qx + j * xs_ld(HEAD_DIM) + ia, a);
+            store_bf16(qx + j * xs_ld(HEAD_DIM) + ib, c);
+        } else {
+            qs[j * HEAD_DIM + ia] = bf16_round(a) * ATTN_SCALE;
+            qs[j * HEAD_DIM + ib] = bf16_round(c) * ATTN_SCALE;
+        }
+    }
+    __syncthreads();
+}
+
 __device__ void op_attn_split(const Task& t, unsigned char* smem) {
     using O = OPND_ATTN_SPLIT;
     using A = ARG_ATTN_SPLIT;
@@ -82,16 +195,27 @@ __device__ void op_attn_split(const Task& t, unsigned char* smem) {
     float* gred = reinterpret_cast<float*>(smem + ATT_QX_BYTES);  // [ATT_GRED_FLOATS]
     float* qs = gred + ATT_GRED_FLOATS;           // [GROUP][HEAD_DIM], pre-scaled (CUDA-core path)
     float* sc = qs + GROUP * HEAD_DIM;            // [GROUP][ATT_CHUNK] scores, then probabilities
-    float* red = sc + GROUP * ATT_CHUNK;          // [ATT_KL][HEAD_DIM]
-    float* st_m = red + ATT_KL * HEAD_DIM;        // [GROUP] running max
+    float* red = sc + GROUP * ATT_CHUNK;          // [ATT_KL][HEAD_DIM] (ATT_RED_FLOATS)
+    float* st_m = red + ATT_RED_FLOATS;           // [GROUP] running max
     float* st_l = st_m + GROUP;                   // [GROUP] running sum
     float* st_a = st_l + GROUP;                   // [GROUP] rescale of this pass
     bf16* vs = reinterpret_cast<bf16*>(smem + ATT_VS_OFF);  // ATTN_STAGE_V: [ATT_CHUNK][HEAD_DIM]
 
-    const bf16* q = t.ptr<bf16>(O::q) + (size_t)b * t.dim(O::q, 1) + (size_t)g * GROUP * HEAD_DIM;
-    if constexpr (ATT_MMA) stage_x(qx, q, HEAD_DIM, 0, HEAD_DIM, GROUP);
-    else
-        for (int i = tid; i < GROUP * HEAD_DIM; i += NUM_THREADS) qs[i] = ld_act_bf16(q + i) * ATTN_SCALE;
+    // this step's key and value where the split rotates its own query (a qkv operand) and holds the
+    // step's position: they come from qkv, not from the cache (ROPE_APPEND writes it after the splits)
+    const bool fused = t.has(O::qkv);
+    const int pos = ld_act_i32(t.ptr<int>(O::positions) + b);
+    const int own = fused && lo <= pos && pos < hi ? pos : -1;  // the key taken from qkv (-1: none)
+    // fused: red holds [GROUP + 2][HEAD_DIM] q heads, k (rotated), v until the last chunk is done
+    const bf16* own_k = reinterpret_cast<const bf16*>(red) + GROUP * HEAD_DIM;
+    const bf16* own_v = own_k + HEAD_DIM;
+    if (fused) stage_own_query(t, b, g, own >= 0, qx, qs, reinterpret_cast<bf16*>(red));
+    else {
+        const bf16* q = t.ptr<bf16>(O::q) + (size_t)b * t.dim(O::q, 1) + (size_t)g * GROUP * HEAD_DIM;
+        if constexpr (ATT_MMA) stage_x(qx, q, HEAD_DIM, 0, HEAD_DIM, GROUP);
+        else
+            for (int i = tid; i < GROUP * HEAD_DIM; i += NUM_THREADS) qs[i] = ld_act_bf16(q + i) * ATTN_SCALE;
+    }
     if (tid < GROUP) { st_m[tid] = -INFINITY; st_l[tid] = 0.f; }
     __syncthreads();
 
@@ -120,8 +244,8 @@ __device__ void op_attn_split(const Task& t, unsigned char* smem) {
 #else
     for (int c0 = lo; c0 < hi; c0 += ATT_CHUNK) {
         const int n = min(ATT_CHUNK, hi - c0);
-        // ask L2 for the next chunk's K and V rows while this one is processed (the first chunk was
-        // prefetched before the wait)
+        // ask L2 for the next chunk's K and V rows while this one is processed (before the wait the
+        // task asked for ATTN_PREFETCH_BYTES of its rows, ops.cuh: prefetch_weights)
         if (c0 + ATT_CHUNK < hi && tid < 2 * ATT_CHUNK * HEAD_DIM * 2 / 4096) {
             const int half = ATT_CHUNK * HEAD_DIM * 2 / 4096;  // 4 KB pieces of one chunk of K (or V)
             const int nb = min(ATT_CHUNK, hi - c0 - ATT_CHUNK) * HEAD_DIM * 2;  // bytes of the next chunk
@@ -132,8 +256,11 @@ __device__ void op_attn_split(const Task& t, unsigned char* smem) {
         }
 #endif
         if constexpr (ATTN_STAGE_V) {  // this chunk's V: each thread copies the pieces it reads in P.V
-            for (int j = kl; j < n; j += ATT_KL)
-                cp_async16(vs + (size_t)j * HEAD_DIM + dc * 8, vc + (size_t)(c0 + j) * HEAD_DIM + dc * 8);
+            for (int j = kl; j < n; j += ATT_KL) {
+                if (c0 + j == own) *reinterpret_cast<uint4*>(vs + (size_t)j * HEAD_DIM + dc * 8) =
+                                       *reinterpret_cast<const uint4*>(own_v + dc * 8);
+                else cp_async16(vs + (size_t)j * HEAD_DIM + dc * 8, vc + (size_t)(c0 + j) * HEAD_DIM + dc * 8);
+            }
         }
         if constexpr (ATT_MMA) {  // scores on the tensor cores: key rows x the group's query heads
             const bf16* const kw[1] = {kc + (size_t)c0 * HEAD_DIM};
@@ -143,6 +270,7 @@ __device__ void op_attn_split(const Task& t, unsigned char* smem) {
             };
             gemv_tile<1, decltype(epi), false>(kw, HEAD_DIM, n, HEAD_DIM, qx, gred, epi);
         } else if (tid < n) {  // scores on the CUDA cores: one key per thread
+            const bool mine = c0 + tid == own;  // this step's key, rotated in shared memory
             const bf16* kr = kc + (size_t)(c0 + tid) * HEAD_DIM;
             float s[GROUP];
 #pragma unroll
@@ -150,7 +278,7 @@ __device__ void op_attn_split(const Task& t, unsigned char* smem) {
 #pragma unroll
             for (int c = 0; c < ATT_DC; ++c) {
                 float kf[8];
-                unpack8(ld_act16(kr + c * 8), kf);
+                unpack8(mine ? *reinterpret_cast<const uint4*>(own_k + c * 8) : ld_act16(kr + c * 8), kf);
 #pragma unroll
                 for (int h = 0; h < GROUP; ++h) {
                     const float4 qa = *reinterpret_cast<const float4*>(qs + h * HEAD_DIM + c * 8);
@@ -165,6 +293,14 @@ __device__ void op_attn_split(const Task& t, unsigned char* smem) {
         __syncthreads();
         // online softmax statistics, one warp per head
         for (int h = warp; h < GROUP; h += NUM_WARPS) {
+            if (ATT_MMA && own >= c0 && own < c0 + n) {  // this step's key: its score from the rotated row
+                float d = 0.f;
+                for (int i = lane; i < HEAD_DIM; i += 32)
+                    d = __fmaf_rn(__bfloat162float(qx[h * xs_ld(HEAD_DIM) + i]), __bfloat162float(own_k[i]), d);
+                d = warp_sum(d);
+                if (lane == 0) sc[h * ATT_CHUNK + own - c0] = d * ATTN_SCALE;
+                __syncwarp();
+            }
             float mx = -INFINITY;
             for (int j = lane; j < n; j += 32) mx = fmaxf(mx, sc[h * ATT_CHUNK + j]);
             mx = warp_max(mx);
@@ -195,8 +331,9 @@ __device__ void op_attn_split(const Task& t, unsigned char* smem) {
 #pragma unroll 8
         for (int j = kl; j < n; j += ATT_KL) {
             float vf[8];
-            unpack8(ATTN_STAGE_V ? *reinterpret_cast<const uint4*>(vs + (size_t)j * HEAD_DIM + dc * 8)
-                                 : ld_act16(vc + (size_t)(c0 + j) * HEAD_DIM + dc * 8), vf);
+            unpack8(ATTN_STAGE_V     ? *reinterpret_cast<const uint4*>(vs + (size_t)j * HEAD_DIM + dc * 8)
+                    : c0 + j == own ? *reinterpret_cast<const uint4*>(own_v + dc * 8)
+                                     : ld_act16(vc + (size_t)(c0 + j) * HEAD_DIM + dc * 8), vf);
 #pragma unroll
             for (int h = 0; h < GROUP; ++h) {
                 const float p = sc[h * ATT_CHUNK + j];

@@ -421,21 +421,9 @@ __device__ void op_argmax(const Task& t, unsigned char*) {
     }
 }
 
-// sin and cos of the RoPE angle pos * theta^(-2p / head_dim), the angle rounded to float as in
-// the reference (inv_freq in float, times the position in float). The angle is reduced modulo
-// 2 pi in double, so the fast hardware sin/cos (abs. error ~1e-6 on [-pi, pi]) suffice and the
-// slow Payne-Hanek path of sincosf (a local-memory table) is never compiled in.
-__device__ __forceinline__ void rope_sincos(int pos, int p, float& sn, float& cs) {
-    const float inv_freq = 1.f / powf(ROPE_THETA, (float)(2 * p) / (float)HEAD_DIM);
-    const double angle = (double)((float)pos * inv_freq);
-    const double two_pi = 6.283185307179586;
-    const float r = (float)(angle - rint(angle * (1.0 / two_pi)) * two_pi);
-    __sincosf(r, &sn, &cs);
-}
-
-// q = rope(qk_norm(q)), k = rope(qk_norm(k)) of KV head g for every sequence; k and v appended at
-// positions[b]. qk-norm (when the task has q_norm / k_norm weights): per-head RMSNorm in float,
-// rounded to bf16, times the bf16 weight, rounded again (as transformers), then RoPE in float.
+// [q =] rope(qk_norm(q)), k = rope(qk_norm(k)) of KV head g for every sequence; k and v appended at
+// positions[b]. Without a q operand (LowerOptions.rope_in_splits: the splits rotate q themselves)
+// only k and v. The arithmetic of each element is rope_pair's (attention.cuh), as in the splits.
 constexpr int ROPE_RINV_OFF = 128;  // rope_append's shared memory: positions, qk-norm factors, rows
 constexpr int ROPE_ROWS_OFF = ROPE_RINV_OFF + (BATCH * (GROUP + 1) * 4 + 127) / 128 * 128;
 
@@ -444,14 +432,14 @@ __device__ void op_rope_append(const Task& t, unsigned char* smem) {
     using A = ARG_ROPE_APPEND;
     const int g = t.arg(A::kv_head);
     const bool rope = t.arg(A::rope) != 0;
-    const bool qk_norm = t.has(O::q_norm);
-    const int qkv_ld = t.dim(O::qkv, 1), q_ld = t.dim(O::q, 1);
+    const bool qk_norm = t.has(O::q_norm), with_q = t.has(O::q);
+    const int qkv_ld = t.dim(O::qkv, 1);
 #if MKC_PAGED
     const int kv_heads = t.dim(O::k_cache, 4);
 #else
     const int ctx = t.dim(O::k_cache, 2), kv_heads = t.dim(O::k_cache, 3);
 #endif
-    const int q_heads = q_ld / HEAD_DIM;
+    const int q_heads = qkv_ld / HEAD_DIM - 2 * kv_heads;
     constexpr int HALF = HEAD_DIM / 2, CH = HEAD_DIM / 8;
     constexpr int ROWS = GROUP + 2;  // GROUP query heads, the key head, the value head
     const bf16* qkv = t.ptr<bf16>(O::qkv);
@@ -464,6 +452,7 @@ __device__ void op_rope_append(const Task& t, unsigned char* smem) {
 #pragma unroll 4
     for (int i = threadIdx.x; i < BATCH * ROWS * CH; i += NUM_THREADS) {
         const int b = i / (ROWS * CH), j = (i / CH) % ROWS, c = i % CH;
+        if (j < GROUP && !with_q) continue;
         const int head = j < GROUP ? g * GROUP + j : (j == GROUP ? q_heads + g : q_heads + kv_heads + g);
         const uint4* src = reinterpret_cast<const uint4*>(qkv + (size_t)b * qkv_ld + (size_t)head * HEAD_DIM);
         reinterpret_cast<uint4*>(rows_s)[i] = __ldcg(src + c);
@@ -472,14 +461,9 @@ __device__ void op_rope_append(const Task& t, unsigned char* smem) {
     if (qk_norm) {
         const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
         for (int r = warp; r < BATCH * (GROUP + 1); r += NUM_WARPS) {
-            const bf16* src = rows_s + ((r / (GROUP + 1)) * ROWS + r % (GROUP + 1)) * HEAD_DIM;
-            float ss = 0.f;
-            for (int i = lane; i < HEAD_DIM; i += 32) {
-                const float v = __bfloat162float(src[i]);
-                ss += v * v;
-            }
-            ss = warp_sum(ss);
-            if (lane == 0) rinv[r] = rsqrtf(ss / (float)HEAD_DIM + NORM_EPS);
+            if (r % (GROUP + 1) < GROUP && !with_q) continue;
+            const float v = head_rinv(rows_s + ((r / (GROUP + 1)) * ROWS + r % (GROUP + 1)) * HEAD_DIM, lane);
+            if (lane == 0) rinv[r] = v;
         }
         __syncthreads();
     }
@@ -487,36 +471,26 @@ __device__ void op_rope_append(const Task& t, unsigned char* smem) {
     const bf16* kn = t.ptr<bf16>(O::k_norm);
     for (int i = threadIdx.x; i < BATCH * ROWS * HALF; i += NUM_THREADS) {
         const int b = i / (ROWS * HALF), j = (i / HALF) % ROWS, p = i % HALF;
+        if (j < GROUP && !with_q) continue;
         const int pos = pos_s[b];
         const bf16* src = rows_s + (b * ROWS + j) * HEAD_DIM;
         bf16* dst;
 #if MKC_PAGED
-        if (j < GROUP) dst = t.ptr<bf16>(O::q) + (size_t)b * q_ld + (size_t)(g * GROUP + j) * HEAD_DIM;
+        if (j < GROUP) dst = t.ptr<bf16>(O::q) + (size_t)b * t.dim(O::q, 1) + (size_t)(g * GROUP + j) * HEAD_DIM;
         else dst = const_cast<bf16*>(kv_rows<O>(t, j == GROUP ? O::k_cache : O::v_cache, b, g).row(pos));
 #else
         const size_t cache_row = (((size_t)b * kv_heads + g) * ctx + pos) * HEAD_DIM;
-        if (j < GROUP) dst = t.ptr<bf16>(O::q) + (size_t)b * q_ld + (size_t)(g * GROUP + j) * HEAD_DIM;
+        if (j < GROUP) dst = t.ptr<bf16>(O::q) + (size_t)b * t.dim(O::q, 1) + (size_t)(g * GROUP + j) * HEAD_DIM;
         else if (j == GROUP) dst = t.ptr<bf16>(O::k_cache) + cache_row;
         else dst = t.ptr<bf16>(O::v_cache) + cache_row;
 #endif
-        const int ia = ROPE_INTERLEAVED ? 2 * p : p;
-        const int ib = ROPE_INTERLEAVED ? 2 * p + 1 : p + HALF;
-        float a = __bfloat162float(src[ia]), c = __bfloat162float(src[ib]);
-        if (qk_norm && j <= GROUP) {
-            const float r = rinv[b * (GROUP + 1) + j];
-            const bf16* w = j < GROUP ? qn : kn;
-            a = bf16_round(bf16_round(a * r) * __bfloat162float(w[ia]));
-            c = bf16_round(bf16_round(c * r) * __bfloat162float(w[ib]));
-        }
-        if (rope && j <= GROUP) {
-            float sn, cs;
-            rope_sincos(pos, p, sn, cs);
-            store_bf16(dst + ia, a * cs - c * sn);
-            store_bf16(dst + ib, c * cs + a * sn);
-        } else {
-            store_bf16(dst + ia, a);
-            store_bf16(dst + ib, c);
-        }
+        float a, c;
+        int ia, ib;
+        const bool norm_rotate = j <= GROUP;  // the value row is copied as it is
+        rope_pair(src, p, pos, rope && norm_rotate, qk_norm && norm_rotate ? (j < GROUP ? qn : kn) : nullptr,
+                  qk_norm && norm_rotate ? rinv[b * (GROUP + 1) + j] : 1.f, a, c, ia, ib);
+        store_bf16(dst + ia, a);
+        store_bf16(dst + ib, c);
     }
 }
 
@@ -582,21 +556,27 @@ __device__ void prefetch_weights(const Task& t) {
                           PREFETCH_BYTES);
             break;
         }
-        case OP_ATTN_SPLIT: {  // the split's K and V rows (positions are inputs: known before the wait)
+        case OP_ATTN_SPLIT: {  // the split's K and V rows: written by earlier steps, and positions are inputs
             using O = OPND_ATTN_SPLIT;
             using A = ARG_ATTN_SPLIT;
             int lo, hi;
             attn_key_range(t, lo, hi);
+            const int budget = ATTN_PREFETCH_BYTES / 2;  // per cache; 0: one row of each
 #if MKC_PAGED
             const KvRows krows = kv_rows<O>(t, O::k_cache, t.arg(A::seq), t.arg(A::kv_head));
             const KvRows vrows = kv_rows<O>(t, O::v_cache, t.arg(A::seq), t.arg(A::kv_head));
-            const int n = lo < hi ? min(hi - lo, krows.run(lo)) : 0;  // the first page's rows
-            prefetch_rows(krows.row(lo), n, HEAD_DIM, HEAD_DIM, PREFETCH_BYTES / 2);
-            prefetch_rows(vrows.row(lo), n, HEAD_DIM, HEAD_DIM, PREFETCH_BYTES / 2);
+            for (int j = lo, left = budget; j < hi;) {  // page by page
+                const int n = min(hi - j, krows.run(j));
+                prefetch_rows(krows.row(j), n, HEAD_DIM, HEAD_DIM, left);
+                prefetch_rows(vrows.row(j), n, HEAD_DIM, HEAD_DIM, left);
+                j += n;
+                left -= n * HEAD_DIM * 2;
+                if (left <= 0) break;
+            }
 #else
             const size_t row0 = ((size_t)t.arg(A::seq) * t.dim(O::k_cache, 3) + t.arg(A::kv_head)) * t.dim(O::k_cache, 2);
-            prefetch_rows(t.ptr<bf16>(O::k_cache) + (row0 + lo) * HEAD_DIM, hi - lo, HEAD_DIM, HEAD_DIM, PREFETCH_BYTES / 2);
-            prefetch_rows(t.ptr<bf16>(O::v_cache) + (row0 + lo) * HEAD_DIM, hi - lo, HEAD_DIM, HEAD_DIM, PREFETCH_BYTES / 2);
+            prefetch_rows(t.ptr<bf16>(O::k_cache) + (row0 + lo) * HEAD_DIM, hi - lo, HEAD_DIM, HEAD_DIM, budget);
+            prefetch_rows(t.ptr<bf16>(O::v_cache) + (row0 + lo) * HEAD_DIM, hi - lo, HEAD_DIM, HEAD_DIM, budget);
 #endif
             break;
         }

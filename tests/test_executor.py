@@ -108,6 +108,34 @@ def test_long_context_multi_split_attention(spec, weights):
         _assert_close(logits, ref.step(tokens, pos), f"step {step} positions {pos}")
 
 
+@pytest.mark.parametrize("config, dtype", [("tiny.yaml", torch.float32), ("tiny.yaml", torch.bfloat16),
+                                           ("qwen3_tiny.yaml", torch.bfloat16)])
+def test_rope_in_splits_computes_what_the_rope_task_computes(config, dtype):
+    """LowerOptions.rope_in_splits only moves work: the splits rotating their own query (and taking
+    this step's key and value from qkv) give bitwise the logits of a ROPE_APPEND task that rotates
+    q and appends first, in float32 and in bf16 (q rounded as the task stores it), with qk-norm
+    (qwen3_tiny) and across sliding-window and global layers with several splits each."""
+    spec = load_spec(Path(__file__).resolve().parents[1] / "configs" / config)
+    if spec.attention.sliding_window:
+        spec = dataclasses.replace(spec, attention=dataclasses.replace(spec.attention, sliding_window=300))
+    w = random_weights(spec, seed=4, dtype=dtype, std=0.1)
+    fused, unfused = (CpuExecutor(schedule(lower(spec, 2, 1024, 32, rope_in_splits=r), spec.name), spec, w, dtype=dtype)
+                      for r in (True, False))
+    assert any(t.op == Opcode.ATTN_SPLIT and t.arg("split") > 0 for t in fused.schedule.tasks)
+    a, g = spec.attention, torch.Generator().manual_seed(3)
+    prefix = [400, 290]  # past the window and over several splits
+    for b, n in enumerate(prefix):
+        for layer in range(spec.num_layers):
+            k, v = (torch.randn(n, a.num_kv_heads, a.head_dim, generator=g) for _ in range(2))
+            fused.write_kv(b, layer, k, v)
+            unfused.write_kv(b, layer, k, v)
+    for step in range(4):
+        tokens = torch.randint(0, spec.vocab_size, (2,), generator=g)
+        pos = [n + step for n in prefix]
+        x, y = fused.step(tokens, pos, seed=step)[0], unfused.step(tokens, pos, seed=step)[0]
+        assert torch.equal(x, y), f"step {step}: max difference {(x - y).abs().max().item():.3g}"
+
+
 def test_generate_cpu_equals_reference(spec, weights):
     prompt = [int(t) for t in torch.randint(0, spec.vocab_size, (11,))]  # longer than the window
     cpu = greedy_generate(spec, weights, prompt, 6, seed=5)
@@ -173,15 +201,16 @@ def test_too_small_weight_region_is_caught(spec, weights):
 
 
 def test_too_small_kv_region_is_caught_when_reached(spec, weights):
-    """Attention of a global layer declaring keys [0, 4) only: fine until position 4 is attended."""
+    """Attention of a global layer declaring keys [0, 4) only: fine until key 4 is read from the
+    cache, at position 5 (at position 4 the split takes the step's own key from qkv)."""
     sc = _sched(spec)
     _patch(sc, lambda t: t.op == Opcode.ATTN_SPLIT and t.layer == 0,
            lambda t: dataclasses.replace(t, reads=_narrow(t.reads, "L0.k_cache", 2, (0, 4))))
     ex = CpuExecutor(sc, spec, weights)
-    for pos in range(4):
+    for pos in range(5):
         ex.step([pos + 1], [pos])
     with pytest.raises(ExecutorError, match=r"L0\.attn\[b0,kv0,s0\].*wrote NaN"):
-        ex.step([9], [4])
+        ex.step([9], [5])
 
 
 def test_undeclared_writes_are_discarded(spec, weights):

@@ -31,17 +31,51 @@ def test_edges_follow_program_order_and_conflicts(tiny):
     assert all(a < b for a, b in pairs)
 
 
-def test_attention_of_a_head_waits_only_for_its_qkv(tiny):
-    """Fine edges: KV head 0's rope/append waits for exactly the QKV tiles that hold group 0's rows."""
-    prog = lower(tiny, batch=1, context=16, num_sms=132)
-    rope0 = by_name(prog, "L1.rope_append[kv0]")
+def _group0_qkv_tiles(prog):
+    """The layer-1 QKV tiles that hold KV group 0's rows (its query heads, key and value), and all."""
     D, GS, QH = 32, 4, 8
     group0 = [(0, GS * D), (QH * D, (QH + 1) * D), ((QH + 2) * D, (QH + 3) * D)]
     qkv_tiles = [t for t in prog.tasks if t.name.startswith("L1.qkv[")]
     want = {t.id for t in qkv_tiles
             if any(t.arg("row0") < hi and lo < t.arg("row0") + t.arg("rows") for lo, hi in group0)}
+    return want, qkv_tiles
+
+
+def test_attention_of_a_head_waits_only_for_its_qkv(tiny):
+    """Fine edges: KV head 0's attention splits (which rotate their own query) wait for exactly the
+    QKV tiles that hold group 0's rows, and for nothing else of the layer."""
+    prog = lower(tiny, batch=1, context=16, num_sms=132)
+    want, qkv_tiles = _group0_qkv_tiles(prog)
+    split = by_name(prog, "L1.attn[b0,kv0,s0]")
+    preds = {prog.tasks[p].name.split("[")[0] for p in prog.graph.predecessors(split.id) if prog.tasks[p].layer == 1}
+    got = {p for p in prog.graph.predecessors(split.id) if prog.tasks[p].name.startswith("L1.qkv[")}
+    assert got == want and len(want) < len(qkv_tiles) and preds == {"L1.qkv"}
+
+
+def test_unfused_rope_task_waits_only_for_its_qkv(tiny):
+    """rope_in_splits=False: KV head 0's ROPE_APPEND waits for exactly group 0's QKV tiles, and
+    the splits wait for it."""
+    prog = lower(tiny, batch=1, context=16, num_sms=132, rope_in_splits=False)
+    want, qkv_tiles = _group0_qkv_tiles(prog)
+    rope0 = by_name(prog, "L1.rope_append[kv0]")
     got = {p for p in prog.graph.predecessors(rope0.id) if prog.tasks[p].name.startswith("L1.qkv[")}
     assert got == want and len(want) < len(qkv_tiles)
+    assert rope0.id in set(prog.graph.predecessors(by_name(prog, "L1.attn[b0,kv0,s0]").id))
+
+
+def test_fused_append_follows_the_splits_and_blocks_no_one(tiny):
+    """With RoPE in the splits the append of a head runs after every split of that head has read
+    the cache (they take this step's key and value from qkv), and no task of the step waits for it."""
+    prog = lower(tiny, batch=2, context=64, num_sms=8)
+    assert not any(n.endswith(".q") for n in prog.buffers), "no rotated-q buffer when the splits rotate q"
+    for t in prog.tasks:
+        if t.op != Opcode.ROPE_APPEND:
+            continue
+        g = t.arg("kv_head")
+        splits = {s.id for s in prog.tasks if s.op == Opcode.ATTN_SPLIT and s.layer == t.layer and s.arg("kv_head") == g}
+        assert splits <= nx.ancestors(prog.graph, t.id), t.name
+        assert not list(prog.graph.successors(t.id)), f"{t.name} is waited for"
+        assert t.operand("q") == "-"
 
 
 def test_moe_does_not_wait_for_attention(tiny):

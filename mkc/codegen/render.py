@@ -88,6 +88,10 @@ class CodegenOptions:
     # bitwise the same logits on an H200 (kernel_variants.py, 2026-11-30 01:58 UTC), batch 1 3241
     # µs against 3268 (-0.8%), batch 8 11225 against 11225.
     attn_stage_v: bool = True
+    # K and V bytes an attention split asks L2 for while it waits for its query (0: one row of
+    # each). The KV cache rows before this step's position are written by earlier steps, so they
+    # can stream in while the QKV projection runs.
+    attn_prefetch_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +126,7 @@ class KernelConfig:
     weights_tiled: bool  # GEMV weights in tile order (CodegenOptions.weight_layout, resolved)
     gemv_early_two_sets: bool
     attn_stage_v: bool
+    attn_prefetch_bytes: int
 
     @property
     def warps(self) -> int:
@@ -155,8 +160,10 @@ class KernelConfig:
         gemv = self.gemv_ring_offset + self.warps * self.gemv_ring_bytes
         kl = self.threads // (self.head_dim // 8)
         qx = _round(8 * (self.head_dim + 32) * 2, 128)
+        # the key-lane buffer, or a split's own q / k / v rows and qk-norm factors (ATT_RED_FLOATS)
+        red = max(kl * self.head_dim, ((self.group + 2) * self.head_dim * 2 + (self.group + 1) * f + 3) // f)
         attn = qx + (self.warps * 4 * 32 + self.group * self.head_dim + self.group * self.threads
-                     + kl * self.head_dim + 3 * self.group) * f
+                     + red + 3 * self.group) * f
         if self.attn_stage_v:  # attention.cuh: V chunk (then every head's key-lane partials), 16-aligned
             attn = _round(attn, 16) + max(self.threads * self.head_dim * 2, self.group * kl * self.head_dim * f)
         combine = _round(self.batch * self.group * self.max_splits * f, 16) + self.threads * 4 * f  # weights, partial sums
@@ -253,7 +260,8 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         prefetch_bytes=options.prefetch_bytes, run_prefetch_bytes=options.run_prefetch_bytes,
         gemv_pf_batches=options.gemv_pf_batches, desc_mode=options.desc_mode,
         gemv_ring_request=options.gemv_ring_bytes, weights_tiled=tiled,
-        gemv_early_two_sets=options.gemv_early_two_sets, attn_stage_v=options.attn_stage_v)
+        gemv_early_two_sets=options.gemv_early_two_sets, attn_stage_v=options.attn_stage_v,
+        attn_prefetch_bytes=options.attn_prefetch_bytes)
     if cfg.smem_bytes > MAX_SMEM_BYTES:
         raise CodegenError(f"shared memory {cfg.smem_bytes} B (widest GEMV k = {max_k}, batch = {cfg.batch}): "
                            f"expected at most {MAX_SMEM_BYTES} B")
@@ -305,6 +313,7 @@ def template_context(cfg: KernelConfig, banner: str) -> dict[str, Any]:
         "weights_tiled": cv.c_bool(cfg.weights_tiled),
         "gemv_early_two_sets": cv.c_bool(cfg.gemv_early_two_sets),
         "attn_stage_v": cv.c_bool(cfg.attn_stage_v),
+        "attn_prefetch_bytes": cv.c_int(cfg.attn_prefetch_bytes),
         "max_rank": cv.c_int(MAX_RANK),
         "dtypes": [(cv.c_ident(f"DT_{k.upper()}"), cv.c_int(v)) for k, v in DTYPE_CODES.items()],
         "record_words": [(cv.c_ident(k), cv.c_int(v)) for k, v in RECORD_LAYOUT],

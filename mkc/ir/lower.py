@@ -27,6 +27,12 @@ class LowerOptions:
     # parallel block: SMs whose one wave the attention splits fill, while the MLP tiles fill the
     # other SMs, so the two branches run side by side; 0: every op fills all SMs (mkc/schedule/plan.py)
     attention_sms: int = 0
+    # each attention split rotates (and qk-norms) its query heads from the QKV output itself and
+    # takes this step's key and value from there, so the splits wait for the QKV tiles only: one
+    # task and one hop fewer on the attention chain. The ROPE_APPEND task then only appends k and v
+    # to the KV cache, after the splits (no one in the step waits for it). False: ROPE_APPEND
+    # rotates q too and appends first, and the splits wait for it.
+    rope_in_splits: bool = True
 
     def check(self) -> None:
         if not 1 <= self.batch <= 8:
@@ -179,7 +185,8 @@ class _Lowerer:
         self.emit(Opcode.ARGMAX, L, "argmax", {"best_val": bval, "best_idx": bidx, "out": nxt},
                   {"tiles": ntiles}, [full(bval), full(bidx)], [full(nxt)])
         prog = Program(self.buffers, self.tasks, {"batch": B, "context": C, "num_sms": opt.num_sms,
-                                                  "page_size": opt.page_size, "attention_sms": opt.attention_sms})
+                                                  "page_size": opt.page_size, "attention_sms": opt.attention_sms,
+                                                  "rope_in_splits": opt.rope_in_splits})
         derive_edges(prog)
         return prog
 
@@ -198,7 +205,8 @@ class _Lowerer:
         wqkv = self.buf(f"{P}.w_qkv", (nqkv, H), "bf16", "weight", "[(heads + 2 kv_heads) * head_dim, hidden]")
         qkv = self.buf(f"{P}.qkv", (B, nqkv), "bf16", "act", "[B, (heads + 2 kv_heads) * head_dim]")
         self.linear(layer, "qkv", n, wqkv, qkv, boundary=D)
-        q = self.buf(f"{P}.q", (B, QH * D), "bf16", "act", "[B, heads * head_dim] after RoPE")
+        fused = opt.rope_in_splits
+        q = None if fused else self.buf(f"{P}.q", (B, QH * D), "bf16", "act", "[B, heads * head_dim] after RoPE")
         pt, psz = self.page_table, opt.page_size
         if pt is not None:  # a pool of pages per layer (mkc/ir/kv_layout.py)
             pool = (G, opt.kv_pages or B * pt.shape[1], psz, D)
@@ -214,21 +222,31 @@ class _Lowerer:
             if pt is not None:
                 return box(kc, (g, g + 1), None, None, None)
             return box(kc, None if b is None else (b, b + 1), (g, g + 1), krange, None)
+
+        def qkv_cols(g: int) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
+            """Columns of KV group g's query heads, its key head and its value head in qkv."""
+            return ((g * GS * D, (g + 1) * GS * D), (QH * D + g * D, QH * D + (g + 1) * D),
+                    ((QH + G + g) * D, (QH + G + g + 1) * D))
         # qk-norm: per-head RMSNorm of q and k before RoPE, weights shared by every head
         qn = self.buf(f"{P}.q_norm", (D,), "bf16", "weight", "[head_dim]") if a.qk_norm else None
         kn = self.buf(f"{P}.k_norm", (D,), "bf16", "weight", "[head_dim]") if a.qk_norm else None
-        for g in range(G):
-            qcols = (g * GS * D, (g + 1) * GS * D)
-            kcols = (QH * D + g * D, QH * D + (g + 1) * D)
-            vcols = ((QH + G + g) * D, (QH + G + g + 1) * D)
+        norms = [full(w) for w in (qn, kn) if w is not None]
+        tables = [full(pt)] if pt is not None else []
+
+        def rope_append(g: int) -> None:
+            """k (and, unfused, q) of group g rotated; k and v appended at the step's positions."""
+            qcols, kcols, vcols = qkv_cols(g)
             self.emit(Opcode.ROPE_APPEND, layer, f"{P}.rope_append[kv{g}]",
                       {"qkv": qkv, "positions": positions, "q": q, "k_cache": kc, "v_cache": vc,
                        "q_norm": qn, "k_norm": kn, "page_table": pt},
                       {"kv_head": g, "rope": int(ls.rope)},
-                      [box(qkv, None, qcols), box(qkv, None, kcols), box(qkv, None, vcols), full(positions),
-                       *(full(w) for w in (qn, kn, pt) if w is not None)],
-                      [box(q, None, qcols), head_rows(g), Region(vc.name, head_rows(g).box)],
-                      act_bytes=B * (2 * GS + 4) * D * 2)
+                      [*([] if fused else [box(qkv, None, qcols)]), box(qkv, None, kcols), box(qkv, None, vcols),
+                       full(positions), *norms, *tables],
+                      [*([] if fused else [box(q, None, qcols)]), head_rows(g), Region(vc.name, head_rows(g).box)],
+                      act_bytes=B * ((0 if fused else 2 * GS) + 4) * D * 2)
+        if not fused:  # appended before the splits read the cache
+            for g in range(G):
+                rope_append(g)
         window = a.sliding_window if ls.attention == "sliding" else 0
         keys = min(C, window) if window else C
         # a sliding window may straddle the bucket start, so it can touch one extra split's worth
@@ -240,19 +258,29 @@ class _Lowerer:
                            "[B, kv_heads, splits, group, (max, sum)] partial softmax stats")
         for b in range(B):
             for g in range(G):
+                qcols, kcols, vcols = qkv_cols(g)
+                # fused: the query heads, and this step's key and value (for the split holding the
+                # position), come from qkv; unfused: the rotated q
+                query = ([box(qkv, (b, b + 1), qcols), box(qkv, (b, b + 1), kcols), box(qkv, (b, b + 1), vcols),
+                          *norms] if fused else [box(q, (b, b + 1), qcols)])
                 for sp in range(nsplit):
                     # global layers read a fixed key range; sliding windows move with the position
                     krange = (sp * split_keys, min(C, (sp + 1) * split_keys)) if not window else None
                     self.emit(Opcode.ATTN_SPLIT, layer, f"{P}.attn[b{b},kv{g},s{sp}]",
                               {"q": q, "k_cache": kc, "v_cache": vc, "positions": positions,
-                               "part_o": part_o, "part_ml": part_ml, "page_table": pt},
-                              {"seq": b, "kv_head": g, "split": sp, "split_keys": split_keys, "window": window},
-                              [box(q, (b, b + 1), (g * GS * D, (g + 1) * GS * D)),
-                               head_rows(g, b, krange), Region(vc.name, head_rows(g, b, krange).box),
-                               full(positions), *([full(pt)] if pt is not None else [])],
+                               "part_o": part_o, "part_ml": part_ml, "page_table": pt,
+                               "qkv": qkv if fused else None, "q_norm": qn if fused else None,
+                               "k_norm": kn if fused else None},
+                              {"seq": b, "kv_head": g, "split": sp, "split_keys": split_keys, "window": window,
+                               "rope": int(ls.rope)},
+                              [*query, head_rows(g, b, krange), Region(vc.name, head_rows(g, b, krange).box),
+                               full(positions), *tables],
                               [box(part_o, (b, b + 1), (g, g + 1), (sp, sp + 1), None, None),
                                box(part_ml, (b, b + 1), (g, g + 1), (sp, sp + 1), None, None)],
                               flops=4 * GS * D * split_keys, act_bytes=2 * split_keys * D * 2)
+        if fused:  # after the splits: they take this step's k and v from qkv, not from the cache
+            for g in range(G):
+                rope_append(g)
         attn = self.buf(f"{P}.attn", (B, QH * D), "bf16", "act", "[B, heads * head_dim] attention output")
         # the merge of a group is spread over several tasks of a few query heads each (each reads
         # only its heads' partials)
@@ -362,9 +390,9 @@ class _Lowerer:
 
 
 def lower(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int = 0, kv_pages: int = 0,
-          attention_sms: int = 0) -> Program:
+          attention_sms: int = 0, rope_in_splits: bool = True) -> Program:
     """Lower a model into a Program (buffers, tasks in program order, derived DAG)."""
     opt = LowerOptions(batch=batch, context=context, num_sms=num_sms, page_size=page_size, kv_pages=kv_pages,
-                       attention_sms=attention_sms)
+                       attention_sms=attention_sms, rope_in_splits=rope_in_splits)
     opt.check()
     return _Lowerer(spec, opt).lower()

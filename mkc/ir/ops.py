@@ -14,7 +14,7 @@ class Opcode(IntEnum):
     EMBED = 1  # x[b, :] = embed[tokens[b], :]
     LINEAR = 3  # out[slab, b, col0 + i] = sum_k xn[b, k0 + k] * w[row0 + i, k0 + k]
     SWIGLU = 4  # h[b, col0 + i] = silu(xn . w[row0 + i]) * (xn . w[up_row0 + i])
-    ROPE_APPEND = 5  # q, k = rope(qk_norm(q, k)); k, v appended to the KV cache at positions[b]
+    ROPE_APPEND = 5  # [q,] k = rope(qk_norm(q, k)); k, v appended to the KV cache at positions[b]
     ATTN_SPLIT = 6  # partial softmax(q k^T) v over one key range of one (sequence, KV head)
     ATTN_COMBINE = 7  # merge the split partials of some query heads of one KV group into attn[b, heads]
     TOPK = 8  # routing per token: its experts (best first) and their slots (ascending expert)
@@ -47,10 +47,16 @@ OP_INFO: dict[Opcode, OpInfo] = {
     Opcode.SWIGLU: OpInfo(("x", "norm", "weight", "out"), ("row0", "rows", "up_row0", "col0")),
     # q_norm / k_norm: per-head RMSNorm weights [head_dim] of qk-norm models ("-" without qk-norm)
     # page_table: [B, pages per sequence] of a paged KV cache ("-" with one slab per sequence)
+    # q: the rotated query heads, written for the splits; "-" where the splits rotate them
+    # themselves (LowerOptions.rope_in_splits): the task then appends k and v only
     Opcode.ROPE_APPEND: OpInfo(("qkv", "positions", "q", "k_cache", "v_cache", "q_norm", "k_norm", "page_table"),
                                ("kv_head", "rope")),
-    Opcode.ATTN_SPLIT: OpInfo(("q", "k_cache", "v_cache", "positions", "part_o", "part_ml", "page_table"),
-                              ("seq", "kv_head", "split", "split_keys", "window")),
+    # exactly one of q (rotated by ROPE_APPEND) and qkv: with qkv the split rotates (and qk-norms,
+    # with q_norm / k_norm) its query heads itself, and takes the key and value at positions[seq]
+    # from qkv instead of the cache, which ROPE_APPEND writes after the splits; rope: as ROPE_APPEND's
+    Opcode.ATTN_SPLIT: OpInfo(("q", "k_cache", "v_cache", "positions", "part_o", "part_ml", "page_table",
+                               "qkv", "q_norm", "k_norm"),
+                              ("seq", "kv_head", "split", "split_keys", "window", "rope")),
     Opcode.ATTN_COMBINE: OpInfo(("part_o", "part_ml", "positions", "out"),
                                 ("kv_head", "head0", "heads", "splits", "split_keys", "window")),
     # selected: [B, top_k] each token's experts, best first (for the host)

@@ -129,37 +129,51 @@ def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torc
     return (weight.to(dtype) * normed).float()
 
 
-def _rope_append(t: Task, bufs: Tensors, w: Tensors, spec: ModelSpec) -> None:
+def rotated_qk(t: Task, bufs: Tensors, w: Tensors, spec: ModelSpec, b: int, g: int,
+               with_q: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(q [GS, D] or None, k [D]) of sequence b, KV group g from the task's qkv operand: qk-norm
+    (with q_norm / k_norm operands), then RoPE (arg "rope") at positions[b]; float32, not rounded."""
     a = spec.attention
-    g, rope = t.arg("kv_head"), t.arg("rope")
-    D, G, QH, GS = a.head_dim, a.num_kv_heads, a.num_heads, spec.group_size
+    D, QH, GS = a.head_dim, a.num_heads, spec.group_size
     qkv = _operand(t, "qkv", bufs, w)  # [B, (QH + 2G) * D]
-    positions = _operand(t, "positions", bufs, w)  # [B]
-    q_out, kc, vc = (_operand(t, r, bufs, w) for r in ("q", "k_cache", "v_cache"))
+    pos = int(_operand(t, "positions", bufs, w)[b])
     qk_norm = t.operand("q_norm") != "-"
     if qk_norm != a.qk_norm or qk_norm != (t.operand("k_norm") != "-"):
         raise ValueError(f"task {t.name}: q_norm/k_norm operands {t.operand('q_norm')}, {t.operand('k_norm')} "
                          f"disagree with attention.qk_norm = {a.qk_norm}")
+    q = _f(qkv[b, g * GS * D:(g + 1) * GS * D]).view(GS, D) if with_q else None
+    k = _f(qkv[b, QH * D + g * D:QH * D + (g + 1) * D])
     if qk_norm:
-        qn, kn = _operand(t, "q_norm", bufs, w), _operand(t, "k_norm", bufs, w)  # [D] each
-    qcols = slice(g * GS * D, (g + 1) * GS * D)
-    kcols = slice(QH * D + g * D, QH * D + (g + 1) * D)
-    vcols = slice((QH + G + g) * D, (QH + G + g + 1) * D)
+        qn, kn = _f(_operand(t, "q_norm", bufs, w)), _f(_operand(t, "k_norm", bufs, w))  # [D] each
+        q = head_rms_norm(q, qn, spec.norm_eps, qkv.dtype) if with_q else None
+        k = head_rms_norm(k, kn, spec.norm_eps, qkv.dtype)
+    if t.arg("rope"):
+        q = apply_rope(q, pos, a.rope_theta, a.rope_style) if with_q else None
+        k = apply_rope(k, pos, a.rope_theta, a.rope_style)
+    return q, k
+
+
+def _value(t: Task, bufs: Tensors, w: Tensors, spec: ModelSpec, b: int, g: int) -> torch.Tensor:
+    """v [D] of sequence b, KV group g from the task's qkv operand (float32)."""
+    a = spec.attention
+    D, G, QH = a.head_dim, a.num_kv_heads, a.num_heads
+    return _f(_operand(t, "qkv", bufs, w)[b, (QH + G + g) * D:(QH + G + g + 1) * D])
+
+
+def _rope_append(t: Task, bufs: Tensors, w: Tensors, spec: ModelSpec) -> None:
+    g = t.arg("kv_head")
+    D, GS = spec.attention.head_dim, spec.group_size
+    positions = _operand(t, "positions", bufs, w)  # [B]
+    kc, vc = _operand(t, "k_cache", bufs, w), _operand(t, "v_cache", bufs, w)
+    with_q = t.operand("q") != "-"  # else the splits rotate q themselves (LowerOptions.rope_in_splits)
     table = _operand(t, "page_table", bufs, w) if t.operand("page_table") != "-" else None
-    for b in range(qkv.shape[0]):
-        pos = int(positions[b])
-        q = _f(qkv[b, qcols]).view(GS, D)
-        k = _f(qkv[b, kcols])
-        if qk_norm:
-            q = head_rms_norm(q, _f(qn), spec.norm_eps, qkv.dtype)
-            k = head_rms_norm(k, _f(kn), spec.norm_eps, qkv.dtype)
-        if rope:
-            q = apply_rope(q, pos, a.rope_theta, a.rope_style)
-            k = apply_rope(k, pos, a.rope_theta, a.rope_style)
-        _store(q_out[b, qcols], q.reshape(-1))
-        at = row_index(kc, None if table is None else table[b], g, pos, seq=b)
+    for b in range(positions.shape[0]):
+        q, k = rotated_qk(t, bufs, w, spec, b, g, with_q)
+        if with_q:
+            _store(_operand(t, "q", bufs, w)[b, g * GS * D:(g + 1) * GS * D], q.reshape(-1))
+        at = row_index(kc, None if table is None else table[b], g, int(positions[b]), seq=b)
         _store(kc[at], k)
-        _store(vc[at], _f(qkv[b, vcols]))
+        _store(vc[at], _value(t, bufs, w, spec, b, g))
 
 
 def key_range(pos: int, window: int, split: int, split_keys: int) -> tuple[int, int]:
@@ -182,10 +196,20 @@ def _attn_split(t: Task, bufs: Tensors, w: Tensors, spec: ModelSpec) -> None:
         part_ml[:, 0] = -math.inf
         part_ml[:, 1] = 0.0
         return
-    q = _f(_operand(t, "q", bufs, w)[b, g * GS * D:(g + 1) * GS * D]).view(GS, D)
     table = _operand(t, "page_table", bufs, w)[b] if t.operand("page_table") != "-" else None
-    k = _f(gather_rows(_operand(t, "k_cache", bufs, w), table, g, lo, hi, seq=b))  # [keys, D]
-    v = _f(gather_rows(_operand(t, "v_cache", bufs, w), table, g, lo, hi, seq=b))
+    kc, vc = _operand(t, "k_cache", bufs, w), _operand(t, "v_cache", bufs, w)
+    k = _f(gather_rows(kc, table, g, lo, hi, seq=b))  # [keys, D]
+    v = _f(gather_rows(vc, table, g, lo, hi, seq=b))
+    if t.operand("q") != "-":  # rotated by ROPE_APPEND, which appended this step's k and v before
+        q = _f(_operand(t, "q", bufs, w)[b, g * GS * D:(g + 1) * GS * D]).view(GS, D)
+    else:  # rotated here, rounded as stored; this step's key and value from qkv (appended after)
+        qkv_dtype = _operand(t, "qkv", bufs, w).dtype
+        q, k_new = rotated_qk(t, bufs, w, spec, b, g, True)
+        q = q.to(qkv_dtype).float()
+        if lo <= pos < hi:
+            k, v = k.clone(), v.clone()  # gather_rows may return a view of the cache
+            k[pos - lo] = k_new.to(kc.dtype).float()
+            v[pos - lo] = _value(t, bufs, w, spec, b, g)
     s = (q @ k.T) * D ** -0.5  # [GS, keys]
     m = s.max(dim=-1).values  # [GS]
     p = torch.exp(s - m[:, None])

@@ -54,23 +54,26 @@ def probe_spec(spec: ModelSpec) -> ModelSpec:
 
 
 def choose_attention_sms(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int = 0,
-                         kv_pages: int = 0, ceilings: Ceilings = H200) -> tuple[int, dict[int, float]]:
+                         kv_pages: int = 0, ceilings: Ceilings = H200,
+                         rope_in_splits: bool = True) -> tuple[int, dict[int, float]]:
     """The candidate whose probe schedule is predicted fastest (ties: the smaller), and every
     candidate's predicted probe step in µs."""
     cands = attention_sms_candidates(spec, batch, num_sms)
     if len(cands) == 1:
         return cands[0], {}
     probe = probe_spec(spec)
-    predicted = {a: schedule(lower(probe, batch, context, num_sms, page_size, kv_pages, attention_sms=a),
+    predicted = {a: schedule(lower(probe, batch, context, num_sms, page_size, kv_pages, attention_sms=a,
+                                   rope_in_splits=rope_in_splits),
                              probe.name, ceilings).predicted["step_us"] for a in cands}
     return min(cands, key=lambda a: (predicted[a], a)), predicted
 
 
 def plan(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int = 0, kv_pages: int = 0,
-         attention_sms: int | None = None, ceilings: Ceilings = H200) -> Schedule:
+         attention_sms: int | None = None, ceilings: Ceilings = H200, rope_in_splits: bool = True) -> Schedule:
     """Lower and schedule one decode step: the schedule every runtime path runs.
     ``attention_sms=None`` lets the compiler choose (see the module doc); the choice, who made it
-    and the candidates' measured or predicted step are in ``meta["attention_sms"]``."""
+    and the candidates' measured or predicted step are in ``meta["attention_sms"]``.
+    ``rope_in_splits``: LowerOptions.rope_in_splits."""
     how = {"chosen_by": "asked", "probe_predicted_us": {}}
     if attention_sms is None:
         measured = tuning.lookup(tuning.tuning_key(spec, batch, context, num_sms, page_size))
@@ -80,10 +83,11 @@ def plan(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int
                    "measured_on": measured.get("gpu", "?"), "measured_at": measured.get("date", "?")}
         else:
             attention_sms, tried = choose_attention_sms(spec, batch, context, num_sms, page_size, kv_pages,
-                                                        ceilings)
+                                                        ceilings, rope_in_splits)
             how = {"chosen_by": "compiler" if tried else "only candidate",
                    "probe_predicted_us": {str(a): us for a, us in tried.items()}}
-    program = lower(spec, batch, context, num_sms, page_size, kv_pages, attention_sms=attention_sms)
+    program = lower(spec, batch, context, num_sms, page_size, kv_pages, attention_sms=attention_sms,
+                    rope_in_splits=rope_in_splits)
     sc = schedule(program, spec.name, ceilings)
     sc.meta["attention_sms"] = {"chosen": attention_sms, **how}
     return sc
