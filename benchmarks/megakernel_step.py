@@ -77,6 +77,8 @@ def main() -> None:
     ap.add_argument("--profile", default=None, help="folder: per-task timeline (npz) and per-op summary")
     ap.add_argument("--attention-sms", type=int, default=None,
                     help="SMs set apart for the attention splits (default: the compiler's choice)")
+    ap.add_argument("--rope-in-splits", nargs="+", default=["yes"], choices=["yes", "no"],
+                    help="LowerOptions.rope_in_splits values to run (no: a ROPE_APPEND task rotates q first)")
     a = ap.parse_args()
     spec = load_spec(a.config)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -87,29 +89,28 @@ def main() -> None:
     print(f"read bandwidth {bw / 1e12:.2f} TB/s; weights {sum(w.numel() for w in weights.values()) * 2 / 1e9:.1f} GB "
           f"made in {time.perf_counter() - t0:.1f} s", flush=True)
     rows = []
-    for batch in a.batch:
-        for context in a.context:
-            sc = plan(spec, batch, context, sms, attention_sms=a.attention_sms)
-            dec = CudaDecoder(sc, spec, weights)
-            fill_random_kv(dec, spec)
-            tokens = torch.randint(0, spec.vocab_size, (batch,), dtype=torch.int32)
-            positions = torch.tensor([context - 1] * batch, dtype=torch.int32)
-            dec.step(tokens, positions)
-            times = time_cuda(dec.launch, reps=a.reps, warmup=2)
-            dec.check()
-            routed = [dec.buffers[f"L{i}.moe_selected"]
-                      for i, ls in enumerate(spec.layers) if ls.mlp == "moe"]
-            nbytes = step_bytes(spec, batch, context, routed)
-            r = row("mkc", batch, context, times, nbytes, bw)
-            rows.append(r)
-            print(f"batch {batch} context {context}: median {r.step_us:.1f} µs (min {min(times) * 1e6:.1f}, "
-                  f"max {max(times) * 1e6:.1f}), {r.tok_s:.0f} tok/s, {r.sol_fraction:.1%} SOL, kernel "
-                  f"{dec.artifact.name} ({dec.artifact.regs} regs, {dec.artifact.dynamic_smem} B smem), "
-                  f"spread {statistics.pstdev(times) * 1e6:.1f} µs", flush=True)
-            if a.profile:
-                print(profile_summary(dec, f"{a.profile}/timeline-b{batch}-c{context}.npz"), flush=True)
-            release(dec)
-            del dec
+    for batch, context, rope in ((b, c, r) for b in a.batch for c in a.context for r in a.rope_in_splits):
+        sc = plan(spec, batch, context, sms, attention_sms=a.attention_sms, rope_in_splits=rope == "yes")
+        dec = CudaDecoder(sc, spec, weights)
+        fill_random_kv(dec, spec)
+        tokens = torch.randint(0, spec.vocab_size, (batch,), dtype=torch.int32)
+        positions = torch.tensor([context - 1] * batch, dtype=torch.int32)
+        dec.step(tokens, positions)
+        times = time_cuda(dec.launch, reps=a.reps, warmup=2)
+        dec.check()
+        routed = [dec.buffers[f"L{i}.moe_selected"]
+                  for i, ls in enumerate(spec.layers) if ls.mlp == "moe"]
+        nbytes = step_bytes(spec, batch, context, routed)
+        r = row("mkc", batch, context, times, nbytes, bw)
+        rows.append(r)
+        print(f"batch {batch} context {context} rope in splits {rope}: median {r.step_us:.1f} µs (min {min(times) * 1e6:.1f}, "
+              f"max {max(times) * 1e6:.1f}), {r.tok_s:.0f} tok/s, {r.sol_fraction:.1%} SOL, kernel "
+              f"{dec.artifact.name} ({dec.artifact.regs} regs, {dec.artifact.dynamic_smem} B smem), "
+              f"spread {statistics.pstdev(times) * 1e6:.1f} µs", flush=True)
+        if a.profile:
+            print(profile_summary(dec, f"{a.profile}/timeline-b{batch}-c{context}-rope{rope}.npz"), flush=True)
+        release(dec)
+        del dec
     print(format_table(rows))
     if a.json:
         write_json(rows, a.json, {"gpu": torch.cuda.get_device_name(0), "read_bw": bw, "reps": a.reps})
