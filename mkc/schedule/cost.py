@@ -36,6 +36,10 @@ class Ceilings:
     # row only (CodegenOptions.prefetch_bytes): the credit stands for the first weight batch, issued
     # before the staging finishes, and is to be re-measured against that kernel.
     prefetch_bytes: int = 96 * 1024
+    # the rate (bytes/s) one attention split streams its K and V at; 0: the fair per-SM share like
+    # every other task. Profiles on an H200 (2026-11-30, BENCHMARKS.md) measured 12-20 GB/s per
+    # split against a 32 GB/s share: a split's loads depend on the softmax of the chunk before.
+    split_bw: float = 0.0
 
 
 H200 = Ceilings()
@@ -60,6 +64,8 @@ DEFAULT_FIXED_US = 1.0
 def task_time(t: Task, num_sms: int, c: Ceilings = H200) -> float:
     """Seconds for task t on one SM while all num_sms SMs stream."""
     per_sm_bw = c.read_bw / max(num_sms, 1)
+    if c.split_bw and t.op.name == "ATTN_SPLIT":
+        per_sm_bw = min(per_sm_bw, c.split_bw)
     per_sm_flops = c.tensor_flops / c.sms
     fixed = OP_FIXED_US.get(t.op.name, DEFAULT_FIXED_US) * 1e-6
     return max((t.weight_bytes + t.act_bytes) / per_sm_bw, t.flops / per_sm_flops) + fixed
