@@ -43,8 +43,9 @@ VARIANTS = {
     # the streaming rate the profile measured per SM while all stream (~24 GB/s, 3.2 TB/s in all)
     "measured-rate": dataclasses.replace(H200, read_bw=3.2e12, prefetch_bytes=0, task_overhead=0.75e-6),
     "measured-rate-credit": dataclasses.replace(H200, read_bw=3.2e12, task_overhead=0.75e-6),
-    # attention splits stream at the rate the 2026-11-30 profiles measured (12-20 GB/s per split)
-    "split-16gbps": dataclasses.replace(H200, split_bw=16e9),
+    # attention splits at the fair per-SM share, as every other task (the default until 2026-11-30
+    # is a split rate of 16 GB/s, cost.py: Ceilings.split_bw)
+    "split-fair-share": dataclasses.replace(H200, split_bw=0.0),
 }
 
 

@@ -36,11 +36,13 @@ class Ceilings:
     # row only (CodegenOptions.prefetch_bytes): the credit stands for the first weight batch, issued
     # before the staging finishes, and is to be re-measured against that kernel.
     prefetch_bytes: int = 96 * 1024
-    # the rate (bytes/s) one attention split streams its K and V at; 0: the fair per-SM share like
-    # every other task. Profiles on an H200 (2026-11-30, BENCHMARKS.md) measured 12-20 GB/s per
-    # split against a 32 GB/s share: a split's loads depend on the softmax of the chunk before.
-    split_bw: float = 0.0
-
+    # the rate (bytes/s) one attention split streams its K and V at (0: the fair per-SM share, like
+    # every other task). Profiles on an H200 (2026-11-30, BENCHMARKS.md) measured 12-20 GB/s per
+    # split against a 32 GB/s share: a chunk's loads wait for the softmax of the chunk before. At
+    # the share, the scheduler stacked two splits of a layer on one SM at batch 4 and 8; at 16 GB/s
+    # it does not, and the step measured -1.6% / -5.1% / +2.1% / -5.6% at batch 1 / 2 / 4 / 8
+    # (benchmarks/schedule_variants.py, 03:57 UTC, attention splits rotating their own query).
+    split_bw: float = 16e9
 
 H200 = Ceilings()
 
