@@ -21,13 +21,12 @@ import torch
 from mkc.codegen import CodegenOptions, build_kernel
 from mkc.ir.spec import load_spec
 from mkc.runtime.bench import (
+    decoder_in_place,
     device_random_weights,
     fill_random_kv,
     measure_read_bandwidth,
-    release,
     time_step,
 )
-from mkc.runtime.cuda_backend import CudaDecoder
 from mkc.schedule.plan import plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,22 +87,20 @@ def main() -> None:
         positions = torch.full((batch,), a.context - 1, dtype=torch.int32)
         ref = None
         for name in a.variants:
-            dec = CudaDecoder(sc, spec, weights, options=VARIANTS[name])
-            fill_random_kv(dec, spec, torch.Generator(device="cuda").manual_seed(batch))
-            logits, _ = dec.step(tokens, positions)
-            repeat = all(torch.equal(logits, dec.step(tokens, positions)[0]) for _ in range(a.repeat))
-            if ref is None:
-                ref = logits.clone()
-            same = "bitwise equal to the first" if torch.equal(ref, logits) else (
-                f"DIFFERS from the first (max abs {float((ref - logits).abs().max()):.3g}, "
-                f"max |logit| {float(ref.abs().max()):.3g})")
-            same += f"; {a.repeat} more steps " + ("bitwise the same" if repeat else "DIFFER (a race)")
-            t, sol, times = time_step(dec, spec, batch, a.context, bw, a.reps)
-            print(f"batch {batch} {name:<26} {t * 1e6:9.1f} µs  {batch / t:7.1f} tok/s  {sol:6.1%} SOL  "
-                  f"(min {min(times) * 1e6:.1f}, max {max(times) * 1e6:.1f})  logits {same}  "
-                  f"[{dec.artifact.name}, {dec.artifact.regs} regs]", flush=True)
-            release(dec)
-            del dec
+            with decoder_in_place(sc, spec, weights, options=VARIANTS[name]) as dec:
+                fill_random_kv(dec, spec, torch.Generator(device="cuda").manual_seed(batch))
+                logits, _ = dec.step(tokens, positions)
+                repeat = all(torch.equal(logits, dec.step(tokens, positions)[0]) for _ in range(a.repeat))
+                if ref is None:
+                    ref = logits.clone()
+                same = "bitwise equal to the first" if torch.equal(ref, logits) else (
+                    f"DIFFERS from the first (max abs {float((ref - logits).abs().max()):.3g}, "
+                    f"max |logit| {float(ref.abs().max()):.3g})")
+                same += f"; {a.repeat} more steps " + ("bitwise the same" if repeat else "DIFFER (a race)")
+                t, sol, times = time_step(dec, spec, batch, a.context, bw, a.reps)
+                print(f"batch {batch} {name:<26} {t * 1e6:9.1f} µs  {batch / t:7.1f} tok/s  {sol:6.1%} SOL  "
+                      f"(min {min(times) * 1e6:.1f}, max {max(times) * 1e6:.1f})  logits {same}  "
+                      f"[{dec.artifact.name}, {dec.artifact.regs} regs]", flush=True)
 
 
 if __name__ == "__main__":

@@ -20,11 +20,11 @@ import torch
 
 from mkc.ir.spec import load_spec
 from mkc.runtime.bench import (
+    decoder_in_place,
     device_random_weights,
     fill_random_kv,
     format_table,
     measure_read_bandwidth,
-    release,
     row,
     step_bytes,
     time_cuda,
@@ -91,26 +91,24 @@ def main() -> None:
     rows = []
     for batch, context, rope in ((b, c, r) for b in a.batch for c in a.context for r in a.rope_in_splits):
         sc = plan(spec, batch, context, sms, attention_sms=a.attention_sms, rope_in_splits=rope == "yes")
-        dec = CudaDecoder(sc, spec, weights)
-        fill_random_kv(dec, spec)
-        tokens = torch.randint(0, spec.vocab_size, (batch,), dtype=torch.int32)
-        positions = torch.tensor([context - 1] * batch, dtype=torch.int32)
-        dec.step(tokens, positions)
-        times = time_cuda(dec.launch, reps=a.reps, warmup=2)
-        dec.check()
-        routed = [dec.buffers[f"L{i}.moe_selected"]
-                  for i, ls in enumerate(spec.layers) if ls.mlp == "moe"]
-        nbytes = step_bytes(spec, batch, context, routed)
-        r = row("mkc", batch, context, times, nbytes, bw)
-        rows.append(r)
-        print(f"batch {batch} context {context} rope in splits {rope}: median {r.step_us:.1f} µs (min {min(times) * 1e6:.1f}, "
-              f"max {max(times) * 1e6:.1f}), {r.tok_s:.0f} tok/s, {r.sol_fraction:.1%} SOL, kernel "
-              f"{dec.artifact.name} ({dec.artifact.regs} regs, {dec.artifact.dynamic_smem} B smem), "
-              f"spread {statistics.pstdev(times) * 1e6:.1f} µs", flush=True)
-        if a.profile:
-            print(profile_summary(dec, f"{a.profile}/timeline-b{batch}-c{context}-rope{rope}.npz"), flush=True)
-        release(dec)
-        del dec
+        with decoder_in_place(sc, spec, weights) as dec:
+            fill_random_kv(dec, spec)
+            tokens = torch.randint(0, spec.vocab_size, (batch,), dtype=torch.int32)
+            positions = torch.tensor([context - 1] * batch, dtype=torch.int32)
+            dec.step(tokens, positions)
+            times = time_cuda(dec.launch, reps=a.reps, warmup=2)
+            dec.check()
+            routed = [dec.buffers[f"L{i}.moe_selected"]
+                      for i, ls in enumerate(spec.layers) if ls.mlp == "moe"]
+            nbytes = step_bytes(spec, batch, context, routed)
+            r = row("mkc", batch, context, times, nbytes, bw)
+            rows.append(r)
+            print(f"batch {batch} context {context} rope in splits {rope}: median {r.step_us:.1f} µs (min {min(times) * 1e6:.1f}, "
+                  f"max {max(times) * 1e6:.1f}), {r.tok_s:.0f} tok/s, {r.sol_fraction:.1%} SOL, kernel "
+                  f"{dec.artifact.name} ({dec.artifact.regs} regs, {dec.artifact.dynamic_smem} B smem), "
+                  f"spread {statistics.pstdev(times) * 1e6:.1f} µs", flush=True)
+            if a.profile:
+                print(profile_summary(dec, f"{a.profile}/timeline-b{batch}-c{context}-rope{rope}.npz"), flush=True)
     print(format_table(rows))
     if a.json:
         write_json(rows, a.json, {"gpu": torch.cuda.get_device_name(0), "read_bw": bw, "reps": a.reps})

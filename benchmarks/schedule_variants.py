@@ -24,13 +24,12 @@ import torch
 from mkc.codegen.build import build_kernel
 from mkc.ir.spec import load_spec
 from mkc.runtime.bench import (
+    decoder_in_place,
     device_random_weights,
     fill_random_kv,
     measure_read_bandwidth,
-    release,
     time_step,
 )
-from mkc.runtime.cuda_backend import CudaDecoder
 from mkc.schedule.cost import H200
 from mkc.schedule.plan import plan
 
@@ -92,23 +91,21 @@ def main() -> None:
                       rope_in_splits=rope == "yes")
             label = f"{sc.meta['attention_sms']['chosen']}" + (" (auto)" if att is None else "")
             label += f", rope in splits {rope}"
-            dec = CudaDecoder(sc, spec, weights)
-            fill_random_kv(dec, spec, torch.Generator(device="cuda").manual_seed(batch))
-            logits, _ = dec.step(tokens, positions)
-            repeat = torch.equal(logits, dec.step(tokens, positions)[0])
-            if ref is None:
-                ref = logits.clone()
-            # another lowering sums in another order, and on random weights a routing near-tie can
-            # flip: the logits may differ; the GPU tests check each lowering against the executor
-            diff = float((ref - logits).abs().max()) / float(ref.abs().max())
-            same = (f"logits within {diff:.2e} of the first's largest, argmax "
-                    + ("equal" if torch.equal(ref.argmax(-1), logits.argmax(-1)) else "DIFFERS")
-                    + ", rerun " + ("bitwise the same" if repeat else "DIFFERS (a race)"))
-            med, sol, _ = time_step(dec, spec, batch, a.context, bw, a.reps)
-            print(f"batch {batch} attention_sms {label:<30} {name:<20} measured {med * 1e6:8.1f} µs ({sol:.1%} SOL), "
-                  f"predicted {sc.predicted['step_us']:8.1f} µs; {same}", flush=True)
-            release(dec)
-            del dec
+            with decoder_in_place(sc, spec, weights) as dec:
+                fill_random_kv(dec, spec, torch.Generator(device="cuda").manual_seed(batch))
+                logits, _ = dec.step(tokens, positions)
+                repeat = torch.equal(logits, dec.step(tokens, positions)[0])
+                if ref is None:
+                    ref = logits.clone()
+                # another lowering sums in another order, and on random weights a routing near-tie can
+                # flip: the logits may differ; the GPU tests check each lowering against the executor
+                diff = float((ref - logits).abs().max()) / float(ref.abs().max())
+                same = (f"logits within {diff:.2e} of the first's largest, argmax "
+                        + ("equal" if torch.equal(ref.argmax(-1), logits.argmax(-1)) else "DIFFERS")
+                        + ", rerun " + ("bitwise the same" if repeat else "DIFFERS (a race)"))
+                med, sol, _ = time_step(dec, spec, batch, a.context, bw, a.reps)
+                print(f"batch {batch} attention_sms {label:<30} {name:<20} measured {med * 1e6:8.1f} µs ({sol:.1%} SOL), "
+                      f"predicted {sc.predicted['step_us']:8.1f} µs; {same}", flush=True)
 
 
 if __name__ == "__main__":

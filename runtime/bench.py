@@ -14,6 +14,8 @@ import json
 import math
 import statistics
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -253,10 +255,27 @@ def fill_random_kv(dec, spec: ModelSpec, generator: torch.Generator | None = Non
             t.normal_(generator=generator)
 
 
-def release(dec) -> None:
-    """Close a decoder and hand its memory back to the device, before the next one is built."""
-    dec.close()
-    torch.cuda.empty_cache()
+@contextmanager
+def decoder_in_place(sc, spec: ModelSpec, weights: dict[str, torch.Tensor], *, options=None,
+                     artifact=None) -> Iterator:
+    """A CudaDecoder for schedule ``sc`` over ``weights`` (on the GPU), with the kernel's GEMV
+    weights put into tile order in their own storage for the block and back to row-major after it:
+    the weights are held once (a tile-ordered copy of North Mini Code's 61 GB does not fit beside
+    a long context's KV cache). The decoder is closed at the end of the block, its memory handed
+    back, and must not be used after it."""
+    from mkc.codegen import build_kernel
+    from mkc.codegen.weight_tiles import tile_ordered_in_place, tiled_weights
+    from mkc.runtime.cuda_backend import CudaDecoder
+
+    art = artifact or build_kernel(sc, spec, options)
+    with tile_ordered_in_place(weights, tiled_weights(sc) if art.config.weights_tiled else ()) as tw:
+        dec = CudaDecoder(sc, spec, tw, artifact=art)
+        try:
+            yield dec
+        finally:
+            dec.close()
+            del dec
+            torch.cuda.empty_cache()
 
 
 def time_step(dec, spec: ModelSpec, batch: int, context: int, bw: float, reps: int) -> tuple[float, float, list[float]]:
@@ -351,8 +370,6 @@ def _megakernel_row(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: in
     """Time the megakernel at one point (random KV cache, every sequence at position context - 1;
     the same tokens for a batch size every time); its buffers are freed on return."""
     from mkc.codegen import build_kernel
-    from mkc.codegen.weight_tiles import tile_ordered_in_place, tiled_weights
-    from mkc.runtime.cuda_backend import CudaDecoder
     from mkc.schedule.plan import plan
 
     tokens = torch.randint(0, spec.vocab_size, (batch,), dtype=torch.int32,
@@ -360,10 +377,8 @@ def _megakernel_row(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: in
     positions = torch.full((batch,), context - 1, dtype=torch.int32)
     sc = plan(spec, batch, context, sms, page_size=page_size, attention_sms=attention_sms)
     art = build_kernel(sc, spec)
-    # the kernel's GEMV weights in tile order in place for this point: held once, row-major after
-    with tile_ordered_in_place(weights, tiled_weights(sc) if art.config.weights_tiled else ()) as tw:
-        return _time_decoder(CudaDecoder(sc, spec, tw, artifact=art), sc, spec, tokens, positions, bw=bw,
-                             reps=reps, profile_dir=profile_dir, log=log)
+    with decoder_in_place(sc, spec, weights, artifact=art) as dec:
+        return _time_decoder(dec, sc, spec, tokens, positions, bw=bw, reps=reps, profile_dir=profile_dir, log=log)
 
 
 def _time_decoder(dec, sc, spec: ModelSpec, tokens, positions, *, bw: float, reps: int, profile_dir: Path | None,

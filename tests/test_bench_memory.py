@@ -155,3 +155,41 @@ def test_bench_refuses_weights_that_do_not_fit(nmc, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "weights of north_mini_code (61.0 GB in bf16) do not fit in the 40.0 GB free" in err
     assert math.isclose(memory_estimate(nmc, 1, 8192).weights / GB, 61.0, abs_tol=0.05)
+
+
+def test_decoder_in_place_holds_the_weights_once(tiny, monkeypatch):
+    """The variant scripts and ``mkc bench`` build each decoder over the weights reordered in their
+    own storage: the decoder gets the very tensors in tile order, they are row-major again after
+    the block, and the decoder is closed even when the block fails. CudaDecoder and the kernel
+    build are replaced by fakes, so no GPU is needed."""
+    from mkc.codegen import weight_tiles
+    from mkc.runtime import cuda_backend
+    from mkc.runtime.weights import random_weights
+    from mkc.schedule.scheduler import schedule
+
+    sc = schedule(lower(tiny, batch=1, context=16, num_sms=8), tiny.name)
+    weights = random_weights(tiny, seed=1, dtype=torch.float32)
+    row_major = {n: w.clone() for n, w in weights.items()}
+    name = min(weight_tiles.tiled_weights(sc))
+    seen = {}
+
+    class FakeDecoder:
+        def __init__(self, sc, spec, w, artifact):
+            seen["same storage"] = w[name].data_ptr() == row_major_ptr
+            seen["tiled"] = torch.equal(w[name], weight_tiles.to_tiles(row_major[name]))
+            seen["listed"] = name in w.tiled
+            self.closed = False
+            seen["decoder"] = self
+
+        def close(self):
+            self.closed = True
+
+    art = SimpleNamespace(config=SimpleNamespace(weights_tiled=True))
+    monkeypatch.setattr(cuda_backend, "CudaDecoder", FakeDecoder)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    row_major_ptr = weights[name].data_ptr()
+    with pytest.raises(RuntimeError, match="timing failed"), bench.decoder_in_place(sc, tiny, weights, artifact=art):
+        raise RuntimeError("timing failed")
+    assert seen == {"same storage": True, "tiled": True, "listed": True, "decoder": seen["decoder"]}
+    assert seen["decoder"].closed
+    assert all(torch.equal(weights[n], row_major[n]) for n in weights), "weights not row-major after the block"

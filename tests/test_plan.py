@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -10,6 +12,7 @@ from mkc.ir.ops import Opcode
 from mkc.ir.spec import SpecError, load_spec
 from mkc.runtime.reference import DenseReference
 from mkc.runtime.weights import random_weights
+from mkc.schedule.cost import H200
 from mkc.schedule.executor import CpuExecutor
 from mkc.schedule.plan import attention_sms_candidates, choose_attention_sms, plan, probe_spec
 from mkc.schedule.scheduler import schedule
@@ -70,6 +73,18 @@ def test_the_compiler_keeps_the_candidate_predicted_fastest(nmc):
     assert sc.meta["attention_sms"]["chosen_by"] == "compiler"
     splits = sum(1 for t in sc.tasks if t.layer == 1 and t.op == Opcode.ATTN_SPLIT)
     assert splits == (chosen if chosen else 128)  # 4 streams: the chosen count divides among them
+
+
+def test_candidates_are_ranked_at_the_per_sm_share(nmc, monkeypatch):
+    """The probes are scheduled with the splits at the per-SM share (plan.py's module doc says why),
+    whatever split rate the caller's ceilings give placement."""
+    from mkc.schedule import plan as plan_mod
+
+    seen = []
+    real = plan_mod.schedule
+    monkeypatch.setattr(plan_mod, "schedule", lambda prog, name, c: seen.append(c.split_bw) or real(prog, name, c))
+    choose_attention_sms(nmc, 2, 8192, 132, ceilings=dataclasses.replace(H200, split_bw=16e9))
+    assert seen and set(seen) == {0.0}
 
 
 def test_asked_count_is_used_and_recorded(nmc):

@@ -90,7 +90,11 @@ class CodegenOptions:
     attn_stage_v: bool = True
     # K and V bytes an attention split asks L2 for while it waits for its query (0: one row of
     # each). The KV cache rows before this step's position are written by earlier steps, so they
-    # can stream in while the QKV projection runs.
+    # could stream in while the QKV projection runs. Measured on an H200 (kernel_variants.py,
+    # 2026-11-30, bitwise the same logits): 03:34 UTC, splits reading a rotated q: batch 1 3237 µs
+    # (0) / 3184 (128 KB) / 3155 (512 KB) / 3217 (all), batch 8 10958 / 11250 / 11339 / 11799;
+    # 03:45 UTC, splits rotating their own q: batch 1 3356 / 3355 / 3372, batch 8 11647 / 11878 /
+    # 12076. Slower at batch 8 (L2 thrash beside the expert stream), no steady gain at 1: off.
     attn_prefetch_bytes: int = 0
 
 

@@ -42,6 +42,7 @@ class Ceilings:
     # the share, the scheduler stacked two splits of a layer on one SM at batch 4 and 8; at 16 GB/s
     # it does not, and the step measured -1.6% / -5.1% / +2.1% / -5.6% at batch 1 / 2 / 4 / 8
     # (benchmarks/schedule_variants.py, 03:57 UTC, attention splits rotating their own query).
+    # The planner ranks its attention-SM candidates at the share all the same (plan.py says why).
     split_bw: float = 16e9
 
 H200 = Ceilings()

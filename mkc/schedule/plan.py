@@ -5,16 +5,21 @@ normed input and run side by side. Lowered with every op filling all SMs, each p
 over the whole GPU and the layer becomes the sum of its phases: the attention splits queue behind
 the expert tiles on the same SMs. ``LowerOptions.attention_sms`` gives the attention splits their
 own SMs (one wave of splits there) and the MLP tiles the rest, so the latency-bound attention chain
-(RoPE, splits, combine) runs beside the weight stream.
+(the splits and the combine) runs beside the weight stream.
 
 How many SMs is a property of the model, the batch and the GPU, so the compiler decides it. The
 candidates are 0 (no split) and the (sequence, KV head) streams times a power of two, up to half
 the SMs: each stream then gets the same number of key splits. A choice measured on the GPU
 (``mkc bench --tune``, mkc/schedule/tuning.py) wins; otherwise the compiler lowers a probe (the
 model cut after the first layer of each kind, so every kind is in it) with each candidate,
-schedules it, and keeps the candidate whose predicted step is shortest. On an H200 (BENCHMARKS.md,
-2026-11-30) the prediction picked the fastest count at batch 1 and 8 (8K context) and at 128K,
-but at batch 4 and at 32K a count measured 6-8% slower than the best: hence the measurement.
+schedules it, and keeps the candidate whose predicted step is shortest. The probes are ranked
+with the attention splits at the per-SM share of bandwidth (``Ceilings.split_bw = 0``), not at
+the splits' measured 16 GB/s that placement uses. Against the counts measured on an H200
+(BENCHMARKS.md, 2026-11-30: 8K and batch 1 at 32K at 04:03 UTC, batch 8 at 32K and batch 1 at
+128K at 03:29) the share picks the fastest at batch 1, 2 and 4 (8K) and at 128K, and misses by
+11.7% at batch 8, 8.5% at batch 1 / 32K and 4.9% at batch 8 / 32K; at 16 GB/s it picks 0 at batch
+1, 2 and 4 (10-12% slower than the best) and is right only at batch 8 (8K) and 128K. Hence the
+measurement wins where there is one.
 """
 
 from __future__ import annotations
@@ -62,9 +67,10 @@ def choose_attention_sms(spec: ModelSpec, batch: int, context: int, num_sms: int
     if len(cands) == 1:
         return cands[0], {}
     probe = probe_spec(spec)
+    ranking = dataclasses.replace(ceilings, split_bw=0.0)  # see the module doc
     predicted = {a: schedule(lower(probe, batch, context, num_sms, page_size, kv_pages, attention_sms=a,
                                    rope_in_splits=rope_in_splits),
-                             probe.name, ceilings).predicted["step_us"] for a in cands}
+                             probe.name, ranking).predicted["step_us"] for a in cands}
     return min(cands, key=lambda a: (predicted[a], a)), predicted
 
 
