@@ -37,7 +37,8 @@ def compile_schedule(spec: ModelSpec, batch: int, context: int, num_sms: int, pa
     t2 = time.perf_counter()
     times.update(plan=t1 - t0, validate=t2 - t1)
     sc.meta.update(options={"batch": batch, "context": context, "num_sms": num_sms, "page_size": page_size,
-                            "attention_sms": sc.meta["attention_sms"]["chosen"]})
+                            "attention_sms": sc.meta["attention_sms"]["chosen"],
+                            "rope_in_splits": sc.meta["rope_in_splits"]})
     return sc, times
 
 

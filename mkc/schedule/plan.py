@@ -96,4 +96,5 @@ def plan(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int
                     rope_in_splits=rope_in_splits)
     sc = schedule(program, spec.name, ceilings)
     sc.meta["attention_sms"] = {"chosen": attention_sms, **how}
+    sc.meta["rope_in_splits"] = rope_in_splits
     return sc
