@@ -17,13 +17,13 @@ constexpr int ATT_GRED_FLOATS = NUM_WARPS * 4 * 32;                      // GEMV
 constexpr int ATT_KL = NUM_THREADS / ATT_DC;    // key lanes of the P.V phase
 constexpr int ATT_CHUNK = NUM_THREADS;          // keys per pass (one per thread in the Q.K phase)
 static_assert(HEAD_DIM % 8 == 0 && NUM_THREADS % ATT_DC == 0, "attention: head_dim / threads");
-// ATTN_STAGE_V: after the layout below (16-aligned), this chunk's V rows [ATT_CHUNK][HEAD_DIM] bf16;
-// after the last chunk the same bytes hold every head's key-lane partials [GROUP][ATT_KL][HEAD_DIM]
-// (mkc/codegen/render.py sizes it as the larger of the two)
 // the key-lane buffer, which before the chunks holds the rows a split that rotates its own query
 // takes from qkv ([GROUP + 2][HEAD_DIM] bf16: query heads, key, value) and their qk-norm factors
 constexpr int ATT_RED_FLOATS = ATT_KL * HEAD_DIM > ((GROUP + 2) * HEAD_DIM * 2 + (GROUP + 1) * 4 + 3) / 4
                                    ? ATT_KL * HEAD_DIM : ((GROUP + 2) * HEAD_DIM * 2 + (GROUP + 1) * 4 + 3) / 4;
+// ATTN_STAGE_V: after the layout below (16-aligned), this chunk's V rows [ATT_CHUNK][HEAD_DIM] bf16;
+// after the last chunk the same bytes hold every head's key-lane partials [GROUP][ATT_KL][HEAD_DIM]
+// (mkc/codegen/render.py sizes it as the larger of the two)
 constexpr int ATT_VS_OFF = (ATT_QX_BYTES + (ATT_GRED_FLOATS + GROUP * HEAD_DIM + GROUP * ATT_CHUNK +
                                             ATT_RED_FLOATS + 3 * GROUP) * 4 + 15) / 16 * 16;
 
@@ -38,7 +38,6 @@ __device__ __forceinline__ void rope_sincos(int pos, int p, float& sn, float& cs
     const float r = (float)(angle - rint(angle * (1.0 / two_pi)) * two_pi);
     __sincosf(r, &sn, &cs);
 }
-
 
 // qk-norm factor of one head row (one warp; every lane returns it): rsqrt(mean(x^2) + eps)
 __device__ __forceinline__ float head_rinv(const bf16* row, int lane) {
