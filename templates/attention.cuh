@@ -26,6 +26,16 @@ constexpr int ATT_RED_FLOATS = ATT_KL * HEAD_DIM > ((GROUP + 2) * HEAD_DIM * 2 +
 // (mkc/codegen/render.py sizes it as the larger of the two)
 constexpr int ATT_VS_OFF = (ATT_QX_BYTES + (ATT_GRED_FLOATS + GROUP * HEAD_DIM + GROUP * ATT_CHUNK +
                                             ATT_RED_FLOATS + 3 * GROUP) * 4 + 15) / 16 * 16;
+constexpr int ATT_VS_BYTES = ATT_CHUNK * HEAD_DIM * 2 > GROUP * ATT_KL * HEAD_DIM * 4 ? ATT_CHUNK * HEAD_DIM * 2
+                                                                                    : GROUP * ATT_KL * HEAD_DIM * 4;
+// ATT_SMEM_K (CodegenOptions.attn_stage_k; the tensor-core Q.K and staged V only): after the V
+// region, this chunk's K rows [ATT_CHUNK][ATT_KS_LD], the row padded by 16 bytes so that the A
+// fragment loads of 8 rows x 4 lanes fall in 32 distinct banks. The first chunk of a split that
+// rotates its own query is copied in while the task waits (ops.cuh: prefetch_weights): its rows
+// were written by earlier steps, and the step's own row is replaced after the copy.
+constexpr bool ATT_SMEM_K = ATTN_STAGE_K && ATTN_STAGE_V && ATT_MMA;
+constexpr int ATT_KS_LD = HEAD_DIM + 8;
+constexpr int ATT_KS_OFF = (ATT_VS_OFF + ATT_VS_BYTES + 15) / 16 * 16;
 
 // sin and cos of the RoPE angle pos * theta^(-2p / head_dim), the angle rounded to float as in
 // the reference (inv_freq in float, times the position in float). The angle is reduced modulo
@@ -107,6 +117,40 @@ __device__ __forceinline__ void attn_key_range(const Task& t, int& lo, int& hi) 
     const int base = window > 0 ? max(0, pos - window + 1) : 0;
     lo = base + t.arg(A::split) * split_keys;
     hi = min(pos + 1, lo + split_keys);
+}
+
+// cp.async the K rows (into ks, padded) and V rows (into vs) of a chunk of n contiguous rows
+// starting at krow / vrow, pieces me, me + lanes, ...; each lands at its issuing thread's
+// cp_async_wait_all (a barrier must follow before others read it).
+__device__ __forceinline__ void attn_copy_chunk(bf16* ks, bf16* vs, const bf16* krow, const bf16* vrow, int n, int me,
+                                                int lanes) {
+    for (int i = me; i < n * ATT_DC; i += lanes) {
+        const int j = i / ATT_DC, c = i % ATT_DC;
+        cp_async16(ks + (size_t)j * ATT_KS_LD + c * 8, krow + (size_t)j * HEAD_DIM + c * 8);
+        cp_async16(vs + (size_t)j * HEAD_DIM + c * 8, vrow + (size_t)j * HEAD_DIM + c * 8);
+    }
+}
+
+// Scores of the chunk's keys [0, n) in ks against the query heads in qx (the B operand, 8 rows),
+// on the tensor cores (keys as the 16 rows of A, heads as the 8 columns), scaled, into
+// sc[h][key] for h < GROUP. Warp w takes the 16-key groups w, w + NUM_WARPS, ...
+__device__ __forceinline__ void attn_scores_smem(const bf16* ks, const bf16* qx, int n, float* sc) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int qld = xs_ld(HEAD_DIM);
+    for (int r0 = warp * 16; r0 < n; r0 += NUM_WARPS * 16) {
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        const bf16* lo = ks + (size_t)(r0 + g) * ATT_KS_LD + 2 * t;
+        const bf16* hi = lo + 8 * ATT_KS_LD;
+        const bf16* q = qx + g * qld + 2 * t;
+#pragma unroll
+        for (int k0 = 0; k0 < HEAD_DIM; k0 += 16) {
+            mma_16816(acc, *reinterpret_cast<const u32*>(lo + k0), *reinterpret_cast<const u32*>(hi + k0),
+                      *reinterpret_cast<const u32*>(lo + k0 + 8), *reinterpret_cast<const u32*>(hi + k0 + 8),
+                      *reinterpret_cast<const u32*>(q + k0), *reinterpret_cast<const u32*>(q + k0 + 8));
+        }
+        for_fragment(r0 + g, acc, n, [&](int key, int h, float v) { sc[h * ATT_CHUNK + key] = v * ATTN_SCALE; },
+                     GROUP);
+    }
 }
 
 // A split with a qkv operand (LowerOptions.rope_in_splits) stages its query itself: the GROUP
@@ -199,6 +243,7 @@ __device__ void op_attn_split(const Task& t, unsigned char* smem) {
     float* st_l = st_m + GROUP;                   // [GROUP] running sum
     float* st_a = st_l + GROUP;                   // [GROUP] rescale of this pass
     bf16* vs = reinterpret_cast<bf16*>(smem + ATT_VS_OFF);  // ATTN_STAGE_V: [ATT_CHUNK][HEAD_DIM]
+    bf16* ks = reinterpret_cast<bf16*>(smem + ATT_KS_OFF);  // ATT_SMEM_K: [ATT_CHUNK][ATT_KS_LD]
 
     // this step's key and value where the split rotates its own query (a qkv operand) and holds the
     // step's position: they come from qkv, not from the cache (ROPE_APPEND writes it after the splits)
@@ -254,14 +299,32 @@ __device__ void op_attn_split(const Task& t, unsigned char* smem) {
                             (u32)min(4096, nb - off));
         }
 #endif
-        if constexpr (ATTN_STAGE_V) {  // this chunk's V: each thread copies the pieces it reads in P.V
+        if constexpr (ATT_SMEM_K) {  // this chunk's K and V in shared memory (Q.K reads K there)
+            // the first chunk of a split rotating its own query was copied in while it waited
+            if (!(fused && c0 == lo))
+                attn_copy_chunk(ks, vs, kc + (size_t)c0 * HEAD_DIM, vc + (size_t)c0 * HEAD_DIM, n, tid, NUM_THREADS);
+            cp_async_wait_all();
+            __syncthreads();
+            if (own >= c0 && own < c0 + n) {  // this step's key and value, from qkv, over the stale row
+                for (int i = tid; i < 2 * ATT_DC; i += NUM_THREADS) {
+                    const int c = i % ATT_DC;
+                    if (i < ATT_DC) *reinterpret_cast<uint4*>(ks + (size_t)(own - c0) * ATT_KS_LD + c * 8) =
+                                        *reinterpret_cast<const uint4*>(own_k + c * 8);
+                    else *reinterpret_cast<uint4*>(vs + (size_t)(own - c0) * HEAD_DIM + c * 8) =
+                             *reinterpret_cast<const uint4*>(own_v + c * 8);
+                }
+                __syncthreads();
+            }
+        } else if constexpr (ATTN_STAGE_V) {  // this chunk's V: each thread copies the pieces it reads in P.V
             for (int j = kl; j < n; j += ATT_KL) {
                 if (c0 + j == own) *reinterpret_cast<uint4*>(vs + (size_t)j * HEAD_DIM + dc * 8) =
                                        *reinterpret_cast<const uint4*>(own_v + dc * 8);
                 else cp_async16(vs + (size_t)j * HEAD_DIM + dc * 8, vc + (size_t)(c0 + j) * HEAD_DIM + dc * 8);
             }
         }
-        if constexpr (ATT_MMA) {  // scores on the tensor cores: key rows x the group's query heads
+        if constexpr (ATT_SMEM_K) {
+            attn_scores_smem(ks, qx, n, sc);
+        } else if constexpr (ATT_MMA) {  // scores on the tensor cores: key rows x the group's query heads
             const bf16* const kw[1] = {kc + (size_t)c0 * HEAD_DIM};
             auto epi = [&](int r0, float (&acc)[1][4]) {
                 for_fragment(r0, acc[0], n, [&](int key, int h, float v) { sc[h * ATT_CHUNK + key] = v * ATTN_SCALE; },
@@ -292,7 +355,7 @@ __device__ void op_attn_split(const Task& t, unsigned char* smem) {
         __syncthreads();
         // online softmax statistics, one warp per head
         for (int h = warp; h < GROUP; h += NUM_WARPS) {
-            if (ATT_MMA && own >= c0 && own < c0 + n) {  // this step's key: its score from the rotated row
+            if (ATT_MMA && !ATT_SMEM_K && own >= c0 && own < c0 + n) {  // this step's key: its score from the rotated row
                 float d = 0.f;
                 for (int i = lane; i < HEAD_DIM; i += 32)
                     d = __fmaf_rn(__bfloat162float(qx[h * xs_ld(HEAD_DIM) + i]), __bfloat162float(own_k[i]), d);
@@ -326,7 +389,7 @@ __device__ void op_attn_split(const Task& t, unsigned char* smem) {
 #pragma unroll
             for (int e = 0; e < 8; ++e) o[h][e] *= a;
         }
-        if constexpr (ATTN_STAGE_V) cp_async_wait_all();  // only this thread's own pieces: no barrier
+        if constexpr (ATTN_STAGE_V && !ATT_SMEM_K) cp_async_wait_all();  // only this thread's own pieces: no barrier
 #pragma unroll 8
         for (int j = kl; j < n; j += ATT_KL) {
             float vf[8];

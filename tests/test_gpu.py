@@ -264,16 +264,16 @@ def nmc_positions(batch: int, context: int) -> torch.Tensor:
     return torch.tensor([max(0, context - 1 - 5 * b) for b in range(batch)], dtype=torch.int32)
 
 
-def nmc_decoder(spec, weights, batch: int, context: int, num_sms: int):
+def nmc_decoder(spec, weights, batch: int, context: int, num_sms: int, options=None):
     """The decoder a user gets: the attention-SM count measured on an H200 where the shipped table
     has one (configs/tuning/h200.json; the tests otherwise read an empty tuning file), else the
-    cost model's."""
+    cost model's; the default kernel unless ``options`` (CodegenOptions) are given."""
     from mkc.runtime.cuda_backend import CudaDecoder
     from mkc.schedule import tuning
 
     shipped = tuning.lookup(tuning.tuning_key(spec, batch, context, num_sms), ROOT / "configs" / "tuning" / "h200.json")
     sc = plan(spec, batch, context, num_sms, attention_sms=shipped["attention_sms"] if shipped else None)
-    dec = CudaDecoder(sc, spec, weights)
+    dec = CudaDecoder(sc, spec, weights, options=options)
     g = torch.Generator(device="cuda").manual_seed(batch * 100003 + context)
     for layer in range(spec.num_layers):
         for t in dec.kv_cache(layer):
@@ -290,6 +290,25 @@ def test_nmc_matches_mirror(nmc_weights, num_sms, batch, context):
     positions = nmc_positions(batch, context)
     lg, nt = dec.step(tokens, positions)
     check_against_mirror(dec, spec, weights, tokens, positions, lg, nt, f"NMC b{batch} ctx {context}")
+
+
+@pytest.mark.parametrize("batch, context", [(1, 1), (1, 300), (2, 4097), (1, 8192), (8, 8192)])
+def test_nmc_attention_k_in_shared_memory_matches_mirror(nmc_weights, num_sms, batch, context):
+    """CodegenOptions.attn_stage_k (off by default until measured): the splits compute Q.K from K
+    chunks in shared memory, the first copied while they wait, with this step's key and value
+    written over the stale cache row. Context 1 attends the step's own key only; 300 and 4097 put
+    it past the first chunk; 4097 is past the sliding window. The same checks as the default
+    kernel, and reruns bitwise the same."""
+    from mkc.codegen import CodegenOptions
+
+    spec, weights = nmc_weights
+    dec = nmc_decoder(spec, weights, batch, context, num_sms, CodegenOptions(attn_stage_k=True))
+    tokens = torch.randint(0, spec.vocab_size, (batch,), dtype=torch.int32)
+    positions = nmc_positions(batch, context)
+    lg, nt = dec.step(tokens, positions)
+    again, nt2 = dec.step(tokens, positions)
+    assert torch.equal(lg, again) and torch.equal(nt, nt2), "a rerun differs"
+    check_against_mirror(dec, spec, weights, tokens, positions, lg, nt, f"NMC K in shared memory b{batch} ctx {context}")
 
 
 def check_against_mirror(dec, spec, weights, tokens, positions, lg, nt, what: str) -> None:

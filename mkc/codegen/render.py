@@ -96,6 +96,12 @@ class CodegenOptions:
     # 03:45 UTC, splits rotating their own q: batch 1 3356 / 3355 / 3372, batch 8 11647 / 11878 /
     # 12076. Slower at batch 8 (L2 thrash beside the expert stream), no steady gain at 1: off.
     attn_prefetch_bytes: int = 0
+    # Attention splits (with the tensor-core Q.K and attn_stage_v) copy each chunk's K rows into
+    # shared memory too and compute Q.K from there; a split that rotates its own query copies its
+    # first chunk's K and V while it waits for the QKV tiles (those rows were written by earlier
+    # steps). Compiled and checked in CI; NOT YET RUN ON A GPU (written 2026-11-30 after the
+    # session's device time was spent), hence off.
+    attn_stage_k: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +137,7 @@ class KernelConfig:
     gemv_early_two_sets: bool
     attn_stage_v: bool
     attn_prefetch_bytes: int
+    attn_stage_k: bool
 
     @property
     def warps(self) -> int:
@@ -170,6 +177,8 @@ class KernelConfig:
                      + red + 3 * self.group) * f
         if self.attn_stage_v:  # attention.cuh: V chunk (then every head's key-lane partials), 16-aligned
             attn = _round(attn, 16) + max(self.threads * self.head_dim * 2, self.group * kl * self.head_dim * f)
+            if self.attn_stage_k and self.head_dim % 64 == 0 and self.group <= 8:  # ATT_SMEM_K: K chunk, padded rows
+                attn = _round(attn, 16) + self.threads * (self.head_dim + 8) * 2
         combine = _round(self.batch * self.group * self.max_splits * f, 16) + self.threads * 4 * f  # weights, partial sums
         # ops.cuh: positions, qk-norm factors, then the group's q/k/v rows of every sequence
         rope = 128 + _round(self.batch * (self.group + 1) * f, 128) + self.batch * (self.group + 2) * self.head_dim * 2
@@ -265,7 +274,7 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         gemv_pf_batches=options.gemv_pf_batches, desc_mode=options.desc_mode,
         gemv_ring_request=options.gemv_ring_bytes, weights_tiled=tiled,
         gemv_early_two_sets=options.gemv_early_two_sets, attn_stage_v=options.attn_stage_v,
-        attn_prefetch_bytes=options.attn_prefetch_bytes)
+        attn_prefetch_bytes=options.attn_prefetch_bytes, attn_stage_k=options.attn_stage_k)
     if cfg.smem_bytes > MAX_SMEM_BYTES:
         raise CodegenError(f"shared memory {cfg.smem_bytes} B (widest GEMV k = {max_k}, batch = {cfg.batch}): "
                            f"expected at most {MAX_SMEM_BYTES} B")
@@ -318,6 +327,7 @@ def template_context(cfg: KernelConfig, banner: str) -> dict[str, Any]:
         "gemv_early_two_sets": cv.c_bool(cfg.gemv_early_two_sets),
         "attn_stage_v": cv.c_bool(cfg.attn_stage_v),
         "attn_prefetch_bytes": cv.c_int(cfg.attn_prefetch_bytes),
+        "attn_stage_k": cv.c_bool(cfg.attn_stage_k),
         "max_rank": cv.c_int(MAX_RANK),
         "dtypes": [(cv.c_ident(f"DT_{k.upper()}"), cv.c_int(v)) for k, v in DTYPE_CODES.items()],
         "record_words": [(cv.c_ident(k), cv.c_int(v)) for k, v in RECORD_LAYOUT],
