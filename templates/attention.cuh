@@ -36,6 +36,9 @@ constexpr int ATT_VS_BYTES = ATT_CHUNK * HEAD_DIM * 2 > GROUP * ATT_KL * HEAD_DI
 constexpr bool ATT_SMEM_K = ATTN_STAGE_K && ATTN_STAGE_V && ATT_MMA;
 constexpr int ATT_KS_LD = HEAD_DIM + 8;
 constexpr int ATT_KS_OFF = (ATT_VS_OFF + ATT_VS_BYTES + 15) / 16 * 16;
+static_assert(!ATTN_STAGE_V || ATT_VS_OFF + ATT_VS_BYTES <= SMEM_BYTES, "attention: V chunk past the shared memory");
+static_assert(!ATT_SMEM_K || ATT_KS_OFF + ATT_CHUNK * ATT_KS_LD * 2 <= SMEM_BYTES,
+              "attention: K chunk past the shared memory (mkc/codegen/render.py sizes it)");
 
 // sin and cos of the RoPE angle pos * theta^(-2p / head_dim), the angle rounded to float as in
 // the reference (inv_freq in float, times the position in float). The angle is reduced modulo
