@@ -45,6 +45,7 @@ class Ceilings:
     # The planner ranks its attention-SM candidates at the share all the same (plan.py says why).
     split_bw: float = 16e9
 
+
 H200 = Ceilings()
 
 # fixed time per task (µs) beyond its bytes, measured (see the module docstring); others: 1 µs.
