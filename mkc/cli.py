@@ -212,8 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "slab per sequence; see docs/kernel.md)")
     c.add_argument("--attention-sms", type=_attention_sms, default=None, metavar="auto|N",
                    help="SMs set apart for the attention splits of a parallel block, the MLP tiles filling the "
-                        "rest (default auto: the compiler picks the count its cost model predicts fastest; "
-                        "0: every op fills all SMs)")
+                        "rest (default auto: the count mkc bench --tune measured fastest at this point, else the "
+                        "one the cost model predicts fastest; 0: every op fills all SMs)")
     c.add_argument("--no-kernel", action="store_true", help="skip rendering and compiling the CUDA kernel")
     c.set_defaults(fn=cmd_compile)
 

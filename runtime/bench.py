@@ -274,7 +274,6 @@ def decoder_in_place(sc, spec: ModelSpec, weights: dict[str, torch.Tensor], *, o
             yield dec
         finally:
             dec.close()
-            del dec
             torch.cuda.empty_cache()
 
 
@@ -384,24 +383,21 @@ def _megakernel_row(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: in
 def _time_decoder(dec, sc, spec: ModelSpec, tokens, positions, *, bw: float, reps: int, profile_dir: Path | None,
                   log) -> Row:
     """Time a decoder built at one point (random KV cache, every sequence at position context - 1);
-    it is closed on return."""
+    its owner (decoder_in_place) closes it."""
     batch, context = sc.batch, sc.context
-    try:
-        fill_random_kv(dec, spec, torch.Generator(device="cuda").manual_seed(batch * 100003 + context))
-        dec.step(tokens, positions)
-        times = time_cuda(dec.launch, reps=reps, warmup=2)
-        dec.check()
-        routed = [dec.buffers[f"L{i}.moe_selected"].clone()
-                  for i, ls in enumerate(spec.layers) if ls.mlp == "moe"]
-        art = dec.artifact
-        att = sc.meta.get("attention_sms", {})
-        log(f"batch {batch}: kernel {art.name}: {art.regs} registers/thread, {art.dynamic_smem} B dynamic + "
-            f"{art.smem} B static shared memory per CTA, {dec.launch_config.threads} threads, "
-            f"grid {dec.launch_config.grid}; attention SMs {att.get('chosen', 0)} ({att.get('chosen_by', '-')})")
-        if profile_dir is not None:
-            _write_profile(dec, sc, spec, Path(profile_dir) / f"trace-b{batch}-c{context}.json")
-    finally:
-        dec.close()
+    fill_random_kv(dec, spec, torch.Generator(device="cuda").manual_seed(batch * 100003 + context))
+    dec.step(tokens, positions)
+    times = time_cuda(dec.launch, reps=reps, warmup=2)
+    dec.check()
+    routed = [dec.buffers[f"L{i}.moe_selected"].clone()
+              for i, ls in enumerate(spec.layers) if ls.mlp == "moe"]
+    art = dec.artifact
+    att = sc.meta.get("attention_sms", {})
+    log(f"batch {batch}: kernel {art.name}: {art.regs} registers/thread, {art.dynamic_smem} B dynamic + "
+        f"{art.smem} B static shared memory per CTA, {dec.launch_config.threads} threads, "
+        f"grid {dec.launch_config.grid}; attention SMs {att.get('chosen', 0)} ({att.get('chosen_by', '-')})")
+    if profile_dir is not None:
+        _write_profile(dec, sc, spec, Path(profile_dir) / f"trace-b{batch}-c{context}.json")
     return row("mkc", batch, context, times, step_bytes(spec, batch, context, routed), bw)
 
 
