@@ -55,8 +55,9 @@ VARIANTS: dict[str, CodegenOptions] = {
     "attn-prefetch-128k": CodegenOptions(attn_prefetch_bytes=128 * 1024),
     "attn-prefetch-512k": CodegenOptions(attn_prefetch_bytes=512 * 1024),
     "attn-prefetch-all": CodegenOptions(attn_prefetch_bytes=1 << 30),
-    # K chunks in shared memory too, the first copied while the split waits (CodegenOptions.attn_stage_k)
-    "attn-stage-k": CodegenOptions(attn_stage_k=True),
+    # one online softmax per warp, blocks streamed through a per-warp ring (CodegenOptions.attn_warp_stages)
+    "attn-warps-2": CodegenOptions(attn_warp_stages=2),
+    "attn-warps-3": CodegenOptions(attn_warp_stages=3),
 }
 
 

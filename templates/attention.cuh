@@ -28,17 +28,7 @@ constexpr int ATT_VS_OFF = (ATT_QX_BYTES + (ATT_GRED_FLOATS + GROUP * HEAD_DIM +
                                             ATT_RED_FLOATS + 3 * GROUP) * 4 + 15) / 16 * 16;
 constexpr int ATT_VS_BYTES = ATT_CHUNK * HEAD_DIM * 2 > GROUP * ATT_KL * HEAD_DIM * 4 ? ATT_CHUNK * HEAD_DIM * 2
                                                                                     : GROUP * ATT_KL * HEAD_DIM * 4;
-// ATT_SMEM_K (CodegenOptions.attn_stage_k; the tensor-core Q.K and staged V only): after the V
-// region, this chunk's K rows [ATT_CHUNK][ATT_KS_LD], the row padded by 16 bytes so that the A
-// fragment loads of 8 rows x 4 lanes fall in 32 distinct banks. The first chunk of a split that
-// rotates its own query is copied in while the task waits (ops.cuh: prefetch_weights): its rows
-// were written by earlier steps, and the step's own row is replaced after the copy.
-constexpr bool ATT_SMEM_K = ATTN_STAGE_K && ATTN_STAGE_V && ATT_MMA;
-constexpr int ATT_KS_LD = HEAD_DIM + 8;
-constexpr int ATT_KS_OFF = (ATT_VS_OFF + ATT_VS_BYTES + 15) / 16 * 16;
 static_assert(!ATTN_STAGE_V || ATT_VS_OFF + ATT_VS_BYTES <= SMEM_BYTES, "attention: V chunk past the shared memory");
-static_assert(!ATT_SMEM_K || ATT_KS_OFF + ATT_CHUNK * ATT_KS_LD * 2 <= SMEM_BYTES,
-              "attention: K chunk past the shared memory (mkc/codegen/render.py sizes it)");
 
 // sin and cos of the RoPE angle pos * theta^(-2p / head_dim), the angle rounded to float as in
 // the reference (inv_freq in float, times the position in float). The angle is reduced modulo
@@ -122,40 +112,6 @@ __device__ __forceinline__ void attn_key_range(const Task& t, int& lo, int& hi) 
     hi = min(pos + 1, lo + split_keys);
 }
 
-// cp.async the K rows (into ks, padded) and V rows (into vs) of a chunk of n contiguous rows
-// starting at krow / vrow, pieces me, me + lanes, ...; each lands at its issuing thread's
-// cp_async_wait_all (a barrier must follow before others read it).
-__device__ __forceinline__ void attn_copy_chunk(bf16* ks, bf16* vs, const bf16* krow, const bf16* vrow, int n, int me,
-                                                int lanes) {
-    for (int i = me; i < n * ATT_DC; i += lanes) {
-        const int j = i / ATT_DC, c = i % ATT_DC;
-        cp_async16(ks + (size_t)j * ATT_KS_LD + c * 8, krow + (size_t)j * HEAD_DIM + c * 8);
-        cp_async16(vs + (size_t)j * HEAD_DIM + c * 8, vrow + (size_t)j * HEAD_DIM + c * 8);
-    }
-}
-
-// Scores of the chunk's keys [0, n) in ks against the query heads in qx (the B operand, 8 rows),
-// on the tensor cores (keys as the 16 rows of A, heads as the 8 columns), scaled, into
-// sc[h][key] for h < GROUP. Warp w takes the 16-key groups w, w + NUM_WARPS, ...
-__device__ __forceinline__ void attn_scores_smem(const bf16* ks, const bf16* qx, int n, float* sc) {
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const int qld = xs_ld(HEAD_DIM);
-    for (int r0 = warp * 16; r0 < n; r0 += NUM_WARPS * 16) {
-        float acc[4] = {0.f, 0.f, 0.f, 0.f};
-        const bf16* lo = ks + (size_t)(r0 + g) * ATT_KS_LD + 2 * t;
-        const bf16* hi = lo + 8 * ATT_KS_LD;
-        const bf16* q = qx + g * qld + 2 * t;
-#pragma unroll
-        for (int k0 = 0; k0 < HEAD_DIM; k0 += 16) {
-            mma_16816(acc, *reinterpret_cast<const u32*>(lo + k0), *reinterpret_cast<const u32*>(hi + k0),
-                      *reinterpret_cast<const u32*>(lo + k0 + 8), *reinterpret_cast<const u32*>(hi + k0 + 8),
-                      *reinterpret_cast<const u32*>(q + k0), *reinterpret_cast<const u32*>(q + k0 + 8));
-        }
-        for_fragment(r0 + g, acc, n, [&](int key, int h, float v) { sc[h * ATT_CHUNK + key] = v * ATTN_SCALE; },
-                     GROUP);
-    }
-}
-
 // A split with a qkv operand (LowerOptions.rope_in_splits) stages its query itself: the GROUP
 // query heads of sequence b, KV group g from qkv, qk-norm (q_norm / k_norm operands) and RoPE as
 // ROPE_APPEND computes them (rope_pair), rounded to bf16 as ROPE_APPEND stores them, into qx (the
@@ -218,7 +174,271 @@ __device__ void stage_own_query(const Task& t, int b, int g, bool own, bf16* qx,
     __syncthreads();
 }
 
+// ---- warp splits (CodegenOptions.attn_warp_stages > 0; the tensor-core Q.K only) -----------------
+// Each warp of a split runs its own flash-decoding pass over the split's 16-key blocks w,
+// w + NUM_WARPS, ..., so the key loop has no CTA barrier; the warps' (m, l, o) are merged at the
+// end in a fixed order. Both products run on the tensor cores with the query heads as the 16 rows
+// of A (rows >= GROUP zero): S^T = Q K^T with 8 keys as the n columns (two tiles per block), then
+// O += P V with P rounded to bf16 (the A operand, straight from the S accumulators) and 8 of the
+// head's dims as the n columns (HEAD_DIM / 8 tiles). The sums run over permuted orders that the
+// operands share, so each lane copies its operands with whole 16-byte pieces:
+// - K: lane (g, t) holds elements [64 kb + 8 t, +8) and [64 kb + 32 + 8 t, +8) of key g of each
+//   tile, the GEMV's permutation of k (gemv.cuh), which the query fragments use too;
+// - V: output tile j = 8 h + e holds dims 64 h + 8 n + e for n = 0..7, so lane (g, t) needs dims
+//   [64 h + 8 g, +8) of keys 2t, 2t + 1, 2t + 8, 2t + 9, and its accumulators hold
+//   dims 64 h + 16 t + e and 64 h + 16 t + 8 + e of head g.
+// Every lane copies exactly the pieces it reads (cp.async, L2 only) into its own slots of the
+// warp's ring of ATTN_WARP_STAGES blocks, so it waits for its own copies only. A split that
+// rotates its own query issues its first blocks while it waits for the QKV tiles (ops.cuh:
+// prefetch_weights, warps 1..): those rows were written by earlier steps, and the step's own key
+// and value are taken from qkv in place of the cache row.
+constexpr bool ATT_WARP = ATTN_WARP_STAGES > 0 && ATT_MMA;
+constexpr int ATTW_STAGES = ATTN_WARP_STAGES > 1 ? ATTN_WARP_STAGES : 2;
+constexpr int ATTW_KP = HEAD_DIM / 32;          // 16-byte pieces of one K row a lane holds
+constexpr int ATTW_VP = HEAD_DIM / 64;          // 16-byte pieces of one V row a lane holds
+constexpr int ATTW_PIECES = 2 * ATTW_KP + 4 * ATTW_VP;  // per lane and block: 2 keys of K, 4 of V
+// after the query heads (qx): the split's own q / k / v rows and qk-norm factors (stage_own_query),
+// then the rings; after the key loop the rings hold every warp's m, l and o for the merge
+constexpr int ATTW_ROWS_OFF = ATT_QX_BYTES;
+constexpr int ATTW_RING_OFF = (ATTW_ROWS_OFF + (GROUP + 2) * HEAD_DIM * 2 + (GROUP + 1) * 4 + 127) / 128 * 128;
+constexpr int ATTW_RING_BYTES = ATTW_STAGES * ATTW_PIECES * 32 * 16;  // per warp
+static_assert(!ATT_WARP || ATTN_WARP_STAGES >= 2, "attention warp splits need at least two ring stages");
+static_assert(!ATT_WARP || ATTW_RING_OFF + NUM_WARPS * ATTW_RING_BYTES <= SMEM_BYTES,
+              "attention: warp rings past the shared memory (mkc/codegen/render.py sizes them)");
+static_assert(!ATT_WARP || NUM_WARPS * (GROUP * HEAD_DIM + 2 * GROUP) * 4 <= NUM_WARPS * ATTW_RING_BYTES,
+              "attention: the warps' merge does not fit their rings");
+
+// The K and V rows of one (sequence, KV head).
+struct AttnRows {
+#if MKC_PAGED
+    KvRows k, v;
+    __device__ __forceinline__ const bf16* krow(int j) const { return k.row(j); }
+    __device__ __forceinline__ const bf16* vrow(int j) const { return v.row(j); }
+#else
+    const bf16* kc;
+    const bf16* vc;
+    __device__ __forceinline__ const bf16* krow(int j) const { return kc + (size_t)j * HEAD_DIM; }
+    __device__ __forceinline__ const bf16* vrow(int j) const { return vc + (size_t)j * HEAD_DIM; }
+#endif
+};
+
+__device__ __forceinline__ AttnRows attn_rows(const Task& t) {
+    using O = OPND_ATTN_SPLIT;
+    using A = ARG_ATTN_SPLIT;
+    const int b = t.arg(A::seq), g = t.arg(A::kv_head);
+#if MKC_PAGED
+    return {kv_rows<O>(t, O::k_cache, b, g), kv_rows<O>(t, O::v_cache, b, g)};
+#else
+    const size_t row0 = ((size_t)b * t.dim(O::k_cache, 3) + g) * t.dim(O::k_cache, 2);
+    return {t.ptr<bf16>(O::k_cache) + row0 * HEAD_DIM, t.ptr<bf16>(O::v_cache) + row0 * HEAD_DIM};
+#endif
+}
+
+// this lane's slot of stage 0 of this warp's ring; piece p of stage s is at [(s * ATTW_PIECES + p) * 32]
+__device__ __forceinline__ uint4* attw_ring_lane(unsigned char* smem) {
+    return reinterpret_cast<uint4*>(smem + ATTW_RING_OFF + (threadIdx.x / 32) * ATTW_RING_BYTES) + threadIdx.x % 32;
+}
+
+// Copy this lane's pieces of the block of keys [k0, k0 + 16) (those below hi) into stage st, as
+// one cp.async group (empty when the block is past hi).
+__device__ __forceinline__ void attw_issue(uint4* ring, int st, const AttnRows& r, int k0, int hi) {
+    if (k0 < hi) {
+        const int lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+        uint4* s = ring + st * ATTW_PIECES * 32;
+#pragma unroll
+        for (int kt = 0; kt < 2; ++kt) {
+            const int key = k0 + 8 * kt + g;
+            if (key < hi) {
+                const bf16* row = r.krow(key) + 8 * q;
+#pragma unroll
+                for (int p = 0; p < ATTW_KP; ++p) cp_async16(s + (kt * ATTW_KP + p) * 32, row + 32 * p);
+            }
+        }
+#pragma unroll
+        for (int vk = 0; vk < 4; ++vk) {
+            const int key = k0 + 2 * q + (vk & 1) + 8 * (vk >> 1);
+            if (key < hi) {
+                const bf16* row = r.vrow(key) + 8 * g;
+#pragma unroll
+                for (int h = 0; h < ATTW_VP; ++h) cp_async16(s + (2 * ATTW_KP + vk * ATTW_VP + h) * 32, row + 64 * h);
+            }
+        }
+    }
+    cp_async_commit();
+}
+
+// The first ATTW_STAGES - 1 blocks of this warp (after committing the thread's earlier copies as
+// their own group).
+__device__ __forceinline__ void attw_prologue(uint4* ring, const AttnRows& r, int lo, int hi) {
+    cp_async_commit();
+#pragma unroll
+    for (int i = 0; i < ATTW_STAGES - 1; ++i)
+        attw_issue(ring, i, r, lo + 16 * ((int)threadIdx.x / 32 + i * NUM_WARPS), hi);
+}
+
+__device__ void attn_split_warps(const Task& t, unsigned char* smem) {
+    using O = OPND_ATTN_SPLIT;
+    using A = ARG_ATTN_SPLIT;
+    const int b = t.arg(A::seq), g = t.arg(A::kv_head), sp = t.arg(A::split);
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, lg = lane / 4, lq = lane % 4;
+#if MKC_PAGED
+    const int kv_heads = t.dim(O::k_cache, 4);
+#else
+    const int kv_heads = t.dim(O::k_cache, 3);
+#endif
+    int lo, hi;
+    attn_key_range(t, lo, hi);
+    const AttnRows rows = attn_rows(t);
+    bf16* qx = reinterpret_cast<bf16*>(smem);  // [8][HEAD_DIM + XS_PAD] query heads (rows >= GROUP zero)
+    bf16* own_rows = reinterpret_cast<bf16*>(smem + ATTW_ROWS_OFF);  // [GROUP + 2][HEAD_DIM] q, k, v
+    uint4* ring = attw_ring_lane(smem);
+    const bool fused = t.has(O::qkv);
+    // warps 1.. of a split that rotates its own query issued their first blocks while it waited
+    if (!fused || warp == 0) attw_prologue(ring, rows, lo, hi);
+    const int pos = ld_act_i32(t.ptr<int>(O::positions) + b);
+    const int own = fused && lo <= pos && pos < hi ? pos : -1;  // the key taken from qkv (-1: none)
+    const bf16* own_k = own_rows + GROUP * HEAD_DIM;
+    const bf16* own_v = own_k + HEAD_DIM;
+    if (fused) stage_own_query(t, b, g, own >= 0, qx, nullptr, own_rows);
+    else {
+        stage_x(qx, t.ptr<bf16>(O::q) + (size_t)b * t.dim(O::q, 1) + (size_t)g * GROUP * HEAD_DIM, HEAD_DIM, 0, HEAD_DIM,
+                GROUP);
+        __syncthreads();
+    }
+    // the query fragments (A operand, row lg; rows lg + 8 are zero): the permuted k of the K pieces
+    u32 qa[HEAD_DIM / 64][8];
+#pragma unroll
+    for (int kb = 0; kb < HEAD_DIM / 64; ++kb) {
+        const bf16* qr = qx + lg * xs_ld(HEAD_DIM) + 64 * kb + 8 * lq;
+        const uint4 x0 = lds16(qr), x1 = lds16(qr + 32);
+        qa[kb][0] = x0.x; qa[kb][1] = x0.y; qa[kb][2] = x0.z; qa[kb][3] = x0.w;
+        qa[kb][4] = x1.x; qa[kb][5] = x1.y; qa[kb][6] = x1.z; qa[kb][7] = x1.w;
+    }
+    float o[HEAD_DIM / 8][4];
+#pragma unroll
+    for (int j = 0; j < HEAD_DIM / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+    float m_run = -INFINITY, l_run = 0.f;  // head lg: the quad's running max, this lane's share of the sum
+
+    const int nblk = hi > lo ? (hi - lo + 15) / 16 : 0;
+    int st = 0;
+#pragma unroll 1
+    for (int i = 0; warp + i * NUM_WARPS < nblk; ++i) {
+        const int k0 = lo + 16 * (warp + i * NUM_WARPS);
+        attw_issue(ring, st == 0 ? ATTW_STAGES - 1 : st - 1, rows, k0 + 16 * NUM_WARPS * (ATTW_STAGES - 1), hi);
+        cp_async_wait_group<ATTW_STAGES - 1>();  // this block's pieces have landed
+        const uint4* s = ring + st * ATTW_PIECES * 32;
+        // S^T of the two 8-key tiles: c0, c1 = head lg, keys k0 + 8 kt + 2 lq (+1)
+        float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+        for (int kt = 0; kt < 2; ++kt) {
+            const bool mine = k0 + 8 * kt + lg == own;
+#pragma unroll
+            for (int kb = 0; kb < HEAD_DIM / 64; ++kb) {
+                const uint4 k_lo = mine ? lds16(own_k + 64 * kb + 8 * lq) : s[(kt * ATTW_KP + 2 * kb) * 32];
+                const uint4 k_hi = mine ? lds16(own_k + 64 * kb + 32 + 8 * lq) : s[(kt * ATTW_KP + 2 * kb + 1) * 32];
+                const u32 kw[8] = {k_lo.x, k_lo.y, k_lo.z, k_lo.w, k_hi.x, k_hi.y, k_hi.z, k_hi.w};
+#pragma unroll
+                for (int s4 = 0; s4 < 4; ++s4)
+                    mma_16816(sc[kt], qa[kb][2 * s4], 0u, qa[kb][2 * s4 + 1], 0u, kw[2 * s4], kw[2 * s4 + 1]);
+            }
+        }
+        // online softmax of head lg over the block (the quad holds its 16 keys)
+        float sv[4];
+#pragma unroll
+        for (int i4 = 0; i4 < 4; ++i4) {
+            const int key = k0 + 8 * (i4 >> 1) + 2 * lq + (i4 & 1);
+            sv[i4] = key < hi ? sc[i4 >> 1][i4 & 1] * ATTN_SCALE : -INFINITY;
+        }
+        float mx = fmaxf(fmaxf(sv[0], sv[1]), fmaxf(sv[2], sv[3]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m_run, mx);  // finite: every block has a key below hi
+        const float alpha = __expf(m_run - m_new);
+        float p[4];
+#pragma unroll
+        for (int i4 = 0; i4 < 4; ++i4) p[i4] = bf16_round(__expf(sv[i4] - m_new));
+        l_run = l_run * alpha + ((p[0] + p[1]) + (p[2] + p[3]));
+        m_run = m_new;
+        const u32 pa0 = pack_bf16x2(p[0], p[1]), pa2 = pack_bf16x2(p[2], p[3]);
+        // O += P V: the V pieces of keys k0 + 2 lq, +1, +8, +9 (zeros past hi), dims [64 h + 8 lg, +8)
+#pragma unroll
+        for (int h = 0; h < ATTW_VP; ++h) {
+            uint4 v[4];
+#pragma unroll
+            for (int vk = 0; vk < 4; ++vk) {
+                const int key = k0 + 2 * lq + (vk & 1) + 8 * (vk >> 1);
+                v[vk] = key == own ? lds16(own_v + 64 * h + 8 * lg)
+                        : key < hi ? s[(2 * ATTW_KP + vk * ATTW_VP + h) * 32] : zero4();
+            }
+            const u32 w0[4] = {v[0].x, v[0].y, v[0].z, v[0].w}, w1[4] = {v[1].x, v[1].y, v[1].z, v[1].w};
+            const u32 w2[4] = {v[2].x, v[2].y, v[2].z, v[2].w}, w3[4] = {v[3].x, v[3].y, v[3].z, v[3].w};
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                const u32 sel = (e & 1) ? 0x7632u : 0x5410u;  // the high or low bf16 of each word
+                float(&c)[4] = o[8 * h + e];
+                c[0] *= alpha;  // c[2], c[3] (rows lg + 8) stay zero
+                c[1] *= alpha;
+                mma_16816(c, pa0, 0u, pa2, 0u, __byte_perm(w0[e / 2], w1[e / 2], sel), __byte_perm(w2[e / 2], w3[e / 2], sel));
+            }
+        }
+        st = st + 1 == ATTW_STAGES ? 0 : st + 1;
+    }
+    l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
+    l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
+
+    // merge the warps (fixed order) into the split's partials: m = max_w m_w, c_w = exp(m_w - m),
+    // l = sum_w c_w l_w, o = sum_w c_w o_w (an empty split: m = -inf, l = 0, o = 0)
+    cp_async_wait_all();
+    __syncthreads();  // every warp is done with its ring
+    float* wm = reinterpret_cast<float*>(smem + ATTW_RING_OFF);  // [NUM_WARPS][GROUP]
+    float* wl = wm + NUM_WARPS * GROUP;                          // [NUM_WARPS][GROUP]
+    float* wo = wl + NUM_WARPS * GROUP;                          // [NUM_WARPS][GROUP][HEAD_DIM]
+    if (lg < GROUP) {
+        if (lq == 0) {
+            wm[warp * GROUP + lg] = m_run;
+            wl[warp * GROUP + lg] = l_run;
+        }
+        float* row = wo + (warp * GROUP + lg) * HEAD_DIM + 16 * lq;
+#pragma unroll
+        for (int h = 0; h < ATTW_VP; ++h) {
+            float4* d = reinterpret_cast<float4*>(row + 64 * h);
+            d[0] = make_float4(o[8 * h][0], o[8 * h + 1][0], o[8 * h + 2][0], o[8 * h + 3][0]);
+            d[1] = make_float4(o[8 * h + 4][0], o[8 * h + 5][0], o[8 * h + 6][0], o[8 * h + 7][0]);
+            d[2] = make_float4(o[8 * h][1], o[8 * h + 1][1], o[8 * h + 2][1], o[8 * h + 3][1]);
+            d[3] = make_float4(o[8 * h + 4][1], o[8 * h + 5][1], o[8 * h + 6][1], o[8 * h + 7][1]);
+        }
+    }
+    __syncthreads();
+    const int splits = t.dim(O::part_o, 3);
+    const size_t part = ((size_t)b * kv_heads + g) * splits + sp;
+    float* po = t.ptr<float>(O::part_o) + part * GROUP * HEAD_DIM;
+    for (int i = tid; i < GROUP * HEAD_DIM; i += NUM_THREADS) {
+        const int h = i / HEAD_DIM;
+        float m = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < NUM_WARPS; ++w) m = fmaxf(m, wm[w * GROUP + h]);
+        float acc = 0.f, l = 0.f;
+#pragma unroll
+        for (int w = 0; w < NUM_WARPS; ++w) {
+            const float mw = wm[w * GROUP + h];
+            const float c = mw == -INFINITY ? 0.f : __expf(mw - m);
+            acc += c * wo[(w * GROUP + h) * HEAD_DIM + i % HEAD_DIM];
+            l += c * wl[w * GROUP + h];
+        }
+        po[i] = acc;
+        if (i % HEAD_DIM == 0) {
+            float* ml = t.ptr<float>(O::part_ml) + (part * GROUP + h) * 2;
+            ml[0] = m;
+            ml[1] = l;
+        }
+    }
+}
+
 __device__ void op_attn_split(const Task& t, unsigned char* smem) {
+    if constexpr (ATT_WARP) {
+        attn_split_warps(t, smem);
+        return;
+    }
     using O = OPND_ATTN_SPLIT;
     using A = ARG_ATTN_SPLIT;
     const int b = t.arg(A::seq), g = t.arg(A::kv_head), sp = t.arg(A::split);
@@ -246,7 +466,6 @@ __device__ void op_attn_split(const Task& t, unsigned char* smem) {
     float* st_l = st_m + GROUP;                   // [GROUP] running sum
     float* st_a = st_l + GROUP;                   // [GROUP] rescale of this pass
     bf16* vs = reinterpret_cast<bf16*>(smem + ATT_VS_OFF);  // ATTN_STAGE_V: [ATT_CHUNK][HEAD_DIM]
-    bf16* ks = reinterpret_cast<bf16*>(smem + ATT_KS_OFF);  // ATT_SMEM_K: [ATT_CHUNK][ATT_KS_LD]
 
     // this step's key and value where the split rotates its own query (a qkv operand) and holds the
     // step's position: they come from qkv, not from the cache (ROPE_APPEND writes it after the splits)
@@ -302,32 +521,14 @@ __device__ void op_attn_split(const Task& t, unsigned char* smem) {
                             (u32)min(4096, nb - off));
         }
 #endif
-        if constexpr (ATT_SMEM_K) {  // this chunk's K and V in shared memory (Q.K reads K there)
-            // the first chunk of a split rotating its own query was copied in while it waited
-            if (!(fused && c0 == lo))
-                attn_copy_chunk(ks, vs, kc + (size_t)c0 * HEAD_DIM, vc + (size_t)c0 * HEAD_DIM, n, tid, NUM_THREADS);
-            cp_async_wait_all();
-            __syncthreads();
-            if (own >= c0 && own < c0 + n) {  // this step's key and value, from qkv, over the stale row
-                for (int i = tid; i < 2 * ATT_DC; i += NUM_THREADS) {
-                    const int c = i % ATT_DC;
-                    if (i < ATT_DC) *reinterpret_cast<uint4*>(ks + (size_t)(own - c0) * ATT_KS_LD + c * 8) =
-                                        *reinterpret_cast<const uint4*>(own_k + c * 8);
-                    else *reinterpret_cast<uint4*>(vs + (size_t)(own - c0) * HEAD_DIM + c * 8) =
-                             *reinterpret_cast<const uint4*>(own_v + c * 8);
-                }
-                __syncthreads();
-            }
-        } else if constexpr (ATTN_STAGE_V) {  // this chunk's V: each thread copies the pieces it reads in P.V
+        if constexpr (ATTN_STAGE_V) {  // this chunk's V: each thread copies the pieces it reads in P.V
             for (int j = kl; j < n; j += ATT_KL) {
                 if (c0 + j == own) *reinterpret_cast<uint4*>(vs + (size_t)j * HEAD_DIM + dc * 8) =
                                        *reinterpret_cast<const uint4*>(own_v + dc * 8);
                 else cp_async16(vs + (size_t)j * HEAD_DIM + dc * 8, vc + (size_t)(c0 + j) * HEAD_DIM + dc * 8);
             }
         }
-        if constexpr (ATT_SMEM_K) {
-            attn_scores_smem(ks, qx, n, sc);
-        } else if constexpr (ATT_MMA) {  // scores on the tensor cores: key rows x the group's query heads
+        if constexpr (ATT_MMA) {  // scores on the tensor cores: key rows x the group's query heads
             const bf16* const kw[1] = {kc + (size_t)c0 * HEAD_DIM};
             auto epi = [&](int r0, float (&acc)[1][4]) {
                 for_fragment(r0, acc[0], n, [&](int key, int h, float v) { sc[h * ATT_CHUNK + key] = v * ATTN_SCALE; },
@@ -358,7 +559,7 @@ __device__ void op_attn_split(const Task& t, unsigned char* smem) {
         __syncthreads();
         // online softmax statistics, one warp per head
         for (int h = warp; h < GROUP; h += NUM_WARPS) {
-            if (ATT_MMA && !ATT_SMEM_K && own >= c0 && own < c0 + n) {  // this step's key: its score from the rotated row
+            if (ATT_MMA && own >= c0 && own < c0 + n) {  // this step's key: its score from the rotated row
                 float d = 0.f;
                 for (int i = lane; i < HEAD_DIM; i += 32)
                     d = __fmaf_rn(__bfloat162float(qx[h * xs_ld(HEAD_DIM) + i]), __bfloat162float(own_k[i]), d);
@@ -392,7 +593,7 @@ __device__ void op_attn_split(const Task& t, unsigned char* smem) {
 #pragma unroll
             for (int e = 0; e < 8; ++e) o[h][e] *= a;
         }
-        if constexpr (ATTN_STAGE_V && !ATT_SMEM_K) cp_async_wait_all();  // only this thread's own pieces: no barrier
+        if constexpr (ATTN_STAGE_V) cp_async_wait_all();  // only this thread's own pieces: no barrier
 #pragma unroll 8
         for (int j = kl; j < n; j += ATT_KL) {
             float vf[8];

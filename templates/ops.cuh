@@ -561,22 +561,8 @@ __device__ void prefetch_weights(const Task& t) {
             using A = ARG_ATTN_SPLIT;
             int lo, hi;
             attn_key_range(t, lo, hi);
-            if (ATT_SMEM_K && t.has(O::qkv)) {  // the first chunk into shared memory (attention.cuh)
-                bf16* vs = reinterpret_cast<bf16*>(gemv_dyn_smem + ATT_VS_OFF);
-                bf16* ks = reinterpret_cast<bf16*>(gemv_dyn_smem + ATT_KS_OFF);
-#if MKC_PAGED
-                const KvRows krows = kv_rows<O>(t, O::k_cache, t.arg(A::seq), t.arg(A::kv_head));
-                const KvRows vrows = kv_rows<O>(t, O::v_cache, t.arg(A::seq), t.arg(A::kv_head));
-                if (lo < hi)
-                    attn_copy_chunk(ks, vs, krows.row(lo), vrows.row(lo), min(min(ATT_CHUNK, hi - lo), krows.run(lo)),
-                                    (int)threadIdx.x - 32, NUM_THREADS - 32);
-#else
-                const size_t row0 = ((size_t)t.arg(A::seq) * t.dim(O::k_cache, 3) + t.arg(A::kv_head)) * t.dim(O::k_cache, 2);
-                if (lo < hi)
-                    attn_copy_chunk(ks, vs, t.ptr<bf16>(O::k_cache) + (row0 + lo) * HEAD_DIM,
-                                    t.ptr<bf16>(O::v_cache) + (row0 + lo) * HEAD_DIM, min(ATT_CHUNK, hi - lo),
-                                    (int)threadIdx.x - 32, NUM_THREADS - 32);
-#endif
+            if (ATT_WARP && t.has(O::qkv)) {  // each warp's first blocks into its ring (attention.cuh)
+                attw_prologue(attw_ring_lane(gemv_dyn_smem), attn_rows(t), lo, hi);
                 break;
             }
             const int budget = ATTN_PREFETCH_BYTES / 2;  // per cache; 0: one row of each

@@ -96,12 +96,12 @@ class CodegenOptions:
     # 03:45 UTC, splits rotating their own q: batch 1 3356 / 3355 / 3372, batch 8 11647 / 11878 /
     # 12076. Slower at batch 8 (L2 thrash beside the expert stream), no steady gain at 1: off.
     attn_prefetch_bytes: int = 0
-    # Attention splits (with the tensor-core Q.K and attn_stage_v) copy each chunk's K rows into
-    # shared memory too and compute Q.K from there; a split that rotates its own query copies its
-    # first chunk's K and V while it waits for the QKV tiles (those rows were written by earlier
-    # steps). Compiled and checked in CI; NOT YET RUN ON A GPU (written 2026-11-30 after the
-    # session's device time was spent), hence off.
-    attn_stage_k: bool = False
+    # Attention splits where each warp runs its own online softmax over 16-key blocks (both products
+    # on the tensor cores, P rounded to bf16), streamed through a per-warp cp.async ring of this many
+    # blocks (8 KB each at head_dim 128), the first issued while the split waits; the warps merge at
+    # the end. No CTA barrier in the key loop. 0: the CTA-wide chunks above. Lowered to what fits
+    # the shared memory; models whose heads do not fit the tensor-core Q.K keep the chunks.
+    attn_warp_stages: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +137,7 @@ class KernelConfig:
     gemv_early_two_sets: bool
     attn_stage_v: bool
     attn_prefetch_bytes: int
-    attn_stage_k: bool
+    attn_warp_request: int  # CodegenOptions.attn_warp_stages (the fitted count: attn_warp_stages)
 
     @property
     def warps(self) -> int:
@@ -165,6 +165,28 @@ class KernelConfig:
         return per_warp if per_warp >= 2 * 2 * RING_STAGE_BYTES else 0
 
     @property
+    def attn_ring_offset(self) -> int:
+        """Where the warp splits' rings start (attention.cuh: ATTW_RING_OFF)."""
+        qx = _round(8 * (self.head_dim + 32) * 2, 128)
+        return _round(qx + (self.group + 2) * self.head_dim * 2 + (self.group + 1) * 4, 128)
+
+    @property
+    def attn_stage_bytes(self) -> int:
+        """One block of a warp split's ring: 32 lanes x head_dim / 8 pieces of 16 bytes."""
+        return 32 * (self.head_dim // 8) * 16
+
+    @property
+    def attn_warp_stages(self) -> int:
+        """Blocks per warp ring of the warp splits: the request, lowered to what fits the shared
+        memory; 0 (the CTA-wide chunks) when fewer than two fit or the heads do not fit the
+        tensor-core Q.K (head_dim a multiple of 64, at most 8 query heads per KV head)."""
+        if not self.attn_warp_request or self.head_dim % 64 or self.group > 8:
+            return 0
+        room = (MAX_SMEM_BYTES - STATIC_SMEM_RESERVE - self.attn_ring_offset) // (self.warps * self.attn_stage_bytes)
+        stages = min(self.attn_warp_request, room)
+        return stages if stages >= 2 else 0
+
+    @property
     def smem_bytes(self) -> int:
         """Dynamic shared memory: the largest need of any op (bytes)."""
         f = 4
@@ -177,8 +199,8 @@ class KernelConfig:
                      + red + 3 * self.group) * f
         if self.attn_stage_v:  # attention.cuh: V chunk (then every head's key-lane partials), 16-aligned
             attn = _round(attn, 16) + max(self.threads * self.head_dim * 2, self.group * kl * self.head_dim * f)
-            if self.attn_stage_k and self.head_dim % 64 == 0 and self.group <= 8:  # ATT_SMEM_K: K chunk, padded rows
-                attn = _round(attn, 16) + self.threads * (self.head_dim + 8) * 2
+        if self.attn_warp_stages:  # attention.cuh: qx, the own rows, then a ring per warp
+            attn = max(attn, self.attn_ring_offset + self.warps * self.attn_warp_stages * self.attn_stage_bytes)
         combine = _round(self.batch * self.group * self.max_splits * f, 16) + self.threads * 4 * f  # weights, partial sums
         # ops.cuh: positions, qk-norm factors, then the group's q/k/v rows of every sequence
         rope = 128 + _round(self.batch * (self.group + 1) * f, 128) + self.batch * (self.group + 2) * self.head_dim * 2
@@ -274,7 +296,7 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         gemv_pf_batches=options.gemv_pf_batches, desc_mode=options.desc_mode,
         gemv_ring_request=options.gemv_ring_bytes, weights_tiled=tiled,
         gemv_early_two_sets=options.gemv_early_two_sets, attn_stage_v=options.attn_stage_v,
-        attn_prefetch_bytes=options.attn_prefetch_bytes, attn_stage_k=options.attn_stage_k)
+        attn_prefetch_bytes=options.attn_prefetch_bytes, attn_warp_request=options.attn_warp_stages)
     if cfg.smem_bytes > MAX_SMEM_BYTES:
         raise CodegenError(f"shared memory {cfg.smem_bytes} B (widest GEMV k = {max_k}, batch = {cfg.batch}): "
                            f"expected at most {MAX_SMEM_BYTES} B")
@@ -327,7 +349,7 @@ def template_context(cfg: KernelConfig, banner: str) -> dict[str, Any]:
         "gemv_early_two_sets": cv.c_bool(cfg.gemv_early_two_sets),
         "attn_stage_v": cv.c_bool(cfg.attn_stage_v),
         "attn_prefetch_bytes": cv.c_int(cfg.attn_prefetch_bytes),
-        "attn_stage_k": cv.c_bool(cfg.attn_stage_k),
+        "attn_warp_stages": cv.c_int(cfg.attn_warp_stages),
         "max_rank": cv.c_int(MAX_RANK),
         "dtypes": [(cv.c_ident(f"DT_{k.upper()}"), cv.c_int(v)) for k, v in DTYPE_CODES.items()],
         "record_words": [(cv.c_ident(k), cv.c_int(v)) for k, v in RECORD_LAYOUT],
