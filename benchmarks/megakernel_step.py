@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from mkc.codegen import CodegenOptions
 from mkc.ir.spec import load_spec
 from mkc.runtime.bench import (
     decoder_in_place,
@@ -79,6 +80,9 @@ def main() -> None:
                     help="SMs set apart for the attention splits (default: the compiler's choice)")
     ap.add_argument("--rope-in-splits", nargs="+", default=["yes"], choices=["yes", "no"],
                     help="LowerOptions.rope_in_splits values to run (no: a ROPE_APPEND task rotates q first)")
+    ap.add_argument("--warp-stages", type=int, nargs="+", default=[None],
+                    help="CodegenOptions.attn_warp_stages values to run (0: CTA-wide attention chunks; "
+                         "default: the default kernel)")
     a = ap.parse_args()
     spec = load_spec(a.config)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -89,9 +93,11 @@ def main() -> None:
     print(f"read bandwidth {bw / 1e12:.2f} TB/s; weights {sum(w.numel() for w in weights.values()) * 2 / 1e9:.1f} GB "
           f"made in {time.perf_counter() - t0:.1f} s", flush=True)
     rows = []
-    for batch, context, rope in ((b, c, r) for b in a.batch for c in a.context for r in a.rope_in_splits):
+    runs = ((b, c, r, w) for b in a.batch for c in a.context for r in a.rope_in_splits for w in a.warp_stages)
+    for batch, context, rope, stages in runs:
         sc = plan(spec, batch, context, sms, attention_sms=a.attention_sms, rope_in_splits=rope == "yes")
-        with decoder_in_place(sc, spec, weights) as dec:
+        options = CodegenOptions() if stages is None else CodegenOptions(attn_warp_stages=stages)
+        with decoder_in_place(sc, spec, weights, options=options) as dec:
             fill_random_kv(dec, spec)
             tokens = torch.randint(0, spec.vocab_size, (batch,), dtype=torch.int32)
             positions = torch.tensor([context - 1] * batch, dtype=torch.int32)
@@ -103,12 +109,13 @@ def main() -> None:
             nbytes = step_bytes(spec, batch, context, routed)
             r = row("mkc", batch, context, times, nbytes, bw)
             rows.append(r)
-            print(f"batch {batch} context {context} rope in splits {rope}: median {r.step_us:.1f} µs (min {min(times) * 1e6:.1f}, "
+            print(f"batch {batch} context {context} rope in splits {rope} warp stages "
+                  f"{dec.artifact.config.attn_warp_stages}: median {r.step_us:.1f} µs (min {min(times) * 1e6:.1f}, "
                   f"max {max(times) * 1e6:.1f}), {r.tok_s:.0f} tok/s, {r.sol_fraction:.1%} SOL, kernel "
                   f"{dec.artifact.name} ({dec.artifact.regs} regs, {dec.artifact.dynamic_smem} B smem), "
                   f"spread {statistics.pstdev(times) * 1e6:.1f} µs", flush=True)
             if a.profile:
-                print(profile_summary(dec, f"{a.profile}/timeline-b{batch}-c{context}-rope{rope}.npz"), flush=True)
+                print(profile_summary(dec, f"{a.profile}/timeline-b{batch}-c{context}-rope{rope}-w{dec.artifact.config.attn_warp_stages}.npz"), flush=True)
     print(format_table(rows))
     if a.json:
         write_json(rows, a.json, {"gpu": torch.cuda.get_device_name(0), "read_bw": bw, "reps": a.reps})

@@ -83,18 +83,19 @@ def test_nmc_kernel_compiles_without_local_memory(cache, batch):
 def test_codegen_variants_compile_without_local_memory(cache, batch):
     """The kernels benchmarks/kernel_variants.py measures against the default must compile cleanly
     too: the weight ring, two-row-set GEMVs finishing their staging after the first loads,
-    attention splits reading V from global memory, and warp splits (whose dynamic shared memory
-    must be what render.py sizes)."""
+    attention splits in CTA-wide chunks (with V from global memory too), and warp splits with
+    three ring stages (whose dynamic shared memory must be what render.py sizes)."""
     from mkc.codegen import CodegenOptions
 
     spec = load_spec(NMC)
     sc = schedule(lower(spec, batch, 8192, 132), spec.name)
     for options in (CodegenOptions(gemv_ring_bytes=16 * 1024), CodegenOptions(gemv_early_two_sets=True),
-                    CodegenOptions(attn_stage_v=False), CodegenOptions(attn_warp_stages=3)):
+                    CodegenOptions(attn_warp_stages=0), CodegenOptions(attn_warp_stages=0, attn_stage_v=False),
+                    CodegenOptions(attn_warp_stages=3)):
         art = build_kernel(sc, spec, options, cache_dir=cache)
         assert art.spills == 0, f"{options}: ptxas reports {art.spills} bytes of spills\n{art.log}"
         assert not local_memory_ops(disassemble(art.cubin)), options
-        if options.attn_warp_stages:  # 8 warps x 3 blocks x (16 keys x 128 dims of K and V) in flight
+        if options.attn_warp_stages == 3:  # 8 warps x 3 blocks x (16 keys x 128 dims of K and V) in flight
             assert art.dynamic_smem == kernel_config(sc, spec, options).smem_bytes
             assert art.dynamic_smem >= 8 * 3 * 16 * 128 * 2 * 2
 

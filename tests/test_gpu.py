@@ -293,22 +293,21 @@ def test_nmc_matches_mirror(nmc_weights, num_sms, batch, context):
 
 
 @pytest.mark.parametrize("batch, context", [(1, 1), (1, 300), (2, 4097), (1, 8192), (8, 8192)])
-def test_nmc_attention_warp_splits_match_mirror(nmc_weights, num_sms, batch, context):
-    """CodegenOptions.attn_warp_stages: one online softmax per warp over 16-key blocks, both
-    products on the tensor cores, the first blocks copied while the split waits and this step's key
-    and value taken from qkv over the stale cache row. Context 1 attends the step's own key only;
-    300 ends inside a block; 4097 is past the sliding window. The same checks as the default
-    kernel, and reruns bitwise the same."""
+def test_nmc_attention_cta_chunks_match_mirror(nmc_weights, num_sms, batch, context):
+    """CodegenOptions(attn_warp_stages=0): the attention splits in CTA-wide chunks of 256 keys (the
+    default before the warp splits, and what heads that do not fit the tensor-core Q.K still run).
+    Context 1 attends the step's own key only; 300 puts it past the first chunk; 4097 is past the
+    sliding window. The same checks as the default kernel, and reruns bitwise the same."""
     from mkc.codegen import CodegenOptions
 
     spec, weights = nmc_weights
-    dec = nmc_decoder(spec, weights, batch, context, num_sms, CodegenOptions(attn_warp_stages=3))
+    dec = nmc_decoder(spec, weights, batch, context, num_sms, CodegenOptions(attn_warp_stages=0))
     tokens = torch.randint(0, spec.vocab_size, (batch,), dtype=torch.int32)
     positions = nmc_positions(batch, context)
     lg, nt = dec.step(tokens, positions)
     again, nt2 = dec.step(tokens, positions)
     assert torch.equal(lg, again) and torch.equal(nt, nt2), "a rerun differs"
-    check_against_mirror(dec, spec, weights, tokens, positions, lg, nt, f"NMC warp splits b{batch} ctx {context}")
+    check_against_mirror(dec, spec, weights, tokens, positions, lg, nt, f"NMC CTA chunks b{batch} ctx {context}")
 
 
 def check_against_mirror(dec, spec, weights, tokens, positions, lg, nt, what: str) -> None:

@@ -101,7 +101,10 @@ class CodegenOptions:
     # blocks (8 KB each at head_dim 128), the first issued while the split waits; the warps merge at
     # the end. No CTA barrier in the key loop. 0: the CTA-wide chunks above. Lowered to what fits
     # the shared memory; models whose heads do not fit the tensor-core Q.K keep the chunks.
-    attn_warp_stages: int = 0
+    # Measured on an H200 (kernel_variants.py, 2026-11-30 05:56 UTC, North Mini Code at 8K, step
+    # µs for 0 / 2 / 3 stages): batch 1 3256 / 3220 / 3369, batch 2 4431 / 4176 / 4359, batch 4
+    # 6790 / 6309 / 6766, batch 8 10756 / 9876 / 10160.
+    attn_warp_stages: int = 2
 
 
 @dataclass(frozen=True, slots=True)
