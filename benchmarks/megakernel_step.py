@@ -33,7 +33,7 @@ from mkc.runtime.bench import (
 )
 from mkc.runtime.cuda_backend import CudaDecoder
 from mkc.schedule.plan import plan
-from mkc.schedule.profile import format_chain
+from mkc.schedule.profile import format_chain, format_layer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,6 +63,7 @@ def profile_summary(dec: CudaDecoder, path: str) -> str:
                      f"{run[idx].max():>8.2f} {wait[idx].sum():>10.0f} {bw:>10.1f}")
     lines.append(format_chain(dec.schedule, tl["start"], tl["end"]))
     per_layer = [tl["end"][[i for i, t in enumerate(tasks) if t.layer == L]].max() for L in range(-1, max(t.layer for t in tasks) + 1)]
+    lines.append(format_layer(dec.schedule, tl, 10))
     lines.append("layer ends (µs): " + " ".join(f"{x:.0f}" for x in per_layer[:8]) + " ... " +
                  " ".join(f"{x:.0f}" for x in per_layer[-3:]))
     return "\n".join(lines)

@@ -196,6 +196,7 @@ constexpr bool ATT_WARP = ATTN_WARP_STAGES > 0 && ATT_MMA;
 constexpr int ATTW_STAGES = ATTN_WARP_STAGES > 1 ? ATTN_WARP_STAGES : 2;
 constexpr int ATTW_KP = HEAD_DIM / 32;          // 16-byte pieces of one K row a lane holds
 constexpr int ATTW_VP = HEAD_DIM / 64;          // 16-byte pieces of one V row a lane holds
+constexpr int ATTW_KB = HEAD_DIM >= 64 ? HEAD_DIM / 64 : 1;  // 64-wide k blocks (1: never run, see ATT_WARP)
 constexpr int ATTW_PIECES = 2 * ATTW_KP + 4 * ATTW_VP;  // per lane and block: 2 keys of K, 4 of V
 // after the query heads (qx): the split's own q / k / v rows and qk-norm factors (stage_own_query),
 // then the rings; after the key loop the rings hold every warp's m, l and o for the merge
@@ -306,9 +307,9 @@ __device__ void attn_split_warps(const Task& t, unsigned char* smem) {
         __syncthreads();
     }
     // the query fragments (A operand, row lg; rows lg + 8 are zero): the permuted k of the K pieces
-    u32 qa[HEAD_DIM / 64][8];
+    u32 qa[ATTW_KB][8];
 #pragma unroll
-    for (int kb = 0; kb < HEAD_DIM / 64; ++kb) {
+    for (int kb = 0; kb < ATTW_KB; ++kb) {
         const bf16* qr = qx + lg * xs_ld(HEAD_DIM) + 64 * kb + 8 * lq;
         const uint4 x0 = lds16(qr), x1 = lds16(qr + 32);
         qa[kb][0] = x0.x; qa[kb][1] = x0.y; qa[kb][2] = x0.z; qa[kb][3] = x0.w;
@@ -333,7 +334,7 @@ __device__ void attn_split_warps(const Task& t, unsigned char* smem) {
         for (int kt = 0; kt < 2; ++kt) {
             const bool mine = k0 + 8 * kt + lg == own;
 #pragma unroll
-            for (int kb = 0; kb < HEAD_DIM / 64; ++kb) {
+            for (int kb = 0; kb < ATTW_KB; ++kb) {
                 const uint4 k_lo = mine ? lds16(own_k + 64 * kb + 8 * lq) : s[(kt * ATTW_KP + 2 * kb) * 32];
                 const uint4 k_hi = mine ? lds16(own_k + 64 * kb + 32 + 8 * lq) : s[(kt * ATTW_KP + 2 * kb + 1) * 32];
                 const u32 kw[8] = {k_lo.x, k_lo.y, k_lo.z, k_lo.w, k_hi.x, k_hi.y, k_hi.z, k_hi.w};

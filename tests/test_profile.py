@@ -11,7 +11,7 @@ import pytest
 from mkc.ir.lower import lower
 from mkc.ir.spec import load_spec
 from mkc.runtime.bench import write_profile
-from mkc.schedule.profile import critical_chain, format_profile, op_shares
+from mkc.schedule.profile import critical_chain, format_layer, format_profile, op_shares
 from mkc.schedule.scheduler import schedule
 
 
@@ -46,6 +46,24 @@ def test_shares_and_report(sc_tl):
     assert sum(shares.values()) == pytest.approx(1.0) and list(shares.values()) == sorted(shares.values(), reverse=True)
     text = format_profile(sc, tl)
     assert "critical chain:" in text and "waiting" in text and next(iter(shares)) in text
+
+
+def test_layer_view(sc_tl):
+    """Every op of the layer gets a row with its task count, and the layer's chain tasks are listed
+    with the times of the timeline."""
+    sc, tl = sc_tl
+    text = format_layer(sc, tl, 1)
+    ids = [t.id for t in sc.tasks if t.layer == 1]
+    t0 = tl["start"][ids].min()
+    for op in {sc.tasks[i].op.name for i in ids}:
+        n = sum(sc.tasks[i].op.name == op for i in ids)
+        assert any(line.split()[:2] == [op, str(n)] for line in text.splitlines()), (op, text)
+    on_chain = [t for t in critical_chain(sc, tl["start"], tl["end"]).tasks if sc.tasks[t].layer == 1]
+    assert f"on the critical chain: {len(on_chain)} tasks" in text
+    for t in on_chain:
+        assert f"{sc.tasks[t].name}" in text and f"{tl['end'][t] - t0:7.1f}" in text
+    with pytest.raises(ValueError, match="layer 99: no tasks"):
+        format_layer(sc, tl, 99)
 
 
 def test_write_profile_files(sc_tl, tmp_path):

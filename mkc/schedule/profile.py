@@ -92,3 +92,31 @@ def format_chain(sc: Schedule, start, end) -> str:
         lines.append(f"  {op:<14} running {ch.run_us[op]:8.0f} µs, waiting after its blocker signalled "
                      f"{ch.handoff_us.get(op, 0.0):6.0f} µs")
     return "\n".join(lines)
+
+
+def format_layer(sc: Schedule, timeline: Mapping[str, np.ndarray], layer: int) -> str:
+    """One layer of a step, in µs from its first task's start: per op its tasks, first and last
+    start, last end and mean run time; then the layer's tasks on the critical chain (op, SM, the
+    wait for its inputs, start, end), which show which phase holds the layer."""
+    start, end = np.asarray(timeline["start"], dtype=np.float64), np.asarray(timeline["end"], dtype=np.float64)
+    wait = np.asarray(timeline.get("wait", start), dtype=np.float64)
+    sm = np.asarray(timeline.get("sm", np.full(len(start), -1)))
+    ids = [t.id for t in sc.tasks if t.layer == layer]
+    if not ids:
+        raise ValueError(f"layer {layer}: no tasks (the schedule has layers {min(t.layer for t in sc.tasks)}.."
+                         f"{max(t.layer for t in sc.tasks)})")
+    t0 = float(start[ids].min())
+    lines = [f"layer {layer} (µs from its first start, {t0:.1f} µs into the step):",
+             f"  {'op':<14} {'tasks':>5} {'first start':>11} {'last start':>10} {'last end':>9} {'mean run':>9}"]
+    by_op: dict[str, list[int]] = {}
+    for i in ids:
+        by_op.setdefault(sc.tasks[i].op.name, []).append(i)
+    for op, ts in sorted(by_op.items(), key=lambda kv: float(start[kv[1]].min())):
+        lines.append(f"  {op:<14} {len(ts):>5} {start[ts].min() - t0:>11.1f} {start[ts].max() - t0:>10.1f} "
+                     f"{end[ts].max() - t0:>9.1f} {(end[ts] - start[ts]).mean():>9.1f}")
+    chain = [t for t in critical_chain(sc, start, end).tasks if sc.tasks[t].layer == layer]
+    lines.append(f"  on the critical chain: {len(chain)} tasks")
+    for t in chain:
+        lines.append(f"    {sc.tasks[t].name:<28} SM {int(sm[t]):>3}  waits from {wait[t] - t0:7.1f}  runs "
+                     f"{start[t] - t0:7.1f} .. {end[t] - t0:7.1f}")
+    return "\n".join(lines)
