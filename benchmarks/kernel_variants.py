@@ -58,6 +58,8 @@ VARIANTS: dict[str, CodegenOptions] = {
     # one online softmax per warp, blocks streamed through a per-warp ring (CodegenOptions.attn_warp_stages)
     "attn-warps-2": CodegenOptions(attn_warp_stages=2),
     "attn-warps-3": CodegenOptions(attn_warp_stages=3),
+    # LINEAR tiles issue their first weight batch before waiting for their inputs
+    "weights-before-wait": CodegenOptions(weights_before_wait=True),
 }
 
 

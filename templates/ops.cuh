@@ -71,6 +71,21 @@ struct StageFinish {
     }
 };
 
+// WEIGHTS_BEFORE_WAIT: the end of staging for a tile that issued its first weight loads before
+// waiting for its inputs: the wait (every thread), then the activations' copies, then StageFinish.
+template <class O>
+struct WaitStageFinish {
+    const Task& t;
+    unsigned char* smem;
+    int k0, k;
+    __device__ void operator()() const {
+        task_wait(t.w);
+        stage_input_async<O>(t, smem, k0, k);
+        cp_async_wait_all();
+        StageFinish<O>{t, smem, k0, k}();
+    }
+};
+
 struct CopyFinish {  // the end of a plain stage_x_async
     __device__ void operator()() const { cta_barrier(); }
 };
@@ -237,15 +252,14 @@ __device__ void op_topk(const Task& t, unsigned char*) {
     }
 }
 
-// out[slab, b, col0 + i] = sum_k x[b, k0 + k] * w[row0 + i, k0 + k]   (out bf16 or f32)
-__device__ void op_linear(const Task& t, unsigned char* smem) {
+// The GEMV of a LINEAR tile; `finish` ends the staging of its activations (gemv_tile).
+template <class Fin>
+__device__ __forceinline__ void linear_gemv(const Task& t, unsigned char* smem, Fin finish) {
     using O = OPND_LINEAR;
     using A = ARG_LINEAR;
     const int row0 = t.arg(A::row0), rows = t.arg(A::rows), k0 = t.arg(A::k0), k = t.arg(A::k);
     const int col0 = t.arg(A::col0), slab = t.arg(A::slab);
     bf16* xs = gemv_xs(smem);
-    stage_input_async<O>(t, smem, k0, k);
-    const StageFinish<O> finish{t, smem, k0, k};
     const int w_ld = t.dim(O::weight, 1);
     const bf16* const w[1] = {t.ptr<bf16>(O::weight) + weight_tile_offset(row0, k0, w_ld)};
     const int out_ld = t.dim(O::out, 1);
@@ -260,6 +274,19 @@ __device__ void op_linear(const Task& t, unsigned char* smem) {
         gemv_tile<1>(w, w_ld, rows, k, xs, gemv_red(smem), [&](int r0, float (&acc)[1][4]) {
             for_fragment(r0, acc[0], rows, [&](int r, int n, float v) { store_bf16(out + (size_t)n * out_ld + r, v); });
         }, finish);
+    }
+}
+
+// out[slab, b, col0 + i] = sum_k x[b, k0 + k] * w[row0 + i, k0 + k]   (out bf16 or f32)
+__device__ void op_linear(const Task& t, unsigned char* smem) {
+    using O = OPND_LINEAR;
+    using A = ARG_LINEAR;
+    const int k0 = t.arg(A::k0), k = t.arg(A::k);
+    if constexpr (WEIGHTS_BEFORE_WAIT) {  // the kernel loop has not waited: the first weights fly first
+        linear_gemv(t, smem, WaitStageFinish<O>{t, smem, k0, k});
+    } else {
+        stage_input_async<O>(t, smem, k0, k);
+        linear_gemv(t, smem, StageFinish<O>{t, smem, k0, k});
     }
 }
 

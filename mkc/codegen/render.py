@@ -105,6 +105,10 @@ class CodegenOptions:
     # µs for 0 / 2 / 3 stages): batch 1 3256 / 3220 / 3369, batch 2 4431 / 4176 / 4359, batch 4
     # 6790 / 6309 / 6766, batch 8 10756 / 9876 / 10160.
     attn_warp_stages: int = 2
+    # LINEAR tiles (QKV, O-projection, router, dense MLP: weights that do not depend on the step)
+    # issue their first weight batch into registers before waiting for their inputs, then stage
+    # the activations; False: the kernel loop waits first (warps 1.. ask L2 for one row meanwhile).
+    weights_before_wait: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +145,7 @@ class KernelConfig:
     attn_stage_v: bool
     attn_prefetch_bytes: int
     attn_warp_request: int  # CodegenOptions.attn_warp_stages (the fitted count: attn_warp_stages)
+    weights_before_wait: bool
 
     @property
     def warps(self) -> int:
@@ -299,7 +304,8 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         gemv_pf_batches=options.gemv_pf_batches, desc_mode=options.desc_mode,
         gemv_ring_request=options.gemv_ring_bytes, weights_tiled=tiled,
         gemv_early_two_sets=options.gemv_early_two_sets, attn_stage_v=options.attn_stage_v,
-        attn_prefetch_bytes=options.attn_prefetch_bytes, attn_warp_request=options.attn_warp_stages)
+        attn_prefetch_bytes=options.attn_prefetch_bytes, attn_warp_request=options.attn_warp_stages,
+        weights_before_wait=options.weights_before_wait)
     if cfg.smem_bytes > MAX_SMEM_BYTES:
         raise CodegenError(f"shared memory {cfg.smem_bytes} B (widest GEMV k = {max_k}, batch = {cfg.batch}): "
                            f"expected at most {MAX_SMEM_BYTES} B")
@@ -353,6 +359,7 @@ def template_context(cfg: KernelConfig, banner: str) -> dict[str, Any]:
         "attn_stage_v": cv.c_bool(cfg.attn_stage_v),
         "attn_prefetch_bytes": cv.c_int(cfg.attn_prefetch_bytes),
         "attn_warp_stages": cv.c_int(cfg.attn_warp_stages),
+        "weights_before_wait": cv.c_bool(cfg.weights_before_wait),
         "max_rank": cv.c_int(MAX_RANK),
         "dtypes": [(cv.c_ident(f"DT_{k.upper()}"), cv.c_int(v)) for k, v in DTYPE_CODES.items()],
         "record_words": [(cv.c_ident(k), cv.c_int(v)) for k, v in RECORD_LAYOUT],
