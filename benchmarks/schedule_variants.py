@@ -61,17 +61,21 @@ def main() -> None:
     ap.add_argument("--rope-in-splits", nargs="+", default=["yes"], choices=["yes", "no"],
                     help="LowerOptions.rope_in_splits values to lower with (no: a ROPE_APPEND task rotates q "
                          "and the splits wait for it)")
+    ap.add_argument("--mlp-share", nargs="+", default=["rest"], choices=["rest", "bytes"],
+                    help="LowerOptions.mlp_share values to lower with (bytes: the MLP's first GEMV and the QKV "
+                         "projection share the SMs by bytes)")
     ap.add_argument("--build-only", action="store_true", help="compile every variant's kernel (no GPU) and exit")
     ap.add_argument("--sms", type=int, default=132, help="SM count for --build-only")
     a = ap.parse_args()
     a.attention_sms = [None if v == "auto" else int(v) for v in a.attention_sms]
     spec = load_spec(a.config)
-    variants = [(att, rope, name) for att in a.attention_sms for rope in a.rope_in_splits for name in a.variants]
+    variants = [(att, rope, share, name) for att in a.attention_sms for rope in a.rope_in_splits
+                for share in a.mlp_share for name in a.variants]
     if a.build_only:
         for batch in a.batch:
-            for att, rope, name in variants:
+            for att, rope, share, name in variants:
                 sc = plan(spec, batch, a.context, a.sms, attention_sms=att, ceilings=VARIANTS[name],
-                          rope_in_splits=rope == "yes")
+                          rope_in_splits=rope == "yes", mlp_share=share)
                 art = build_kernel(sc, spec)
                 print(f"b{batch} attention_sms={sc.meta['attention_sms']['chosen']} rope in splits {rope} {name}: "
                       f"{art.name} regs {art.regs} spills {art.spills}")
@@ -86,11 +90,11 @@ def main() -> None:
                                generator=torch.Generator().manual_seed(batch))
         positions = torch.full((batch,), a.context - 1, dtype=torch.int32)
         ref = None
-        for att, rope, name in variants:
+        for att, rope, share, name in variants:
             sc = plan(spec, batch, a.context, sms, attention_sms=att, ceilings=VARIANTS[name],
-                      rope_in_splits=rope == "yes")
+                      rope_in_splits=rope == "yes", mlp_share=share)
             label = f"{sc.meta['attention_sms']['chosen']}" + (" (auto)" if att is None else "")
-            label += f", rope in splits {rope}"
+            label += f", rope in splits {rope}, mlp share {share}"
             with decoder_in_place(sc, spec, weights) as dec:
                 fill_random_kv(dec, spec, torch.Generator(device="cuda").manual_seed(batch))
                 logits, _ = dec.step(tokens, positions)

@@ -33,6 +33,11 @@ class LowerOptions:
     # to the KV cache, after the splits (no one in the step waits for it). False: ROPE_APPEND
     # rotates q too and appends first, and the splits wait for it.
     rope_in_splits: bool = True
+    # parallel block with attention_sms > 0: the SMs the MLP's first GEMV (expert gate/up, dense
+    # SwiGLU) fills in one wave. "rest": the SMs the attention splits leave (num_sms -
+    # attention_sms). "bytes": its share of num_sms by bytes against the QKV projection, which
+    # streams beside it before the splits can start.
+    mlp_share: str = "rest"
 
     def check(self) -> None:
         if not 1 <= self.batch <= 8:
@@ -47,6 +52,8 @@ class LowerOptions:
         if self.page_size < 0 or self.page_size > self.context:
             raise SpecError(f"--page-size {self.page_size}: expected 0 (contiguous) or 1 to the context "
                             f"({self.context}) positions per KV page")
+        if self.mlp_share not in ("rest", "bytes"):
+            raise SpecError(f"mlp_share = {self.mlp_share!r}: expected 'rest' or 'bytes'")
         if self.kv_pages < 0 or (self.kv_pages and not self.page_size):
             raise SpecError(f"kv_pages = {self.kv_pages}: expected 0, or a pool size with a page size")
 
@@ -116,9 +123,15 @@ class _Lowerer:
         """SMs the attention splits of one layer fill in one wave (a parallel block only: __init__)."""
         return self.opt.attention_sms or self.opt.num_sms
 
-    def mlp_sms(self) -> int:
-        """SMs the MLP's first GEMV (dense SwiGLU or expert gate/up) fills beside the splits."""
-        return self.opt.num_sms - self.opt.attention_sms
+    def mlp_sms(self, mlp_bytes: int) -> int:
+        """SMs the MLP's first GEMV (dense SwiGLU or expert gate/up, ``mlp_bytes`` of weights in one
+        layer) fills beside the attention (LowerOptions.mlp_share)."""
+        opt = self.opt
+        if opt.mlp_share == "rest" or not opt.attention_sms:
+            return opt.num_sms - opt.attention_sms
+        a = self.spec.attention
+        qkv_bytes = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim * self.spec.hidden_size * 2
+        return max(1, min(opt.num_sms, round(opt.num_sms * mlp_bytes / (mlp_bytes + qkv_bytes))))
 
     # -- ops -----------------------------------------------------------------------------------
     def linear(self, layer: int, label: str, x: Buffer | Normed, w: Buffer, out: Buffer, *, k0: int = 0,
@@ -141,7 +154,7 @@ class _Lowerer:
 
     def swiglu(self, layer: int, label: str, x: Buffer | Normed, w: Buffer, out: Buffer, inter: int) -> None:
         H, B = w.shape[1], self.opt.batch
-        tile = row_tile(inter, 2 * H * DTYPE_BYTES[w.dtype], 1, self.mlp_sms())
+        tile = row_tile(inter, 2 * H * DTYPE_BYTES[w.dtype], 1, self.mlp_sms(inter * 2 * H * DTYPE_BYTES[w.dtype]))
         xin, xreads = gemv_input(x)
         for lo, hi in tiles(inter, tile):
             self.emit(Opcode.SWIGLU, layer, f"L{layer}.{label}[{lo}:{hi}]", {**xin, "weight": w, "out": out},
@@ -345,7 +358,7 @@ class _Lowerer:
         wd = self.buf(f"{P}.w_experts_down", (E, H, I), "bf16", "weight", "[experts, hidden, inter]")
         h = self.buf(f"{P}.moe_h", (slots, B, I), "bf16", "act", "[slots, B, inter]")
         out = self.buf(f"{P}.moe_out", (slots, B, H), "f32", "act", "[slots, B, hidden] weighted expert outputs")
-        up_tile = row_tile(I, 2 * H * 2, slots, self.mlp_sms())
+        up_tile = row_tile(I, 2 * H * 2, slots, self.mlp_sms(slots * I * 2 * H * 2))
         xin, xreads = gemv_input(n)
         down_tile = row_tile(H, I * 2, slots, opt.num_sms)
         for j in range(slots):
@@ -390,9 +403,9 @@ class _Lowerer:
 
 
 def lower(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int = 0, kv_pages: int = 0,
-          attention_sms: int = 0, rope_in_splits: bool = True) -> Program:
+          attention_sms: int = 0, rope_in_splits: bool = True, mlp_share: str = "rest") -> Program:
     """Lower a model into a Program (buffers, tasks in program order, derived DAG)."""
     opt = LowerOptions(batch=batch, context=context, num_sms=num_sms, page_size=page_size, kv_pages=kv_pages,
-                       attention_sms=attention_sms, rope_in_splits=rope_in_splits)
+                       attention_sms=attention_sms, rope_in_splits=rope_in_splits, mlp_share=mlp_share)
     opt.check()
     return _Lowerer(spec, opt).lower()

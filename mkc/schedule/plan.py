@@ -60,7 +60,7 @@ def probe_spec(spec: ModelSpec) -> ModelSpec:
 
 def choose_attention_sms(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int = 0,
                          kv_pages: int = 0, ceilings: Ceilings = H200,
-                         rope_in_splits: bool = True) -> tuple[int, dict[int, float]]:
+                         rope_in_splits: bool = True, mlp_share: str = "rest") -> tuple[int, dict[int, float]]:
     """The candidate whose probe schedule is predicted fastest (ties: the smaller), and every
     candidate's predicted probe step in µs."""
     cands = attention_sms_candidates(spec, batch, num_sms)
@@ -69,17 +69,18 @@ def choose_attention_sms(spec: ModelSpec, batch: int, context: int, num_sms: int
     probe = probe_spec(spec)
     ranking = dataclasses.replace(ceilings, split_bw=0.0)  # see the module doc
     predicted = {a: schedule(lower(probe, batch, context, num_sms, page_size, kv_pages, attention_sms=a,
-                                   rope_in_splits=rope_in_splits),
+                                   rope_in_splits=rope_in_splits, mlp_share=mlp_share),
                              probe.name, ranking).predicted["step_us"] for a in cands}
     return min(cands, key=lambda a: (predicted[a], a)), predicted
 
 
 def plan(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int = 0, kv_pages: int = 0,
-         attention_sms: int | None = None, ceilings: Ceilings = H200, rope_in_splits: bool = True) -> Schedule:
+         attention_sms: int | None = None, ceilings: Ceilings = H200, rope_in_splits: bool = True,
+         mlp_share: str = "rest") -> Schedule:
     """Lower and schedule one decode step: the schedule every runtime path runs.
     ``attention_sms=None`` lets the compiler choose (see the module doc); the choice, who made it
     and the candidates' measured or predicted step are in ``meta["attention_sms"]``.
-    ``rope_in_splits``: LowerOptions.rope_in_splits."""
+    ``rope_in_splits``, ``mlp_share``: the LowerOptions fields."""
     how = {"chosen_by": "asked", "probe_predicted_us": {}}
     if attention_sms is None:
         measured = tuning.lookup(tuning.tuning_key(spec, batch, context, num_sms, page_size))
@@ -89,12 +90,13 @@ def plan(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int
                    "measured_on": measured.get("gpu", "?"), "measured_at": measured.get("date", "?")}
         else:
             attention_sms, tried = choose_attention_sms(spec, batch, context, num_sms, page_size, kv_pages,
-                                                        ceilings, rope_in_splits)
+                                                        ceilings, rope_in_splits, mlp_share)
             how = {"chosen_by": "compiler" if tried else "only candidate",
                    "probe_predicted_us": {str(a): us for a, us in tried.items()}}
     program = lower(spec, batch, context, num_sms, page_size, kv_pages, attention_sms=attention_sms,
-                    rope_in_splits=rope_in_splits)
+                    rope_in_splits=rope_in_splits, mlp_share=mlp_share)
     sc = schedule(program, spec.name, ceilings)
     sc.meta["attention_sms"] = {"chosen": attention_sms, **how}
     sc.meta["rope_in_splits"] = rope_in_splits
+    sc.meta["mlp_share"] = mlp_share
     return sc
