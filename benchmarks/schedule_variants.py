@@ -61,7 +61,7 @@ def main() -> None:
     ap.add_argument("--rope-in-splits", nargs="+", default=["yes"], choices=["yes", "no"],
                     help="LowerOptions.rope_in_splits values to lower with (no: a ROPE_APPEND task rotates q "
                          "and the splits wait for it)")
-    ap.add_argument("--mlp-share", nargs="+", default=["rest"], choices=["rest", "bytes"],
+    ap.add_argument("--mlp-share", nargs="+", default=["bytes"], choices=["rest", "bytes"],
                     help="LowerOptions.mlp_share values to lower with (bytes: the MLP's first GEMV and the QKV "
                          "projection share the SMs by bytes)")
     ap.add_argument("--build-only", action="store_true", help="compile every variant's kernel (no GPU) and exit")

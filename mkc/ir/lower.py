@@ -34,10 +34,13 @@ class LowerOptions:
     # rotates q too and appends first, and the splits wait for it.
     rope_in_splits: bool = True
     # parallel block with attention_sms > 0: the SMs the MLP's first GEMV (expert gate/up, dense
-    # SwiGLU) fills in one wave. "rest": the SMs the attention splits leave (num_sms -
-    # attention_sms). "bytes": its share of num_sms by bytes against the QKV projection, which
-    # streams beside it before the splits can start.
-    mlp_share: str = "rest"
+    # SwiGLU) fills in one wave. "bytes": its share of num_sms by bytes against the QKV projection,
+    # which streams beside it before the splits can start (North Mini Code at batch 1: 96 expert
+    # tiles of 64 rows instead of 64 of 96). "rest": the SMs the attention splits leave (num_sms -
+    # attention_sms). Measured on an H200 (benchmarks/schedule_variants.py, 2026-11-30 06:18 UTC,
+    # step µs bytes / rest at the tuned attention SMs): batch 1 3072 / 3190, batch 2 4066 / 4119,
+    # batch 4 6112 / 6120; batch 8 lowers the same either way.
+    mlp_share: str = "bytes"
 
     def check(self) -> None:
         if not 1 <= self.batch <= 8:
@@ -403,7 +406,7 @@ class _Lowerer:
 
 
 def lower(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int = 0, kv_pages: int = 0,
-          attention_sms: int = 0, rope_in_splits: bool = True, mlp_share: str = "rest") -> Program:
+          attention_sms: int = 0, rope_in_splits: bool = True, mlp_share: str = "bytes") -> Program:
     """Lower a model into a Program (buffers, tasks in program order, derived DAG)."""
     opt = LowerOptions(batch=batch, context=context, num_sms=num_sms, page_size=page_size, kv_pages=kv_pages,
                        attention_sms=attention_sms, rope_in_splits=rope_in_splits, mlp_share=mlp_share)

@@ -60,7 +60,7 @@ def probe_spec(spec: ModelSpec) -> ModelSpec:
 
 def choose_attention_sms(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int = 0,
                          kv_pages: int = 0, ceilings: Ceilings = H200,
-                         rope_in_splits: bool = True, mlp_share: str = "rest") -> tuple[int, dict[int, float]]:
+                         rope_in_splits: bool = True, mlp_share: str = "bytes") -> tuple[int, dict[int, float]]:
     """The candidate whose probe schedule is predicted fastest (ties: the smaller), and every
     candidate's predicted probe step in µs."""
     cands = attention_sms_candidates(spec, batch, num_sms)
@@ -76,7 +76,7 @@ def choose_attention_sms(spec: ModelSpec, batch: int, context: int, num_sms: int
 
 def plan(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int = 0, kv_pages: int = 0,
          attention_sms: int | None = None, ceilings: Ceilings = H200, rope_in_splits: bool = True,
-         mlp_share: str = "rest") -> Schedule:
+         mlp_share: str = "bytes") -> Schedule:
     """Lower and schedule one decode step: the schedule every runtime path runs.
     ``attention_sms=None`` lets the compiler choose (see the module doc); the choice, who made it
     and the candidates' measured or predicted step are in ``meta["attention_sms"]``.
