@@ -42,6 +42,10 @@ class Ceilings:
     # the share, the scheduler stacked two splits of a layer on one SM at batch 4 and 8; at 16 GB/s
     # it does not, and the step measured -1.6% / -5.1% / +2.1% / -5.6% at batch 1 / 2 / 4 / 8
     # (benchmarks/schedule_variants.py, 03:57 UTC, attention splits rotating their own query).
+    # The warp splits (CodegenOptions.attn_warp_stages) stream faster (fits of 26-30 GB/s), yet
+    # 16 GB/s still places better: the share measured +2.5% / +2.2% / +0.3% / +10.8% at batch
+    # 1 / 2 / 4 / 8 (schedule_variants.py, 06:29 UTC). The placement is what the rate tunes, not
+    # a prediction of the split alone.
     # The planner ranks its attention-SM candidates at the share all the same (plan.py says why).
     split_bw: float = 16e9
 
