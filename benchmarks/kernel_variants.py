@@ -58,8 +58,12 @@ VARIANTS: dict[str, CodegenOptions] = {
     # one online softmax per warp, blocks streamed through a per-warp ring (CodegenOptions.attn_warp_stages)
     "attn-warps-2": CodegenOptions(attn_warp_stages=2),
     "attn-warps-3": CodegenOptions(attn_warp_stages=3),
-    # LINEAR tiles issue their first weight batch before waiting for their inputs
-    "weights-before-wait": CodegenOptions(weights_before_wait=True),
+    # LINEAR tiles wait for their inputs after issuing their first weight batch, expert-down tiles
+    # after reading the routing (the default since 2026-11-30); off: the kernel loop waits first
+    "weights-after-wait": CodegenOptions(weights_before_wait=False),
+    # expert-down tiles ask L2 for the start of their weights once the routing is read
+    "down-prefetch-64k": CodegenOptions(run_prefetch_bytes=64 * 1024),
+    "down-prefetch-256k": CodegenOptions(run_prefetch_bytes=256 * 1024),
 }
 
 

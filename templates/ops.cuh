@@ -348,6 +348,11 @@ __device__ void op_expert_swiglu(const Task& t, unsigned char* smem) {
 }
 
 // out[slot, b, row0 + i] = weights[slot, b] * (h[slot, b] . Wd[e, row0 + i]); no-op past count
+// out[slot, b, row0 + i] = weight(b, e) * (h[slot, b] . Wd[e, row0 + i]), e = the expert of
+// routing slot `slot`; a no-op when slot >= count. With WEIGHTS_BEFORE_WAIT the task waits itself,
+// in two parts: first the routing (mkc/codegen/taskwords.py lists the router's counter first for
+// EXPERT_DOWN), which names the expert, so the tile asks L2 for the start of its weights
+// (RUN_PREFETCH_BYTES) while it waits for the hidden states; a no-op slot waits for nothing more.
 __device__ void op_expert_down(const Task& t, unsigned char* smem) {
     using O = OPND_EXPERT_DOWN;
     using A = ARG_EXPERT_DOWN;
@@ -355,7 +360,8 @@ __device__ void op_expert_down(const Task& t, unsigned char* smem) {
     const int k = t.dim(O::h, 1), tokens = t.dim(O::h, 2);
     bf16* xs = gemv_xs(smem);
     const bf16* h = t.ptr<bf16>(O::h) + (size_t)slot * tokens * k;
-    stage_x_async(xs, h, k, 0, k);  // in flight while the routing is derived
+    if constexpr (WEIGHTS_BEFORE_WAIT) task_wait(t.w, 0, 1);
+    else stage_x_async(xs, h, k, 0, k);  // in flight while the routing is derived
     const Routing& rt = route_tokens(t.ptr<float>(O::logits));
     if (slot >= rt.count) return;
     const int e = rt.experts[slot];
@@ -365,6 +371,10 @@ __device__ void op_expert_down(const Task& t, unsigned char* smem) {
     const int w_ld = t.dim(O::weight, 1), w_rows = t.dim(O::weight, 2);
     const bf16* const w[1] = {t.ptr<bf16>(O::weight) + ((size_t)e * w_rows + row0) * w_ld};
     prefetch_rows_all(w[0], rows, k, w_ld, RUN_PREFETCH_BYTES);
+    if constexpr (WEIGHTS_BEFORE_WAIT) {
+        task_wait(t.w, 1);
+        stage_x_async(xs, h, k, 0, k);
+    }
     const CopyFinish finish;
     const int out_ld = t.dim(O::out, 1);
     float* out = t.ptr<float>(O::out) + (size_t)slot * t.dim(O::out, 2) * out_ld + row0;

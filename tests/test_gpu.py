@@ -215,16 +215,19 @@ def test_tiny_deterministic(tiny, num_sms):
         assert torch.equal(first, again) and torch.equal(tok, tok2), "the same inputs gave different logits"
 
 
-def test_watchdog_names_stuck_task(tiny, num_sms, monkeypatch):
+@pytest.mark.parametrize("victim_op", ["ARGMAX", "LINEAR", "EXPERT_DOWN"])
+def test_watchdog_names_stuck_task(tiny, num_sms, monkeypatch, victim_op):
     """A wait that can never be met makes the step fail fast with the task and counter named;
-    the GPU stays usable."""
+    the GPU stays usable. ARGMAX waits in the kernel loop (the last task: nothing waits on it);
+    a LINEAR tile waits inside its GEMV, after its first weight loads; an expert-down tile of slot
+    0 (always routed to) waits in two parts, and the unmet wait is in the second."""
     import dataclasses
 
     from mkc.runtime.cuda_backend import CudaDecoder, StepTimeout
 
     spec, weights = tiny
     sc = plan(spec, 1, 16, num_sms)
-    victim = next(t for t in sc.tasks if t.op.name == "ARGMAX")  # the last task: nothing waits on it
+    victim = next(t for t in sc.tasks if t.op.name == victim_op and (victim_op != "EXPERT_DOWN" or t.arg("slot") == 0))
     waits = [list(w) for w in sc.waits]
     waits[victim.id].append((0, sc.counters[0].target + 1))  # one more signal than there are producers
     bad = dataclasses.replace(sc, waits=waits)

@@ -107,7 +107,9 @@ class CodegenOptions:
     attn_warp_stages: int = 2
     # LINEAR tiles (QKV, O-projection, router, dense MLP: weights that do not depend on the step)
     # issue their first weight batch into registers before waiting for their inputs, then stage
-    # the activations; False: the kernel loop waits first (warps 1.. ask L2 for one row meanwhile).
+    # the activations; expert-down tiles wait for the routing first, read which expert they
+    # stream, ask L2 for its first RUN_PREFETCH_BYTES (one row at 0), then wait for their hidden
+    # states. False: the kernel loop waits first (warps 1.. ask L2 for one row meanwhile).
     # Measured on an H200 (kernel_variants.py, 2026-11-30 06:14 UTC, North Mini Code at 8K, logits
     # bitwise equal to the default's): batch 1 3197 µs against 3195, batch 2 4072 / 4159, batch 4
     # 6186 / 6259, batch 8 9566 / 9859.

@@ -6,7 +6,10 @@ The kernel binary depends only on shapes and tiling; the schedule reaches it as 
   Words: opcode, task id, wait offset, wait count, signal counter (-1 = none), one buffer-table
   index per operand role of ``OP_INFO`` (-1 = absent), the integer arguments, zero padding.
 * ``queue_start`` — int32 ``[num_sms + 1]``: SM ``i`` runs records ``queue_start[i]:queue_start[i+1]``.
-* ``waits`` — int32 ``[n, 2]``: ``(counter id, target per step)``, indexed by the wait offset.
+* ``waits`` — int32 ``[n, 2]``: ``(counter id, target per step)``, indexed by the wait offset. An
+  EXPERT_DOWN record lists the counter of the router tiles first (implied by its other waits,
+  so redundant for the schedule): the kernel may wait for it alone, derive which expert's weights
+  it streams and ask L2 for them, then wait for the rest (ops.cuh: op_expert_down).
 * the buffer table — ``BUF_DESC`` records ``{ptr, shape (left-padded with 1s), dtype}`` in
   ``buffer_names`` order; the runtime fills in the pointers (``buffer_table``).
 
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mkc.ir.ops import OP_INFO
+from mkc.ir.ops import OP_INFO, Opcode
 from mkc.schedule.schedule import Schedule
 
 MAX_OPERANDS = max(len(i.operands) for i in OP_INFO.values())
@@ -56,6 +59,19 @@ class TaskWords:
     num_counters: int  # counters the kernel touches
 
 
+def routing_wait(schedule: Schedule, tid: int, writers: dict[str, set[int]]) -> tuple[int, int]:
+    """(counter, target) of the tiles that write the router logits an EXPERT_DOWN task reads;
+    ``writers`` maps each buffer to the counters whose producers write it."""
+    t = schedule.tasks[tid]
+    logits = t.operands[OP_INFO[t.op].operands.index("logits")]
+    found = writers.get(logits, set())
+    if len(found) != 1:
+        raise EncodeError(f"task {t.id} ({t.name}): the router logits {logits} are written under "
+                          f"{len(found)} counters: expected the router tiles to signal exactly one")
+    c = schedule.counters[next(iter(found))]
+    return c.id, c.target
+
+
 def encode(schedule: Schedule) -> TaskWords:
     """Encode the schedule's queues, waits and signals (raises EncodeError on bad indices)."""
     names = tuple(schedule.buffers)
@@ -71,6 +87,11 @@ def encode(schedule: Schedule) -> TaskWords:
     records = np.zeros((n_tasks, RECORD_WORDS), dtype=np.int32)
     queue_start = np.zeros(schedule.num_sms + 1, dtype=np.int32)
     waits: list[tuple[int, int]] = []
+    writers: dict[str, set[int]] = {}
+    for c in schedule.counters:
+        for p in c.producers:
+            for region in schedule.tasks[p].writes:
+                writers.setdefault(region.buffer, set()).add(c.id)
     row = 0
     for sm, queue in enumerate(schedule.queues):
         queue_start[sm] = row
@@ -79,8 +100,12 @@ def encode(schedule: Schedule) -> TaskWords:
             info = OP_INFO[t.op]
             r = records[row]
             r[W_OP], r[W_ID] = int(t.op), t.id
-            r[W_WAIT_OFF], r[W_WAIT_CNT] = len(waits), len(schedule.waits[tid])
-            waits.extend(schedule.waits[tid])
+            task_waits = [tuple(w) for w in schedule.waits[tid]]
+            if t.op == Opcode.EXPERT_DOWN:  # the routing first (see the module doc)
+                first = routing_wait(schedule, tid, writers)
+                task_waits = [first, *(w for w in task_waits if w[0] != first[0])]
+            r[W_WAIT_OFF], r[W_WAIT_CNT] = len(waits), len(task_waits)
+            waits.extend(task_waits)
             r[W_SIGNAL] = schedule.signals[tid]
             if len(t.operands) != len(info.operands) or len(t.args) != len(info.args):
                 raise EncodeError(f"task {t.id} ({t.name}): operands/args do not match OP_INFO[{t.op.name}]")
