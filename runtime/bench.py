@@ -420,9 +420,10 @@ def _write_profile(dec, sc, spec: ModelSpec, path: Path) -> None:
 def write_profile(sc, tl: dict, path: Path) -> None:
     """A step's per-task timeline as a Perfetto trace (same layout as mkc compile's trace.json, whose
     predicted step is written beside it as ``*.predicted.json``), with the critical chain on a track
-    of its own; and ``*.txt``: the per-op share of SM time and the critical chain (profile.py)."""
+    of its own; and ``*.txt``: the per-op share of SM time, the critical chain, and the middle
+    layer's phases and chain tasks (profile.py)."""
     from mkc.schedule import visualize
-    from mkc.schedule.profile import critical_chain, format_profile
+    from mkc.schedule.profile import critical_chain, format_layer, format_profile
 
     events = []
     for sm in range(len(sc.queues)):
@@ -446,7 +447,9 @@ def write_profile(sc, tl: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ns"}))
     visualize.write_trace(sc, path.with_suffix(".predicted.json"))
-    path.with_suffix(".txt").write_text(format_profile(sc, tl) + "\n")
+    layers = sorted({t.layer for t in sc.tasks if t.layer >= 0})
+    middle = f"\n\n{format_layer(sc, tl, layers[len(layers) // 2])}" if layers else ""
+    path.with_suffix(".txt").write_text(format_profile(sc, tl) + middle + "\n")
 
 
 def bench_main(a) -> int:

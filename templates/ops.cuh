@@ -347,7 +347,6 @@ __device__ void op_expert_swiglu(const Task& t, unsigned char* smem) {
     gemv_tile<2>(w, w_ld, rows, k, xs, gemv_red(smem), SwigluStore{out, out_ld, rows}, finish);
 }
 
-// out[slot, b, row0 + i] = weights[slot, b] * (h[slot, b] . Wd[e, row0 + i]); no-op past count
 // out[slot, b, row0 + i] = weight(b, e) * (h[slot, b] . Wd[e, row0 + i]), e = the expert of
 // routing slot `slot`; a no-op when slot >= count. With WEIGHTS_BEFORE_WAIT the task waits itself,
 // in two parts: first the routing (mkc/codegen/taskwords.py lists the router's counter first for

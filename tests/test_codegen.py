@@ -100,6 +100,24 @@ def test_codegen_variants_compile_without_local_memory(cache, batch):
             assert art.dynamic_smem >= 8 * 3 * 16 * 128 * 2 * 2
 
 
+def test_warp_split_rings_fit_the_shared_memory(nmc, tiny):
+    """CodegenOptions.attn_warp_stages is lowered to the rings that fit beside the rest of the
+    attention's shared memory (8 warps x 8 KB per stage at head_dim 128: three fit, four do not),
+    and is 0 (the CTA-wide chunks) for heads the tensor-core Q.K cannot take (head_dim 32)."""
+    from mkc.codegen import CodegenOptions
+    from mkc.codegen.render import MAX_SMEM_BYTES
+
+    sc = schedule(lower(nmc, 1, 8192, 132), nmc.name)
+    for asked, fitted in ((0, 0), (2, 2), (3, 3), (10, 3)):
+        cfg = kernel_config(sc, nmc, CodegenOptions(attn_warp_stages=asked))
+        assert cfg.attn_warp_stages == fitted, (asked, cfg.attn_warp_stages)
+        assert cfg.smem_bytes <= MAX_SMEM_BYTES
+        if fitted:
+            assert cfg.smem_bytes >= cfg.attn_ring_offset + 8 * fitted * 32 * 16 * 16
+    spec, tsc = tiny
+    assert kernel_config(tsc, spec, CodegenOptions(attn_warp_stages=2)).attn_warp_stages == 0
+
+
 def test_rendered_enum_and_dispatch_match_opcode(tiny):
     spec, sc = tiny
     src = render_source(kernel_config(sc, spec), "test")

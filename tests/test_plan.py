@@ -47,7 +47,7 @@ def test_probe_holds_one_layer_of_each_kind(nmc):
 
 def test_attention_sms_gives_the_splits_their_own_wave(nmc):
     """Batch 1: 4 (sequence, KV head) streams; 32 attention SMs give 8 splits per stream, and the
-    expert gate/up tiles fill the other 100 SMs (96 tiles: 8 experts x 12 tiles of 64 rows)."""
+    expert gate/up tiles fill their share of the SMs (96 tiles: 8 experts x 12 tiles of 64 rows)."""
     default = layer_ops(lower(nmc, 1, 8192, 132), 1)
     split = layer_ops(lower(nmc, 1, 8192, 132, attention_sms=32), 1)
     assert default["ATTN_SPLIT"] == 128 and default["EXPERT_SWIGLU"] == 128
@@ -56,6 +56,21 @@ def test_attention_sms_gives_the_splits_their_own_wave(nmc):
         assert split[op] == default[op], op
     # global layers hold the whole context: the same 32 splits, each twice as long
     assert layer_ops(lower(nmc, 1, 8192, 132, attention_sms=32), 4)["ATTN_SPLIT"] == 32
+
+
+def test_mlp_tiles_share_the_sms_by_bytes_against_qkv(nmc):
+    """LowerOptions.mlp_share: with 64 attention SMs at batch 1, "rest" sizes the expert gate/up
+    tiles for the 68 SMs the splits leave (8 experts x 8 tiles of 96 rows); "bytes" for their share
+    against the QKV projection (50 MB against 21 MB: 93 SMs, 8 x 12 tiles of 64 rows). Without
+    attention SMs both fill every SM; nothing else of the layer changes."""
+    rest = layer_ops(lower(nmc, 1, 8192, 132, attention_sms=64, mlp_share="rest"), 1)
+    share = layer_ops(lower(nmc, 1, 8192, 132, attention_sms=64, mlp_share="bytes"), 1)
+    assert rest["EXPERT_SWIGLU"] == 64 and share["EXPERT_SWIGLU"] == 96
+    assert {op: n for op, n in rest.items() if op != "EXPERT_SWIGLU"} == \
+        {op: n for op, n in share.items() if op != "EXPERT_SWIGLU"}
+    assert layer_ops(lower(nmc, 1, 8192, 132, mlp_share="rest"), 1) == layer_ops(lower(nmc, 1, 8192, 132), 1)
+    with pytest.raises(SpecError, match="mlp_share = 'half': expected 'rest' or 'bytes'"):
+        lower(nmc, 1, 8192, 132, attention_sms=64, mlp_share="half")
 
 
 @pytest.mark.parametrize("batch, attention_sms", [(1, 32), (8, 64)])

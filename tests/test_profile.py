@@ -74,4 +74,6 @@ def test_write_profile_files(sc_tl, tmp_path):
     chain_track = [e for e in events if e.get("tid") == len(sc.queues) and e["ph"] == "X"]
     assert len(chain_track) == len(critical_chain(sc, tl["start"], tl["end"]).tasks)
     assert json.loads(path.with_suffix(".predicted.json").read_text())["otherData"]["source"].endswith("(predicted)")
-    assert "critical chain" in path.with_suffix(".txt").read_text()
+    report = path.with_suffix(".txt").read_text()
+    layers = sorted({t.layer for t in sc.tasks if t.layer >= 0})
+    assert "critical chain" in report and f"layer {layers[len(layers) // 2]} (µs from its first start" in report

@@ -111,8 +111,11 @@ class CodegenOptions:
     # stream, ask L2 for its first RUN_PREFETCH_BYTES (one row at 0), then wait for their hidden
     # states. False: the kernel loop waits first (warps 1.. ask L2 for one row meanwhile).
     # Measured on an H200 (kernel_variants.py, 2026-11-30 06:14 UTC, North Mini Code at 8K, logits
-    # bitwise equal to the default's): batch 1 3197 µs against 3195, batch 2 4072 / 4159, batch 4
-    # 6186 / 6259, batch 8 9566 / 9859.
+    # bitwise equal to the default's), LINEAR tiles only: batch 1 3197 µs against 3195, batch 2
+    # 4072 / 4159, batch 4 6186 / 6259, batch 8 9566 / 9859. With the expert-down tiles too (06:43
+    # UTC, against False in the same run): batch 1 3092 / 3115, batch 2 3979 / 4082, batch 4 6179 /
+    # 6244, batch 8 9533 / 9610. RUN_PREFETCH_BYTES = 64 KB there: 0.6-1.6% faster at batch 1-4,
+    # 2.0% slower at batch 8 (one row stays).
     weights_before_wait: bool = True
 
 
