@@ -293,8 +293,8 @@ def run_bench(spec: ModelSpec, weights: dict[str, torch.Tensor], batches: list[i
               log=print) -> list[Row | Skip]:
     """Megakernel and CUDA-graph PyTorch baseline, side by side, per (batch, context); the
     megakernel's KV cache paged when ``page_size`` > 0 (under the identity page table). With
-    ``tune``, each point first times every attention-SM count (tune_attention_sms), so the
-    megakernel row runs the measured fastest.
+    ``tune``, each point first times every attention-SM count (tune_attention_sms); the fastest
+    count's run is the megakernel row (with ``profile_dir``, that count runs again, profiled).
 
     Before each engine allocates anything its memory estimate (memory_estimate) is compared with
     the GPU's free memory: an engine that does not fit is skipped with a Skip saying what it needed
@@ -314,12 +314,16 @@ def run_bench(spec: ModelSpec, weights: dict[str, torch.Tensor], batches: list[i
                 if why is None:
                     try:
                         if engine == "mkc":
-                            if tune:
-                                tune_attention_sms(spec, weights, batch, context, sms=sms, bw=bw, reps=reps,
-                                                   page_size=page_size, log=log)
-                            out.append(_megakernel_row(spec, weights, batch, context, sms=sms, bw=bw,
-                                                       reps=reps, page_size=page_size,
-                                                       profile_dir=profile_dir, log=log))
+                            tuned = _tune(spec, weights, batch, context, sms=sms, bw=bw, reps=reps,
+                                          page_size=page_size, log=log) if tune else None
+                            if tuned and profile_dir is None:  # the fastest count's run is the row
+                                for line in tuned[2]:
+                                    log(line)
+                                out.append(tuned[1])
+                            else:
+                                out.append(_megakernel_row(spec, weights, batch, context, sms=sms, bw=bw,
+                                                           reps=reps, page_size=page_size,
+                                                           profile_dir=profile_dir, log=log))
                         else:
                             out.append(_baseline_row(spec, weights, batch, context, bw=bw, reps=reps))
                         continue
@@ -342,6 +346,14 @@ def tune_attention_sms(spec: ModelSpec, weights: dict[str, torch.Tensor], batch:
     """Time the megakernel with every attention-SM count the planner considers at this point
     (mkc/schedule/plan.py) and record the fastest (mkc/schedule/tuning.py); None when there is
     only one candidate. Every count runs the same tokens and KV cache."""
+    best = _tune(spec, weights, batch, context, sms=sms, bw=bw, reps=reps, page_size=page_size, log=log)
+    return best[0] if best else None
+
+
+def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context: int, *, sms: int, bw: float,
+          reps: int, page_size: int, log) -> tuple[int, Row, list[str]] | None:
+    """tune_attention_sms, also returning the fastest count's row and the lines its run logged
+    (so that mkc bench --tune reports that run instead of timing the count again)."""
     from mkc.schedule import tuning
     from mkc.schedule.plan import attention_sms_candidates
 
@@ -349,10 +361,13 @@ def tune_attention_sms(spec: ModelSpec, weights: dict[str, torch.Tensor], batch:
     if len(candidates) == 1:
         return None
     measured: dict[int, float] = {}
+    runs: dict[int, tuple[Row, list[str]]] = {}
     for a in candidates:
+        lines: list[str] = []
         r = _megakernel_row(spec, weights, batch, context, sms=sms, bw=bw, reps=reps, page_size=page_size,
-                            profile_dir=None, log=lambda *_: None, attention_sms=a)
+                            profile_dir=None, log=lines.append, attention_sms=a)
         measured[a] = r.step_us
+        runs[a] = (r, lines)
         log(f"batch {batch} context {context}: {a} attention SMs: {r.step_us:.1f} µs ({r.sol_fraction:.1%} SOL)")
     best = min(measured, key=lambda a: (measured[a], a))
     path = tuning.record(tuning.tuning_key(spec, batch, context, sms, page_size), {
@@ -360,7 +375,7 @@ def tune_attention_sms(spec: ModelSpec, weights: dict[str, torch.Tensor], batch:
         "gpu": torch.cuda.get_device_name(0), "reps": reps,
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")})
     log(f"batch {batch} context {context}: fastest with {best} attention SMs; recorded in {path}")
-    return best
+    return best, *runs[best]
 
 
 def _megakernel_row(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context: int, *, sms: int,

@@ -108,21 +108,35 @@ def test_tune_skips_a_point_with_one_candidate(monkeypatch, tuning_file):
     assert not tuning_file.exists()
 
 
-def test_run_bench_tunes_before_the_megakernel_row(tiny, tuning_file, monkeypatch):
-    order = []
+@pytest.mark.parametrize("profiled", [False, True])
+def test_run_bench_tunes_then_reports_the_fastest_run(tiny, tuning_file, monkeypatch, tmp_path, profiled):
+    """With --tune every candidate is timed once and the fastest count's run is the megakernel row
+    (its log lines reported with it); with --profile that count runs once more, profiled."""
+    runs = []
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: SimpleNamespace(multi_processor_count=16))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (10**12, 10**12))
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(bench, "measure_read_bandwidth", lambda: 4e12)
-    monkeypatch.setattr(bench, "tune_attention_sms", lambda *a, **kw: order.append("tune"))
-    monkeypatch.setattr(bench, "_megakernel_row", lambda spec, w, b, c, **kw: order.append("mkc")
-                        or bench.row("mkc", b, c, [1e-4], 10**6, 4e12))
-    monkeypatch.setattr(bench, "_baseline_row", lambda spec, w, b, c, **kw: order.append("torch")
+
+    def fake_row(spec, w, b, c, *, attention_sms=None, profile_dir=None, log, **kw):
+        runs.append((attention_sms, profile_dir is not None))
+        log(f"kernel line of the run with {attention_sms} attention SMs")
+        a = 4 if attention_sms is None else attention_sms  # the profiled rerun: the recorded 4
+        return bench.row("mkc", b, c, [1e-4 * (1 + abs(a - 4))], 10**6, 4e12)
+
+    monkeypatch.setattr(bench, "_megakernel_row", fake_row)
+    monkeypatch.setattr(bench, "_baseline_row", lambda spec, w, b, c, **kw: runs.append(("torch", False))
                         or bench.row("torch+graph", b, c, [2e-4], 10**6, 4e12))
-    bench.run_bench(tiny, {}, [2], [40], reps=3, tune=True, log=lambda *_: None)
-    assert order == ["tune", "mkc", "torch"]
-
-
+    logs = []
+    rows = bench.run_bench(tiny, {}, [2], [40], reps=3, tune=True, log=logs.append,
+                           profile_dir=tmp_path if profiled else None)
+    candidates = attention_sms_candidates(tiny, 2, 16)
+    timed = [(a, False) for a in candidates]
+    assert runs == timed + ([(None, True)] if profiled else []) + [("torch", False)]
+    assert rows[0].step_us == pytest.approx(100.0)  # the 4-SM run, the fastest
+    assert ("kernel line of the run with 4 attention SMs" in logs) != profiled
+    assert sum(ln.startswith("kernel line") for ln in logs) == 1  # the reported run's only
 def test_compile_says_the_choice_was_measured(tiny, tuning_file, tmp_path):
     tuning.record(tuning.tuning_key(tiny, 2, 64, 8), entry(4))
     r = subprocess.run([sys.executable, "-m", "mkc.cli", "compile", "configs/tiny.yaml", "-o", str(tmp_path / "out"),
