@@ -38,7 +38,7 @@ def compile_schedule(spec: ModelSpec, batch: int, context: int, num_sms: int, pa
     times.update(plan=t1 - t0, validate=t2 - t1)
     sc.meta.update(options={"batch": batch, "context": context, "num_sms": num_sms, "page_size": page_size,
                             "attention_sms": sc.meta["attention_sms"]["chosen"],
-                            "rope_in_splits": sc.meta["rope_in_splits"]})
+                            "rope_in_splits": sc.meta["rope_in_splits"], "mlp_share": sc.meta["mlp_share"]})
     return sc, times
 
 

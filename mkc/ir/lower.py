@@ -202,7 +202,8 @@ class _Lowerer:
                   {"tiles": ntiles}, [full(bval), full(bidx)], [full(nxt)])
         prog = Program(self.buffers, self.tasks, {"batch": B, "context": C, "num_sms": opt.num_sms,
                                                   "page_size": opt.page_size, "attention_sms": opt.attention_sms,
-                                                  "rope_in_splits": opt.rope_in_splits})
+                                                  "rope_in_splits": opt.rope_in_splits,
+                                                  "mlp_share": opt.mlp_share})
         derive_edges(prog)
         return prog
 
