@@ -46,7 +46,6 @@ VARIANTS: dict[str, CodegenOptions] = {
     "ring-8k": CodegenOptions(gemv_ring_bytes=8 * 1024),
     "ring-16k": CodegenOptions(gemv_ring_bytes=16 * 1024),
     "prefetch-128k": CodegenOptions(prefetch_bytes=128 * 1024),
-    "early-two-sets": CodegenOptions(gemv_early_two_sets=True),
     # attention: P.V loads V from global memory, key lanes reduced head by head (the default until
     # 2026-11-30 copies V chunks to shared memory ahead of P.V)
     "attn-global-v": CodegenOptions(attn_stage_v=False),

@@ -155,10 +155,20 @@ struct Routing {
     }
 };
 
+// The router logits whose routing the Routing below holds (null at launch: the kernel sets it).
+// A layer's logits are written once per step, and every caller of route_tokens has waited for
+// them, so a later task of the same layer on this SM reuses the routing instead of deriving it
+// again: an expert-down tile after an expert-up tile of its layer (the usual queue) skips the
+// logits' round trip, the TOP_K arg-max rounds and its wait for the router tiles.
+__shared__ const float* s_routed_logits;
+
+__device__ __forceinline__ bool routing_known(const float* logits) { return s_routed_logits == logits; }
+
 // Called by every thread of the CTA (it synchronises); the result lives in shared memory until
-// the next call.
+// the next call for other logits.
 __device__ __forceinline__ const Routing& route_tokens(const float* logits) {
     __shared__ Routing r;
+    if (routing_known(logits)) return r;  // the same value for every thread (set behind barriers)
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     for (int b = warp; b < BATCH; b += NUM_WARPS) {
         float v[ROUTE_WORDS];
@@ -238,6 +248,7 @@ __device__ __forceinline__ const Routing& route_tokens(const float* logits) {
         }
     }
     __syncthreads();
+    if (threadIdx.x == 0) s_routed_logits = logits;  // read by later tasks, behind the kernel loop's barriers
     return r;
 }
 
@@ -352,6 +363,8 @@ __device__ void op_expert_swiglu(const Task& t, unsigned char* smem) {
 // in two parts: first the routing (mkc/codegen/taskwords.py lists the router's counter first for
 // EXPERT_DOWN), which names the expert, so the tile asks L2 for the start of its weights
 // (RUN_PREFETCH_BYTES) while it waits for the hidden states; a no-op slot waits for nothing more.
+// Where this SM already holds the layer's routing (routing_known) the tile skips the first part
+// and waits for everything in one pass once its weights are asked for.
 __device__ void op_expert_down(const Task& t, unsigned char* smem) {
     using O = OPND_EXPERT_DOWN;
     using A = ARG_EXPERT_DOWN;
@@ -359,10 +372,18 @@ __device__ void op_expert_down(const Task& t, unsigned char* smem) {
     const int k = t.dim(O::h, 1), tokens = t.dim(O::h, 2);
     bf16* xs = gemv_xs(smem);
     const bf16* h = t.ptr<bf16>(O::h) + (size_t)slot * tokens * k;
-    if constexpr (WEIGHTS_BEFORE_WAIT) task_wait(t.w, 0, 1);
-    else stage_x_async(xs, h, k, 0, k);  // in flight while the routing is derived
-    const Routing& rt = route_tokens(t.ptr<float>(O::logits));
-    if (slot >= rt.count) return;
+    const float* logits = t.ptr<float>(O::logits);
+    const bool routed = WEIGHTS_BEFORE_WAIT && routing_known(logits);
+    if constexpr (WEIGHTS_BEFORE_WAIT) {
+        if (!routed) task_wait(t.w, 0, 1);
+    } else {
+        stage_x_async(xs, h, k, 0, k);  // in flight while the routing is derived
+    }
+    const Routing& rt = route_tokens(logits);
+    if (slot >= rt.count) {
+        if (routed) task_wait(t.w, 0, 1);  // nothing to wait for, but the profile records the wait
+        return;
+    }
     const int e = rt.experts[slot];
     // this lane's two tokens' routing weights of expert e (0 where a token did not pick it)
     const int n0 = 2 * (threadIdx.x % 4);
@@ -371,7 +392,7 @@ __device__ void op_expert_down(const Task& t, unsigned char* smem) {
     const bf16* const w[1] = {t.ptr<bf16>(O::weight) + ((size_t)e * w_rows + row0) * w_ld};
     prefetch_rows_all(w[0], rows, k, w_ld, RUN_PREFETCH_BYTES);
     if constexpr (WEIGHTS_BEFORE_WAIT) {
-        task_wait(t.w, 1);
+        task_wait(t.w, routed ? 0 : 1);
         stage_x_async(xs, h, k, 0, k);
     }
     const CopyFinish finish;

@@ -24,6 +24,7 @@ from mkc.codegen.render import (
 )
 from mkc.codegen.sass import disassemble, find_cuobjdump, local_memory_ops, opcode_counts
 from mkc.codegen.taskwords import (
+    INLINE_WAITS,
     RECORD_WORDS,
     W_ARGS,
     W_OP,
@@ -31,6 +32,7 @@ from mkc.codegen.taskwords import (
     W_SIGNAL,
     W_WAIT_CNT,
     W_WAIT_OFF,
+    W_WAITS,
     encode,
 )
 from mkc.ir.lower import lower
@@ -82,14 +84,13 @@ def test_nmc_kernel_compiles_without_local_memory(cache, batch):
 @pytest.mark.parametrize("batch", [1, 8])
 def test_codegen_variants_compile_without_local_memory(cache, batch):
     """The kernels benchmarks/kernel_variants.py measures against the default must compile cleanly
-    too: the weight ring, two-row-set GEMVs finishing their staging after the first loads,
-    attention splits in CTA-wide chunks (with V from global memory too), and warp splits with
+    too: the weight ring, attention splits in CTA-wide chunks (with V from global memory too), and warp splits with
     three ring stages (whose dynamic shared memory must be what render.py sizes)."""
     from mkc.codegen import CodegenOptions
 
     spec = load_spec(NMC)
     sc = schedule(lower(spec, batch, 8192, 132), spec.name)
-    for options in (CodegenOptions(gemv_ring_bytes=16 * 1024), CodegenOptions(gemv_early_two_sets=True),
+    for options in (CodegenOptions(gemv_ring_bytes=16 * 1024),
                     CodegenOptions(attn_warp_stages=0), CodegenOptions(attn_warp_stages=0, attn_stage_v=False),
                     CodegenOptions(attn_warp_stages=3)):
         art = build_kernel(sc, spec, options, cache_dir=cache)
@@ -248,6 +249,11 @@ def test_task_words_encode_the_schedule(tiny):
                 assert waits[0][1] == len(router) and waits[1:] == [x for x in want if x != waits[0]]
             else:
                 assert waits == want
+            # the record's own copy of its first INLINE_WAITS waits (the kernel reads those there)
+            n_inline = min(len(waits), INLINE_WAITS)
+            inline = r[W_WAITS:W_WAITS + 2 * INLINE_WAITS].reshape(-1, 2)
+            assert [tuple(x) for x in inline[:n_inline].tolist()] == waits[:n_inline]
+            assert not inline[n_inline:].any()
             names = [w.buffer_names[i] if i >= 0 else "-" for i in r[W_OPERANDS:W_OPERANDS + len(t.operands)]]
             assert names == list(t.operands)
             assert list(r[W_ARGS:W_ARGS + len(t.args)]) == list(t.args)

@@ -76,11 +76,6 @@ class CodegenOptions:
     # (tiles where the shapes allow, else rows). Tiles measured 4% faster at batch 1 and 2% at
     # batch 8 on an H200 (BENCHMARKS.md), bitwise the same results.
     weight_layout: str = "auto"
-    # Two-row-set GEMVs (SwiGLU, expert-up) finish staging their activations (the RMSNorm) after
-    # their first weight batch is issued, as one-row-set GEMVs do; False: before. Measured on an H200
-    # (kernel_variants.py, 2026-11-30 01:40 UTC, bitwise the same logits): batch 1 3535 µs against
-    # 3531 (+0.1%), batch 8 12567 against 12666 (-0.8%); within the spread between calls, so off.
-    gemv_early_two_sets: bool = False
     # Attention splits copy each chunk's V rows into shared memory (cp.async, every thread the
     # pieces it later reads) before the chunk's Q.K, so the P.V phase finds them there, and reduce
     # the key lanes of every head behind one barrier; False: P.V loads V from global memory after
@@ -149,7 +144,6 @@ class KernelConfig:
     desc_mode: int
     gemv_ring_request: int  # CodegenOptions.gemv_ring_bytes (the fitted size: gemv_ring_bytes)
     weights_tiled: bool  # GEMV weights in tile order (CodegenOptions.weight_layout, resolved)
-    gemv_early_two_sets: bool
     attn_stage_v: bool
     attn_prefetch_bytes: int
     attn_warp_request: int  # CodegenOptions.attn_warp_stages (the fitted count: attn_warp_stages)
@@ -311,7 +305,7 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         prefetch_bytes=options.prefetch_bytes, run_prefetch_bytes=options.run_prefetch_bytes,
         gemv_pf_batches=options.gemv_pf_batches, desc_mode=options.desc_mode,
         gemv_ring_request=options.gemv_ring_bytes, weights_tiled=tiled,
-        gemv_early_two_sets=options.gemv_early_two_sets, attn_stage_v=options.attn_stage_v,
+        attn_stage_v=options.attn_stage_v,
         attn_prefetch_bytes=options.attn_prefetch_bytes, attn_warp_request=options.attn_warp_stages,
         weights_before_wait=options.weights_before_wait)
     if cfg.smem_bytes > MAX_SMEM_BYTES:
@@ -363,7 +357,6 @@ def template_context(cfg: KernelConfig, banner: str) -> dict[str, Any]:
         "gemv_ring_bytes": cv.c_int(cfg.gemv_ring_bytes),
         "gemv_ring_off": cv.c_int(cfg.gemv_ring_offset),
         "weights_tiled": cv.c_bool(cfg.weights_tiled),
-        "gemv_early_two_sets": cv.c_bool(cfg.gemv_early_two_sets),
         "attn_stage_v": cv.c_bool(cfg.attn_stage_v),
         "attn_prefetch_bytes": cv.c_int(cfg.attn_prefetch_bytes),
         "attn_warp_stages": cv.c_int(cfg.attn_warp_stages),

@@ -4,7 +4,10 @@ The kernel binary depends only on shapes and tiling; the schedule reaches it as 
 
 * ``records`` — int32 ``[tasks, RECORD_WORDS]`` in queue order (SM 0's queue, then SM 1's, ...).
   Words: opcode, task id, wait offset, wait count, signal counter (-1 = none), one buffer-table
-  index per operand role of ``OP_INFO`` (-1 = absent), the integer arguments, zero padding.
+  index per operand role of ``OP_INFO`` (-1 = absent), the integer arguments, a copy of the
+  first ``INLINE_WAITS`` waits (counter, target; zeros past the count), zero padding. The kernel
+  copies the next record into shared memory while a task runs, so a task reads those waits
+  without a round trip to device memory.
 * ``queue_start`` — int32 ``[num_sms + 1]``: SM ``i`` runs records ``queue_start[i]:queue_start[i+1]``.
 * ``waits`` — int32 ``[n, 2]``: ``(counter id, target per step)``, indexed by the wait offset. An
   EXPERT_DOWN record lists the counter of the router tiles first (implied by its other waits,
@@ -33,11 +36,14 @@ MAX_RANK = 5
 W_OP, W_ID, W_WAIT_OFF, W_WAIT_CNT, W_SIGNAL = range(5)
 W_OPERANDS = 5
 W_ARGS = W_OPERANDS + MAX_OPERANDS
-RECORD_WORDS = (W_ARGS + MAX_ARGS + 3) // 4 * 4  # 16-byte records
+W_WAITS = W_ARGS + MAX_ARGS
+INLINE_WAITS = 4  # (counter, target) pairs copied into the record itself (every task of North Mini Code has <= 3)
+RECORD_WORDS = (W_WAITS + 2 * INLINE_WAITS + 3) // 4 * 4  # 16-byte records
 
 RECORD_LAYOUT: tuple[tuple[str, int], ...] = (
     ("W_OP", W_OP), ("W_ID", W_ID), ("W_WAIT_OFF", W_WAIT_OFF), ("W_WAIT_CNT", W_WAIT_CNT),
-    ("W_SIGNAL", W_SIGNAL), ("W_OPERANDS", W_OPERANDS), ("W_ARGS", W_ARGS), ("RECORD_WORDS", RECORD_WORDS),
+    ("W_SIGNAL", W_SIGNAL), ("W_OPERANDS", W_OPERANDS), ("W_ARGS", W_ARGS), ("W_WAITS", W_WAITS),
+    ("INLINE_WAITS", INLINE_WAITS), ("RECORD_WORDS", RECORD_WORDS),
 )
 DTYPE_CODES: dict[str, int] = {"bf16": 0, "f32": 1, "i32": 2, "bf16_tiles": 3}  # bf16_tiles: weight_tiles.py
 
@@ -106,6 +112,8 @@ def encode(schedule: Schedule) -> TaskWords:
                 task_waits = [first, *(w for w in task_waits if w[0] != first[0])]
             r[W_WAIT_OFF], r[W_WAIT_CNT] = len(waits), len(task_waits)
             waits.extend(task_waits)
+            for i, (c, target) in enumerate(task_waits[:INLINE_WAITS]):
+                r[W_WAITS + 2 * i], r[W_WAITS + 2 * i + 1] = c, target
             r[W_SIGNAL] = schedule.signals[tid]
             if len(t.operands) != len(info.operands) or len(t.args) != len(info.args):
                 raise EncodeError(f"task {t.id} ({t.name}): operands/args do not match OP_INFO[{t.op.name}]")
