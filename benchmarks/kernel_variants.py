@@ -91,7 +91,8 @@ def main() -> None:
     print(f"read bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     for batch in a.batch:
         sc = plan(spec, batch, a.context, sms)
-        tokens = torch.randint(0, spec.vocab_size, (batch,), dtype=torch.int32)
+        tokens = torch.randint(0, spec.vocab_size, (batch,), dtype=torch.int32,
+                               generator=torch.Generator().manual_seed(batch))
         positions = torch.full((batch,), a.context - 1, dtype=torch.int32)
         ref = None
         for name in a.variants:

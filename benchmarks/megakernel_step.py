@@ -99,8 +99,10 @@ def main() -> None:
         sc = plan(spec, batch, context, sms, attention_sms=a.attention_sms, rope_in_splits=rope == "yes")
         options = CodegenOptions() if stages is None else CodegenOptions(attn_warp_stages=stages)
         with decoder_in_place(sc, spec, weights, options=options) as dec:
-            fill_random_kv(dec, spec)
-            tokens = torch.randint(0, spec.vocab_size, (batch,), dtype=torch.int32)
+            # the inputs mkc bench uses (runtime/bench.py), so runs and trees compare on the same experts
+            fill_random_kv(dec, spec, torch.Generator(device="cuda").manual_seed(batch * 100003 + context))
+            tokens = torch.randint(0, spec.vocab_size, (batch,), dtype=torch.int32,
+                                   generator=torch.Generator().manual_seed(batch))
             positions = torch.tensor([context - 1] * batch, dtype=torch.int32)
             dec.step(tokens, positions)
             times = time_cuda(dec.launch, reps=a.reps, warmup=2)
