@@ -260,6 +260,15 @@ def test_task_words_encode_the_schedule(tiny):
             row += 1
 
 
+@pytest.mark.parametrize("batch", [1, 8])
+def test_nmc_waits_fit_the_records(batch):
+    """Every North Mini Code task reads its waits from its own record (docs/kernel.md: the waits
+    table costs a round trip to device memory before the counters' loads)."""
+    spec = load_spec(NMC)
+    w = encode(schedule(lower(spec, batch, 8192, 132, attention_sms=32), spec.name))
+    assert int(w.records[:, W_WAIT_CNT].max()) <= INLINE_WAITS
+
+
 def test_cvalues():
     assert cv.c_float(1e-6) == "1e-06f" and cv.c_float(50000.0) == "50000.0f"
     assert cv.c_bool(True) == "true" and cv.c_uint(5) == "5u"
