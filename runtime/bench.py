@@ -355,7 +355,7 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
     """tune_attention_sms, also returning the fastest count's row and the lines its run logged
     (so that mkc bench --tune reports that run instead of timing the count again)."""
     from mkc.schedule import tuning
-    from mkc.schedule.plan import attention_sms_candidates
+    from mkc.schedule.plan import DEFAULT_LOWERING, attention_sms_candidates
 
     candidates = attention_sms_candidates(spec, batch, sms)
     if len(candidates) == 1:
@@ -372,7 +372,7 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
     best = min(measured, key=lambda a: (measured[a], a))
     path = tuning.record(tuning.tuning_key(spec, batch, context, sms, page_size), {
         "attention_sms": best, "measured_us": {str(a): round(t, 1) for a, t in measured.items()},
-        "gpu": torch.cuda.get_device_name(0), "reps": reps,
+        "gpu": torch.cuda.get_device_name(0), "reps": reps, "lowering": dict(DEFAULT_LOWERING),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")})
     log(f"batch {batch} context {context}: fastest with {best} attention SMs; recorded in {path}")
     return best, *runs[best]

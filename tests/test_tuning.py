@@ -94,11 +94,12 @@ def test_tune_times_every_candidate_and_records_the_fastest(tiny, tuning_file, m
     assert best == 4 and timed == attention_sms_candidates(tiny, 2, 16)
     rec = json.loads(tuning_file.read_text())[tuning.tuning_key(tiny, 2, 40, 16)]
     assert rec["attention_sms"] == 4 and rec["gpu"] == "NVIDIA H200" and rec["reps"] == 3
+    assert rec["lowering"] == {"rope_in_splits": True, "mlp_share": "bytes"}  # what the counts were timed with
     assert set(rec["measured_us"]) == {str(a) for a in timed}
     assert any("fastest with 4 attention SMs" in ln for ln in logs)
     assert plan(tiny, 2, 40, 16).meta["attention_sms"] == {
         "chosen": 4, "chosen_by": "measured", "measured_us": rec["measured_us"], "measured_on": "NVIDIA H200",
-        "measured_at": rec["date"]}
+        "measured_at": rec["date"], "measured_lowering": rec["lowering"], "measured_by": None}
 
 
 def test_tune_skips_a_point_with_one_candidate(monkeypatch, tuning_file):
@@ -173,3 +174,24 @@ def test_without_a_named_file_the_shipped_tables_apply_under_the_cache(nmc, monk
     assert (tmp_path / "tuning.json").exists()
     meta = plan(nmc, 4, 8192, 132).meta["attention_sms"]
     assert meta["chosen"] == 32 and meta["measured_us"]["32"] == 100.0
+
+
+def test_a_measured_count_names_its_tool_and_lowering(nmc, monkeypatch):
+    """The shipped entries say which lowering they were measured under; mkc compile's summary says
+    so where it is not the one being compiled (batch 2: measured with mlp_share="rest"), and names
+    the tool that measured batch 1 at 8K (schedule_variants.py, not mkc bench --tune)."""
+    from mkc.schedule.visualize import format_summary, summary
+
+    monkeypatch.setenv("MKC_TUNING_FILE", str(ROOT / "configs" / "tuning" / "h200.json"))
+    sc = plan(nmc, 2, 8192, 132)
+    assert sc.meta["attention_sms"]["measured_lowering"] == {"mlp_share": "rest", "rope_in_splits": True}
+    text = format_summary(summary(sc, nmc))
+    assert "measured fastest by mkc bench --tune on NVIDIA H200" in text
+    assert "measured under mlp_share=rest, rope_in_splits=True (this compile: mlp_share=bytes, rope_in_splits=True)" in text
+    sc = plan(nmc, 1, 8192, 132)
+    text = format_summary(summary(sc, nmc))
+    assert "measured fastest by benchmarks/schedule_variants.py on NVIDIA H200" in text
+    assert "measured under" not in text
+    # mkc bench --tune records the lowering it measured with (the planner's defaults)
+    sc = plan(nmc, 2, 8192, 132, mlp_share="rest")
+    assert "measured under" not in format_summary(summary(sc, nmc))

@@ -33,6 +33,10 @@ from mkc.schedule.cost import H200, Ceilings
 from mkc.schedule.schedule import Schedule
 from mkc.schedule.scheduler import schedule
 
+# The lowering choices plan() makes unless told otherwise (LowerOptions: rope_in_splits, mlp_share).
+# mkc bench --tune records them beside each measured count, since the count was fastest for them.
+DEFAULT_LOWERING = {"rope_in_splits": True, "mlp_share": "bytes"}
+
 
 def attention_sms_candidates(spec: ModelSpec, batch: int, num_sms: int) -> list[int]:
     """0, then batch x KV heads x 2^i while at most half the SMs; only 0 for a sequential block."""
@@ -75,11 +79,15 @@ def choose_attention_sms(spec: ModelSpec, batch: int, context: int, num_sms: int
 
 
 def plan(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int = 0, kv_pages: int = 0,
-         attention_sms: int | None = None, ceilings: Ceilings = H200, rope_in_splits: bool = True,
-         mlp_share: str = "bytes") -> Schedule:
+         attention_sms: int | None = None, ceilings: Ceilings = H200,
+         rope_in_splits: bool = DEFAULT_LOWERING["rope_in_splits"],
+         mlp_share: str = DEFAULT_LOWERING["mlp_share"]) -> Schedule:
     """Lower and schedule one decode step: the schedule every runtime path runs.
     ``attention_sms=None`` lets the compiler choose (see the module doc); the choice, who made it
-    and the candidates' measured or predicted step are in ``meta["attention_sms"]``.
+    and the candidates' measured or predicted step are in ``meta["attention_sms"]``; a measured
+    choice also names the lowering it was measured with (``measured_lowering``) and the tool
+    (``measured_by``; None where the entry does not say: mkc bench --tune), and the lowering may
+    differ from this one.
     ``rope_in_splits``, ``mlp_share``: the LowerOptions fields."""
     how = {"chosen_by": "asked", "probe_predicted_us": {}}
     if attention_sms is None:
@@ -87,7 +95,8 @@ def plan(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int
         if measured and measured.get("attention_sms") in attention_sms_candidates(spec, batch, num_sms):
             attention_sms = int(measured["attention_sms"])
             how = {"chosen_by": "measured", "measured_us": measured.get("measured_us", {}),
-                   "measured_on": measured.get("gpu", "?"), "measured_at": measured.get("date", "?")}
+                   "measured_on": measured.get("gpu", "?"), "measured_at": measured.get("date", "?"),
+                   "measured_lowering": measured.get("lowering"), "measured_by": measured.get("by")}
         else:
             attention_sms, tried = choose_attention_sms(spec, batch, context, num_sms, page_size, kv_pages,
                                                         ceilings, rope_in_splits, mlp_share)

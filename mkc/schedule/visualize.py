@@ -137,6 +137,7 @@ def summary(sc: Schedule, spec: ModelSpec) -> dict[str, Any]:
         "critical_path_tasks": len(p.get("critical_path", [])),
         "critical_path_us": float(p.get("critical_path_us", 0.0)),
         "step_us": step_us, "attention_sms": sc.meta.get("attention_sms"),
+        "lowering": {k: sc.meta.get(k) for k in ("rope_in_splits", "mlp_share")},
         "bytes": wbytes + abytes, "weight_bytes": wbytes, "act_bytes": abytes,
         "read_bw": read_bw,
         "sol_us": sol_us,
@@ -182,8 +183,15 @@ def _attention_sms_row(d: dict[str, Any]) -> str:
             else "none set apart (every op fills all SMs)")
     if a["chosen_by"] == "measured":
         timed = ", ".join(f"{k}: {v:.1f}" for k, v in sorted(a["measured_us"].items(), key=lambda kv: int(kv[0])))
-        return (f"{head}; measured fastest by mkc bench --tune on {a['measured_on']}, {a['measured_at']} "
-                f"(step µs by attention SMs: {timed})")
+        row = (f"{head}; measured fastest by {a.get('measured_by') or 'mkc bench --tune'} on {a['measured_on']}, "
+               f"{a['measured_at']} "
+               f"(step µs by attention SMs: {timed})")
+        was_for = a.get("measured_lowering")
+        if was_for and {k: d.get("lowering", {}).get(k) for k in was_for} != was_for:
+            was = ", ".join(f"{k}={v}" for k, v in was_for.items())
+            now = ", ".join(f"{k}={d['lowering'].get(k)}" for k in was_for)
+            row += f"; measured under {was} (this compile: {now})"
+        return row
     if a["chosen_by"] == "compiler":
         tried = ", ".join(f"{k}: {v:.1f}" for k, v in a["probe_predicted_us"].items())
         return f"{head}; chosen by predicted step of a probe (µs by attention SMs: {tried})"
