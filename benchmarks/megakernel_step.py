@@ -21,9 +21,10 @@ import torch
 from mkc.codegen import CodegenOptions
 from mkc.ir.spec import load_spec
 from mkc.runtime.bench import (
+    bench_tokens,
     decoder_in_place,
     device_random_weights,
-    fill_random_kv,
+    fill_bench_kv,
     format_table,
     measure_read_bandwidth,
     row,
@@ -99,10 +100,9 @@ def main() -> None:
         sc = plan(spec, batch, context, sms, attention_sms=a.attention_sms, rope_in_splits=rope == "yes")
         options = CodegenOptions() if stages is None else CodegenOptions(attn_warp_stages=stages)
         with decoder_in_place(sc, spec, weights, options=options) as dec:
-            # the inputs mkc bench uses (runtime/bench.py), so runs and trees compare on the same experts
-            fill_random_kv(dec, spec, torch.Generator(device="cuda").manual_seed(batch * 100003 + context))
-            tokens = torch.randint(0, spec.vocab_size, (batch,), dtype=torch.int32,
-                                   generator=torch.Generator().manual_seed(batch))
+            # the inputs mkc bench uses, so runs and trees compare on the same experts
+            fill_bench_kv(dec, spec)
+            tokens = bench_tokens(spec, batch)
             positions = torch.tensor([context - 1] * batch, dtype=torch.int32)
             dec.step(tokens, positions)
             times = time_cuda(dec.launch, reps=a.reps, warmup=2)

@@ -255,6 +255,18 @@ def fill_random_kv(dec, spec: ModelSpec, generator: torch.Generator | None = Non
             t.normal_(generator=generator)
 
 
+def bench_tokens(spec: ModelSpec, batch: int) -> torch.Tensor:
+    """The [batch] token ids every benchmark step of a batch size decodes (seeded by the batch)."""
+    return torch.randint(0, spec.vocab_size, (batch,), dtype=torch.int32,
+                         generator=torch.Generator().manual_seed(batch))
+
+
+def fill_bench_kv(dec, spec: ModelSpec) -> None:
+    """The decoder's KV cache as every benchmark of its (batch, context) point fills it (seeded)."""
+    sc = dec.schedule
+    fill_random_kv(dec, spec, torch.Generator(device="cuda").manual_seed(sc.batch * 100003 + sc.context))
+
+
 @contextmanager
 def decoder_in_place(sc, spec: ModelSpec, weights: dict[str, torch.Tensor], *, options=None,
                      artifact=None) -> Iterator:
@@ -386,8 +398,7 @@ def _megakernel_row(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: in
     from mkc.codegen import build_kernel
     from mkc.schedule.plan import plan
 
-    tokens = torch.randint(0, spec.vocab_size, (batch,), dtype=torch.int32,
-                           generator=torch.Generator().manual_seed(batch))
+    tokens = bench_tokens(spec, batch)
     positions = torch.full((batch,), context - 1, dtype=torch.int32)
     sc = plan(spec, batch, context, sms, page_size=page_size, attention_sms=attention_sms)
     art = build_kernel(sc, spec)
@@ -400,7 +411,7 @@ def _time_decoder(dec, sc, spec: ModelSpec, tokens, positions, *, bw: float, rep
     """Time a decoder built at one point (random KV cache, every sequence at position context - 1);
     its owner (decoder_in_place) closes it."""
     batch, context = sc.batch, sc.context
-    fill_random_kv(dec, spec, torch.Generator(device="cuda").manual_seed(batch * 100003 + context))
+    fill_bench_kv(dec, spec)
     dec.step(tokens, positions)
     times = time_cuda(dec.launch, reps=reps, warmup=2)
     dec.check()

@@ -26,16 +26,18 @@ from __future__ import annotations
 
 import dataclasses
 
-from mkc.ir.lower import lower
+from mkc.ir.lower import LowerOptions, lower
 from mkc.ir.spec import ModelSpec
 from mkc.schedule import tuning
 from mkc.schedule.cost import H200, Ceilings
 from mkc.schedule.schedule import Schedule
 from mkc.schedule.scheduler import schedule
 
-# The lowering choices plan() makes unless told otherwise (LowerOptions: rope_in_splits, mlp_share).
-# mkc bench --tune records them beside each measured count, since the count was fastest for them.
-DEFAULT_LOWERING = {"rope_in_splits": True, "mlp_share": "bytes"}
+# The lowering choices plan() makes unless told otherwise (LowerOptions' defaults for rope_in_splits
+# and mlp_share). mkc bench --tune records them beside each measured count, since the count was
+# fastest for them.
+DEFAULT_LOWERING = {f.name: f.default for f in dataclasses.fields(LowerOptions)
+                    if f.name in ("rope_in_splits", "mlp_share")}
 
 
 def attention_sms_candidates(spec: ModelSpec, batch: int, num_sms: int) -> list[int]:
