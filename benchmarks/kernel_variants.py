@@ -1,6 +1,6 @@
 """Step time of megakernel variants (codegen options) on North Mini Code, side by side in one run.
 
-    python benchmarks/kernel_variants.py --batch 1 8 --context 8192 [--reps 20] [--variants NAME ...]
+    python benchmarks/kernel_variants.py --batch 1 8 --context 8192 [--reps 20] [--variants NAME ...] [--rounds 2]
 
 Each variant is a set of CodegenOptions (one kernel binary each); every variant runs the same
 schedule, weights and KV cache, so differences are the kernel's alone. Timing as in
@@ -21,9 +21,10 @@ import torch
 from mkc.codegen import CodegenOptions, build_kernel
 from mkc.ir.spec import load_spec
 from mkc.runtime.bench import (
+    bench_tokens,
     decoder_in_place,
     device_random_weights,
-    fill_random_kv,
+    fill_bench_kv,
     measure_read_bandwidth,
     time_step,
 )
@@ -41,10 +42,14 @@ VARIANTS: dict[str, CodegenOptions] = {
     "desc-shared-ca": dataclasses.replace(PREFETCH_ALL, desc_mode=2),
     "default": CodegenOptions(),
     "unroll-4": CodegenOptions(gemv_unroll=4),
+    "unroll-6": CodegenOptions(gemv_unroll=6),
     "rows": CodegenOptions(weight_layout="rows"),
     "rows-ring-8k": CodegenOptions(weight_layout="rows", gemv_ring_bytes=8 * 1024),
     "ring-8k": CodegenOptions(gemv_ring_bytes=8 * 1024),
     "ring-16k": CodegenOptions(gemv_ring_bytes=16 * 1024),
+    # the ring's stages filled by bulk copies (TMA) completing on mbarriers (CodegenOptions.gemv_ring_bulk)
+    "ring-bulk-8k": CodegenOptions(gemv_ring_bytes=8 * 1024, gemv_ring_bulk=True),
+    "ring-bulk-16k": CodegenOptions(gemv_ring_bytes=16 * 1024, gemv_ring_bulk=True),
     "prefetch-128k": CodegenOptions(prefetch_bytes=128 * 1024),
     # attention: P.V loads V from global memory, key lanes reduced head by head (the default until
     # 2026-11-30 copies V chunks to shared memory ahead of P.V)
@@ -74,6 +79,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--repeat", type=int, default=2, help="steps rerun on the same inputs to check determinism")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time every variant this many times, in turn (drift between variants shows)")
     ap.add_argument("--build-only", action="store_true", help="compile every variant's kernel (no GPU) and exit")
     ap.add_argument("--sms", type=int, default=132, help="SM count for --build-only")
     a = ap.parse_args()
@@ -91,13 +98,12 @@ def main() -> None:
     print(f"read bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     for batch in a.batch:
         sc = plan(spec, batch, a.context, sms)
-        tokens = torch.randint(0, spec.vocab_size, (batch,), dtype=torch.int32,
-                               generator=torch.Generator().manual_seed(batch))
+        tokens = bench_tokens(spec, batch)  # mkc bench's tokens and KV cache
         positions = torch.full((batch,), a.context - 1, dtype=torch.int32)
         ref = None
-        for name in a.variants:
+        for name in [n for _ in range(a.rounds) for n in a.variants]:
             with decoder_in_place(sc, spec, weights, options=VARIANTS[name]) as dec:
-                fill_random_kv(dec, spec, torch.Generator(device="cuda").manual_seed(batch))
+                fill_bench_kv(dec, spec)
                 logits, _ = dec.step(tokens, positions)
                 repeat = all(torch.equal(logits, dec.step(tokens, positions)[0]) for _ in range(a.repeat))
                 if ref is None:

@@ -1,7 +1,8 @@
 """Step time of schedules made with different cost-model assumptions or lowerings, side by side in one run.
 
     python benchmarks/schedule_variants.py --batch 1 8 --context 8192 [--reps 20] [--variants NAME ...] \
-        [--attention-sms 0 32 ...] [--build-only]
+        [--attention-sms 0 32 ...] [--rope-in-splits yes no] [--mlp-share rest bytes] \
+        [--rounds 2] [--build-only]
 
 Every variant runs the default kernel over the same weights and KV cache; only the scheduler's
 cost model (mkc/schedule/cost.py: Ceilings) or the lowering's SM split between the attention
@@ -24,16 +25,20 @@ import torch
 from mkc.codegen.build import build_kernel
 from mkc.ir.spec import load_spec
 from mkc.runtime.bench import (
+    bench_tokens,
     decoder_in_place,
     device_random_weights,
-    fill_random_kv,
+    fill_bench_kv,
     measure_read_bandwidth,
     time_step,
 )
-from mkc.schedule.cost import H200
+from mkc.schedule.cost import H200, OP_FIXED_US
 from mkc.schedule.plan import plan
 
 ROOT = Path(__file__).resolve().parents[1]
+
+REFIT_FIXED_US = {**OP_FIXED_US, "TOPK": 4.0, "ROPE_APPEND": 3.3, "ATTN_COMBINE": 4.0, "LINEAR": 0.5,
+                  "EXPERT_SWIGLU": 4.5, "EXPERT_DOWN": 0.0}
 
 VARIANTS = {
     "default": H200,
@@ -45,6 +50,11 @@ VARIANTS = {
     # attention splits at the fair per-SM share, as every other task (the default until 2026-11-30
     # is a split rate of 16 GB/s, cost.py: Ceilings.split_bw)
     "split-fair-share": dataclasses.replace(H200, split_bw=0.0),
+    # fixed times refitted to the batch-1 profile of 2026-11-30 09:37 UTC (benchmarks/calibrate_cost.py:
+    # run time at zero bytes; the GEMVs' run starts after the weights issued before the wait, so
+    # theirs is near 0), with and without the prefetch credit
+    "refit": dataclasses.replace(H200, op_fixed_us=REFIT_FIXED_US),
+    "refit-no-credit": dataclasses.replace(H200, op_fixed_us=REFIT_FIXED_US, prefetch_bytes=0),
 }
 
 
@@ -64,20 +74,21 @@ def main() -> None:
     ap.add_argument("--mlp-share", nargs="+", default=["bytes"], choices=["rest", "bytes"],
                     help="LowerOptions.mlp_share values to lower with (bytes: the MLP's first GEMV and the QKV "
                          "projection share the SMs by bytes)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time every variant this many times, in turn (drift between variants shows)")
     ap.add_argument("--build-only", action="store_true", help="compile every variant's kernel (no GPU) and exit")
     ap.add_argument("--sms", type=int, default=132, help="SM count for --build-only")
     a = ap.parse_args()
     a.attention_sms = [None if v == "auto" else int(v) for v in a.attention_sms]
     spec = load_spec(a.config)
-    variants = [(att, rope, share, name) for att in a.attention_sms for rope in a.rope_in_splits
-                for share in a.mlp_share for name in a.variants]
+    variants = [(att, {"rope_in_splits": rope == "yes", "mlp_share": share}, name)
+                for att in a.attention_sms for rope in a.rope_in_splits for share in a.mlp_share for name in a.variants]
     if a.build_only:
         for batch in a.batch:
-            for att, rope, share, name in variants:
-                sc = plan(spec, batch, a.context, a.sms, attention_sms=att, ceilings=VARIANTS[name],
-                          rope_in_splits=rope == "yes", mlp_share=share)
+            for att, lowering, name in variants:
+                sc = plan(spec, batch, a.context, a.sms, attention_sms=att, ceilings=VARIANTS[name], **lowering)
                 art = build_kernel(sc, spec)
-                print(f"b{batch} attention_sms={sc.meta['attention_sms']['chosen']} rope in splits {rope} {name}: "
+                print(f"b{batch} attention_sms={sc.meta['attention_sms']['chosen']} {lowering} {name}: "
                       f"{art.name} regs {art.regs} spills {art.spills}")
         return
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -85,18 +96,16 @@ def main() -> None:
     weights = device_random_weights(spec, 2026)
     print(f"read bandwidth {bw / 1e12:.2f} TB/s")
     for batch in a.batch:
-        # the same tokens, positions and KV cache for every variant of a batch
-        tokens = torch.randint(0, spec.vocab_size, (batch,), dtype=torch.int32,
-                               generator=torch.Generator().manual_seed(batch))
+        # the same tokens, positions and KV cache for every variant of a batch (mkc bench's)
+        tokens = bench_tokens(spec, batch)
         positions = torch.full((batch,), a.context - 1, dtype=torch.int32)
         ref = None
-        for att, rope, share, name in variants:
-            sc = plan(spec, batch, a.context, sms, attention_sms=att, ceilings=VARIANTS[name],
-                      rope_in_splits=rope == "yes", mlp_share=share)
+        for att, lowering, name in [v for _ in range(a.rounds) for v in variants]:
+            sc = plan(spec, batch, a.context, sms, attention_sms=att, ceilings=VARIANTS[name], **lowering)
             label = f"{sc.meta['attention_sms']['chosen']}" + (" (auto)" if att is None else "")
-            label += f", rope in splits {rope}, mlp share {share}"
+            label += f", rope in splits {'yes' if lowering['rope_in_splits'] else 'no'}, mlp share {lowering['mlp_share']}"
             with decoder_in_place(sc, spec, weights) as dec:
-                fill_random_kv(dec, spec, torch.Generator(device="cuda").manual_seed(batch))
+                fill_bench_kv(dec, spec)
                 logits, _ = dec.step(tokens, positions)
                 repeat = torch.equal(logits, dec.step(tokens, positions)[0])
                 if ref is None:
@@ -108,7 +117,7 @@ def main() -> None:
                         + ("equal" if torch.equal(ref.argmax(-1), logits.argmax(-1)) else "DIFFERS")
                         + ", rerun " + ("bitwise the same" if repeat else "DIFFERS (a race)"))
                 med, sol, _ = time_step(dec, spec, batch, a.context, bw, a.reps)
-                print(f"batch {batch} attention_sms {label:<30} {name:<20} measured {med * 1e6:8.1f} µs ({sol:.1%} SOL), "
+                print(f"batch {batch} attention_sms {label:<60} {name:<20} measured {med * 1e6:8.1f} µs ({sol:.1%} SOL), "
                       f"predicted {sc.predicted['step_us']:8.1f} µs; {same}", flush=True)
 
 

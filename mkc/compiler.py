@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mkc.ir.spec import ModelSpec, load_spec
-from mkc.schedule.plan import plan
+from mkc.schedule.plan import LOWERING_CHOICES, plan
 from mkc.schedule.schedule import Schedule
 
 
@@ -38,7 +38,7 @@ def compile_schedule(spec: ModelSpec, batch: int, context: int, num_sms: int, pa
     times.update(plan=t1 - t0, validate=t2 - t1)
     sc.meta.update(options={"batch": batch, "context": context, "num_sms": num_sms, "page_size": page_size,
                             "attention_sms": sc.meta["attention_sms"]["chosen"],
-                            "rope_in_splits": sc.meta["rope_in_splits"], "mlp_share": sc.meta["mlp_share"]})
+                            **{k: sc.meta[k] for k in LOWERING_CHOICES}})
     return sc, times
 
 

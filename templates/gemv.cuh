@@ -296,6 +296,81 @@ __device__ __forceinline__ void gemv_item_ring(const bf16* const (&w0)[NACC], co
     }
 }
 
+// ---- the ring filled by bulk copies (GEMV_RING_BULK) ---------------------------------------------
+// The same ring and the same reads as gemv_item_ring, but stage s of a warp is filled by lane 0 with
+// one cp.async.bulk per row set (the group's 2 KB block: tile order keeps it contiguous), completing
+// on the stage's mbarrier, which every lane waits on; the stage's parity flips at each use and is
+// kept per warp across tasks (every issued stage is waited on within the call, so a call leaves all
+// stages idle). The products are those of the register path, in the same order.
+constexpr int RING_BULK_STAGES = GEMV_RING_BULK ? GEMV_RING_BYTES / 2048 : 1;  // at one row set
+__shared__ unsigned long long s_ring_bar[NUM_WARPS][RING_BULK_STAGES];
+__shared__ u32 s_ring_phase[NUM_WARPS];  // bit s: the parity of stage s's next completion
+
+__device__ __forceinline__ void gemv_ring_init() {
+    if constexpr (GEMV_RING_BULK) {
+        if (threadIdx.x < NUM_WARPS * RING_BULK_STAGES) mbar_init(&s_ring_bar[0][0] + threadIdx.x, 1);
+        if (threadIdx.x < NUM_WARPS) s_ring_phase[threadIdx.x] = 0;
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+}
+
+template <int NACC, class Fin>
+__device__ __forceinline__ void gemv_item_bulk(const bf16* const (&w0)[NACC], bool v0, bool v1, const bf16* xrow,
+                                               int kb_begin, int kb_step, int kb_end, float (&acc)[NACC][4],
+                                               const Fin& finish, bool first) {
+    constexpr int S = ring_stages<NACC>();
+    static_assert(S >= 2 && S <= 32, "the bulk GEMV ring needs 2 to 32 stages");
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    unsigned char* ring = gemv_dyn_smem + GEMV_RING_OFF + warp * GEMV_RING_BYTES;
+    unsigned long long* bar = s_ring_bar[warp];
+    u32 phase = s_ring_phase[warp];
+    const bf16* group[NACC];  // the 16-row group's first block of each row set
+#pragma unroll
+    for (int a = 0; a < NACC; ++a) group[a] = w0[a] - lane * 8;
+    const auto issue = [&](int st, int kbu) {
+        if (lane == 0 && kbu < kb_end) {
+            // the lanes' reads of the stage (ordered before by __syncwarp) before the async proxy's writes
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            mbar_arrive_expect_tx(bar + st, NACC * 2048);
+#pragma unroll
+            for (int a = 0; a < NACC; ++a)
+                bulk_copy_g2s(ring + (st * NACC + a) * 2048, group[a] + (size_t)kbu * 1024, 2048, bar + st);
+        }
+    };
+#pragma unroll 1
+    for (int i = 0; i < S - 1; ++i) issue(i, kb_begin + i * kb_step);
+    if (first) {
+        cp_async_wait_all();
+        finish();
+    }
+    int st = 0;
+#pragma unroll 1
+    for (int kb = kb_begin; kb < kb_end; kb += kb_step) {
+        // refill the stage consumed last iteration, once every lane has read it
+        __syncwarp();
+        issue(st == 0 ? S - 1 : st - 1, kb + (S - 1) * kb_step);
+        // a copy that never lands (a bad address faults instead) would hang: trap after ~2^26 polls
+        for (u32 polls = 0; !mbar_try_wait(bar + st, (phase >> st) & 1u);)
+            if (++polls == SPIN_LIMIT) __trap();
+        phase ^= 1u << st;
+        const unsigned char* sb = ring + st * NACC * 2048 + lane * 16;
+        const int k = kb * 64;
+        const uint4 xa = lds16(xrow + k), xb = lds16(xrow + k + 32);
+        const u32 xw[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+#pragma unroll
+        for (int a = 0; a < NACC; ++a) {
+            const unsigned char* p = sb + a * 2048;
+            const uint4 l0 = v0 ? lds16(p) : zero4(), l1 = v0 ? lds16(p + 512) : zero4();
+            const uint4 h0 = v1 ? lds16(p + 1024) : zero4(), h1 = v1 ? lds16(p + 1536) : zero4();
+            mma_block(acc[a], l0, l1, h0, h1, xw);
+        }
+        st = st + 1 == S ? 0 : st + 1;
+    }
+    __syncwarp();
+    if (lane == 0) s_ring_phase[warp] = phase;
+    __syncwarp();
+}
+
 // Accumulate one warp item: rows (g, g + 8) of each of the NACC weight row sets over the blocks
 // kb_begin, kb_begin + kb_step, ... < kb_end (64 elements each). Software-pipelined over two
 // register batches of U blocks: the loads of one batch are in flight while the other is
@@ -310,7 +385,10 @@ __device__ __forceinline__ void gemv_item(const bf16* const (&w0)[NACC],
                                           int kb_begin, int kb_step, int kb_end, float (&acc)[NACC][4],
                                           const Fin& finish, bool first) {
     if constexpr (use_ring<NC>()) {
-        gemv_item_ring<NACC>(w0, w1, v0, v1, xrow, kb_begin, kb_step, kb_end, acc, finish, first);
+        if constexpr (GEMV_RING_BULK)
+            gemv_item_bulk<NACC>(w0, v0, v1, xrow, kb_begin, kb_step, kb_end, acc, finish, first);
+        else
+            gemv_item_ring<NACC>(w0, w1, v0, v1, xrow, kb_begin, kb_step, kb_end, acc, finish, first);
         return;
     }
     constexpr int U = gemv_batch_blocks<NACC>();

@@ -84,18 +84,23 @@ def test_nmc_kernel_compiles_without_local_memory(cache, batch):
 @pytest.mark.parametrize("batch", [1, 8])
 def test_codegen_variants_compile_without_local_memory(cache, batch):
     """The kernels benchmarks/kernel_variants.py measures against the default must compile cleanly
-    too: the weight ring, attention splits in CTA-wide chunks (with V from global memory too), and warp splits with
-    three ring stages (whose dynamic shared memory must be what render.py sizes)."""
+    too: the weight ring (16-byte cp.async copies, or bulk copies on mbarriers), attention splits in
+    CTA-wide chunks (with V from global memory too), and warp splits with three ring stages (whose
+    dynamic shared memory must be what render.py sizes)."""
     from mkc.codegen import CodegenOptions
 
     spec = load_spec(NMC)
     sc = schedule(lower(spec, batch, 8192, 132), spec.name)
     for options in (CodegenOptions(gemv_ring_bytes=16 * 1024),
+                    CodegenOptions(gemv_ring_bytes=16 * 1024, gemv_ring_bulk=True),
                     CodegenOptions(attn_warp_stages=0), CodegenOptions(attn_warp_stages=0, attn_stage_v=False),
                     CodegenOptions(attn_warp_stages=3)):
         art = build_kernel(sc, spec, options, cache_dir=cache)
         assert art.spills == 0, f"{options}: ptxas reports {art.spills} bytes of spills\n{art.log}"
-        assert not local_memory_ops(disassemble(art.cubin)), options
+        sass = disassemble(art.cubin)
+        assert not local_memory_ops(sass), options
+        if options.gemv_ring_bulk:  # bulk copies into shared memory, completing on mbarriers
+            assert "UBLKCP.S.G" in sass and "SYNCS.PHASECHK.TRANS64.TRYWAIT" in sass, options
         if options.attn_warp_stages == 3:  # 8 warps x 3 blocks x (16 keys x 128 dims of K and V) in flight
             assert art.dynamic_smem == kernel_config(sc, spec, options).smem_bytes
             assert art.dynamic_smem >= 8 * 3 * 16 * 128 * 2 * 2

@@ -289,15 +289,16 @@ def nmc_positions(batch: int, context: int) -> torch.Tensor:
     return torch.tensor([max(0, context - 1 - 5 * b) for b in range(batch)], dtype=torch.int32)
 
 
-def nmc_decoder(spec, weights, batch: int, context: int, num_sms: int, options=None):
+def nmc_decoder(spec, weights, batch: int, context: int, num_sms: int, options=None, **lowering):
     """The decoder a user gets: the attention-SM count measured on an H200 where the shipped table
     has one (configs/tuning/h200.json; the tests otherwise read an empty tuning file), else the
-    cost model's; the default kernel unless ``options`` (CodegenOptions) are given."""
+    cost model's; the default kernel unless ``options`` (CodegenOptions) are given, the default
+    lowering unless ``lowering`` (plan's lowering choices) is."""
     from mkc.runtime.cuda_backend import CudaDecoder
     from mkc.schedule import tuning
 
     shipped = tuning.lookup(tuning.tuning_key(spec, batch, context, num_sms), ROOT / "configs" / "tuning" / "h200.json")
-    sc = plan(spec, batch, context, num_sms, attention_sms=shipped["attention_sms"] if shipped else None)
+    sc = plan(spec, batch, context, num_sms, attention_sms=shipped["attention_sms"] if shipped else None, **lowering)
     dec = CudaDecoder(sc, spec, weights, options=options)
     g = torch.Generator(device="cuda").manual_seed(batch * 100003 + context)
     for layer in range(spec.num_layers):
@@ -367,6 +368,27 @@ def check_against_mirror(dec, spec, weights, tokens, positions, lg, nt, what: st
         k_new, v_new = res.kv_new[i]
         ek, ev = rel_err(kc[rows, :, pos].float(), k_new), rel_err(vc[rows, :, pos].float(), v_new)
         assert ek <= REL_TOL and ev <= REL_TOL, f"{what}: layer {i} appended KV rel err k {ek:.3g} v {ev:.3g}"
+
+
+@pytest.mark.parametrize("ring_bytes", [8 * 1024, 16 * 1024])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_nmc_bulk_weight_ring_matches_default(nmc_weights, num_sms, batch, ring_bytes):
+    """CodegenOptions(gemv_ring_bulk=True): GEMV weights reach shared memory by bulk copies (TMA) on
+    mbarriers instead of register batches. The products and their order are the default kernel's,
+    so the logits and tokens are bitwise the same, and reruns are too (the mbarrier phases carry
+    over between tasks and steps)."""
+    from mkc.codegen import CodegenOptions
+
+    spec, weights = nmc_weights
+    tokens = torch.randint(0, spec.vocab_size, (batch,), dtype=torch.int32)
+    positions = nmc_positions(batch, 8192)
+    ref, ref_tok = nmc_decoder(spec, weights, batch, 8192, num_sms).step(tokens, positions)
+    ref = ref.clone()
+    dec = nmc_decoder(spec, weights, batch, 8192, num_sms,
+                      CodegenOptions(gemv_ring_bytes=ring_bytes, gemv_ring_bulk=True))
+    for i in range(3):
+        lg, tok = dec.step(tokens, positions)
+        assert torch.equal(lg, ref) and torch.equal(tok, ref_tok), f"step {i}: differs from the default kernel"
 
 
 @pytest.mark.parametrize("batch", [1, 8])

@@ -155,8 +155,8 @@ def test_the_shipped_h200_table_matches_north_mini_code(nmc, monkeypatch):
     monkeypatch.setenv("MKC_TUNING_FILE", str(ROOT / "configs" / "tuning" / "h200.json"))
     table = tuning.load()
     assert table, "configs/tuning/h200.json is empty or unreadable"
-    for batch, context, want in ((1, 8192, 32), (2, 8192, 32), (4, 8192, 64), (8, 8192, 64), (1, 32768, 64),
-                                 (8, 32768, 64), (1, 131072, 64)):
+    for batch, context, want in ((1, 8192, 32), (2, 8192, 32), (4, 8192, 32), (8, 8192, 64), (1, 32768, 64),
+                                 (8, 32768, 0), (1, 131072, 64)):
         rec = table[tuning.tuning_key(nmc, batch, context, 132)]
         fastest = min(rec["measured_us"], key=lambda a: rec["measured_us"][a])
         assert rec["attention_sms"] == want and fastest == str(want), (batch, context, rec)
@@ -168,11 +168,11 @@ def test_without_a_named_file_the_shipped_tables_apply_under_the_cache(nmc, monk
     """MKC_TUNING_FILE unset: the kernel cache's tuning.json first, then configs/tuning/*.json."""
     monkeypatch.delenv("MKC_TUNING_FILE", raising=False)
     monkeypatch.setenv("MKC_CACHE_DIR", str(tmp_path))
-    meta = plan(nmc, 4, 8192, 132).meta["attention_sms"]
+    meta = plan(nmc, 8, 8192, 132).meta["attention_sms"]
     assert meta["chosen"] == 64 and meta["chosen_by"] == "measured" and meta["measured_on"] == "NVIDIA H200"
-    tuning.record(tuning.tuning_key(nmc, 4, 8192, 132), entry(32))  # this machine's own measurement
+    tuning.record(tuning.tuning_key(nmc, 8, 8192, 132), entry(32))  # this machine's own measurement
     assert (tmp_path / "tuning.json").exists()
-    meta = plan(nmc, 4, 8192, 132).meta["attention_sms"]
+    meta = plan(nmc, 8, 8192, 132).meta["attention_sms"]
     assert meta["chosen"] == 32 and meta["measured_us"]["32"] == 100.0
 
 

@@ -70,6 +70,12 @@ class CodegenOptions:
     # Weight bytes each warp streams through a shared-memory ring (cp.async) instead of register
     # batches; 0: register batches. Lowered to what fits beside the GEMV's other shared memory.
     gemv_ring_bytes: int = 0
+    # With a ring and tile-ordered weights: each ring stage is filled by one bulk copy (TMA,
+    # cp.async.bulk) per row set, issued by one lane and completing on the stage's mbarrier,
+    # instead of every lane's 16-byte cp.async copies. Bitwise the default's logits, but slower on
+    # an H200 (kernel_variants.py, 2026-11-30 10:35 UTC): 8 KB per warp +3.5% at batch 1, +4.5% at
+    # 2, +3% at 4; 16 KB +10%, +9.5%, +2%. Off.
+    gemv_ring_bulk: bool = False
     # How GEMV weights are stored: "rows" (the checkpoint's row-major layout), "tiles" (tile order,
     # mkc/codegen/weight_tiles.py: every load of a warp reads 512 contiguous bytes; the runtime
     # reorders the weights once, at load; an error where the shapes do not allow it) or "auto"
@@ -143,6 +149,7 @@ class KernelConfig:
     gemv_pf_batches: int
     desc_mode: int
     gemv_ring_request: int  # CodegenOptions.gemv_ring_bytes (the fitted size: gemv_ring_bytes)
+    gemv_ring_bulk: bool
     weights_tiled: bool  # GEMV weights in tile order (CodegenOptions.weight_layout, resolved)
     attn_stage_v: bool
     attn_prefetch_bytes: int
@@ -304,7 +311,8 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         moe_slots=min(moe.num_experts, schedule.batch * moe.top_k) if moe else 1, spin_limit=options.spin_limit,
         prefetch_bytes=options.prefetch_bytes, run_prefetch_bytes=options.run_prefetch_bytes,
         gemv_pf_batches=options.gemv_pf_batches, desc_mode=options.desc_mode,
-        gemv_ring_request=options.gemv_ring_bytes, weights_tiled=tiled,
+        gemv_ring_request=options.gemv_ring_bytes, gemv_ring_bulk=options.gemv_ring_bulk and tiled,
+        weights_tiled=tiled,
         attn_stage_v=options.attn_stage_v,
         attn_prefetch_bytes=options.attn_prefetch_bytes, attn_warp_request=options.attn_warp_stages,
         weights_before_wait=options.weights_before_wait)
@@ -356,6 +364,7 @@ def template_context(cfg: KernelConfig, banner: str) -> dict[str, Any]:
         "desc_mode": cv.c_int(cfg.desc_mode),
         "gemv_ring_bytes": cv.c_int(cfg.gemv_ring_bytes),
         "gemv_ring_off": cv.c_int(cfg.gemv_ring_offset),
+        "gemv_ring_bulk": cv.c_bool(cfg.gemv_ring_bulk),
         "weights_tiled": cv.c_bool(cfg.weights_tiled),
         "attn_stage_v": cv.c_bool(cfg.attn_stage_v),
         "attn_prefetch_bytes": cv.c_int(cfg.attn_prefetch_bytes),

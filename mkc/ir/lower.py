@@ -407,9 +407,10 @@ class _Lowerer:
 
 
 def lower(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int = 0, kv_pages: int = 0,
-          attention_sms: int = 0, rope_in_splits: bool = True, mlp_share: str = "bytes") -> Program:
-    """Lower a model into a Program (buffers, tasks in program order, derived DAG)."""
+          attention_sms: int = 0, **choices) -> Program:
+    """Lower a model into a Program (buffers, tasks in program order, derived DAG). ``choices``: the
+    other LowerOptions fields (rope_in_splits, mlp_share)."""
     opt = LowerOptions(batch=batch, context=context, num_sms=num_sms, page_size=page_size, kv_pages=kv_pages,
-                       attention_sms=attention_sms, rope_in_splits=rope_in_splits, mlp_share=mlp_share)
+                       attention_sms=attention_sms, **choices)
     opt.check()
     return _Lowerer(spec, opt).lower()

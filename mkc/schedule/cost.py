@@ -6,7 +6,8 @@ over (bandwidth / num_sms). A task's weights are immutable, so up to ``Ceilings.
 are loaded before its wait completes ("prefetch before wait").
 
 Every task also pays a fixed time that does not depend on its bytes: the counter hand-off, staging
-its inputs, reductions, dependent reads of the routing. ``OP_FIXED_US`` holds it per opcode, as
+its inputs, reductions, dependent reads of the routing. ``Ceilings.op_fixed_us`` holds it per opcode
+(default ``OP_FIXED_US``), as
 measured from per-task timelines of the megakernel (``mkc bench --profile``; H200, batch 1,
 context 8192: a task's run time minus its bytes at the per-SM bandwidth).
 Small ops on the critical chain (top-k, combine, norm) are dominated by it, so without it the
@@ -15,9 +16,25 @@ scheduler would queue the attention chain behind bulky expert tiles.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mkc.ir.graph import Task
+
+# fixed time per task (µs) beyond its bytes, measured (see the module docstring); others: 1 µs.
+# Re-measured 2026-11-29 22:20 UTC on the kernel with in-task RMSNorm and routing (batch 1: run time
+# minus bytes at the per-SM bandwidth): an expert-up tile also derives the routing and normalises
+# its input before its stream starts; a GEMV tile stages the f32 residual stream.
+OP_FIXED_US: dict[str, float] = {
+    "TOPK": 7.0,
+    "ROPE_APPEND": 4.0,
+    "ATTN_SPLIT": 5.0,
+    "ATTN_COMBINE": 4.5,
+    "LINEAR": 2.0,
+    "EXPERT_SWIGLU": 6.0,
+    "EXPERT_DOWN": 4.0,
+    "RESIDUAL": 2.5,
+}
+DEFAULT_FIXED_US = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,25 +65,12 @@ class Ceilings:
     # a prediction of the split alone.
     # The planner ranks its attention-SM candidates at the share all the same (plan.py says why).
     split_bw: float = 16e9
+    # fixed µs per task beyond its bytes, by opcode (others: DEFAULT_FIXED_US)
+    op_fixed_us: dict[str, float] = field(default_factory=lambda: dict(OP_FIXED_US))
 
 
 H200 = Ceilings()
 
-# fixed time per task (µs) beyond its bytes, measured (see the module docstring); others: 1 µs.
-# Re-measured 2026-11-29 22:20 UTC on the kernel with in-task RMSNorm and routing (batch 1: run time
-# minus bytes at the per-SM bandwidth): an expert-up tile also derives the routing and normalises
-# its input before its stream starts; a GEMV tile stages the f32 residual stream.
-OP_FIXED_US: dict[str, float] = {
-    "TOPK": 7.0,
-    "ROPE_APPEND": 4.0,
-    "ATTN_SPLIT": 5.0,
-    "ATTN_COMBINE": 4.5,
-    "LINEAR": 2.0,
-    "EXPERT_SWIGLU": 6.0,
-    "EXPERT_DOWN": 4.0,
-    "RESIDUAL": 2.5,
-}
-DEFAULT_FIXED_US = 1.0
 
 
 def task_time(t: Task, num_sms: int, c: Ceilings = H200) -> float:
@@ -75,7 +79,7 @@ def task_time(t: Task, num_sms: int, c: Ceilings = H200) -> float:
     if c.split_bw and t.op.name == "ATTN_SPLIT":
         per_sm_bw = min(per_sm_bw, c.split_bw)
     per_sm_flops = c.tensor_flops / c.sms
-    fixed = OP_FIXED_US.get(t.op.name, DEFAULT_FIXED_US) * 1e-6
+    fixed = c.op_fixed_us.get(t.op.name, DEFAULT_FIXED_US) * 1e-6
     return max((t.weight_bytes + t.act_bytes) / per_sm_bw, t.flops / per_sm_flops) + fixed
 
 

@@ -33,11 +33,19 @@ from mkc.schedule.cost import H200, Ceilings
 from mkc.schedule.schedule import Schedule
 from mkc.schedule.scheduler import schedule
 
-# The lowering choices plan() makes unless told otherwise (LowerOptions' defaults for rope_in_splits
-# and mlp_share). mkc bench --tune records them beside each measured count, since the count was
-# fastest for them.
-DEFAULT_LOWERING = {f.name: f.default for f in dataclasses.fields(LowerOptions)
-                    if f.name in ("rope_in_splits", "mlp_share")}
+# The lowering choices plan() passes on to lower() (LowerOptions' fields of these names), and their
+# defaults. mkc bench --tune records them beside each measured count, since the count was fastest
+# for them.
+LOWERING_CHOICES = ("rope_in_splits", "mlp_share")
+DEFAULT_LOWERING = {f.name: f.default for f in dataclasses.fields(LowerOptions) if f.name in LOWERING_CHOICES}
+
+
+def lowering_choices(given: dict[str, object]) -> dict[str, object]:
+    """DEFAULT_LOWERING with ``given`` applied; an unknown name is an error naming the choices."""
+    unknown = sorted(set(given) - set(LOWERING_CHOICES))
+    if unknown:
+        raise TypeError(f"unknown lowering choice {', '.join(unknown)}: expected one of {', '.join(LOWERING_CHOICES)}")
+    return {**DEFAULT_LOWERING, **given}
 
 
 def attention_sms_candidates(spec: ModelSpec, batch: int, num_sms: int) -> list[int]:
@@ -65,32 +73,31 @@ def probe_spec(spec: ModelSpec) -> ModelSpec:
 
 
 def choose_attention_sms(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int = 0,
-                         kv_pages: int = 0, ceilings: Ceilings = H200,
-                         rope_in_splits: bool = True, mlp_share: str = "bytes") -> tuple[int, dict[int, float]]:
+                         kv_pages: int = 0, ceilings: Ceilings = H200, **lowering) -> tuple[int, dict[int, float]]:
     """The candidate whose probe schedule is predicted fastest (ties: the smaller), and every
-    candidate's predicted probe step in µs."""
+    candidate's predicted probe step in µs. ``lowering``: LOWERING_CHOICES (default DEFAULT_LOWERING)."""
+    lowering = lowering_choices(lowering)
     cands = attention_sms_candidates(spec, batch, num_sms)
     if len(cands) == 1:
         return cands[0], {}
     probe = probe_spec(spec)
     ranking = dataclasses.replace(ceilings, split_bw=0.0)  # see the module doc
-    predicted = {a: schedule(lower(probe, batch, context, num_sms, page_size, kv_pages, attention_sms=a,
-                                   rope_in_splits=rope_in_splits, mlp_share=mlp_share),
+    predicted = {a: schedule(lower(probe, batch, context, num_sms, page_size, kv_pages, attention_sms=a, **lowering),
                              probe.name, ranking).predicted["step_us"] for a in cands}
     return min(cands, key=lambda a: (predicted[a], a)), predicted
 
 
 def plan(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int = 0, kv_pages: int = 0,
-         attention_sms: int | None = None, ceilings: Ceilings = H200,
-         rope_in_splits: bool = DEFAULT_LOWERING["rope_in_splits"],
-         mlp_share: str = DEFAULT_LOWERING["mlp_share"]) -> Schedule:
+         attention_sms: int | None = None, ceilings: Ceilings = H200, **lowering) -> Schedule:
     """Lower and schedule one decode step: the schedule every runtime path runs.
     ``attention_sms=None`` lets the compiler choose (see the module doc); the choice, who made it
     and the candidates' measured or predicted step are in ``meta["attention_sms"]``; a measured
     choice also names the lowering it was measured with (``measured_lowering``) and the tool
     (``measured_by``; None where the entry does not say: mkc bench --tune), and the lowering may
     differ from this one.
-    ``rope_in_splits``, ``mlp_share``: the LowerOptions fields."""
+    ``lowering``: the LOWERING_CHOICES (LowerOptions fields; default DEFAULT_LOWERING), each also in
+    ``meta`` under its name."""
+    lowering = lowering_choices(lowering)
     how = {"chosen_by": "asked", "probe_predicted_us": {}}
     if attention_sms is None:
         measured = tuning.lookup(tuning.tuning_key(spec, batch, context, num_sms, page_size))
@@ -101,13 +108,11 @@ def plan(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int
                    "measured_lowering": measured.get("lowering"), "measured_by": measured.get("by")}
         else:
             attention_sms, tried = choose_attention_sms(spec, batch, context, num_sms, page_size, kv_pages,
-                                                        ceilings, rope_in_splits, mlp_share)
+                                                        ceilings, **lowering)
             how = {"chosen_by": "compiler" if tried else "only candidate",
                    "probe_predicted_us": {str(a): us for a, us in tried.items()}}
-    program = lower(spec, batch, context, num_sms, page_size, kv_pages, attention_sms=attention_sms,
-                    rope_in_splits=rope_in_splits, mlp_share=mlp_share)
+    program = lower(spec, batch, context, num_sms, page_size, kv_pages, attention_sms=attention_sms, **lowering)
     sc = schedule(program, spec.name, ceilings)
     sc.meta["attention_sms"] = {"chosen": attention_sms, **how}
-    sc.meta["rope_in_splits"] = rope_in_splits
-    sc.meta["mlp_share"] = mlp_share
+    sc.meta.update(lowering)
     return sc

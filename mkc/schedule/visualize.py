@@ -39,6 +39,7 @@ from mkc.ir.graph import Task
 from mkc.ir.ops import OP_INFO
 from mkc.ir.spec import ModelSpec
 from mkc.schedule.cost import H200, Ceilings, task_time
+from mkc.schedule.plan import LOWERING_CHOICES
 from mkc.schedule.schedule import Schedule
 
 HTML_TEMPLATE = "schedule.html.j2"
@@ -137,7 +138,7 @@ def summary(sc: Schedule, spec: ModelSpec) -> dict[str, Any]:
         "critical_path_tasks": len(p.get("critical_path", [])),
         "critical_path_us": float(p.get("critical_path_us", 0.0)),
         "step_us": step_us, "attention_sms": sc.meta.get("attention_sms"),
-        "lowering": {k: sc.meta.get(k) for k in ("rope_in_splits", "mlp_share")},
+        "lowering": {k: sc.meta.get(k) for k in LOWERING_CHOICES},
         "bytes": wbytes + abytes, "weight_bytes": wbytes, "act_bytes": abytes,
         "read_bw": read_bw,
         "sol_us": sol_us,
