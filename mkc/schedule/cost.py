@@ -23,7 +23,9 @@ from mkc.ir.graph import Task
 # fixed time per task (µs) beyond its bytes, measured (see the module docstring); others: 1 µs.
 # Re-measured 2026-11-29 22:20 UTC on the kernel with in-task RMSNorm and routing (batch 1: run time
 # minus bytes at the per-SM bandwidth): an expert-up tile also derives the routing and normalises
-# its input before its stream starts; a GEMV tile stages the f32 residual stream.
+# its input before its stream starts; a GEMV tile stages the f32 residual stream. The values fitted
+# to the profile of 2026-11-30 09:37 UTC (expert-down 0, LINEAR 0.5, expert-up 4.5, TOP_K 4) placed
+# worse: batch 1 +4.7% (benchmarks/schedule_variants.py --variants refit, BENCHMARKS.md), so these stay.
 OP_FIXED_US: dict[str, float] = {
     "TOPK": 7.0,
     "ROPE_APPEND": 4.0,
