@@ -289,16 +289,15 @@ def nmc_positions(batch: int, context: int) -> torch.Tensor:
     return torch.tensor([max(0, context - 1 - 5 * b) for b in range(batch)], dtype=torch.int32)
 
 
-def nmc_decoder(spec, weights, batch: int, context: int, num_sms: int, options=None, **lowering):
+def nmc_decoder(spec, weights, batch: int, context: int, num_sms: int, options=None):
     """The decoder a user gets: the attention-SM count measured on an H200 where the shipped table
     has one (configs/tuning/h200.json; the tests otherwise read an empty tuning file), else the
-    cost model's; the default kernel unless ``options`` (CodegenOptions) are given, the default
-    lowering unless ``lowering`` (plan's lowering choices) is."""
+    cost model's; the default kernel unless ``options`` (CodegenOptions) are given."""
     from mkc.runtime.cuda_backend import CudaDecoder
     from mkc.schedule import tuning
 
     shipped = tuning.lookup(tuning.tuning_key(spec, batch, context, num_sms), ROOT / "configs" / "tuning" / "h200.json")
-    sc = plan(spec, batch, context, num_sms, attention_sms=shipped["attention_sms"] if shipped else None, **lowering)
+    sc = plan(spec, batch, context, num_sms, attention_sms=shipped["attention_sms"] if shipped else None)
     dec = CudaDecoder(sc, spec, weights, options=options)
     g = torch.Generator(device="cuda").manual_seed(batch * 100003 + context)
     for layer in range(spec.num_layers):

@@ -7,9 +7,8 @@ are loaded before its wait completes ("prefetch before wait").
 
 Every task also pays a fixed time that does not depend on its bytes: the counter hand-off, staging
 its inputs, reductions, dependent reads of the routing. ``Ceilings.op_fixed_us`` holds it per opcode
-(default ``OP_FIXED_US``), as
-measured from per-task timelines of the megakernel (``mkc bench --profile``; H200, batch 1,
-context 8192: a task's run time minus its bytes at the per-SM bandwidth).
+(default ``OP_FIXED_US``), as measured from per-task timelines of the megakernel (``mkc bench
+--profile``; H200, batch 1, context 8192: a task's run time minus its bytes at the per-SM bandwidth).
 Small ops on the critical chain (top-k, combine, norm) are dominated by it, so without it the
 scheduler would queue the attention chain behind bulky expert tiles.
 """
@@ -72,7 +71,6 @@ class Ceilings:
 
 
 H200 = Ceilings()
-
 
 
 def task_time(t: Task, num_sms: int, c: Ceilings = H200) -> float:
