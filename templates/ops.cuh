@@ -74,15 +74,13 @@ struct StageFinish {
 // WEIGHTS_BEFORE_WAIT: the end of staging for a tile that issued its first weight loads before
 // waiting for its inputs: the wait (every thread), then the activations' copies, then StageFinish.
 template <class O>
-struct WaitStageFinish {
-    const Task& t;
-    unsigned char* smem;
-    int k0, k;
+struct WaitStageFinish : StageFinish<O> {
     __device__ void operator()() const {
-        task_wait(t.w);
-        stage_input_async<O>(t, smem, k0, k);
+        const StageFinish<O>& s = *this;
+        task_wait(s.t.w);
+        stage_input_async<O>(s.t, s.smem, s.k0, s.k);
         cp_async_wait_all();
-        StageFinish<O>{t, smem, k0, k}();
+        s();
     }
 };
 
@@ -294,7 +292,7 @@ __device__ void op_linear(const Task& t, unsigned char* smem) {
     using A = ARG_LINEAR;
     const int k0 = t.arg(A::k0), k = t.arg(A::k);
     if constexpr (WEIGHTS_BEFORE_WAIT) {  // the kernel loop has not waited: the first weights fly first
-        linear_gemv(t, smem, WaitStageFinish<O>{t, smem, k0, k});
+        linear_gemv(t, smem, WaitStageFinish<O>{{t, smem, k0, k}});
     } else {
         stage_input_async<O>(t, smem, k0, k);
         linear_gemv(t, smem, StageFinish<O>{t, smem, k0, k});
