@@ -446,10 +446,11 @@ def _write_profile(dec, sc, spec: ModelSpec, path: Path) -> None:
 def write_profile(sc, tl: dict, path: Path) -> None:
     """A step's per-task timeline as a Perfetto trace (same layout as mkc compile's trace.json, whose
     predicted step is written beside it as ``*.predicted.json``), with the critical chain on a track
-    of its own; and ``*.txt``: the per-op share of SM time, the critical chain, and the middle
-    layer's phases and chain tasks (profile.py)."""
+    of its own and the read rate over the step (profile.read_rate, 1 µs bins) as a counter track; and
+    ``*.txt``: the per-op share of SM time, the critical chain, and the middle layer's phases, read
+    rate and chain tasks (profile.py)."""
     from mkc.schedule import visualize
-    from mkc.schedule.profile import critical_chain, format_layer, format_profile
+    from mkc.schedule.profile import critical_chain, format_layer, format_profile, read_rate
 
     events = []
     for sm in range(len(sc.queues)):
@@ -469,6 +470,8 @@ def write_profile(sc, tl: dict, path: Path) -> None:
         events.append({"ph": "X", "name": t.name, "cat": t.op.name, "pid": 1, "tid": chain_tid,
                        "ts": float(tl["start"][i]), "dur": max(0.001, float(tl["end"][i] - tl["start"][i])),
                        "args": {"sm": int(tl["sm"][i])}})
+    for ts, rate in zip(*read_rate(sc, tl["start"], tl["end"])):
+        events.append({"ph": "C", "name": "read rate (TB/s)", "pid": 1, "ts": float(ts), "args": {"TB/s": round(float(rate), 3)}})
     events.insert(0, {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "measured step"}})
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ns"}))

@@ -11,7 +11,7 @@ import pytest
 from mkc.ir.lower import lower
 from mkc.ir.spec import load_spec
 from mkc.runtime.bench import write_profile
-from mkc.schedule.profile import critical_chain, format_layer, format_profile, op_shares
+from mkc.schedule.profile import critical_chain, format_layer, format_profile, op_shares, read_rate
 from mkc.schedule.scheduler import schedule
 
 
@@ -48,6 +48,22 @@ def test_shares_and_report(sc_tl):
     assert "critical chain:" in text and "waiting" in text and next(iter(shares)) in text
 
 
+def test_read_rate_conserves_the_bytes(sc_tl):
+    """The read rate spreads each task's bytes over its run: integrated over the step it gives back
+    every byte, at any bin width, and a bin where no task runs reads nothing."""
+    sc, tl = sc_tl
+    total = sum(t.weight_bytes + t.act_bytes for t in sc.tasks if tl["end"][t.id] > tl["start"][t.id])
+    for width in (0.25, 1.0, 3.0):
+        bins, rate = read_rate(sc, tl["start"], tl["end"], width)
+        assert len(bins) == len(rate) and bins[0] == 0.0
+        assert float(np.sum(rate) * 1e12 * width * 1e-6) == pytest.approx(total, rel=1e-9)
+    one = {"start": np.full(len(sc.tasks), 50.0), "end": np.full(len(sc.tasks), 50.0)}
+    one["start"][0], one["end"][0] = 2.0, 4.0
+    bins, rate = read_rate(sc, one["start"], one["end"], 1.0)
+    b = sc.tasks[0].weight_bytes + sc.tasks[0].act_bytes
+    assert list(rate[:5] * 1e12 * 1e-6) == pytest.approx([0.0, 0.0, b / 2, b / 2, 0.0])
+
+
 def test_layer_view(sc_tl):
     """Every op of the layer gets a row with its task count, and the layer's chain tasks are listed
     with the times of the timeline."""
@@ -62,6 +78,7 @@ def test_layer_view(sc_tl):
     assert f"on the critical chain: {len(on_chain)} tasks" in text
     for t in on_chain:
         assert f"{sc.tasks[t].name}" in text and f"{tl['end'][t] - t0:7.1f}" in text
+    assert "read rate of the whole GPU, TB/s per 2 µs up to the next layer's first start" in text
     with pytest.raises(ValueError, match="layer 99: no tasks"):
         format_layer(sc, tl, 99)
 
@@ -73,6 +90,9 @@ def test_write_profile_files(sc_tl, tmp_path):
     events = json.loads(path.read_text())["traceEvents"]
     chain_track = [e for e in events if e.get("tid") == len(sc.queues) and e["ph"] == "X"]
     assert len(chain_track) == len(critical_chain(sc, tl["start"], tl["end"]).tasks)
+    rate = [e for e in events if e["ph"] == "C"]  # the read rate's counter track, one point per µs
+    assert rate and all(e["name"] == "read rate (TB/s)" and e["args"]["TB/s"] >= 0 for e in rate)
+    assert len(rate) == len(read_rate(sc, tl["start"], tl["end"])[0])
     assert json.loads(path.with_suffix(".predicted.json").read_text())["otherData"]["source"].endswith("(predicted)")
     report = path.with_suffix(".txt").read_text()
     layers = sorted({t.layer for t in sc.tasks if t.layer >= 0})

@@ -59,6 +59,26 @@ def critical_chain(sc: Schedule, start, end) -> Chain:
     return Chain(tasks=chain[::-1], run_us=run, handoff_us=hand)
 
 
+def read_rate(sc: Schedule, start, end, bin_us: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """The step's read rate over time: each task's bytes (weights and activations) spread evenly
+    over its run [start, end), summed into bins of ``bin_us`` from 0. Returns (bin starts in µs,
+    TB/s per bin). An estimate: a task that issued loads before its run began (weights before the
+    wait) has them counted in its run. Phases where it is far below the read bandwidth are phases
+    where few SMs stream."""
+    start, end = np.asarray(start, dtype=np.float64), np.asarray(end, dtype=np.float64)
+    n = max(1, int(np.ceil(float(end.max(initial=0.0)) / bin_us)))
+    edges = np.arange(n + 1) * bin_us
+    moved = np.zeros(n)  # bytes per bin
+    for t in sc.tasks:
+        s, e, b = float(start[t.id]), float(end[t.id]), float(t.weight_bytes + t.act_bytes)
+        if e <= s or b <= 0:
+            continue
+        lo, hi = int(s // bin_us), min(n, int(np.ceil(e / bin_us)))
+        overlap = np.minimum(edges[lo + 1:hi + 1], e) - np.maximum(edges[lo:hi], s)
+        moved[lo:hi] += b * np.clip(overlap, 0.0, None) / (e - s)
+    return edges[:-1], moved / (bin_us * 1e-6) / 1e12
+
+
 def op_shares(sc: Schedule, start, end) -> dict[str, float]:
     """Per op, its share of the SMs' busy (running) time, largest first."""
     start, end = np.asarray(start, dtype=np.float64), np.asarray(end, dtype=np.float64)
@@ -114,6 +134,15 @@ def format_layer(sc: Schedule, timeline: Mapping[str, np.ndarray], layer: int) -
     for op, ts in sorted(by_op.items(), key=lambda kv: float(start[kv[1]].min())):
         lines.append(f"  {op:<14} {len(ts):>5} {start[ts].min() - t0:>11.1f} {start[ts].max() - t0:>10.1f} "
                      f"{end[ts].max() - t0:>9.1f} {(end[ts] - start[ts]).mean():>9.1f}")
+    # up to the next layer's first start (work deferred past it, like a KV append no one in the step
+    # waits for, would stretch the window to the end of the step)
+    later = [t.id for t in sc.tasks if t.layer == layer + 1]
+    t1 = float(start[later].min()) if later else float(end[ids].max())
+    bins, rate = read_rate(sc, start, end, 2.0)
+    mid = bins + 1.0
+    window = (mid >= t0) & (mid < max(t1, t0 + 2.0))
+    lines.append("  read rate of the whole GPU, TB/s per 2 µs up to the next layer's first start (every task's "
+                 "bytes over its run): " + " ".join(f"{r:.1f}" for r in rate[window]))
     chain = [t for t in critical_chain(sc, start, end).tasks if sc.tasks[t].layer == layer]
     lines.append(f"  on the critical chain: {len(chain)} tasks")
     for t in chain:
