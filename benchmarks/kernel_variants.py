@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # The first is the kernel as the GPU tests ran it on 2026-11-29 (every prefetch hint on, operand
 # descriptors copied to shared memory); the last is today's default (CodegenOptions()).
-PREFETCH_ALL = CodegenOptions(gemv_pf_batches=2, desc_mode=1, run_prefetch_bytes=256 * 1024)
+PREFETCH_ALL = CodegenOptions(gemv_pf_batches=2, desc_mode=1, run_prefetch_bytes=256 * 1024, weights_before_wait=False)
 VARIANTS: dict[str, CodegenOptions] = {
     "prefetch-all": PREFETCH_ALL,
     "no-gemv-l2-prefetch": dataclasses.replace(PREFETCH_ALL, gemv_pf_batches=-1),
@@ -68,6 +68,11 @@ VARIANTS: dict[str, CodegenOptions] = {
     # expert-down tiles ask L2 for the start of their weights once the routing is read
     "down-prefetch-64k": CodegenOptions(run_prefetch_bytes=64 * 1024),
     "down-prefetch-256k": CodegenOptions(run_prefetch_bytes=256 * 1024),
+    # operand descriptors read from the global table after the wait (the default until 2026-11-30:
+    # desc_mode 3 copies them with the record, a task ahead)
+    "desc-table": CodegenOptions(desc_mode=0),
+    # warp 0 polls its counters before issuing its share of the first weight batch
+    "poll-before-loads": CodegenOptions(poll_before_loads=True),
 }
 
 

@@ -12,6 +12,7 @@ measured in the same run; runtime/bench.py). Timing lives here, never in test as
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from pathlib import Path
@@ -70,6 +71,18 @@ def profile_summary(dec: CudaDecoder, path: str) -> str:
     return "\n".join(lines)
 
 
+def codegen_fields(pairs: list[str]) -> dict[str, int]:
+    """FIELD=VALUE pairs of integer or boolean CodegenOptions fields (SystemExit names a bad one)."""
+    known = {f.name: f.type for f in dataclasses.fields(CodegenOptions)}
+    out = {}
+    for p in pairs:
+        name, _, value = p.partition("=")
+        if name not in known or not value.lstrip("-").isdigit():
+            raise SystemExit(f"--options {p}: expected FIELD=INTEGER with FIELD one of {', '.join(known)}")
+        out[name] = bool(int(value)) if known[name] in ("bool", bool) else int(value)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=str(ROOT / "configs" / "north_mini_code.yaml"))
@@ -85,7 +98,10 @@ def main() -> None:
     ap.add_argument("--warp-stages", type=int, nargs="+", default=[None],
                     help="CodegenOptions.attn_warp_stages values to run (0: CTA-wide attention chunks; "
                          "default: the default kernel)")
+    ap.add_argument("--options", nargs="*", default=[], metavar="FIELD=VALUE",
+                    help="CodegenOptions fields for every run, e.g. ahead_prefetch=2 stream_evict_first=1")
     a = ap.parse_args()
+    extra = codegen_fields(a.options)
     spec = load_spec(a.config)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     bw = measure_read_bandwidth()
@@ -98,7 +114,7 @@ def main() -> None:
     runs = ((b, c, r, w) for b in a.batch for c in a.context for r in a.rope_in_splits for w in a.warp_stages)
     for batch, context, rope, stages in runs:
         sc = plan(spec, batch, context, sms, attention_sms=a.attention_sms, rope_in_splits=rope == "yes")
-        options = CodegenOptions() if stages is None else CodegenOptions(attn_warp_stages=stages)
+        options = CodegenOptions(**extra) if stages is None else CodegenOptions(**extra, attn_warp_stages=stages)
         with decoder_in_place(sc, spec, weights, options=options) as dec:
             # the inputs mkc bench uses, so runs and trees compare on the same experts
             fill_bench_kv(dec, spec)
@@ -118,7 +134,9 @@ def main() -> None:
                   f"{dec.artifact.name} ({dec.artifact.regs} regs, {dec.artifact.dynamic_smem} B smem), "
                   f"spread {statistics.pstdev(times) * 1e6:.1f} µs", flush=True)
             if a.profile:
-                print(profile_summary(dec, f"{a.profile}/timeline-b{batch}-c{context}-rope{rope}-w{dec.artifact.config.attn_warp_stages}.npz"), flush=True)
+                tag = "".join(f"-{k}{int(v)}" for k, v in extra.items())
+                print(profile_summary(dec, f"{a.profile}/timeline-b{batch}-c{context}-rope{rope}-w"
+                                           f"{dec.artifact.config.attn_warp_stages}{tag}.npz"), flush=True)
     print(format_table(rows))
     if a.json:
         write_json(rows, a.json, {"gpu": torch.cuda.get_device_name(0), "read_bw": bw, "reps": a.reps})

@@ -33,7 +33,7 @@ import torch
 from mkc import settings
 from mkc.codegen import KernelArtifact, build_kernel
 from mkc.codegen.render import CodegenOptions
-from mkc.codegen.taskwords import buffer_table, encode
+from mkc.codegen.taskwords import buffer_table, encode, record_descriptors
 from mkc.codegen.weight_tiles import TiledWeights, from_tiles, tiled_weights, to_tiles
 from mkc.ir.kv_layout import identity_page_table, logical_view, page_size_of
 from mkc.ir.spec import ModelSpec
@@ -154,6 +154,8 @@ class CudaDecoder:
             table = buffer_table(schedule, words.buffer_names,
                                  {n: self.buffers[n].data_ptr() for n in words.buffer_names}, self.tiled)
             self._table = torch.from_numpy(table.view(np.uint8).copy()).to(dev)
+            rdesc = record_descriptors(words, table)
+            self._record_desc = torch.from_numpy(rdesc.view(np.uint8).reshape(-1).copy()).to(dev)
             self._counters = torch.zeros(max(1, words.num_counters), dtype=torch.int32, device=dev)
             self._abort = torch.zeros(ABORT_WORDS, dtype=torch.int32, device=dev)
         self.steps = 0  # steps launched since the last reset
@@ -240,6 +242,7 @@ class CudaDecoder:
         cfg = self.launch_config
         args = [ctypes.c_void_p(self._records.data_ptr()), ctypes.c_void_p(self._queue_start.data_ptr()),
                 ctypes.c_void_p(self._waits.data_ptr()), ctypes.c_void_p(self._table.data_ptr()),
+                ctypes.c_void_p(self._record_desc.data_ptr()),
                 ctypes.c_void_p(self._counters.data_ptr()), ctypes.c_void_p(self._abort.data_ptr()),
                 ctypes.c_uint32(self.steps), ctypes.c_uint64(self.timeout_ns),
                 ctypes.c_void_p(self._profile_buffer().data_ptr() if profile else 0)]

@@ -77,7 +77,7 @@ __device__ __forceinline__ void stage_x(bf16* xs, const bf16* x, int x_ld, int k
 // [k0, k0 + k), as stage_x would stage the normed activations: xn = bf16(x * r * w) with
 // r = rsqrt(mean(x^2) + eps). stage_norm_async copies the rows and the weight columns into
 // `scratch` (NORM_SCRATCH_BYTES of shared memory) with cp.async. Once every thread has waited for
-// its own copies (gemv_tile does), stage_norm_finish publishes them with a barrier; then one warp
+// its own copies (StageFinish does), stage_norm_finish publishes them with a barrier; then one warp
 // per token sums the squares quad by quad per lane and across the warp in a fixed order (every
 // consumer of a norm stages the same values) and scales its columns into xs (rows >= BATCH zero).
 // A barrier must follow before xs is read.
@@ -273,8 +273,8 @@ __device__ __forceinline__ void gemv_item_ring(const bf16* const (&w0)[NACC], co
 #pragma unroll
     for (int i = 0; i < S - 1; ++i) ring_issue<NACC>(ring, i, w0, w1, v0, v1, kb_begin + i * kb_step, kb_end);
     if (first) {
-        cp_async_wait_group<S - 1>();
-        finish();
+        cp_async_wait_group<S - 1>();  // the staging's copies (committed before the ring's)
+        finish.landed();
     }
     int st = 0;
 #pragma unroll 1
@@ -339,10 +339,7 @@ __device__ __forceinline__ void gemv_item_bulk(const bf16* const (&w0)[NACC], bo
     };
 #pragma unroll 1
     for (int i = 0; i < S - 1; ++i) issue(i, kb_begin + i * kb_step);
-    if (first) {
-        cp_async_wait_all();
-        finish();
-    }
+    if (first) finish();
     int st = 0;
 #pragma unroll 1
     for (int kb = kb_begin; kb < kb_end; kb += kb_step) {
@@ -394,11 +391,11 @@ __device__ __forceinline__ void gemv_item(const bf16* const (&w0)[NACC],
     constexpr int U = gemv_batch_blocks<NACC>();
     const int batch = U * kb_step;
     uint4 wa[U][NACC][2][2], wb[U][NACC][2][2];
+    // warp 0 of a tile that waits inside (Fin::POLLS) may poll before its loads (POLL_BEFORE_LOADS)
+    const bool poll_first = POLL_BEFORE_LOADS && Fin::POLLS && threadIdx.x < 32;
+    if (first && poll_first) finish();
     gemv_load<U, NACC, NC>(wa, w0, w1, v0, v1, kb_begin, kb_step, kb_end);
-    if (first) {
-        cp_async_wait_all();
-        finish();
-    }
+    if (first && !poll_first) finish();
     for (int kb = kb_begin; kb < kb_end; kb += 2 * batch) {
         gemv_load<U, NACC, NC>(wb, w0, w1, v0, v1, kb + batch, kb_step, kb_end);
         if constexpr (NC && GEMV_PF_BATCHES >= 0)
@@ -412,9 +409,12 @@ __device__ __forceinline__ void gemv_item(const bf16* const (&w0)[NACC],
     }
 }
 
-// No-op end of staging, for a tile whose activations are already staged and published.
+// No-op end of staging for a tile whose activations the caller staged (this thread's copies are
+// waited for).
 struct Staged {
-    __device__ void operator()() const {}
+    static constexpr bool POLLS = false;  // whether the finish waits for the task's counters
+    __device__ void landed() const {}
+    __device__ void operator()() const { cp_async_wait_all(); }
 };
 
 // rows x k tile: w[a] points at element (row 0, k 0) of row set a (row stride w_ld elements); xs
@@ -444,13 +444,9 @@ __device__ __forceinline__ void gemv_tile(const bf16* const (&w)[NACC], int w_ld
     // spilled at batch 8 once the routing was reused (ops.cuh: routing_known), so that option was
     // removed. The weight ring holds no batch in registers.
     constexpr bool EARLY = NACC == 1 || use_ring<NC>();
-    const auto finish_now = [&] {
-        cp_async_wait_all();
-        finish();
-    };
-    if (!EARLY) finish_now();
+    if (!EARLY) finish();
     if (ks == 1) {
-        if (EARLY && warp >= groups) finish_now();  // warps without a row group
+        if (EARLY && warp >= groups) finish();  // warps without a row group
         for (int gi = warp; gi < groups; gi += NUM_WARPS) {
             const int s0 = gi * 16 + g, s1 = s0 + 8;
             const bf16* u0[NACC];
@@ -464,7 +460,7 @@ __device__ __forceinline__ void gemv_tile(const bf16* const (&w)[NACC], int w_ld
     }
     // fewer groups than warps: warp = grp * ks + part, k split over the ks parts
     float acc[NACC][4] = {};
-    if (EARLY && grp >= groups) finish_now();
+    if (EARLY && grp >= groups) finish();
     if (grp < groups) {
         const bf16* w0[NACC];
         const bf16* w1[NACC];

@@ -57,35 +57,50 @@ __device__ __forceinline__ void stage_input_async(const Task& t, unsigned char* 
     else stage_x_async(gemv_xs(smem), t.ptr<bf16>(O::x), t.dim(O::x, 1), k0, k);
 }
 
-// Called by every thread once its own copies have landed (gemv_tile waits for them), from a
-// warp-dependent point inside gemv_tile: hence cta_barrier(). The last barrier publishes xs (for
-// a norm operand, the normalised rows, which stage_norm_finish computes after its own barrier).
+// The end of a GEMV's staging (gemv_tile's `finish`), called by every thread from a warp-dependent
+// point inside gemv_tile: hence cta_barrier(). operator() first waits for this thread's own
+// copies; landed() is the rest, for a caller that waited for them itself (the weight ring). The
+// last barrier publishes xs (for a norm operand, the normalised rows, which stage_norm_finish
+// computes after its own barrier).
 template <class O>
 struct StageFinish {
+    static constexpr bool POLLS = false;  // whether the finish waits for the task's counters
     const Task& t;
     unsigned char* smem;
     int k0, k;
-    __device__ void operator()() const {
+    __device__ void landed() const {
         if (t.has(O::norm)) stage_norm_finish(gemv_xs(smem), k0, k, gemv_scratch(smem));
         cta_barrier();
+    }
+    __device__ void operator()() const {
+        cp_async_wait_all();
+        landed();
     }
 };
 
 // WEIGHTS_BEFORE_WAIT: the end of staging for a tile that issued its first weight loads before
 // waiting for its inputs: the wait (every thread), then the activations' copies, then StageFinish.
+// The wait comes first: warp 0 may still have the next task's record in flight (the kernel loop),
+// which its counter loads need not wait for.
 template <class O>
 struct WaitStageFinish : StageFinish<O> {
+    static constexpr bool POLLS = true;
     __device__ void operator()() const {
         const StageFinish<O>& s = *this;
         task_wait(s.t.w);
         stage_input_async<O>(s.t, s.smem, s.k0, s.k);
-        cp_async_wait_all();
         s();
     }
+    __device__ void landed() const { (*this)(); }
 };
 
 struct CopyFinish {  // the end of a plain stage_x_async
-    __device__ void operator()() const { cta_barrier(); }
+    static constexpr bool POLLS = false;
+    __device__ void landed() const { cta_barrier(); }
+    __device__ void operator()() const {
+        cp_async_wait_all();
+        landed();
+    }
 };
 
 // Element offset of the tile starting at (row0, k0) of a weight with k columns: row-major, or in

@@ -11,7 +11,7 @@ import jinja2
 import numpy as np
 import pytest
 
-from mkc.codegen import CompileError, build_kernel, write_kernel
+from mkc.codegen import CodegenOptions, CompileError, build_kernel, write_kernel
 from mkc.codegen import cvalues as cv
 from mkc.codegen.nvrtc import compile_cubin, parse_resources
 from mkc.codegen.render import (
@@ -24,7 +24,9 @@ from mkc.codegen.render import (
 )
 from mkc.codegen.sass import disassemble, find_cuobjdump, local_memory_ops, opcode_counts
 from mkc.codegen.taskwords import (
+    BUF_DESC,
     INLINE_WAITS,
+    MAX_OPERANDS,
     RECORD_WORDS,
     W_ARGS,
     W_OP,
@@ -33,7 +35,9 @@ from mkc.codegen.taskwords import (
     W_WAIT_CNT,
     W_WAIT_OFF,
     W_WAITS,
+    buffer_table,
     encode,
+    record_descriptors,
 )
 from mkc.ir.lower import lower
 from mkc.ir.ops import OP_INFO, Opcode
@@ -263,6 +267,33 @@ def test_task_words_encode_the_schedule(tiny):
             assert names == list(t.operands)
             assert list(r[W_ARGS:W_ARGS + len(t.args)]) == list(t.args)
             row += 1
+
+
+def test_record_descriptors_are_the_table_rows_of_each_operand(tiny):
+    """desc_mode 3: each record's block holds the buffer table's row of each operand, zeros where the
+    operand is absent (the kernel copies the block with the record)."""
+    _, sc = tiny
+    w = encode(sc)
+    table = buffer_table(sc, w.buffer_names, {n: 4096 * (i + 1) for i, n in enumerate(w.buffer_names)})
+    blocks = record_descriptors(w, table)
+    assert blocks.shape == (len(sc.tasks), MAX_OPERANDS) and blocks.dtype == BUF_DESC
+    for r, block in zip(w.records, blocks):
+        for i in range(MAX_OPERANDS):
+            b = r[W_OPERANDS + i]
+            if b >= 0:
+                assert block[i] == table[b]
+            else:
+                assert block[i]["ptr"] == 0 and not block[i]["shape"].any() and block[i]["dtype"] == 0
+    assert (blocks["ptr"] != 0).sum() == (w.records[:, W_OPERANDS:W_OPERANDS + MAX_OPERANDS] >= 0).sum()
+
+
+def test_desc_mode_is_checked(tiny):
+    spec, sc = tiny
+    with pytest.raises(CodegenError, match="desc_mode = 4"):
+        kernel_config(sc, spec, CodegenOptions(desc_mode=4))
+    with pytest.raises(CodegenError, match="weights_before_wait"):
+        kernel_config(sc, spec, CodegenOptions(desc_mode=1))
+    assert kernel_config(sc, spec, CodegenOptions(desc_mode=1, weights_before_wait=False)).desc_mode == 1
 
 
 @pytest.mark.parametrize("batch", [1, 8])

@@ -66,7 +66,12 @@ class CodegenOptions:
     # the operand descriptors each made the step slower (batch 1: 3.71 ms without them, 4.90 ms with).
     run_prefetch_bytes: int = 0  # expert weights asked L2 for once the routing is read (0: one row)
     gemv_pf_batches: int = -1  # GEMV register batches prefetched into L2 ahead of the loads (-1: none)
-    desc_mode: int = 0  # operand descriptors: 0 read from the global table, 1 / 2 copied to shared (cg / ca)
+    # Operand descriptors: 0 read from the global table; 1 / 2 copied to shared memory while the task
+    # waits (cg / ca); 3 copied to shared memory with the record, a task ahead (the runtime's
+    # per-record copy of the table: taskwords.record_descriptors), so no task reads the table
+    # after its wait. 3 measured 3.6% faster than 0 at batch 1 on an H200 (kernel_variants.py,
+    # 2026-11-30 12:10 UTC; BENCHMARKS.md), 1.5-1.8% at batch 2 and 4, bitwise the same logits.
+    desc_mode: int = 3
     # Weight bytes each warp streams through a shared-memory ring (cp.async) instead of register
     # batches; 0: register batches. Lowered to what fits beside the GEMV's other shared memory.
     gemv_ring_bytes: int = 0
@@ -118,6 +123,10 @@ class CodegenOptions:
     # 6244, batch 8 9533 / 9610. RUN_PREFETCH_BYTES = 64 KB there: 0.6-1.6% faster at batch 1-4,
     # 2.0% slower at batch 8 (one row stays).
     weights_before_wait: bool = True
+    # With weights_before_wait: warp 0, which polls the counters, polls before issuing its share of
+    # the first weight batch instead of after, so its counter loads do not queue behind the SM's
+    # weight loads (the other warps still issue theirs first).
+    poll_before_loads: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +164,7 @@ class KernelConfig:
     attn_prefetch_bytes: int
     attn_warp_request: int  # CodegenOptions.attn_warp_stages (the fitted count: attn_warp_stages)
     weights_before_wait: bool
+    poll_before_loads: bool = False
 
     @property
     def warps(self) -> int:
@@ -278,6 +288,12 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         raise CodegenError(f"batch x top_k = {schedule.batch * top_k}: expected at most {options.threads}")
     if options.weight_layout not in ("auto", "rows", "tiles"):
         raise CodegenError(f"weight_layout = {options.weight_layout!r}: expected 'auto', 'rows' or 'tiles'")
+    if options.desc_mode not in (0, 1, 2, 3):
+        raise CodegenError(f"desc_mode = {options.desc_mode}: expected 0 (global table), 1 or 2 (copied while "
+                           f"waiting) or 3 (copied with the record)")
+    if options.desc_mode in (1, 2) and options.weights_before_wait:
+        raise CodegenError(f"desc_mode = {options.desc_mode} copies descriptors while the kernel loop waits, which "
+                           f"weights_before_wait tasks skip: expected desc_mode 0 or 3 with weights_before_wait")
     problem = tile_order_problem(schedule) if options.weight_layout != "rows" else None
     if options.weight_layout == "tiles" and problem:
         raise CodegenError(problem)
@@ -315,7 +331,7 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         weights_tiled=tiled,
         attn_stage_v=options.attn_stage_v,
         attn_prefetch_bytes=options.attn_prefetch_bytes, attn_warp_request=options.attn_warp_stages,
-        weights_before_wait=options.weights_before_wait)
+        weights_before_wait=options.weights_before_wait, poll_before_loads=options.poll_before_loads)
     if cfg.smem_bytes > MAX_SMEM_BYTES:
         raise CodegenError(f"shared memory {cfg.smem_bytes} B (widest GEMV k = {max_k}, batch = {cfg.batch}): "
                            f"expected at most {MAX_SMEM_BYTES} B")
@@ -370,6 +386,7 @@ def template_context(cfg: KernelConfig, banner: str) -> dict[str, Any]:
         "attn_prefetch_bytes": cv.c_int(cfg.attn_prefetch_bytes),
         "attn_warp_stages": cv.c_int(cfg.attn_warp_stages),
         "weights_before_wait": cv.c_bool(cfg.weights_before_wait),
+        "poll_before_loads": cv.c_bool(cfg.poll_before_loads),
         "max_rank": cv.c_int(MAX_RANK),
         "dtypes": [(cv.c_ident(f"DT_{k.upper()}"), cv.c_int(v)) for k, v in DTYPE_CODES.items()],
         "record_words": [(cv.c_ident(k), cv.c_int(v)) for k, v in RECORD_LAYOUT],

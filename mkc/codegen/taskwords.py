@@ -131,6 +131,18 @@ def encode(schedule: Schedule) -> TaskWords:
     return TaskWords(records, queue_start, w, names, len(schedule.counters))
 
 
+def record_descriptors(words: TaskWords, table: np.ndarray) -> np.ndarray:
+    """Per record, the BUF_DESC of each operand role (zeros where absent): ``[records,
+    MAX_OPERANDS]``. The kernel copies a record's block into shared memory together with the
+    record (CodegenOptions.desc_mode 3), so a task finds its operands' pointers and shapes
+    there without a dependent read of the buffer table."""
+    idx = words.records[:, W_OPERANDS:W_OPERANDS + MAX_OPERANDS]
+    out = np.zeros(idx.shape, dtype=BUF_DESC)
+    present = idx >= 0
+    out[present] = table[idx[present]]
+    return out
+
+
 def buffer_table(schedule: Schedule, names: tuple[str, ...], pointers: dict[str, int],
                  tiled: frozenset[str] = frozenset()) -> np.ndarray:
     """The BUF_DESC array for the kernel: shape and dtype from the schedule, pointers from the
