@@ -71,8 +71,6 @@ VARIANTS: dict[str, CodegenOptions] = {
     # operand descriptors read from the global table after the wait (the default until 2026-11-30:
     # desc_mode 3 copies them with the record, a task ahead)
     "desc-table": CodegenOptions(desc_mode=0),
-    # warp 0 polls its counters before issuing its share of the first weight batch
-    "poll-before-loads": CodegenOptions(poll_before_loads=True),
 }
 
 

@@ -391,11 +391,8 @@ __device__ __forceinline__ void gemv_item(const bf16* const (&w0)[NACC],
     constexpr int U = gemv_batch_blocks<NACC>();
     const int batch = U * kb_step;
     uint4 wa[U][NACC][2][2], wb[U][NACC][2][2];
-    // warp 0 of a tile that waits inside (Fin::POLLS) may poll before its loads (POLL_BEFORE_LOADS)
-    const bool poll_first = POLL_BEFORE_LOADS && Fin::POLLS && threadIdx.x < 32;
-    if (first && poll_first) finish();
     gemv_load<U, NACC, NC>(wa, w0, w1, v0, v1, kb_begin, kb_step, kb_end);
-    if (first && !poll_first) finish();
+    if (first) finish();
     for (int kb = kb_begin; kb < kb_end; kb += 2 * batch) {
         gemv_load<U, NACC, NC>(wb, w0, w1, v0, v1, kb + batch, kb_step, kb_end);
         if constexpr (NC && GEMV_PF_BATCHES >= 0)
@@ -412,7 +409,6 @@ __device__ __forceinline__ void gemv_item(const bf16* const (&w0)[NACC],
 // No-op end of staging for a tile whose activations the caller staged (this thread's copies are
 // waited for).
 struct Staged {
-    static constexpr bool POLLS = false;  // whether the finish waits for the task's counters
     __device__ void landed() const {}
     __device__ void operator()() const { cp_async_wait_all(); }
 };

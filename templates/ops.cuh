@@ -64,7 +64,6 @@ __device__ __forceinline__ void stage_input_async(const Task& t, unsigned char* 
 // computes after its own barrier).
 template <class O>
 struct StageFinish {
-    static constexpr bool POLLS = false;  // whether the finish waits for the task's counters
     const Task& t;
     unsigned char* smem;
     int k0, k;
@@ -84,7 +83,6 @@ struct StageFinish {
 // which its counter loads need not wait for.
 template <class O>
 struct WaitStageFinish : StageFinish<O> {
-    static constexpr bool POLLS = true;
     __device__ void operator()() const {
         const StageFinish<O>& s = *this;
         task_wait(s.t.w);
@@ -95,7 +93,6 @@ struct WaitStageFinish : StageFinish<O> {
 };
 
 struct CopyFinish {  // the end of a plain stage_x_async
-    static constexpr bool POLLS = false;
     __device__ void landed() const { cta_barrier(); }
     __device__ void operator()() const {
         cp_async_wait_all();

@@ -123,10 +123,6 @@ class CodegenOptions:
     # 6244, batch 8 9533 / 9610. RUN_PREFETCH_BYTES = 64 KB there: 0.6-1.6% faster at batch 1-4,
     # 2.0% slower at batch 8 (one row stays).
     weights_before_wait: bool = True
-    # With weights_before_wait: warp 0, which polls the counters, polls before issuing its share of
-    # the first weight batch instead of after, so its counter loads do not queue behind the SM's
-    # weight loads (the other warps still issue theirs first).
-    poll_before_loads: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +160,6 @@ class KernelConfig:
     attn_prefetch_bytes: int
     attn_warp_request: int  # CodegenOptions.attn_warp_stages (the fitted count: attn_warp_stages)
     weights_before_wait: bool
-    poll_before_loads: bool = False
 
     @property
     def warps(self) -> int:
@@ -331,7 +326,7 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         weights_tiled=tiled,
         attn_stage_v=options.attn_stage_v,
         attn_prefetch_bytes=options.attn_prefetch_bytes, attn_warp_request=options.attn_warp_stages,
-        weights_before_wait=options.weights_before_wait, poll_before_loads=options.poll_before_loads)
+        weights_before_wait=options.weights_before_wait)
     if cfg.smem_bytes > MAX_SMEM_BYTES:
         raise CodegenError(f"shared memory {cfg.smem_bytes} B (widest GEMV k = {max_k}, batch = {cfg.batch}): "
                            f"expected at most {MAX_SMEM_BYTES} B")
@@ -386,7 +381,6 @@ def template_context(cfg: KernelConfig, banner: str) -> dict[str, Any]:
         "attn_prefetch_bytes": cv.c_int(cfg.attn_prefetch_bytes),
         "attn_warp_stages": cv.c_int(cfg.attn_warp_stages),
         "weights_before_wait": cv.c_bool(cfg.weights_before_wait),
-        "poll_before_loads": cv.c_bool(cfg.poll_before_loads),
         "max_rank": cv.c_int(MAX_RANK),
         "dtypes": [(cv.c_ident(f"DT_{k.upper()}"), cv.c_int(v)) for k, v in DTYPE_CODES.items()],
         "record_words": [(cv.c_ident(k), cv.c_int(v)) for k, v in RECORD_LAYOUT],
