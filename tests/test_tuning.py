@@ -155,7 +155,7 @@ def test_the_shipped_h200_table_matches_north_mini_code(nmc, monkeypatch):
     monkeypatch.setenv("MKC_TUNING_FILE", str(ROOT / "configs" / "tuning" / "h200.json"))
     table = tuning.load()
     assert table, "configs/tuning/h200.json is empty or unreadable"
-    for batch, context, want in ((1, 8192, 32), (2, 8192, 32), (4, 8192, 32), (8, 8192, 64), (1, 32768, 64),
+    for batch, context, want in ((1, 8192, 32), (2, 8192, 32), (4, 8192, 64), (8, 8192, 64), (1, 32768, 64),
                                  (8, 32768, 0), (1, 131072, 64)):
         rec = table[tuning.tuning_key(nmc, batch, context, 132)]
         fastest = min(rec["measured_us"], key=lambda a: rec["measured_us"][a])
@@ -176,15 +176,19 @@ def test_without_a_named_file_the_shipped_tables_apply_under_the_cache(nmc, monk
     assert meta["chosen"] == 32 and meta["measured_us"]["32"] == 100.0
 
 
-def test_a_measured_count_names_its_tool_and_lowering(nmc, monkeypatch):
-    """The shipped entries say which lowering they were measured under; mkc compile's summary says
-    so where it is not the one being compiled (batch 2: measured with mlp_share="rest"), and names
-    the tool that measured batch 1 at 8K (schedule_variants.py, not mkc bench --tune)."""
+def test_a_measured_count_names_its_tool_and_lowering(nmc, tuning_file):
+    """An entry says which lowering it was measured under and, unless mkc bench --tune, which tool
+    measured it; mkc compile's summary names the tool, and the lowering where it is not the one
+    being compiled."""
     from mkc.schedule.visualize import format_summary, summary
 
-    monkeypatch.setenv("MKC_TUNING_FILE", str(ROOT / "configs" / "tuning" / "h200.json"))
+    rest = {"mlp_share": "rest", "rope_in_splits": True}
+    tuning.record(tuning.tuning_key(nmc, 2, 8192, 132), {**entry(32), "lowering": rest})
+    tuning.record(tuning.tuning_key(nmc, 1, 8192, 132),
+                  {**entry(32), "lowering": {"mlp_share": "bytes", "rope_in_splits": True},
+                   "by": "benchmarks/schedule_variants.py"})
     sc = plan(nmc, 2, 8192, 132)
-    assert sc.meta["attention_sms"]["measured_lowering"] == {"mlp_share": "rest", "rope_in_splits": True}
+    assert sc.meta["attention_sms"]["measured_lowering"] == rest
     text = format_summary(summary(sc, nmc))
     assert "measured fastest by mkc bench --tune on NVIDIA H200" in text
     assert "measured under mlp_share=rest, rope_in_splits=True (this compile: mlp_share=bytes, rope_in_splits=True)" in text
@@ -192,6 +196,6 @@ def test_a_measured_count_names_its_tool_and_lowering(nmc, monkeypatch):
     text = format_summary(summary(sc, nmc))
     assert "measured fastest by benchmarks/schedule_variants.py on NVIDIA H200" in text
     assert "measured under" not in text
-    # mkc bench --tune records the lowering it measured with (the planner's defaults)
+    # compiled under the lowering it was measured with: no remark
     sc = plan(nmc, 2, 8192, 132, mlp_share="rest")
     assert "measured under" not in format_summary(summary(sc, nmc))
