@@ -3,6 +3,8 @@ schedule's own predicted timeline, which has the same form as a measured one."""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
 
 import numpy as np
@@ -11,7 +13,16 @@ import pytest
 from mkc.ir.lower import lower
 from mkc.ir.spec import load_spec
 from mkc.runtime.bench import write_profile
-from mkc.schedule.profile import critical_chain, format_layer, format_profile, op_shares, read_rate
+from mkc.schedule.profile import (
+    Gaps,
+    critical_chain,
+    format_layer,
+    format_profile,
+    measured_gaps,
+    op_shares,
+    read_rate,
+    replay,
+)
 from mkc.schedule.scheduler import schedule
 
 
@@ -97,3 +108,56 @@ def test_write_profile_files(sc_tl, tmp_path):
     report = path.with_suffix(".txt").read_text()
     layers = sorted({t.layer for t in sc.tasks if t.layer >= 0})
     assert "critical chain" in report and f"layer {layers[len(layers) // 2]} (µs from its first start" in report
+
+
+def test_replay_keeps_every_wait_and_queue_order(sc_tl):
+    sc, tl = sc_tl
+    run = tl["end"] - tl["start"]
+    gaps = Gaps({"LINEAR": 0.5}, {"LINEAR": 2.0, "RESIDUAL": 0.75}, default=0.25)
+    start, end = replay(sc, run, gaps)
+    assert np.allclose(end - start, run)
+    for t, task in enumerate(sc.tasks):
+        for c, _ in sc.waits[t]:
+            for p in sc.counters[c].producers:
+                assert start[t] >= end[p] + gaps.producer(task.op.name) - 1e-9, (sc.tasks[p].name, task.name)
+    for q in sc.queues:
+        for a, b in itertools.pairwise(q):
+            assert start[b] >= end[a] + gaps.queue(sc.tasks[b].op.name) - 1e-9
+        for t in q:  # and as soon as the later of its blockers allows, not later
+            limits = [end[p] + gaps.producer(sc.tasks[t].op.name) for c, _ in sc.waits[t] for p in sc.counters[c].producers]
+            i = q.index(t)
+            if i:
+                limits.append(end[q[i - 1]] + gaps.queue(sc.tasks[t].op.name))
+            assert start[t] == pytest.approx(max(limits, default=0.0))
+
+
+def test_replay_of_its_own_gaps_is_a_fixed_point(sc_tl):
+    """Gaps measured on a replayed step are the gaps it was replayed with (for the opcodes each kind
+    of blocker held back), and replaying with them gives the same step. (Each opcode has one gap
+    for both kinds here: a task is counted under whichever blocker ended last, which is the one
+    that held it back only when both gaps are equal.)"""
+    sc, tl = sc_tl
+    run = tl["end"] - tl["start"]
+    per_op = {op.name: 0.5 + 0.1 * i for i, op in enumerate(sorted({t.op for t in sc.tasks}))}
+    gaps = Gaps(per_op, dict(per_op))
+    start, end = replay(sc, run, gaps)
+    got = measured_gaps(sc, start, end)
+    assert got.after_producer and got.after_queue
+    for op, v in got.after_producer.items():
+        assert v == pytest.approx(gaps.producer(op)), op
+    for op, v in got.after_queue.items():
+        assert v == pytest.approx(gaps.queue(op)), op
+    again = replay(sc, run, got)
+    assert np.allclose(again[0], start) and np.allclose(again[1], end)
+
+
+def test_replay_names_a_cycle(sc_tl):
+    """A queue that puts a task before its own producer cannot be replayed: a clear error."""
+    sc, tl = sc_tl
+    t = next(t for t in range(len(sc.tasks)) if sc.waits[t])
+    p = sc.counters[sc.waits[t][0][0]].producers[0]
+    queues = [[x for x in q if x not in (t, p)] for q in sc.queues]
+    queues[0] = [t, p, *queues[0]]
+    bad = dataclasses.replace(sc, queues=queues)
+    with pytest.raises(ValueError, match="never became ready"):
+        replay(bad, tl["end"] - tl["start"], Gaps({}, {}))
