@@ -12,33 +12,18 @@ prediction (mkc/schedule/cost.py): the numbers ``OP_FIXED_US`` is re-measured fr
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import numpy as np
+import profiled
 
-from mkc.ir.spec import load_spec
 from mkc.schedule.cost import fit_op_costs
-from mkc.schedule.plan import plan
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("timeline")
-    ap.add_argument("--config", default=str(ROOT / "configs" / "north_mini_code.yaml"))
-    ap.add_argument("--batch", type=int, required=True)
-    ap.add_argument("--context", type=int, default=8192)
-    ap.add_argument("--num-sms", type=int, default=132)
-    ap.add_argument("--page-size", type=int, default=0)
-    ap.add_argument("--attention-sms", type=int, default=None, help="as profiled (default: the compiler's choice)")
+    profiled.add_arguments(ap)
     a = ap.parse_args()
-    spec = load_spec(a.config)
-    sc = plan(spec, a.batch, a.context, a.num_sms, page_size=a.page_size, attention_sms=a.attention_sms)
-    tl = np.load(a.timeline)
-    if len(tl["end"]) != len(sc.tasks) or not np.array_equal(tl["op"], [int(t.op) for t in sc.tasks]):
-        raise SystemExit(f"{a.timeline}: its tasks are not this tree's schedule for batch {a.batch}, "
-                         f"context {a.context}: profile again with the same options")
+    sc, tl = profiled.load(a)
     fits = fit_op_costs(sc.tasks, tl["end"] - tl["start"], a.num_sms)
     print(f"{'op':<14} {'tasks':>6} {'measured µs':>12} {'model µs':>9} {'fit fixed µs':>13} {'fit GB/s':>9}")
     for op, f in sorted(fits.items(), key=lambda kv: -kv[1].tasks * kv[1].mean_us):

@@ -18,15 +18,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from pathlib import Path
 
 import numpy as np
+import profiled
 
-from mkc.ir.spec import load_spec
-from mkc.schedule.plan import plan
 from mkc.schedule.profile import Gaps, measured_gaps, replay
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def label(name: str) -> str:
@@ -48,24 +44,13 @@ def pairs(items: list[str], flag: str) -> list[tuple[str, float]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("timeline")
-    ap.add_argument("--config", default=str(ROOT / "configs" / "north_mini_code.yaml"))
-    ap.add_argument("--batch", type=int, required=True)
-    ap.add_argument("--context", type=int, default=8192)
-    ap.add_argument("--num-sms", type=int, default=132)
-    ap.add_argument("--page-size", type=int, default=0)
-    ap.add_argument("--attention-sms", type=int, default=None, help="as profiled (default: the compiler's choice)")
+    profiled.add_arguments(ap)
     ap.add_argument("--scale", nargs="*", default=[], metavar="NAME=F",
                     help="multiply the run time of an opcode's or a label's tasks by F")
     ap.add_argument("--queue-gap", nargs="*", default=[], metavar="OP=US",
                     help="set an opcode's gap after the task before it on its SM (µs)")
     a = ap.parse_args()
-    spec = load_spec(a.config)
-    sc = plan(spec, a.batch, a.context, a.num_sms, page_size=a.page_size, attention_sms=a.attention_sms)
-    tl = np.load(a.timeline)
-    if len(tl["end"]) != len(sc.tasks) or not np.array_equal(tl["op"], [int(t.op) for t in sc.tasks]):
-        raise SystemExit(f"{a.timeline}: its tasks are not this tree's schedule for batch {a.batch}, "
-                         f"context {a.context}: profile again with the same options")
+    sc, tl = profiled.load(a)
     run = tl["end"] - tl["start"]
     gaps = measured_gaps(sc, tl["start"], tl["end"])
     ops = {t.op.name for t in sc.tasks}

@@ -1,0 +1,41 @@
+"""A profiled step and its schedule, for the scripts that read one (calibrate_cost.py, replay_profile.py).
+
+TIMELINE.npz is written by ``benchmarks/megakernel_step.py --profile DIR`` (one real step of the
+megakernel: each task's wait / start / end, by task id). The schedule is planned again from the same
+options, so run the script on the tree the profile was taken with.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+
+from mkc.ir.spec import load_spec
+from mkc.schedule.plan import plan
+from mkc.schedule.schedule import Schedule
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The timeline and the options to plan its schedule again."""
+    ap.add_argument("timeline")
+    ap.add_argument("--config", default=str(ROOT / "configs" / "north_mini_code.yaml"))
+    ap.add_argument("--batch", type=int, required=True)
+    ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--num-sms", type=int, default=132)
+    ap.add_argument("--page-size", type=int, default=0)
+    ap.add_argument("--attention-sms", type=int, default=None, help="as profiled (default: the compiler's choice)")
+
+
+def load(a: argparse.Namespace) -> tuple[Schedule, np.lib.npyio.NpzFile]:
+    """The schedule planned from ``a`` and the timeline; SystemExit if they do not match."""
+    spec = load_spec(a.config)
+    sc = plan(spec, a.batch, a.context, a.num_sms, page_size=a.page_size, attention_sms=a.attention_sms)
+    tl = np.load(a.timeline)
+    if len(tl["end"]) != len(sc.tasks) or not np.array_equal(tl["op"], [int(t.op) for t in sc.tasks]):
+        raise SystemExit(f"{a.timeline}: its tasks are not this tree's schedule for batch {a.batch}, "
+                         f"context {a.context}: profile again with the same options")
+    return sc, tl
