@@ -69,8 +69,9 @@ class CodegenOptions:
     # Operand descriptors: 0 read from the global table; 1 / 2 copied to shared memory while the task
     # waits (cg / ca); 3 copied to shared memory with the record, a task ahead (the runtime's
     # per-record copy of the table: taskwords.record_descriptors), so no task reads the table
-    # after its wait. 3 measured 3.6% faster than 0 at batch 1 on an H200 (kernel_variants.py,
-    # 2026-11-30 12:10 UTC; BENCHMARKS.md), 1.5-1.8% at batch 2 and 4, bitwise the same logits.
+    # after its wait. 3 measured 2.2-3.6% faster than 0 at batch 1 and 1.4-2.4% at batch 2 and 4
+    # on an H200 (kernel_variants.py, 2026-11-30 12:10 and 12:13 UTC; BENCHMARKS.md), bitwise the
+    # same logits.
     desc_mode: int = 3
     # Weight bytes each warp streams through a shared-memory ring (cp.async) instead of register
     # batches; 0: register batches. Lowered to what fits beside the GEMV's other shared memory.
