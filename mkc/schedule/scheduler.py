@@ -12,7 +12,9 @@ Rules, in the order they apply:
    covers it). Producers are then grouped by their exact set of remaining consumers; each group
    gets one counter whose target is the group's size, so no consumer ever waits on a producer it
    does not need. A consumer waits on the counter of every group it depends on, except groups
-   whose producers all run earlier on its own SM (queue order already covers them).
+   whose producers all run earlier on its own SM (queue order already covers them) and groups an
+   earlier task on its SM already waited for (that wait ended before this task starts: the QKV
+   tiles queued on one SM poll the residual stream's counter once, not once per tile).
 
 Deterministic: no randomness, no dict-order dependence beyond insertion order.
 """
@@ -88,15 +90,18 @@ def schedule(program: Program, model: str, ceilings: Ceilings = H200) -> Schedul
         for i, t in enumerate(q):
             pos[t] = i
     waits: list[list[tuple[int, int]]] = [[] for _ in tasks]
-    for t in range(len(tasks)):
-        needed: dict[int, None] = {}
-        for p in preds[t]:
-            needed.setdefault(signals[p], None)
-        for cid in needed:
-            c = counters[cid]
-            if all(sm_of[p] == sm_of[t] and pos[p] < pos[t] for p in c.producers):
-                continue
-            waits[t].append((cid, c.target))
+    for q in queues:
+        waited: set[int] = set()  # counters a task earlier on this SM waited for
+        for t in q:
+            needed: dict[int, None] = {}
+            for p in preds[t]:
+                needed.setdefault(signals[p], None)
+            for cid in needed:
+                c = counters[cid]
+                if cid in waited or all(sm_of[p] == sm_of[t] and pos[p] < pos[t] for p in c.producers):
+                    continue
+                waits[t].append((cid, c.target))
+            waited.update(cid for cid, _ in waits[t])
 
     step = max(end, default=0.0) + ceilings.launch_in_graph
     busy = defaultdict(float)
