@@ -88,12 +88,6 @@ __device__ __forceinline__ void prefetch_line_l2(const void* p) {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
-// 4-byte asynchronous copy global -> shared (completes at cp_async_wait_all of the issuing thread).
-__device__ __forceinline__ void cp_async4(void* smem_dst, const void* gsrc) {
-    const u32 d = (u32)__cvta_generic_to_shared(smem_dst);
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(gsrc) : "memory");
-}
-
 // 16-byte asynchronous copy global -> shared (both 16-byte aligned).
 __device__ __forceinline__ void cp_async16(void* smem_dst, const void* gsrc) {
     const u32 d = (u32)__cvta_generic_to_shared(smem_dst);
