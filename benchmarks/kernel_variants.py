@@ -13,7 +13,6 @@ the first variant's, and the same step is rerun (--repeat) to check it is determ
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from pathlib import Path
 
 import torch
@@ -32,14 +31,11 @@ from mkc.schedule.plan import plan
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# The first is the kernel as the GPU tests ran it on 2026-11-29 (every prefetch hint on, operand
-# descriptors copied to shared memory); the last is today's default (CodegenOptions()).
-PREFETCH_ALL = CodegenOptions(gemv_pf_batches=2, desc_mode=1, run_prefetch_bytes=256 * 1024, weights_before_wait=False)
+# "default" is today's default (CodegenOptions()); each other variant changes one or two options.
 VARIANTS: dict[str, CodegenOptions] = {
-    "prefetch-all": PREFETCH_ALL,
-    "no-gemv-l2-prefetch": dataclasses.replace(PREFETCH_ALL, gemv_pf_batches=-1),
-    "desc-global": dataclasses.replace(PREFETCH_ALL, desc_mode=0),
-    "desc-shared-ca": dataclasses.replace(PREFETCH_ALL, desc_mode=2),
+    # the prefetch hints of the 2026-11-29 kernel: per-line GEMV L2 prefetch two batches ahead, a
+    # routed expert's first 256 KB asked of L2
+    "prefetch-hints": CodegenOptions(gemv_pf_batches=2, run_prefetch_bytes=256 * 1024),
     "default": CodegenOptions(),
     "unroll-4": CodegenOptions(gemv_unroll=4),
     "unroll-6": CodegenOptions(gemv_unroll=6),
@@ -68,9 +64,9 @@ VARIANTS: dict[str, CodegenOptions] = {
     # expert-down tiles ask L2 for the start of their weights once the routing is read
     "down-prefetch-64k": CodegenOptions(run_prefetch_bytes=64 * 1024),
     "down-prefetch-256k": CodegenOptions(run_prefetch_bytes=256 * 1024),
-    # operand descriptors read from the global table after the wait (the default until 2026-11-30:
-    # desc_mode 3 copies them with the record, a task ahead)
-    "desc-table": CodegenOptions(desc_mode=0),
+    # operand descriptors read from the global table after the wait (the default until 2026-11-30;
+    # now they are copied with the record, a task ahead)
+    "desc-table": CodegenOptions(descriptors="table"),
 }
 
 

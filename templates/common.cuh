@@ -94,11 +94,6 @@ __device__ __forceinline__ void cp_async16(void* smem_dst, const void* gsrc) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(gsrc) : "memory");
 }
 
-__device__ __forceinline__ void cp_async16_ca(void* smem_dst, const void* gsrc) {
-    const u32 d = (u32)__cvta_generic_to_shared(smem_dst);
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" ::"r"(d), "l"(gsrc) : "memory");
-}
-
 // mbarriers and bulk copies (TMA) into this CTA's shared memory
 __device__ __forceinline__ void mbar_init(unsigned long long* bar, u32 count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"((u32)__cvta_generic_to_shared(bar)), "r"(count)
@@ -208,14 +203,14 @@ static_assert(sizeof(BufDesc) == 32, "BufDesc layout is shared with mkc/codegen/
 
 struct Task {
     const int* w;            // this task's record (shared-memory copy)
-    const BufDesc* d;        // its operands' buffer descriptors by role (shared-memory copy; absent: garbage)
-    const BufDesc* bufs;     // the global buffer table (DESC_MODE 0)
+    const BufDesc* d;        // its operands' buffer descriptors by role (shared-memory copy; absent: zeros)
+    const BufDesc* bufs;     // the global buffer table (read where !DESC_WITH_RECORD)
 
     __device__ __forceinline__ int op() const { return w[W_OP]; }
     __device__ __forceinline__ int arg(int i) const { return w[W_ARGS + i]; }
     __device__ __forceinline__ bool has(int operand) const { return w[W_OPERANDS + operand] >= 0; }
     __device__ __forceinline__ const BufDesc& buf(int operand) const {
-        return DESC_MODE == 0 ? bufs[w[W_OPERANDS + operand]] : d[operand];
+        return DESC_WITH_RECORD ? d[operand] : bufs[w[W_OPERANDS + operand]];
     }
     template <class T>
     __device__ __forceinline__ T* ptr(int operand) const {

@@ -95,10 +95,13 @@ def test_codegen_variants_compile_without_local_memory(cache, batch):
 
     spec = load_spec(NMC)
     sc = schedule(lower(spec, batch, 8192, 132), spec.name)
-    for options in (CodegenOptions(gemv_ring_bytes=16 * 1024),
-                    CodegenOptions(gemv_ring_bytes=16 * 1024, gemv_ring_bulk=True),
-                    CodegenOptions(attn_warp_stages=0), CodegenOptions(attn_warp_stages=0, attn_stage_v=False),
-                    CodegenOptions(attn_warp_stages=3)):
+    variants = [CodegenOptions(gemv_ring_bytes=16 * 1024),
+                CodegenOptions(gemv_ring_bytes=16 * 1024, gemv_ring_bulk=True),
+                CodegenOptions(attn_warp_stages=0), CodegenOptions(attn_warp_stages=0, attn_stage_v=False),
+                CodegenOptions(attn_warp_stages=3)]
+    if batch == 1:  # descriptors read from the global table (kernel_variants.py: desc-table)
+        variants.append(CodegenOptions(descriptors="table"))
+    for options in variants:
         art = build_kernel(sc, spec, options, cache_dir=cache)
         assert art.spills == 0, f"{options}: ptxas reports {art.spills} bytes of spills\n{art.log}"
         sass = disassemble(art.cubin)
@@ -270,7 +273,7 @@ def test_task_words_encode_the_schedule(tiny):
 
 
 def test_record_descriptors_are_the_table_rows_of_each_operand(tiny):
-    """desc_mode 3: each record's block holds the buffer table's row of each operand, zeros where the
+    """descriptors="record": each record's block holds the buffer table's row of each operand, zeros where the
     operand is absent (the kernel copies the block with the record)."""
     _, sc = tiny
     w = encode(sc)
@@ -287,13 +290,12 @@ def test_record_descriptors_are_the_table_rows_of_each_operand(tiny):
     assert (blocks["ptr"] != 0).sum() == (w.records[:, W_OPERANDS:W_OPERANDS + MAX_OPERANDS] >= 0).sum()
 
 
-def test_desc_mode_is_checked(tiny):
+def test_descriptors_option_is_checked(tiny):
     spec, sc = tiny
-    with pytest.raises(CodegenError, match="desc_mode = 4"):
-        kernel_config(sc, spec, CodegenOptions(desc_mode=4))
-    with pytest.raises(CodegenError, match="weights_before_wait"):
-        kernel_config(sc, spec, CodegenOptions(desc_mode=1))
-    assert kernel_config(sc, spec, CodegenOptions(desc_mode=1, weights_before_wait=False)).desc_mode == 1
+    with pytest.raises(CodegenError, match="descriptors = 'shared'"):
+        kernel_config(sc, spec, CodegenOptions(descriptors="shared"))
+    assert kernel_config(sc, spec).descriptors_with_record
+    assert not kernel_config(sc, spec, CodegenOptions(descriptors="table")).descriptors_with_record
 
 
 @pytest.mark.parametrize("batch", [1, 8])

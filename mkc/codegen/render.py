@@ -66,13 +66,14 @@ class CodegenOptions:
     # the operand descriptors each made the step slower (batch 1: 3.71 ms without them, 4.90 ms with).
     run_prefetch_bytes: int = 0  # expert weights asked L2 for once the routing is read (0: one row)
     gemv_pf_batches: int = -1  # GEMV register batches prefetched into L2 ahead of the loads (-1: none)
-    # Operand descriptors: 0 read from the global table; 1 / 2 copied to shared memory while the task
-    # waits (cg / ca); 3 copied to shared memory with the record, a task ahead (the runtime's
-    # per-record copy of the table: taskwords.record_descriptors), so no task reads the table
-    # after its wait. 3 measured 2.2-3.6% faster than 0 at batch 1 and 1.4-2.4% at batch 2 and 4
-    # on an H200 (kernel_variants.py, 2026-11-30 12:10 and 12:13 UTC; BENCHMARKS.md), bitwise the
-    # same logits.
-    desc_mode: int = 3
+    # Where a task finds its operands' descriptors (pointer, shape): "record" copies them into
+    # shared memory with its record, a task ahead (the runtime's per-record copy of the buffer
+    # table: taskwords.record_descriptors), so no task reads the table after its wait; "table"
+    # reads the global buffer table. "record" measured 2.2-3.6% faster at batch 1 and 1.4-2.4% at
+    # batch 2 and 4 on an H200 (kernel_variants.py, 2026-11-30 12:10 and 12:13 UTC; BENCHMARKS.md),
+    # bitwise the same logits. (Copying them while the kernel loop waits, measured slower on
+    # 2026-11-29, was removed: the tasks that wait inside their op skip that loop.)
+    descriptors: str = "record"
     # Weight bytes each warp streams through a shared-memory ring (cp.async) instead of register
     # batches; 0: register batches. Lowered to what fits beside the GEMV's other shared memory.
     gemv_ring_bytes: int = 0
@@ -153,7 +154,7 @@ class KernelConfig:
     prefetch_bytes: int
     run_prefetch_bytes: int
     gemv_pf_batches: int
-    desc_mode: int
+    descriptors_with_record: bool  # CodegenOptions.descriptors == "record"
     gemv_ring_request: int  # CodegenOptions.gemv_ring_bytes (the fitted size: gemv_ring_bytes)
     gemv_ring_bulk: bool
     weights_tiled: bool  # GEMV weights in tile order (CodegenOptions.weight_layout, resolved)
@@ -284,12 +285,9 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         raise CodegenError(f"batch x top_k = {schedule.batch * top_k}: expected at most {options.threads}")
     if options.weight_layout not in ("auto", "rows", "tiles"):
         raise CodegenError(f"weight_layout = {options.weight_layout!r}: expected 'auto', 'rows' or 'tiles'")
-    if options.desc_mode not in (0, 1, 2, 3):
-        raise CodegenError(f"desc_mode = {options.desc_mode}: expected 0 (global table), 1 or 2 (copied while "
-                           f"waiting) or 3 (copied with the record)")
-    if options.desc_mode in (1, 2) and options.weights_before_wait:
-        raise CodegenError(f"desc_mode = {options.desc_mode} copies descriptors while the kernel loop waits, which "
-                           f"weights_before_wait tasks skip: expected desc_mode 0 or 3 with weights_before_wait")
+    if options.descriptors not in ("record", "table"):
+        raise CodegenError(f"descriptors = {options.descriptors!r}: expected 'record' (copied with each task's "
+                           f"record) or 'table' (read from the global buffer table)")
     problem = tile_order_problem(schedule) if options.weight_layout != "rows" else None
     if options.weight_layout == "tiles" and problem:
         raise CodegenError(problem)
@@ -322,7 +320,7 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         gemv_max_k=max_k, max_splits=schedule.num_sms, num_experts=moe.num_experts if moe else 1,
         moe_slots=min(moe.num_experts, schedule.batch * moe.top_k) if moe else 1, spin_limit=options.spin_limit,
         prefetch_bytes=options.prefetch_bytes, run_prefetch_bytes=options.run_prefetch_bytes,
-        gemv_pf_batches=options.gemv_pf_batches, desc_mode=options.desc_mode,
+        gemv_pf_batches=options.gemv_pf_batches, descriptors_with_record=options.descriptors == "record",
         gemv_ring_request=options.gemv_ring_bytes, gemv_ring_bulk=options.gemv_ring_bulk and tiled,
         weights_tiled=tiled,
         attn_stage_v=options.attn_stage_v,
@@ -373,7 +371,7 @@ def template_context(cfg: KernelConfig, banner: str) -> dict[str, Any]:
         "prefetch_bytes": cv.c_int(cfg.prefetch_bytes),
         "run_prefetch_bytes": cv.c_int(cfg.run_prefetch_bytes),
         "gemv_pf_batches": cv.c_int(cfg.gemv_pf_batches),
-        "desc_mode": cv.c_int(cfg.desc_mode),
+        "descriptors_with_record": cv.c_bool(cfg.descriptors_with_record),
         "gemv_ring_bytes": cv.c_int(cfg.gemv_ring_bytes),
         "gemv_ring_off": cv.c_int(cfg.gemv_ring_offset),
         "gemv_ring_bulk": cv.c_bool(cfg.gemv_ring_bulk),

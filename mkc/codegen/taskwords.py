@@ -134,7 +134,7 @@ def encode(schedule: Schedule) -> TaskWords:
 def record_descriptors(words: TaskWords, table: np.ndarray) -> np.ndarray:
     """Per record, the BUF_DESC of each operand role (zeros where absent): ``[records,
     MAX_OPERANDS]``. The kernel copies a record's block into shared memory together with the
-    record (CodegenOptions.desc_mode 3), so a task finds its operands' pointers and shapes
+    record (CodegenOptions.descriptors "record"), so a task finds its operands' pointers and shapes
     there without a dependent read of the buffer table."""
     idx = words.records[:, W_OPERANDS:W_OPERANDS + MAX_OPERANDS]
     out = np.zeros(idx.shape, dtype=BUF_DESC)
