@@ -1,8 +1,8 @@
 """A profiled step and its schedule, for the scripts that read one (calibrate_cost.py, replay_profile.py).
 
-TIMELINE.npz is written by ``benchmarks/megakernel_step.py --profile DIR`` (one real step of the
-megakernel: each task's wait / start / end, by task id). The schedule is planned again from the same
-options, so run the script on the tree the profile was taken with.
+TIMELINE.npz is written by ``benchmarks/megakernel_step.py --profile DIR`` or ``mkc bench --profile``
+(one real step of the megakernel: each task's wait / start / end, by task id). The schedule is
+planned again from the same options, so run the script on the tree the profile was taken with.
 """
 
 from __future__ import annotations

@@ -3,9 +3,10 @@
     python benchmarks/replay_profile.py TIMELINE.npz --batch 1 [--context 8192] \
         [--scale router=0.5 EXPERT_DOWN=0.75 ...] [--queue-gap LINEAR=1.0 ...]
 
-TIMELINE.npz is written by ``benchmarks/megakernel_step.py --profile DIR``; the schedule is planned
-again with the same options, so run this on the tree the profile was taken with. Each task runs
-for its measured time and the gaps between tasks are the step's own medians per opcode
+TIMELINE.npz is written by ``benchmarks/megakernel_step.py --profile DIR`` or ``mkc bench --profile``
+(``trace-b1-c8192.npz``); the schedule is planned again with the same options, so run this on the
+tree the profile was taken with. Each task runs for its measured time and the gaps between tasks
+are the step's own medians per opcode
 (mkc.schedule.profile: measured_gaps, replay). The replay of the unchanged step comes first, beside
 the measured span, as a check of the model. Each ``--scale NAME=F`` multiplies the run time of the
 tasks of one opcode (EXPERT_DOWN) or one label (router: the tasks named ``L<i>.router[...]``) by F;

@@ -446,9 +446,12 @@ def _write_profile(dec, sc, spec: ModelSpec, path: Path) -> None:
 def write_profile(sc, tl: dict, path: Path) -> None:
     """A step's per-task timeline as a Perfetto trace (same layout as mkc compile's trace.json, whose
     predicted step is written beside it as ``*.predicted.json``), with the critical chain on a track
-    of its own and the read rate over the step (profile.read_rate, 1 µs bins) as a counter track; and
+    of its own and the read rate over the step (profile.read_rate, 1 µs bins) as a counter track;
     ``*.txt``: the per-op share of SM time, the critical chain, and the middle layer's phases, read
-    rate and chain tasks (profile.py)."""
+    rate and chain tasks (profile.py); and ``*.npz``: the timeline itself by task id (op, layer,
+    wait, start, end, sm), which benchmarks/replay_profile.py replays."""
+    import numpy as np
+
     from mkc.schedule import visualize
     from mkc.schedule.profile import critical_chain, format_layer, format_profile, read_rate
 
@@ -479,6 +482,8 @@ def write_profile(sc, tl: dict, path: Path) -> None:
     layers = sorted({t.layer for t in sc.tasks if t.layer >= 0})
     middle = f"\n\n{format_layer(sc, tl, layers[len(layers) // 2])}" if layers else ""
     path.with_suffix(".txt").write_text(format_profile(sc, tl) + middle + "\n")
+    np.savez_compressed(path.with_suffix(".npz"), op=np.array([int(t.op) for t in sc.tasks]),
+                        layer=np.array([t.layer for t in sc.tasks]), **{k: np.asarray(tl[k]) for k in tl})
 
 
 def bench_main(a) -> int:

@@ -108,6 +108,10 @@ def test_write_profile_files(sc_tl, tmp_path):
     report = path.with_suffix(".txt").read_text()
     layers = sorted({t.layer for t in sc.tasks if t.layer >= 0})
     assert "critical chain" in report and f"layer {layers[len(layers) // 2]} (µs from its first start" in report
+    saved = np.load(path.with_suffix(".npz"))  # the timeline, for benchmarks/replay_profile.py
+    assert list(saved["op"]) == [int(t.op) for t in sc.tasks] and list(saved["layer"]) == [t.layer for t in sc.tasks]
+    for k in ("wait", "start", "end", "sm"):
+        assert np.array_equal(saved[k], tl[k]), k
 
 
 def test_replay_keeps_every_wait_and_queue_order(sc_tl):
