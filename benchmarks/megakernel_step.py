@@ -35,7 +35,7 @@ from mkc.runtime.bench import (
 )
 from mkc.runtime.cuda_backend import CudaDecoder
 from mkc.schedule.plan import plan
-from mkc.schedule.profile import format_chain, format_layer
+from mkc.schedule.profile import format_chain, format_layer, save_timeline
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,7 +50,7 @@ def profile_summary(dec: CudaDecoder, path: str) -> str:
     tl = dec.timeline()
     tasks = dec.schedule.tasks
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    np.savez_compressed(path, op=np.array([int(t.op) for t in tasks]), layer=np.array([t.layer for t in tasks]), **tl)
+    save_timeline(dec.schedule, tl, path)
     span = tl["end"].max()
     run, wait = tl["end"] - tl["start"], tl["start"] - tl["wait"]
     lines = [(f"profiled step: span {span:.1f} µs over {len(set(tl['sm'].tolist()))} SMs; SM time running "
@@ -71,15 +71,18 @@ def profile_summary(dec: CudaDecoder, path: str) -> str:
     return "\n".join(lines)
 
 
-def codegen_fields(pairs: list[str]) -> dict[str, int]:
-    """FIELD=VALUE pairs of integer or boolean CodegenOptions fields (SystemExit names a bad one)."""
-    known = {f.name: f.type for f in dataclasses.fields(CodegenOptions)}
-    out = {}
+def codegen_fields(pairs: list[str]) -> dict[str, int | bool | str]:
+    """FIELD=VALUE pairs of CodegenOptions fields: integers, booleans as 0 / 1, strings as written
+    (SystemExit names a bad one)."""
+    known = {f.name: str(f.type) for f in dataclasses.fields(CodegenOptions)}
+    out: dict[str, int | bool | str] = {}
     for p in pairs:
         name, _, value = p.partition("=")
-        if name not in known or not value.lstrip("-").isdigit():
-            raise SystemExit(f"--options {p}: expected FIELD=INTEGER with FIELD one of {', '.join(known)}")
-        out[name] = bool(int(value)) if known[name] in ("bool", bool) else int(value)
+        numeric = known.get(name) in ("int", "bool")
+        if name not in known or (numeric and not value.lstrip("-").isdigit()):
+            raise SystemExit(f"--options {p}: expected FIELD=VALUE (an integer for int and bool fields) with FIELD "
+                             f"one of {', '.join(known)}")
+        out[name] = value if not numeric else bool(int(value)) if known[name] == "bool" else int(value)
     return out
 
 
@@ -99,7 +102,7 @@ def main() -> None:
                     help="CodegenOptions.attn_warp_stages values to run (0: CTA-wide attention chunks; "
                          "default: the default kernel)")
     ap.add_argument("--options", nargs="*", default=[], metavar="FIELD=VALUE",
-                    help="CodegenOptions fields for every run, e.g. ahead_prefetch=2 stream_evict_first=1")
+                    help="CodegenOptions fields for every run, e.g. descriptors=table gemv_unroll=6")
     a = ap.parse_args()
     extra = codegen_fields(a.options)
     spec = load_spec(a.config)
@@ -134,7 +137,7 @@ def main() -> None:
                   f"{dec.artifact.name} ({dec.artifact.regs} regs, {dec.artifact.dynamic_smem} B smem), "
                   f"spread {statistics.pstdev(times) * 1e6:.1f} µs", flush=True)
             if a.profile:
-                tag = "".join(f"-{k}{int(v)}" for k, v in extra.items())
+                tag = "".join(f"-{k}{int(v) if isinstance(v, bool) else v}" for k, v in extra.items())
                 print(profile_summary(dec, f"{a.profile}/timeline-b{batch}-c{context}-rope{rope}-w"
                                            f"{dec.artifact.config.attn_warp_stages}{tag}.npz"), flush=True)
     print(format_table(rows))

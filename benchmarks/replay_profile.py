@@ -6,9 +6,8 @@
 TIMELINE.npz is written by ``benchmarks/megakernel_step.py --profile DIR`` or ``mkc bench --profile``
 (``trace-b1-c8192.npz``); the schedule is planned again with the same options, so run this on the
 tree the profile was taken with. Each task runs for its measured time and the gaps between tasks
-are the step's own medians per opcode
-(mkc.schedule.profile: measured_gaps, replay). The replay of the unchanged step comes first, beside
-the measured span, as a check of the model. Each ``--scale NAME=F`` multiplies the run time of the
+are the step's own medians per opcode (mkc.schedule.profile: measured_gaps, replay). The replay of
+the unchanged step comes first, beside the measured span, as a check of the model. Each ``--scale NAME=F`` multiplies the run time of the
 tasks of one opcode (EXPERT_DOWN) or one label (router: the tasks named ``L<i>.router[...]``) by F;
 each ``--queue-gap OP=US`` sets one opcode's gap after the task before it on its SM. Every what-if
 is replayed alone, then all together. Durations are held fixed, so a what-if that would change

@@ -450,10 +450,8 @@ def write_profile(sc, tl: dict, path: Path) -> None:
     ``*.txt``: the per-op share of SM time, the critical chain, and the middle layer's phases, read
     rate and chain tasks (profile.py); and ``*.npz``: the timeline itself by task id (op, layer,
     wait, start, end, sm), which benchmarks/replay_profile.py replays."""
-    import numpy as np
-
     from mkc.schedule import visualize
-    from mkc.schedule.profile import critical_chain, format_layer, format_profile, read_rate
+    from mkc.schedule.profile import critical_chain, format_layer, format_profile, read_rate, save_timeline
 
     events = []
     for sm in range(len(sc.queues)):
@@ -482,8 +480,7 @@ def write_profile(sc, tl: dict, path: Path) -> None:
     layers = sorted({t.layer for t in sc.tasks if t.layer >= 0})
     middle = f"\n\n{format_layer(sc, tl, layers[len(layers) // 2])}" if layers else ""
     path.with_suffix(".txt").write_text(format_profile(sc, tl) + middle + "\n")
-    np.savez_compressed(path.with_suffix(".npz"), op=np.array([int(t.op) for t in sc.tasks]),
-                        layer=np.array([t.layer for t in sc.tasks]), **{k: np.asarray(tl[k]) for k in tl})
+    save_timeline(sc, tl, path.with_suffix(".npz"))
 
 
 def bench_main(a) -> int:

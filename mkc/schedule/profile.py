@@ -59,6 +59,14 @@ def critical_chain(sc: Schedule, start, end) -> Chain:
     return Chain(tasks=chain[::-1], run_us=run, handoff_us=hand)
 
 
+def save_timeline(sc: Schedule, timeline: Mapping[str, np.ndarray], path) -> None:
+    """A step's timeline as ``.npz`` by task id: each task's opcode and layer, then the timeline's
+    arrays (wait, start, end, sm). benchmarks/replay_profile.py and calibrate_cost.py read it back
+    against the schedule planned again."""
+    np.savez_compressed(path, op=np.array([int(t.op) for t in sc.tasks]), layer=np.array([t.layer for t in sc.tasks]),
+                        **{k: np.asarray(v) for k, v in timeline.items()})
+
+
 @dataclass(frozen=True, slots=True)
 class Gaps:
     """Median times (µs) between tasks in a measured step, per opcode: from the signal of a task's
