@@ -67,6 +67,11 @@ VARIANTS: dict[str, CodegenOptions] = {
     # operand descriptors read from the global table after the wait (the default until 2026-11-30;
     # now they are copied with the record, a task ahead)
     "desc-table": CodegenOptions(descriptors="table"),
+    # thread 0 signals a finished task, and the routing's arg-max rounds use shuffles (the defaults
+    # until 2026-11-30 14:30 UTC; now the last warp signals and the rounds use redux.sync)
+    "signal-first-warp": CodegenOptions(signal_warp="first"),
+    "routing-shuffle": CodegenOptions(routing_argmax="shuffle"),
+    "signal-first-shuffle": CodegenOptions(signal_warp="first", routing_argmax="shuffle"),
 }
 
 

@@ -189,6 +189,24 @@ __device__ __forceinline__ void warp_argmax(float& v, int& i) {
     }
 }
 
+// warp_argmax for values that are not NaN, in two warp reductions (redux.sync): the largest value
+// as an order-preserving unsigned key (-0 counted as +0, as == does), then the lowest index among
+// the lanes holding it; the value itself comes from the lane whose index won. Lane l's index must
+// be congruent to l mod 32 or be 0x7fffffff (no candidate), as the routing's expert lane + 32 j is.
+__device__ __forceinline__ u32 order_key(float v) {
+    u32 u = __float_as_uint(v);
+    if (u == 0x80000000u) u = 0u;  // -0 as +0
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ void warp_argmax_redux(float& v, int& i) {
+    const u32 key = order_key(v);
+    u32 best, at;
+    asm("redux.sync.max.u32 %0, %1, 0xffffffff;" : "=r"(best) : "r"(key));
+    asm("redux.sync.min.u32 %0, %1, 0xffffffff;" : "=r"(at) : "r"(key == best ? (u32)i : 0xffffffffu));
+    v = __shfl_sync(0xffffffffu, v, (int)(at & 31u));
+    i = (int)at;
+}
+
 // ---- the task view ------------------------------------------------------------------------------
 
 // One buffer of the device pointer table (the host writes the same layout, see taskwords.py).

@@ -199,7 +199,8 @@ __device__ __forceinline__ const Routing& route_tokens(const float* logits) {
                 const int e = lane + 32 * j;
                 if (e < NUM_EXPERTS && !((taken >> j) & 1u) && better(v[j], e, bv, bi)) { bv = v[j]; bi = e; }
             }
-            warp_argmax(bv, bi);
+            if constexpr (ROUTING_REDUX) warp_argmax_redux(bv, bi);
+            else warp_argmax(bv, bi);
             if (bi % 32 == lane) taken |= 1u << (bi / 32);
             top[k] = bv;
             if (lane == 0) r.sel[b][k] = bi;

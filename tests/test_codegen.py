@@ -83,6 +83,8 @@ def test_nmc_kernel_compiles_without_local_memory(cache, batch):
     # the task records, the TMA unit's bulk L2 prefetch (UBLKPF) for the next K/V chunk and weights
     assert ops["LDGSTS"] > 0, "no cp.async (LDGSTS) in SASS"
     assert ops["UBLKPF"] > 0, "no bulk L2 prefetch (cp.async.bulk.prefetch, UBLKPF) in SASS"
+    # the routing's arg-max rounds on warp reductions (CodegenOptions.routing_argmax="redux")
+    assert ops["REDUX"] > 0, "no redux.sync (REDUX) in SASS"
 
 
 @pytest.mark.parametrize("batch", [1, 8])
@@ -99,8 +101,9 @@ def test_codegen_variants_compile_without_local_memory(cache, batch):
                 CodegenOptions(gemv_ring_bytes=16 * 1024, gemv_ring_bulk=True),
                 CodegenOptions(attn_warp_stages=0), CodegenOptions(attn_warp_stages=0, attn_stage_v=False),
                 CodegenOptions(attn_warp_stages=3)]
-    if batch == 1:  # descriptors read from the global table (kernel_variants.py: desc-table)
-        variants.append(CodegenOptions(descriptors="table"))
+    if batch == 1:  # descriptors read from the global table (kernel_variants.py: desc-table); thread 0
+        # signalling and shuffle arg-max routing (kernel_variants.py: signal-first-shuffle)
+        variants += [CodegenOptions(descriptors="table"), CodegenOptions(signal_warp="first", routing_argmax="shuffle")]
     for options in variants:
         art = build_kernel(sc, spec, options, cache_dir=cache)
         assert art.spills == 0, f"{options}: ptxas reports {art.spills} bytes of spills\n{art.log}"
@@ -108,6 +111,8 @@ def test_codegen_variants_compile_without_local_memory(cache, batch):
         assert not local_memory_ops(sass), options
         if options.gemv_ring_bulk:  # bulk copies into shared memory, completing on mbarriers
             assert "UBLKCP.S.G" in sass and "SYNCS.PHASECHK.TRANS64.TRYWAIT" in sass, options
+        if options.routing_argmax == "shuffle":
+            assert "REDUX" not in sass, options
         if options.attn_warp_stages == 3:  # 8 warps x 3 blocks x (16 keys x 128 dims of K and V) in flight
             assert art.dynamic_smem == kernel_config(sc, spec, options).smem_bytes
             assert art.dynamic_smem >= 8 * 3 * 16 * 128 * 2 * 2
@@ -316,3 +321,15 @@ def test_cvalues():
         cv.c_float(float("inf"))
     with pytest.raises(ValueError):
         cv.c_ident("not an identifier")
+
+
+def test_signal_and_routing_options_are_checked(tiny):
+    spec, sc = tiny
+    with pytest.raises(CodegenError, match="signal_warp = 'middle'"):
+        kernel_config(sc, spec, CodegenOptions(signal_warp="middle"))
+    with pytest.raises(CodegenError, match="routing_argmax = 'sort'"):
+        kernel_config(sc, spec, CodegenOptions(routing_argmax="sort"))
+    cfg = kernel_config(sc, spec)
+    assert cfg.signal_last_warp and cfg.routing_redux
+    cfg = kernel_config(sc, spec, CodegenOptions(signal_warp="first", routing_argmax="shuffle"))
+    assert not cfg.signal_last_warp and not cfg.routing_redux

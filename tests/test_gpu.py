@@ -133,6 +133,49 @@ def _buffer_report(dec, ex, sc) -> str:
     return "\n".join(lines)
 
 
+@pytest.mark.parametrize("batch", [1, 2])
+def test_tiny_routing_ties_go_to_the_lower_expert(tiny, num_sms, batch):
+    """Router rows duplicated in pairs (expert 2k + 1's row is expert 2k's) make every router logit
+    an exact tie of two experts. The kernel's top-k (CodegenOptions.routing_argmax, redux.sync by
+    default) must take the lower expert first, as the CPU executor does: each token's picks, best
+    first, are whole pairs (2k, 2k + 1) in that order. The sets match the executor's up to
+    near-ties between pairs (its logits round differently)."""
+    from mkc.runtime.cuda_backend import CudaDecoder
+    from mkc.schedule.executor import CpuExecutor
+
+    spec, weights = tiny
+    weights = dict(weights)
+    moe_layers = [i for i, ls in enumerate(spec.layers) if ls.mlp == "moe"]
+    for i in moe_layers:
+        w = weights[f"L{i}.w_router"].clone()
+        w[1::2] = w[0::2]
+        weights[f"L{i}.w_router"] = w
+    context = 24
+    sc = plan(spec, batch, context, num_sms)
+    dec = CudaDecoder(sc, spec, weights)
+    ex = CpuExecutor(sc, spec, weights, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(11)
+    k = spec.moe.top_k
+    for base in (3, 9, 23):
+        positions = torch.tensor([max(0, base - 2 * b) for b in range(batch)], dtype=torch.int32)
+        tokens = torch.randint(0, spec.vocab_size, (batch,), generator=gen, dtype=torch.int32)
+        fill_random_kv(spec, gen, ex, dec)
+        dec.step(tokens, positions)
+        ex.step(tokens, positions)
+        for i in moe_layers:
+            picks = dec.buffers[f"L{i}.moe_selected"].cpu().tolist()
+            for b, p in enumerate(picks):
+                assert all(p[j] % 2 == 0 and p[j + 1] == p[j] + 1 for j in range(0, k, 2)), (
+                    f"layer {i} token {b} at {int(positions[b])}: picks {p} (best first) are not whole pairs, "
+                    "lower expert first")
+            rl = ex.bufs[f"L{i}.router_logits"].float()
+            kth = rl.topk(k, dim=-1).values[:, -1]
+            got = routing(dec, spec, i).cpu()
+            for b in range(batch):
+                gap = float((kth[b] - rl[b, got[b]]).max())
+                assert gap <= TIE_TOL * float(rl.std()), f"layer {i} token {b}: routing differs by {gap}"
+
+
 @pytest.mark.parametrize("batch", [1, 2, 8])
 def test_tiny_step_matches_cpu_executor(tiny, num_sms, batch):
     """One step at many positions (within, at and beyond the sliding window of 8) from a random

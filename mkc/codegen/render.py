@@ -125,6 +125,20 @@ class CodegenOptions:
     # 6244, batch 8 9533 / 9610. RUN_PREFETCH_BYTES = 64 KB there: 0.6-1.6% faster at batch 1-4,
     # 2.0% slower at batch 8 (one row stays).
     weights_before_wait: bool = True
+    # Which thread signals a finished task's counter (one release add at GPU scope, whose fence
+    # waits for the CTA's writes to reach L2): "last" (lane 0 of the last warp), which leaves warp
+    # 0, the warp that waits for the next task's inputs, free to start that wait (and its share of
+    # the next weights) at once; "first" (thread 0).
+    # How the routing's top-k picks each token's best remaining expert, TOP_K times per token:
+    # "redux" (two warp reductions, redux.sync: the largest value as an order-preserving integer,
+    # then the lowest expert index holding it) or "shuffle" (a 5-step shuffle arg-max). The same
+    # experts in the same order.
+    # Measured on an H200 together (kernel_variants.py, 2026-11-30 14:26 and 14:27 UTC, five
+    # samples each, logits bitwise equal): last + redux against first + shuffle, batch 1 -1.4%,
+    # batch 2 -1.8%, batch 4 -1.3%, batch 8 +0.2% (noise there is +-3%); each alone gained less
+    # (last: -0.6 / -0.2 / +0.6 / +3.5%; redux: -0.6 / -0.7 / -0.3 / +2.2%).
+    signal_warp: str = "last"
+    routing_argmax: str = "redux"
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +176,8 @@ class KernelConfig:
     attn_prefetch_bytes: int
     attn_warp_request: int  # CodegenOptions.attn_warp_stages (the fitted count: attn_warp_stages)
     weights_before_wait: bool
+    signal_last_warp: bool  # CodegenOptions.signal_warp == "last"
+    routing_redux: bool  # CodegenOptions.routing_argmax == "redux"
 
     @property
     def warps(self) -> int:
@@ -288,6 +304,11 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
     if options.descriptors not in ("record", "table"):
         raise CodegenError(f"descriptors = {options.descriptors!r}: expected 'record' (copied with each task's "
                            f"record) or 'table' (read from the global buffer table)")
+    if options.signal_warp not in ("first", "last"):
+        raise CodegenError(f"signal_warp = {options.signal_warp!r}: expected 'first' (thread 0 signals) or 'last' "
+                           f"(lane 0 of the last warp)")
+    if options.routing_argmax not in ("shuffle", "redux"):
+        raise CodegenError(f"routing_argmax = {options.routing_argmax!r}: expected 'shuffle' or 'redux'")
     problem = tile_order_problem(schedule) if options.weight_layout != "rows" else None
     if options.weight_layout == "tiles" and problem:
         raise CodegenError(problem)
@@ -325,7 +346,8 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         weights_tiled=tiled,
         attn_stage_v=options.attn_stage_v,
         attn_prefetch_bytes=options.attn_prefetch_bytes, attn_warp_request=options.attn_warp_stages,
-        weights_before_wait=options.weights_before_wait)
+        weights_before_wait=options.weights_before_wait, signal_last_warp=options.signal_warp == "last",
+        routing_redux=options.routing_argmax == "redux")
     if cfg.smem_bytes > MAX_SMEM_BYTES:
         raise CodegenError(f"shared memory {cfg.smem_bytes} B (widest GEMV k = {max_k}, batch = {cfg.batch}): "
                            f"expected at most {MAX_SMEM_BYTES} B")
@@ -380,6 +402,8 @@ def template_context(cfg: KernelConfig, banner: str) -> dict[str, Any]:
         "attn_prefetch_bytes": cv.c_int(cfg.attn_prefetch_bytes),
         "attn_warp_stages": cv.c_int(cfg.attn_warp_stages),
         "weights_before_wait": cv.c_bool(cfg.weights_before_wait),
+        "signal_last_warp": cv.c_bool(cfg.signal_last_warp),
+        "routing_redux": cv.c_bool(cfg.routing_redux),
         "max_rank": cv.c_int(MAX_RANK),
         "dtypes": [(cv.c_ident(f"DT_{k.upper()}"), cv.c_int(v)) for k, v in DTYPE_CODES.items()],
         "record_words": [(cv.c_ident(k), cv.c_int(v)) for k, v in RECORD_LAYOUT],
