@@ -72,6 +72,8 @@ VARIANTS: dict[str, CodegenOptions] = {
     "signal-first-warp": CodegenOptions(signal_warp="first"),
     "routing-shuffle": CodegenOptions(routing_argmax="shuffle"),
     "signal-first-shuffle": CodegenOptions(signal_warp="first", routing_argmax="shuffle"),
+    # LINEAR tiles: one GEMV instantiation for f32 and bf16 outputs (half the op's code)
+    "linear-one-gemv": CodegenOptions(linear_one_gemv=True),
 }
 
 

@@ -286,7 +286,18 @@ __device__ __forceinline__ void linear_gemv(const Task& t, unsigned char* smem, 
     const bf16* const w[1] = {t.ptr<bf16>(O::weight) + weight_tile_offset(row0, k0, w_ld)};
     const int out_ld = t.dim(O::out, 1);
     const size_t base = (size_t)slab * t.dim(O::out, 2) * out_ld + col0;
-    if (t.dtype(O::out) == DT_F32) {
+    if constexpr (LINEAR_ONE_GEMV) {  // one instantiation, the output dtype a branch in the epilogue
+        const bool f32 = t.dtype(O::out) == DT_F32;
+        float* out32 = t.ptr<float>(O::out) + base;
+        bf16* out16 = t.ptr<bf16>(O::out) + base;
+        gemv_tile<1>(w, w_ld, rows, k, xs, gemv_red(smem), [&](int r0, float (&acc)[1][4]) {
+            for_fragment(r0, acc[0], rows, [&](int r, int n, float v) {
+                const size_t i = (size_t)n * out_ld + r;
+                if (f32) out32[i] = v;
+                else store_bf16(out16 + i, v);
+            });
+        }, finish);
+    } else if (t.dtype(O::out) == DT_F32) {
         float* out = t.ptr<float>(O::out) + base;
         gemv_tile<1>(w, w_ld, rows, k, xs, gemv_red(smem), [&](int r0, float (&acc)[1][4]) {
             for_fragment(r0, acc[0], rows, [&](int r, int n, float v) { out[(size_t)n * out_ld + r] = v; });

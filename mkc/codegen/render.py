@@ -139,6 +139,12 @@ class CodegenOptions:
     # (last: -0.6 / -0.2 / +0.6 / +3.5%; redux: -0.6 / -0.7 / -0.3 / +2.2%).
     signal_warp: str = "last"
     routing_argmax: str = "redux"
+    # LINEAR tiles run one GEMV instantiation whatever their output's dtype (f32 or bf16: a branch
+    # in the epilogue) instead of one per dtype, so the QKV, O-projection and router tiles run the
+    # same code: half the LINEAR op's SASS (10,223 instructions, 160 KB, of the kernel's 500 KB at
+    # batch 1), for an instruction cache that cannot hold the kernel (ncu, 2026-11-30 14:50 UTC:
+    # 13% of the warps' stall cycles are "no instruction").
+    linear_one_gemv: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +184,7 @@ class KernelConfig:
     weights_before_wait: bool
     signal_last_warp: bool  # CodegenOptions.signal_warp == "last"
     routing_redux: bool  # CodegenOptions.routing_argmax == "redux"
+    linear_one_gemv: bool
 
     @property
     def warps(self) -> int:
@@ -347,7 +354,7 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         attn_stage_v=options.attn_stage_v,
         attn_prefetch_bytes=options.attn_prefetch_bytes, attn_warp_request=options.attn_warp_stages,
         weights_before_wait=options.weights_before_wait, signal_last_warp=options.signal_warp == "last",
-        routing_redux=options.routing_argmax == "redux")
+        routing_redux=options.routing_argmax == "redux", linear_one_gemv=options.linear_one_gemv)
     if cfg.smem_bytes > MAX_SMEM_BYTES:
         raise CodegenError(f"shared memory {cfg.smem_bytes} B (widest GEMV k = {max_k}, batch = {cfg.batch}): "
                            f"expected at most {MAX_SMEM_BYTES} B")
@@ -404,6 +411,7 @@ def template_context(cfg: KernelConfig, banner: str) -> dict[str, Any]:
         "weights_before_wait": cv.c_bool(cfg.weights_before_wait),
         "signal_last_warp": cv.c_bool(cfg.signal_last_warp),
         "routing_redux": cv.c_bool(cfg.routing_redux),
+        "linear_one_gemv": cv.c_bool(cfg.linear_one_gemv),
         "max_rank": cv.c_int(MAX_RANK),
         "dtypes": [(cv.c_ident(f"DT_{k.upper()}"), cv.c_int(v)) for k, v in DTYPE_CODES.items()],
         "record_words": [(cv.c_ident(k), cv.c_int(v)) for k, v in RECORD_LAYOUT],
