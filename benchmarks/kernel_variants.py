@@ -72,8 +72,9 @@ VARIANTS: dict[str, CodegenOptions] = {
     "signal-first-warp": CodegenOptions(signal_warp="first"),
     "routing-shuffle": CodegenOptions(routing_argmax="shuffle"),
     "signal-first-shuffle": CodegenOptions(signal_warp="first", routing_argmax="shuffle"),
-    # LINEAR tiles: one GEMV instantiation for f32 and bf16 outputs (half the op's code)
-    "linear-one-gemv": CodegenOptions(linear_one_gemv=True),
+    # LINEAR tiles: one GEMV instantiation per output dtype (the default until 2026-11-30 15:20 UTC;
+    # now one for both, half the op's code)
+    "linear-per-dtype": CodegenOptions(linear_one_gemv=False),
 }
 
 

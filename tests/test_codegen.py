@@ -102,8 +102,10 @@ def test_codegen_variants_compile_without_local_memory(cache, batch):
                 CodegenOptions(attn_warp_stages=0), CodegenOptions(attn_warp_stages=0, attn_stage_v=False),
                 CodegenOptions(attn_warp_stages=3)]
     if batch == 1:  # descriptors read from the global table (kernel_variants.py: desc-table); thread 0
-        # signalling and shuffle arg-max routing (kernel_variants.py: signal-first-shuffle)
-        variants += [CodegenOptions(descriptors="table"), CodegenOptions(signal_warp="first", routing_argmax="shuffle")]
+        # signalling and shuffle arg-max routing (signal-first-shuffle); LINEAR's GEMV per output dtype
+        # (linear-per-dtype)
+        variants += [CodegenOptions(descriptors="table"), CodegenOptions(signal_warp="first", routing_argmax="shuffle"),
+                     CodegenOptions(linear_one_gemv=False)]
     for options in variants:
         art = build_kernel(sc, spec, options, cache_dir=cache)
         assert art.spills == 0, f"{options}: ptxas reports {art.spills} bytes of spills\n{art.log}"

@@ -141,10 +141,12 @@ class CodegenOptions:
     routing_argmax: str = "redux"
     # LINEAR tiles run one GEMV instantiation whatever their output's dtype (f32 or bf16: a branch
     # in the epilogue) instead of one per dtype, so the QKV, O-projection and router tiles run the
-    # same code: half the LINEAR op's SASS (10,223 instructions, 160 KB, of the kernel's 500 KB at
-    # batch 1), for an instruction cache that cannot hold the kernel (ncu, 2026-11-30 14:50 UTC:
-    # 13% of the warps' stall cycles are "no instruction").
-    linear_one_gemv: bool = False
+    # same code: the LINEAR op's SASS 10,223 -> 5,337 instructions at batch 1 (the kernel 31,976 ->
+    # 27,168, 500 -> 425 KB), for an instruction cache that cannot hold the kernel (ncu, 2026-11-30
+    # 14:50 UTC, batch 1: 13% of the warps' stall cycles are "no instruction"). Measured on an H200
+    # (kernel_variants.py, 15:16 UTC, four rounds, logits bitwise equal, every round faster):
+    # batch 1 -2.2%, batch 2 -1.5%, batch 4 -2.6%, batch 8 -2.5%. False: one instantiation per dtype.
+    linear_one_gemv: bool = True
 
 
 @dataclass(frozen=True, slots=True)
