@@ -86,8 +86,13 @@ def _kernel_line(kernel_json: Path, schedule) -> str:
     layout = "weights in tile order"
     if not k["config"]["weights_tiled"]:
         layout = f"weights row-major ({tile_order_problem(schedule) or 'asked for'})"
-    return (f"kernel          {k['name']}: {k['regs']} registers, {k['dynamic_smem']} + {k['static_smem']} B "
+    line = (f"kernel          {k['name']}: {k['regs']} registers, {k['dynamic_smem']} + {k['static_smem']} B "
             f"shared memory, {layout}")
+    by_op = k.get("sass_by_op")
+    if by_op:  # the code size: the kernel does not fit the instruction cache (docs/kernel.md)
+        top = ", ".join(f"{op} {n:,}" for op, n in list(by_op.items())[:4])
+        line += f"\ncode            {sum(by_op.values()):,} SASS instructions; the largest: {top}"
+    return line
 
 
 def cmd_compile(a: argparse.Namespace) -> int:

@@ -116,3 +116,7 @@ def test_compile_names_the_kernel_and_its_weight_layout(config, layout, tmp_path
     assert r.returncode == 0, r.stderr
     line = next(ln for ln in r.stdout.splitlines() if ln.startswith("kernel "))
     assert "registers" in line and layout in line, line
+    code = next(ln for ln in r.stdout.splitlines() if ln.startswith("code "))  # nvdisasm: the cuda extra
+    assert "SASS instructions; the largest: " in code, code
+    by_op = json.loads((tmp_path / "kernel.json").read_text())["sass_by_op"]
+    assert f"{sum(by_op.values()):,} SASS instructions" in code and by_op["LINEAR"] > 0, by_op

@@ -22,7 +22,14 @@ from mkc.codegen.render import (
     render_source,
     template_context,
 )
-from mkc.codegen.sass import disassemble, find_cuobjdump, local_memory_ops, opcode_counts
+from mkc.codegen.sass import (
+    KERNEL_LOOP,
+    disassemble,
+    find_cuobjdump,
+    instructions_by_op,
+    local_memory_ops,
+    opcode_counts,
+)
 from mkc.codegen.taskwords import (
     BUF_DESC,
     INLINE_WAITS,
@@ -85,6 +92,12 @@ def test_nmc_kernel_compiles_without_local_memory(cache, batch):
     assert ops["UBLKPF"] > 0, "no bulk L2 prefetch (cp.async.bulk.prefetch, UBLKPF) in SASS"
     # the routing's arg-max rounds on warp reductions (CodegenOptions.routing_argmax="redux")
     assert ops["REDUX"] > 0, "no redux.sync (REDUX) in SASS"
+    # the code size by op (sass.instructions_by_op): every instruction counted once, every GEMV op's
+    # code found at its dispatch case, and the kernel loop a small remainder
+    by_op = instructions_by_op(art.cubin, art.cu_source)
+    assert sum(by_op.values()) == sum(ops.values()), (sum(by_op.values()), sum(ops.values()))
+    assert all(by_op.get(op, 0) > 0 for op in ("LINEAR", "EXPERT_SWIGLU", "EXPERT_DOWN", "LM_HEAD", "ATTN_SPLIT")), by_op
+    assert by_op[KERNEL_LOOP] < 0.15 * sum(by_op.values()), by_op
 
 
 @pytest.mark.parametrize("batch", [1, 8])
@@ -115,6 +128,10 @@ def test_codegen_variants_compile_without_local_memory(cache, batch):
             assert "UBLKCP.S.G" in sass and "SYNCS.PHASECHK.TRANS64.TRYWAIT" in sass, options
         if options.routing_argmax == "shuffle":
             assert "REDUX" not in sass, options
+        if not options.linear_one_gemv:  # one GEMV per output dtype: more LINEAR code than the default's one
+            default = build_kernel(sc, spec, cache_dir=cache)
+            per_dtype = instructions_by_op(art.cubin, art.cu_source)["LINEAR"]
+            assert per_dtype > 1.5 * instructions_by_op(default.cubin, default.cu_source)["LINEAR"], options
         if options.attn_warp_stages == 3:  # 8 warps x 3 blocks x (16 keys x 128 dims of K and V) in flight
             assert art.dynamic_smem == kernel_config(sc, spec, options).smem_bytes
             assert art.dynamic_smem >= 8 * 3 * 16 * 128 * 2 * 2

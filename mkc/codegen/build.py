@@ -14,6 +14,7 @@ import fcntl
 import hashlib
 import json
 import os
+import subprocess
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -115,7 +116,14 @@ def write_kernel(schedule: Schedule, spec: ModelSpec, out_dir: str | Path,
     files = {"kernel.cu": out / "kernel.cu", "kernel.cubin": out / "kernel.cubin", "kernel.json": out / "kernel.json"}
     _atomic_write(files["kernel.cu"], art.cu_source.encode())
     _atomic_write(files["kernel.cubin"], art.cubin)
-    _atomic_write(files["kernel.json"], json.dumps(_manifest(art), indent=1).encode())
+    meta = _manifest(art)
+    try:  # the code size by op (sass.instructions_by_op), where nvdisasm is installed
+        from mkc.codegen.sass import instructions_by_op
+
+        meta["sass_by_op"] = instructions_by_op(art.cubin, art.cu_source)
+    except (FileNotFoundError, subprocess.CalledProcessError):
+        pass
+    _atomic_write(files["kernel.json"], json.dumps(meta, indent=1).encode())
     return files
 
 

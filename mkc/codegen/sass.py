@@ -1,8 +1,11 @@
-"""SASS inspection of a built cubin with cuobjdump (no GPU needed).
+"""SASS inspection of a built cubin with cuobjdump and nvdisasm (no GPU needed).
 
-cuobjdump comes from the ``nvidia-cuda-cuobjdump`` wheel (found by ``cuda.pathfinder``) or a CUDA
-toolkit (``$CUDA_HOME/bin``). Used by CI to prove the kernel has no local-memory traffic (spills
-or stack arrays show up as LDL / STL) and that the GEMV runs on the tensor cores (HMMA).
+Both come from the ``nvidia-cuda-cuobjdump`` / ``nvidia-cuda-nvdisasm`` wheels (found by
+``cuda.pathfinder``) or a CUDA toolkit (``$CUDA_HOME/bin``). Used by CI to prove the kernel has no
+local-memory traffic (spills or stack arrays show up as LDL / STL) and that the GEMV runs on the
+tensor cores (HMMA), and by ``mkc compile`` to report the kernel's code size by op
+(``instructions_by_op``): the kernel does not fit the SM's instruction cache, so code size costs
+time (docs/kernel.md, "Code size").
 """
 
 from __future__ import annotations
@@ -17,20 +20,25 @@ from pathlib import Path
 from mkc import settings
 
 
-def find_cuobjdump() -> str | None:
-    """Path of a cuobjdump binary, or None."""
+def find_binary_utility(name: str) -> str | None:
+    """Path of a CUDA binary utility (cuobjdump, nvdisasm), or None."""
     try:
         import cuda.pathfinder as pf
 
-        p = pf.find_nvidia_binary_utility("cuobjdump")
+        p = pf.find_nvidia_binary_utility(name)
         if p:
             return str(p)
     except (ImportError, AttributeError):
         pass
     home = settings.cuda_home()
-    if home and (home / "bin" / "cuobjdump").is_file():
-        return str(home / "bin" / "cuobjdump")
-    return shutil.which("cuobjdump")
+    if home and (home / "bin" / name).is_file():
+        return str(home / "bin" / name)
+    return shutil.which(name)
+
+
+def find_cuobjdump() -> str | None:
+    """Path of a cuobjdump binary, or None."""
+    return find_binary_utility("cuobjdump")
 
 
 def disassemble(cubin: bytes, tool: str | None = None) -> str:
@@ -56,3 +64,39 @@ def opcode_counts(sass: str) -> Counter[str]:
 def local_memory_ops(sass: str) -> list[str]:
     """SASS lines that touch local memory (LDL / STL): spills or stack arrays."""
     return [ln.strip() for ln in sass.splitlines() if re.search(r"\b(LDL|STL)(\.|\s)", ln)]
+
+
+_CASE = re.compile(r"^\s*case OP_(\w+):")
+_LINE_INFO = re.compile(r'//## File "([^"]+)", line (\d+)(?: inlined at "([^"]+)", line (\d+))?')
+_INSTRUCTION = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+[A-Z@{]")
+KERNEL_LOOP = "kernel loop"
+
+
+def instructions_by_op(cubin: bytes, source: str, tool: str | None = None) -> dict[str, int]:
+    """The kernel's SASS instructions by the op they were inlined into (opcode name → count, in
+    descending order), the rest under ``KERNEL_LOOP`` (the task loop, the waits, the weights asked
+    for while waiting). ``source`` is the rendered kernel the cubin was built from with -lineinfo:
+    nvdisasm's line table names, for each instruction, its source line and the line it was inlined
+    at, and an instruction on or inlined at a dispatch ``case OP_<NAME>:`` line of the kernel
+    counts for that op. Raises FileNotFoundError without nvdisasm."""
+    tool = tool or find_binary_utility("nvdisasm")
+    if tool is None:
+        raise FileNotFoundError("nvdisasm not found: install nvidia-cuda-nvdisasm or set CUDA_HOME")
+    cases = {i + 1: m.group(1) for i, line in enumerate(source.splitlines()) for m in [_CASE.match(line)] if m}
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "kernel.cubin"
+        path.write_bytes(cubin)
+        out = subprocess.run([tool, "-gi", str(path)], capture_output=True, text=True, check=True).stdout
+    counts: Counter[str] = Counter()
+    owner = KERNEL_LOOP
+    for line in out.splitlines():
+        m = _LINE_INFO.search(line)
+        if m:
+            owner = KERNEL_LOOP
+            for file, no in ((m.group(1), m.group(2)), (m.group(3), m.group(4))):
+                if file and file.endswith(".cu") and int(no) in cases:
+                    owner = cases[int(no)]
+            continue
+        if _INSTRUCTION.match(line) and ".byte" not in line:
+            counts[owner] += 1
+    return dict(counts.most_common())
