@@ -51,14 +51,14 @@ __device__ __forceinline__ unsigned char* gemv_scratch(unsigned char* smem) {
 // Stage a GEMV's input columns [k0, k0 + k) in two halves around the issue of its first weight
 // loads (gemv_tile's `finish`): the bf16 activations x [BATCH, x_ld], or, when the task has a norm
 // operand, the RMSNorm of the f32 residual stream x (stage_norm_*).
-template <class O>
-__device__ __forceinline__ void stage_input_async(const Task& t, unsigned char* smem, int k0, int k) {
-    if (t.has(O::norm)) stage_norm_async(t.ptr<float>(O::x), t.ptr<bf16>(O::norm), k0, k, gemv_scratch(smem));
-    else stage_x_async(gemv_xs(smem), t.ptr<bf16>(O::x), t.dim(O::x, 1), k0, k);
-}
+// (by operand roles x and norm: stage_input_roles; by the opcode's operand struct O: stage_input_async)
 __device__ __forceinline__ void stage_input_roles(const Task& t, unsigned char* smem, int k0, int k, int x, int norm) {
     if (t.has(norm)) stage_norm_async(t.ptr<float>(x), t.ptr<bf16>(norm), k0, k, gemv_scratch(smem));
     else stage_x_async(gemv_xs(smem), t.ptr<bf16>(x), t.dim(x, 1), k0, k);
+}
+template <class O>
+__device__ __forceinline__ void stage_input_async(const Task& t, unsigned char* smem, int k0, int k) {
+    stage_input_roles(t, smem, k0, k, O::x, O::norm);
 }
 
 // The end of a GEMV's staging (gemv_tile's `finish`), called by every thread from a warp-dependent
