@@ -75,8 +75,6 @@ VARIANTS: dict[str, CodegenOptions] = {
     # LINEAR tiles: one GEMV instantiation per output dtype (the default until 2026-11-30 15:20 UTC;
     # now one for both, half the op's code)
     "linear-per-dtype": CodegenOptions(linear_one_gemv=False),
-    # one out-of-line GEMV per row-set count, called by every op (a sixth less code; not yet measured)
-    "gemv-out-of-line": CodegenOptions(gemv_out_of_line=True),
 }
 
 

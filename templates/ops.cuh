@@ -51,14 +51,10 @@ __device__ __forceinline__ unsigned char* gemv_scratch(unsigned char* smem) {
 // Stage a GEMV's input columns [k0, k0 + k) in two halves around the issue of its first weight
 // loads (gemv_tile's `finish`): the bf16 activations x [BATCH, x_ld], or, when the task has a norm
 // operand, the RMSNorm of the f32 residual stream x (stage_norm_*).
-// (by operand roles x and norm: stage_input_roles; by the opcode's operand struct O: stage_input_async)
-__device__ __forceinline__ void stage_input_roles(const Task& t, unsigned char* smem, int k0, int k, int x, int norm) {
-    if (t.has(norm)) stage_norm_async(t.ptr<float>(x), t.ptr<bf16>(norm), k0, k, gemv_scratch(smem));
-    else stage_x_async(gemv_xs(smem), t.ptr<bf16>(x), t.dim(x, 1), k0, k);
-}
 template <class O>
 __device__ __forceinline__ void stage_input_async(const Task& t, unsigned char* smem, int k0, int k) {
-    stage_input_roles(t, smem, k0, k, O::x, O::norm);
+    if (t.has(O::norm)) stage_norm_async(t.ptr<float>(O::x), t.ptr<bf16>(O::norm), k0, k, gemv_scratch(smem));
+    else stage_x_async(gemv_xs(smem), t.ptr<bf16>(O::x), t.dim(O::x, 1), k0, k);
 }
 
 // The end of a GEMV's staging (gemv_tile's `finish`), called by every thread from a warp-dependent
@@ -103,107 +99,6 @@ struct CopyFinish {  // the end of a plain stage_x_async
         landed();
     }
 };
-
-// The SwiGLU GEMVs' epilogue: out[tok * out_ld + r] = bf16(silu(gate) * up) for the rows r < rows
-// and tokens of a finished 16-row group (gemv_tile's epi with two row sets: gate, up).
-struct SwigluStore {
-    bf16* out;
-    int out_ld, rows;
-    __device__ __forceinline__ void operator()(int r0, float (&acc)[2][4]) const {
-        const int n = 2 * (threadIdx.x % 4);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int r = r0 + (i >= 2 ? 8 : 0), tok = n + (i & 1);
-            if (r < rows && tok < BATCH) store_bf16(out + (size_t)tok * out_ld + r, silu(acc[0][i]) * acc[1][i]);
-        }
-    }
-};
-
-// ---- GEMV_OUT_OF_LINE: one GEMV function per row-set count, called by every op ----------------------
-// gemv_tile is force-inlined, so every op that calls it carries its own copy of the GEMV (and the
-// kernel does not fit the instruction cache: docs/kernel.md, "Code size"). With GEMV_OUT_OF_LINE
-// the one-row-set ops (LINEAR, EXPERT_DOWN, LM_HEAD) call gemv1_out_of_line and the two-row-set
-// ops (SWIGLU, EXPERT_SWIGLU) gemv2_out_of_line, each a __noinline__ function holding the one
-// copy, with the staging's end (AnyFinish) and the epilogue (AnyStore1) chosen by kind at run
-// time. The same arithmetic in the same order as the inlined paths.
-
-// The end of a GEMV's staging by kind: what StageFinish, WaitStageFinish or CopyFinish does. x and
-// norm are the task's operand roles of its input and its norm weight (unused for COPIED).
-struct AnyFinish {
-    enum Kind : int { STAGED, WAIT_STAGE, COPIED };
-    Task t;
-    unsigned char* smem;
-    int k0, k, x, norm;
-    Kind kind;
-    __device__ void publish() const {
-        if (kind != COPIED && t.has(norm)) stage_norm_finish(gemv_xs(smem), k0, k, gemv_scratch(smem));
-        cta_barrier();
-    }
-    __device__ void operator()() const {
-        if (kind == WAIT_STAGE) {
-            task_wait(t.w);
-            stage_input_roles(t, smem, k0, k, x, norm);
-        }
-        cp_async_wait_all();
-        publish();
-    }
-    __device__ void landed() const {
-        if (kind == WAIT_STAGE) (*this)();
-        else publish();
-    }
-};
-// An LM-head tile's best (value, vocabulary row) per token of this lane's pair.
-struct Best2 {
-    float v[2];
-    int i[2];
-};
-
-// The epilogue of a one-row-set GEMV by kind: LINEAR stores (f32 or bf16), EXPERT_DOWN stores
-// scaled by this lane's tokens' routing weights, LM_HEAD stores the scaled logits and keeps the
-// best of each token in *best.
-struct AnyStore1 {
-    enum Kind : int { LINEAR, EXPERT_DOWN, LM_HEAD };
-    Kind kind;
-    bool f32;        // LINEAR: the output is f32 (else bf16)
-    float* out32;    // the output as f32 (LINEAR f32, EXPERT_DOWN, LM_HEAD)
-    bf16* out16;     // the output as bf16 (LINEAR bf16)
-    int out_ld, rows;
-    float wt0, wt1;  // EXPERT_DOWN: this lane's two tokens' routing weights
-    int row0;        // LM_HEAD: the tile's first vocabulary row
-    Best2* best;     // LM_HEAD (set by gemv1_out_of_line)
-    __device__ __forceinline__ void operator()(int r0, float (&acc)[1][4]) const {
-        for_fragment(r0, acc[0], rows, [&](int r, int n, float v) {
-            const size_t i = (size_t)n * out_ld + r;
-            if (kind == LM_HEAD) {
-                v *= LOGIT_SCALE;
-                out32[i] = v;
-                const int j = n & 1;
-                if (better(v, row0 + r, best->v[j], best->i[j])) { best->v[j] = v; best->i[j] = row0 + r; }
-            } else if (kind == EXPERT_DOWN) {
-                out32[i] = ((n & 1) ? wt1 : wt0) * v;
-            } else if (f32) {
-                out32[i] = v;
-            } else {
-                store_bf16(out16 + i, v);
-            }
-        });
-    }
-};
-// The two-row-set GEMV (SWIGLU, EXPERT_SWIGLU): gate rows w0, up rows w1.
-__device__ __noinline__ void gemv2_out_of_line(const bf16* w0, const bf16* w1, int w_ld, int rows, int k, SwigluStore store,
-                                         AnyFinish finish) {
-    const bf16* const w[2] = {w0, w1};
-    gemv_tile<2>(w, w_ld, rows, k, gemv_xs(finish.smem), gemv_red(finish.smem), store, finish);
-}
-// The one-row-set GEMV (LINEAR, EXPERT_DOWN, LM_HEAD); returns the LM head's best per token (unset
-// for the others).
-__device__ __noinline__ Best2 gemv1_out_of_line(const bf16* w0, int w_ld, int rows, int k, AnyStore1 store, AnyFinish finish) {
-    Best2 best = {{-INFINITY, -INFINITY}, {0x7fffffff, 0x7fffffff}};
-    store.best = &best;
-    const bf16* const w[1] = {w0};
-    gemv_tile<1>(w, w_ld, rows, k, gemv_xs(finish.smem), gemv_red(finish.smem), store, finish);
-    return best;
-}
 
 // Element offset of the tile starting at (row0, k0) of a weight with k columns: row-major, or in
 // tile order (row0 % 16 == 0 and k0 % 64 == 0, mkc/codegen/weight_tiles.py).
@@ -391,12 +286,7 @@ __device__ __forceinline__ void linear_gemv(const Task& t, unsigned char* smem, 
     const bf16* const w[1] = {t.ptr<bf16>(O::weight) + weight_tile_offset(row0, k0, w_ld)};
     const int out_ld = t.dim(O::out, 1);
     const size_t base = (size_t)slab * t.dim(O::out, 2) * out_ld + col0;
-    if constexpr (GEMV_OUT_OF_LINE) {
-        const AnyStore1 store{AnyStore1::LINEAR, t.dtype(O::out) == DT_F32, t.ptr<float>(O::out) + base,
-                              t.ptr<bf16>(O::out) + base, out_ld, rows, 0.f, 0.f, 0, nullptr};
-        gemv1_out_of_line(w[0], w_ld, rows, k, store, AnyFinish{t, smem, k0, k, O::x, O::norm,
-                     WEIGHTS_BEFORE_WAIT ? AnyFinish::WAIT_STAGE : AnyFinish::STAGED});
-    } else if constexpr (LINEAR_ONE_GEMV) {  // one instantiation, the output dtype a branch in the epilogue
+    if constexpr (LINEAR_ONE_GEMV) {  // one instantiation, the output dtype a branch in the epilogue
         const bool f32 = t.dtype(O::out) == DT_F32;
         float* out32 = t.ptr<float>(O::out) + base;
         bf16* out16 = t.ptr<bf16>(O::out) + base;
@@ -433,6 +323,21 @@ __device__ void op_linear(const Task& t, unsigned char* smem) {
     }
 }
 
+// The SwiGLU GEMVs' epilogue: out[tok * out_ld + r] = bf16(silu(gate) * up) for the rows r < rows
+// and tokens of a finished 16-row group (gemv_tile's epi with two row sets: gate, up).
+struct SwigluStore {
+    bf16* out;
+    int out_ld, rows;
+    __device__ __forceinline__ void operator()(int r0, float (&acc)[2][4]) const {
+        const int n = 2 * (threadIdx.x % 4);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int r = r0 + (i >= 2 ? 8 : 0), tok = n + (i & 1);
+            if (r < rows && tok < BATCH) store_bf16(out + (size_t)tok * out_ld + r, silu(acc[0][i]) * acc[1][i]);
+        }
+    }
+};
+
 // h[b, col0 + i] = silu(x . w[row0 + i]) * (x . w[up_row0 + i])   (out bf16)
 __device__ void op_swiglu(const Task& t, unsigned char* smem) {
     using O = OPND_SWIGLU;
@@ -447,11 +352,6 @@ __device__ void op_swiglu(const Task& t, unsigned char* smem) {
     const bf16* const w[2] = {wb + (size_t)row0 * w_ld, wb + (size_t)up0 * w_ld};
     bf16* out = t.ptr<bf16>(O::out) + col0;
     const int out_ld = t.dim(O::out, 1);
-    if constexpr (GEMV_OUT_OF_LINE) {
-        gemv2_out_of_line(w[0], w[1], w_ld, rows, k, SwigluStore{out, out_ld, rows},
-                     AnyFinish{t, smem, 0, k, O::x, O::norm, AnyFinish::STAGED});
-        return;
-    }
     gemv_tile<2>(w, w_ld, rows, k, xs, gemv_red(smem), SwigluStore{out, out_ld, rows}, finish);
 }
 
@@ -477,11 +377,6 @@ __device__ void op_expert_swiglu(const Task& t, unsigned char* smem) {
     const StageFinish<O> finish{t, smem, 0, k};
     const int out_ld = t.dim(O::out, 1);
     bf16* out = t.ptr<bf16>(O::out) + (size_t)slot * t.dim(O::out, 2) * out_ld + row0;
-    if constexpr (GEMV_OUT_OF_LINE) {
-        gemv2_out_of_line(w[0], w[1], w_ld, rows, k, SwigluStore{out, out_ld, rows},
-                     AnyFinish{t, smem, 0, k, O::x, O::norm, AnyFinish::STAGED});
-        return;
-    }
     gemv_tile<2>(w, w_ld, rows, k, xs, gemv_red(smem), SwigluStore{out, out_ld, rows}, finish);
 }
 
@@ -525,11 +420,6 @@ __device__ void op_expert_down(const Task& t, unsigned char* smem) {
     const CopyFinish finish;
     const int out_ld = t.dim(O::out, 1);
     float* out = t.ptr<float>(O::out) + (size_t)slot * t.dim(O::out, 2) * out_ld + row0;
-    if constexpr (GEMV_OUT_OF_LINE) {
-        gemv1_out_of_line(w[0], w_ld, rows, k, AnyStore1{AnyStore1::EXPERT_DOWN, true, out, nullptr, out_ld, rows, wt0, wt1, 0, nullptr},
-                     AnyFinish{t, smem, 0, k, 0, 0, AnyFinish::COPIED});
-        return;
-    }
     gemv_tile<1>(w, w_ld, rows, k, xs, gemv_red(smem), [&](int r0, float (&acc)[1][4]) {
         for_fragment(r0, acc[0], rows, [&](int r, int n, float v) {
             out[(size_t)n * out_ld + r] = ((n & 1) ? wt1 : wt0) * v;
@@ -552,20 +442,14 @@ __device__ void op_lm_head(const Task& t, unsigned char* smem) {
     float* out = t.ptr<float>(O::logits) + row0;
     float bv[2] = {-INFINITY, -INFINITY};
     int bi[2] = {0x7fffffff, 0x7fffffff};
-    if constexpr (GEMV_OUT_OF_LINE) {
-        const Best2 b = gemv1_out_of_line(w[0], w_ld, rows, k, AnyStore1{AnyStore1::LM_HEAD, true, out, nullptr, out_ld, rows, 0.f, 0.f, row0, nullptr},
-                                     AnyFinish{t, smem, 0, k, O::x, O::norm, AnyFinish::STAGED});
-        bv[0] = b.v[0]; bv[1] = b.v[1]; bi[0] = b.i[0]; bi[1] = b.i[1];
-    } else {
-        gemv_tile<1>(w, w_ld, rows, k, xs, gemv_red(smem), [&](int r0, float (&acc)[1][4]) {
-            for_fragment(r0, acc[0], rows, [&](int r, int n, float v) {
-                v *= LOGIT_SCALE;
-                out[(size_t)n * out_ld + r] = v;
-                const int j = n & 1;
-                if (better(v, row0 + r, bv[j], bi[j])) { bv[j] = v; bi[j] = row0 + r; }
-            });
-        }, finish);
-    }
+    gemv_tile<1>(w, w_ld, rows, k, xs, gemv_red(smem), [&](int r0, float (&acc)[1][4]) {
+        for_fragment(r0, acc[0], rows, [&](int r, int n, float v) {
+            v *= LOGIT_SCALE;
+            out[(size_t)n * out_ld + r] = v;
+            const int j = n & 1;
+            if (better(v, row0 + r, bv[j], bi[j])) { bv[j] = v; bi[j] = row0 + r; }
+        });
+    }, finish);
     // reduce over the 8 lanes sharing a token pair, then over warps
 #pragma unroll
     for (int j = 0; j < 2; ++j)

@@ -147,13 +147,6 @@ class CodegenOptions:
     # (kernel_variants.py, 15:16 UTC, four rounds, logits bitwise equal, every round faster):
     # batch 1 -2.2%, batch 2 -1.5%, batch 4 -2.6%, batch 8 -2.5%. False: one instantiation per dtype.
     linear_one_gemv: bool = True
-    # The GEMV tiles of every op call one out-of-line GEMV function per number of row sets
-    # (ops.cuh: gemv1_out_of_line for LINEAR, EXPERT_DOWN and LM_HEAD, gemv2_out_of_line for SWIGLU
-    # and EXPERT_SWIGLU), their staging's end and epilogue chosen by kind at run time, instead of
-    # inlining a copy each: the kernel 27,168 -> 22,728 SASS instructions at batch 1 and 27,736 ->
-    # 22,848 at batch 8, no spills, no local memory (built 2026-11-30 16:00 UTC). The same arithmetic
-    # in the same order. Not yet measured on a GPU (the session's device time was spent): off.
-    gemv_out_of_line: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,7 +187,6 @@ class KernelConfig:
     signal_last_warp: bool  # CodegenOptions.signal_warp == "last"
     routing_redux: bool  # CodegenOptions.routing_argmax == "redux"
     linear_one_gemv: bool
-    gemv_out_of_line: bool
 
     @property
     def warps(self) -> int:
@@ -364,8 +356,7 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         attn_stage_v=options.attn_stage_v,
         attn_prefetch_bytes=options.attn_prefetch_bytes, attn_warp_request=options.attn_warp_stages,
         weights_before_wait=options.weights_before_wait, signal_last_warp=options.signal_warp == "last",
-        routing_redux=options.routing_argmax == "redux", linear_one_gemv=options.linear_one_gemv,
-        gemv_out_of_line=options.gemv_out_of_line)
+        routing_redux=options.routing_argmax == "redux", linear_one_gemv=options.linear_one_gemv)
     if cfg.smem_bytes > MAX_SMEM_BYTES:
         raise CodegenError(f"shared memory {cfg.smem_bytes} B (widest GEMV k = {max_k}, batch = {cfg.batch}): "
                            f"expected at most {MAX_SMEM_BYTES} B")
@@ -423,7 +414,6 @@ def template_context(cfg: KernelConfig, banner: str) -> dict[str, Any]:
         "signal_last_warp": cv.c_bool(cfg.signal_last_warp),
         "routing_redux": cv.c_bool(cfg.routing_redux),
         "linear_one_gemv": cv.c_bool(cfg.linear_one_gemv),
-        "gemv_out_of_line": cv.c_bool(cfg.gemv_out_of_line),
         "max_rank": cv.c_int(MAX_RANK),
         "dtypes": [(cv.c_ident(f"DT_{k.upper()}"), cv.c_int(v)) for k, v in DTYPE_CODES.items()],
         "record_words": [(cv.c_ident(k), cv.c_int(v)) for k, v in RECORD_LAYOUT],
