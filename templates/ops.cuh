@@ -92,6 +92,23 @@ struct WaitStageFinish : StageFinish<O> {
     __device__ void landed() const { (*this)(); }
 };
 
+// DOWN_WEIGHTS_BEFORE_WAIT: the end of staging for an expert-down tile that issued its first weight
+// loads before its wait (from its record's wait `first` on: the routing's part may be behind it):
+// the wait, then the hidden states' copies, then the barrier that publishes them.
+struct WaitCopyFinish {
+    const Task& t;
+    bf16* xs;
+    const bf16* h;
+    int k, first;
+    __device__ void operator()() const {
+        task_wait(t.w, first);
+        stage_x_async(xs, h, k, 0, k);
+        cp_async_wait_all();
+        cta_barrier();
+    }
+    __device__ void landed() const { (*this)(); }
+};
+
 struct CopyFinish {  // the end of a plain stage_x_async
     __device__ void landed() const { cta_barrier(); }
     __device__ void operator()() const {
@@ -412,19 +429,24 @@ __device__ void op_expert_down(const Task& t, unsigned char* smem) {
     const float wt0 = rt.weight(n0, e), wt1 = rt.weight(n0 + 1, e);
     const int w_ld = t.dim(O::weight, 1), w_rows = t.dim(O::weight, 2);
     const bf16* const w[1] = {t.ptr<bf16>(O::weight) + ((size_t)e * w_rows + row0) * w_ld};
+    const int out_ld = t.dim(O::out, 1);
+    float* out = t.ptr<float>(O::out) + (size_t)slot * t.dim(O::out, 2) * out_ld + row0;
+    const auto epi = [&](int r0, float (&acc)[1][4]) {
+        for_fragment(r0, acc[0], rows, [&](int r, int n, float v) {
+            out[(size_t)n * out_ld + r] = ((n & 1) ? wt1 : wt0) * v;
+        });
+    };
+    if constexpr (WEIGHTS_BEFORE_WAIT && DOWN_WEIGHTS_BEFORE_WAIT) {
+        // the first weight batch is issued by gemv_tile before the rest of the wait
+        gemv_tile<1>(w, w_ld, rows, k, xs, gemv_red(smem), epi, WaitCopyFinish{t, xs, h, k, routed ? 0 : 1});
+        return;
+    }
     prefetch_rows_all(w[0], rows, k, w_ld, RUN_PREFETCH_BYTES);
     if constexpr (WEIGHTS_BEFORE_WAIT) {
         task_wait(t.w, routed ? 0 : 1);
         stage_x_async(xs, h, k, 0, k);
     }
-    const CopyFinish finish;
-    const int out_ld = t.dim(O::out, 1);
-    float* out = t.ptr<float>(O::out) + (size_t)slot * t.dim(O::out, 2) * out_ld + row0;
-    gemv_tile<1>(w, w_ld, rows, k, xs, gemv_red(smem), [&](int r0, float (&acc)[1][4]) {
-        for_fragment(r0, acc[0], rows, [&](int r, int n, float v) {
-            out[(size_t)n * out_ld + r] = ((n & 1) ? wt1 : wt0) * v;
-        });
-    }, finish);
+    gemv_tile<1>(w, w_ld, rows, k, xs, gemv_red(smem), epi, CopyFinish{});
 }
 
 // logits[b, row0 + i] = LOGIT_SCALE * x[b] . w[row0 + i]; best_*[b, tile] = its arg-max

@@ -147,6 +147,15 @@ class CodegenOptions:
     # (kernel_variants.py, 15:16 UTC, four rounds, logits bitwise equal, every round faster):
     # batch 1 -2.2%, batch 2 -1.5%, batch 4 -2.6%, batch 8 -2.5%. False: one instantiation per dtype.
     linear_one_gemv: bool = True
+    # With weights_before_wait, expert-down tiles issue their first weight batch into registers
+    # (the expert is known once the routing is) before waiting for their hidden states, as LINEAR
+    # tiles do, instead of asking L2 for one row: the weights' round trip overlaps the wait and the
+    # hidden states' copy. Measured on an H200 (kernel_variants.py, 2026-11-30 17:35 UTC, three
+    # rounds, logits bitwise equal, µs against the L2 row): batch 1 2615 / 2616 / 2612 against
+    # 2667 / 2658 / 2661 (-1.7%), batch 2 3571 / 3590 / 3576 against 3628 / 3652 / 3669 (-1.9%),
+    # batch 4 5868 / 5812 / 5830 against 5988 / 5815 / 5747, batch 8 8979 / 9008 / 8818 against
+    # 8861 / 9033 / 8983 (both within the noise).
+    down_weights_before_wait: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +196,7 @@ class KernelConfig:
     signal_last_warp: bool  # CodegenOptions.signal_warp == "last"
     routing_redux: bool  # CodegenOptions.routing_argmax == "redux"
     linear_one_gemv: bool
+    down_weights_before_wait: bool
 
     @property
     def warps(self) -> int:
@@ -356,7 +366,8 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         attn_stage_v=options.attn_stage_v,
         attn_prefetch_bytes=options.attn_prefetch_bytes, attn_warp_request=options.attn_warp_stages,
         weights_before_wait=options.weights_before_wait, signal_last_warp=options.signal_warp == "last",
-        routing_redux=options.routing_argmax == "redux", linear_one_gemv=options.linear_one_gemv)
+        routing_redux=options.routing_argmax == "redux", linear_one_gemv=options.linear_one_gemv,
+        down_weights_before_wait=options.down_weights_before_wait)
     if cfg.smem_bytes > MAX_SMEM_BYTES:
         raise CodegenError(f"shared memory {cfg.smem_bytes} B (widest GEMV k = {max_k}, batch = {cfg.batch}): "
                            f"expected at most {MAX_SMEM_BYTES} B")
@@ -414,6 +425,7 @@ def template_context(cfg: KernelConfig, banner: str) -> dict[str, Any]:
         "signal_last_warp": cv.c_bool(cfg.signal_last_warp),
         "routing_redux": cv.c_bool(cfg.routing_redux),
         "linear_one_gemv": cv.c_bool(cfg.linear_one_gemv),
+        "down_weights_before_wait": cv.c_bool(cfg.down_weights_before_wait),
         "max_rank": cv.c_int(MAX_RANK),
         "dtypes": [(cv.c_ident(f"DT_{k.upper()}"), cv.c_int(v)) for k, v in DTYPE_CODES.items()],
         "record_words": [(cv.c_ident(k), cv.c_int(v)) for k, v in RECORD_LAYOUT],
