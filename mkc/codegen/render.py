@@ -152,7 +152,7 @@ class CodegenOptions:
     # tiles do, instead of asking L2 for one row: the weights' round trip overlaps the wait and the
     # hidden states' copy. Measured on an H200 (kernel_variants.py, 2026-11-30 17:35 UTC, three
     # rounds, logits bitwise equal, µs against the L2 row): batch 1 2615 / 2616 / 2612 against
-    # 2667 / 2658 / 2661 (-1.7%), batch 2 3571 / 3590 / 3576 against 3628 / 3652 / 3669 (-1.9%),
+    # 2667 / 2658 / 2661 (-1.8%), batch 2 3571 / 3590 / 3576 against 3628 / 3652 / 3669 (-1.9%),
     # batch 4 5868 / 5812 / 5830 against 5988 / 5815 / 5747, batch 8 8979 / 9008 / 8818 against
     # 8861 / 9033 / 8983 (both within the noise).
     down_weights_before_wait: bool = True
