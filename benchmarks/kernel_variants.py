@@ -76,7 +76,7 @@ VARIANTS: dict[str, CodegenOptions] = {
     # now one for both, half the op's code)
     "linear-per-dtype": CodegenOptions(linear_one_gemv=False),
     # expert-down tiles ask L2 for one row of their weights before waiting for their hidden states
-    # (the default until 2026-11-30 18:00 UTC; now they issue their first weight batch, as LINEAR
+    # (the default until 2026-11-30 17:40 UTC; now they issue their first weight batch, as LINEAR
     # tiles do)
     "down-l2-row": CodegenOptions(down_weights_before_wait=False),
 }

@@ -400,10 +400,11 @@ __device__ void op_expert_swiglu(const Task& t, unsigned char* smem) {
 // out[slot, b, row0 + i] = weight(b, e) * (h[slot, b] . Wd[e, row0 + i]), e = the expert of
 // routing slot `slot`; a no-op when slot >= count. With WEIGHTS_BEFORE_WAIT the task waits itself,
 // in two parts: first the routing (mkc/codegen/taskwords.py lists the router's counter first for
-// EXPERT_DOWN), which names the expert, so the tile asks L2 for the start of its weights
-// (RUN_PREFETCH_BYTES) while it waits for the hidden states; a no-op slot waits for nothing more.
-// Where this SM already holds the layer's routing (routing_known) the tile skips the first part
-// and waits for everything in one pass once its weights are asked for.
+// EXPERT_DOWN), which names the expert, so the tile issues its first weight batch
+// (DOWN_WEIGHTS_BEFORE_WAIT; else it asks L2 for RUN_PREFETCH_BYTES of them) before it waits for
+// the hidden states; a no-op slot waits for nothing more. Where this SM already holds the layer's
+// routing (routing_known) the tile skips the first part and waits for everything in one pass once
+// its weights are on the way.
 __device__ void op_expert_down(const Task& t, unsigned char* smem) {
     using O = OPND_EXPERT_DOWN;
     using A = ARG_EXPERT_DOWN;
