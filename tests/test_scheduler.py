@@ -136,3 +136,31 @@ def test_a_counter_is_waited_for_once_per_sm():
         assert not any(sm[r] == sm[t] for r in residuals)
         assert any(sm[o] == sm[t] and pos[o] < pos[t] and sc.waits[o] for o in qkv)
     assert validate(sc) == []
+
+
+def test_attention_inputs_ranked_first():
+    """Ceilings.attention_inputs_first_us raises the priority of the tasks that feed attention
+    splits. North Mini Code at batch 8: the default queues some QKV tiles behind an expert-up tile
+    of their layer (which holds back every split of the KV head when that expert is routed); with
+    the raise none is, and the validator still accepts the schedule."""
+    import dataclasses
+
+    from mkc.schedule.cost import H200
+    from mkc.schedule.validator import validate
+
+    spec = load_spec("configs/north_mini_code.yaml")
+    prog = lower(spec, 8, 8192, 132, attention_sms=64)
+
+    def qkv_behind_expert_up(sc: Schedule, layer: int) -> int:
+        behind = 0
+        for q in sc.queues:
+            names = [sc.tasks[t].name for t in q if sc.tasks[t].layer == layer]
+            ups = [i for i, n in enumerate(names) if ".expert_up[" in n]
+            behind += sum(1 for i, n in enumerate(names) if ".qkv[" in n and ups and ups[0] < i)
+        return behind
+
+    default = schedule(prog, spec.name)
+    first = schedule(prog, spec.name, dataclasses.replace(H200, attention_inputs_first_us=100.0))
+    assert qkv_behind_expert_up(default, 10) > 0
+    assert qkv_behind_expert_up(first, 10) == 0
+    assert validate(first) == []

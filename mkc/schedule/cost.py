@@ -68,6 +68,15 @@ class Ceilings:
     split_bw: float = 16e9
     # fixed µs per task beyond its bytes, by opcode (others: DEFAULT_FIXED_US)
     op_fixed_us: dict[str, float] = field(default_factory=lambda: dict(OP_FIXED_US))
+    # µs added to the priority (upward rank, not the predicted time) of the tasks that feed an
+    # attention split (the QKV projection's tiles), so the list scheduler places them ahead of the
+    # expert tiles that start with them on an SM: queued behind a long expert-up tile, one late QKV
+    # tile holds back every split of its KV head. 0: rank by predicted time alone. Measured on an
+    # H200 at 100 µs (benchmarks/schedule_variants.py, 2026-11-30 17:57-17:59 UTC, two rounds each,
+    # µs against the default): batch 4 5719 / 5626 against 5906 / 5883 (-3.8%), batch 8 8972 / 9079
+    # against 9036 / 9061 (a tie), batch 2 3619 / 3618 against 3565 / 3579 (+1.3%); batch 1's
+    # schedule does not change. Off until a rule (or `mkc bench --tune`) picks it per batch.
+    attention_inputs_first_us: float = 0.0
 
 
 H200 = Ceilings()

@@ -46,7 +46,9 @@ def schedule(program: Program, model: str, ceilings: Ceilings = H200) -> Schedul
     hop = ceilings.task_overhead
     cost = [task_time(t, n_sm, ceilings) for t in tasks]
     pre = [prefetchable_time(t, n_sm, ceilings) for t in tasks]
-    rank = upward_rank(g, cost)
+    boost = ceilings.attention_inputs_first_us * 1e-6
+    feeds_split = [boost > 0 and any(tasks[s].op.name == "ATTN_SPLIT" for s in g.successors(t.id)) for t in tasks]
+    rank = upward_rank(g, [c + (boost if f else 0.0) for c, f in zip(cost, feeds_split)])
     order = sorted(range(len(tasks)), key=lambda i: (-rank[i], i))
 
     # list scheduling; free = sorted list of (time the SM goes idle, sm)
