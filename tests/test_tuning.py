@@ -97,9 +97,46 @@ def test_tune_times_every_candidate_and_records_the_fastest(tiny, tuning_file, m
     assert rec["lowering"] == {"rope_in_splits": True, "mlp_share": "bytes"}  # what the counts were timed with
     assert set(rec["measured_us"]) == {str(a) for a in timed}
     assert any("fastest with 4 attention SMs" in ln for ln in logs)
+    # the tiny model's placement is the same with its splits' inputs ranked first: not timed, 0 recorded
+    assert rec["attention_inputs_first_us"] == 0.0 and rec["attention_inputs_first_us_measured_us"] == {
+        "0": rec["measured_us"]["4"]}
     assert plan(tiny, 2, 40, 16).meta["attention_sms"] == {
         "chosen": 4, "chosen_by": "measured", "measured_us": rec["measured_us"], "measured_on": "NVIDIA H200",
-        "measured_at": rec["date"], "measured_lowering": rec["lowering"], "measured_by": None}
+        "measured_at": rec["date"], "measured_lowering": rec["lowering"], "measured_by": None,
+        "attention_inputs_first_us": 0.0, "attention_inputs_first_us_measured_us": {"0": rec["measured_us"]["4"]}}
+
+
+def test_tune_times_the_splits_inputs_first_where_it_places_differently(nmc, tuning_file, monkeypatch):
+    """North Mini Code at batch 8: ranking the attention splits' inputs first (Ceilings.
+    attention_inputs_first_us) changes the placement, so the fastest count is timed once more with
+    it, and the faster is recorded; the planner then schedules with it."""
+    import dataclasses
+
+    from mkc.schedule.cost import H200
+
+    timed = []
+
+    def fake_row(spec, w, b, c, *, attention_sms, ceilings=None, **kw):
+        raised = ceilings is not None and ceilings.attention_inputs_first_us > 0
+        timed.append((attention_sms, raised))
+        us = 100 * (1 + abs(attention_sms - 64) / 64) - (5 if raised else 0)
+        return bench.row("mkc", b, c, [us * 1e-6], 10**6, 4e12)
+
+    monkeypatch.setattr(bench, "_megakernel_row", fake_row)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    logs = []
+    assert bench.tune_attention_sms(nmc, {}, 8, 8192, sms=132, bw=4e12, reps=3, log=logs.append) == 64
+    candidates = attention_sms_candidates(nmc, 8, 132)
+    assert timed == [(a, False) for a in candidates] + [(64, True)]
+    rec = json.loads(tuning_file.read_text())[tuning.tuning_key(nmc, 8, 8192, 132)]
+    assert rec["attention_inputs_first_us"] == 100.0
+    assert rec["attention_inputs_first_us_measured_us"] == {"0": 100.0, "100": 95.0}
+    assert any("and the splits' inputs ranked 100 µs higher" in ln for ln in logs)
+    sc = plan(nmc, 8, 8192, 132)
+    assert sc.meta["attention_sms"]["attention_inputs_first_us"] == 100.0
+    raised = plan(nmc, 8, 8192, 132, attention_sms=64,
+                  ceilings=dataclasses.replace(H200, attention_inputs_first_us=100.0))
+    assert sc.queues == raised.queues != plan(nmc, 8, 8192, 132, attention_sms=64).queues
 
 
 def test_tune_skips_a_point_with_one_candidate(monkeypatch, tuning_file):
@@ -162,6 +199,12 @@ def test_the_shipped_h200_table_matches_north_mini_code(nmc, monkeypatch):
         assert rec["attention_sms"] == want and fastest == str(want), (batch, context, rec)
         meta = plan(nmc, batch, context, 132).meta["attention_sms"]
         assert meta["chosen"] == want and meta["chosen_by"] == "measured", (batch, context, meta)
+        # the splits' inputs ranked first where it measured faster (batch 4 at 8K), nowhere else
+        raised = meta.get("attention_inputs_first_us", 0.0)
+        assert raised == (100.0 if (batch, context) == (4, 8192) else 0.0), (batch, context, meta)
+        if raised:
+            times = meta["attention_inputs_first_us_measured_us"]
+            assert times["100"] < times["0"], times
 
 
 def test_without_a_named_file_the_shipped_tables_apply_under_the_cache(nmc, monkeypatch, tmp_path):

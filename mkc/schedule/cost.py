@@ -75,7 +75,8 @@ class Ceilings:
     # H200 at 100 µs (benchmarks/schedule_variants.py, 2026-11-30 17:57-17:59 UTC, two rounds each,
     # µs against the default): batch 4 5719 / 5626 against 5906 / 5883 (-3.8%), batch 8 8972 / 9079
     # against 9036 / 9061 (a tie), batch 2 3619 / 3618 against 3565 / 3579 (+1.3%); batch 1's
-    # schedule does not change. Off until a rule (or `mkc bench --tune`) picks it per batch.
+    # schedule does not change. Off here; `mkc bench --tune` times it per point and records the
+    # faster (mkc/schedule/plan.py applies a recorded one: configs/tuning/h200.json at batch 4).
     attention_inputs_first_us: float = 0.0
 
 

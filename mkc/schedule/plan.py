@@ -20,6 +20,10 @@ the splits' measured 16 GB/s that placement uses. Against the counts measured on
 11.7% at batch 8, 8.5% at batch 1 / 32K and 4.9% at batch 8 / 32K; at 16 GB/s it picks 0 at batch
 1, 2 and 4 (10-12% slower than the best) and is right only at batch 8 (8K) and 128K. Hence the
 measurement wins where there is one.
+
+A measured entry may also carry the priority raise of the attention splits' inputs
+(``Ceilings.attention_inputs_first_us``) that ran faster at its point; the planner schedules with
+it unless the caller passes its own ceilings.
 """
 
 from __future__ import annotations
@@ -37,6 +41,11 @@ from mkc.schedule.scheduler import schedule
 # defaults. mkc bench --tune records them beside each measured count, since the count was fastest
 # for them.
 LOWERING_CHOICES = ("rope_in_splits", "mlp_share")
+# A tuning entry's measured Ceilings.attention_inputs_first_us for its point (mkc bench --tune times
+# the fastest attention-SM count with and without the raise and records the faster), and the times
+# under INPUTS_FIRST + "_measured_us".
+INPUTS_FIRST = "attention_inputs_first_us"
+INPUTS_FIRST_CANDIDATES = (0.0, 100.0)
 DEFAULT_LOWERING = {f.name: f.default for f in dataclasses.fields(LowerOptions) if f.name in LOWERING_CHOICES}
 
 
@@ -106,6 +115,13 @@ def plan(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int
             how = {"chosen_by": "measured", "measured_us": measured.get("measured_us", {}),
                    "measured_on": measured.get("gpu", "?"), "measured_at": measured.get("date", "?"),
                    "measured_lowering": measured.get("lowering"), "measured_by": measured.get("by")}
+            # the priority raise of the attention splits' inputs measured at this point (an entry
+            # without one: the ceilings' own), unless the caller asked for other ceilings
+            first = measured.get(INPUTS_FIRST)
+            if isinstance(first, (int, float)) and ceilings == H200:
+                ceilings = dataclasses.replace(ceilings, attention_inputs_first_us=float(first))
+                how[INPUTS_FIRST] = float(first)
+                how[INPUTS_FIRST + "_measured_us"] = measured.get(INPUTS_FIRST + "_measured_us", {})
         else:
             attention_sms, tried = choose_attention_sms(spec, batch, context, num_sms, page_size, kv_pages,
                                                         ceilings, **lowering)

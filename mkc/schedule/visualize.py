@@ -192,6 +192,10 @@ def _attention_sms_row(d: dict[str, Any]) -> str:
             was = ", ".join(f"{k}={v}" for k, v in was_for.items())
             now = ", ".join(f"{k}={d['lowering'].get(k)}" for k in was_for)
             row += f"; measured under {was} (this compile: {now})"
+        if a.get("attention_inputs_first_us"):  # the tuned raise of the splits' inputs (plan.py)
+            timed = ", ".join(f"{k}: {v:.1f}" for k, v in a.get("attention_inputs_first_us_measured_us", {}).items())
+            row += (f"; the splits' inputs ranked {a['attention_inputs_first_us']:g} µs ahead, measured faster "
+                    f"(step µs by raise: {timed})")
         return row
     if a["chosen_by"] == "compiler":
         tried = ", ".join(f"{k}: {v:.1f}" for k, v in a["probe_predicted_us"].items())
