@@ -358,7 +358,9 @@ def tune_attention_sms(spec: ModelSpec, weights: dict[str, torch.Tensor], batch:
                        bw: float, reps: int, page_size: int = 0, log=print) -> int | None:
     """Time the megakernel with every attention-SM count the planner considers at this point
     (mkc/schedule/plan.py) and record the fastest (mkc/schedule/tuning.py); None when there is
-    only one candidate. Every count runs the same tokens and KV cache."""
+    only one candidate. Every count runs the same tokens and KV cache. The fastest count is then
+    timed with the attention splits' inputs ranked first (Ceilings.attention_inputs_first_us),
+    where that places anything differently, and the faster of the two is recorded with it."""
     best = _tune(spec, weights, batch, context, sms=sms, bw=bw, reps=reps, page_size=page_size, log=log)
     return best[0] if best else None
 
