@@ -30,6 +30,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--attention-sms", type=int, default=None, help="as profiled (default: the compiler's choice)")
 
 
+def spec_of(a: argparse.Namespace):
+    """The model the timeline was profiled on."""
+    return load_spec(a.config)
+
+
 def load(a: argparse.Namespace) -> tuple[Schedule, np.lib.npyio.NpzFile]:
     """The schedule planned from ``a`` and the timeline; SystemExit if they do not match."""
     spec = load_spec(a.config)

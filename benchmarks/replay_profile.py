@@ -1,7 +1,8 @@
 """Replay a profiled step on its own schedule, then what-ifs: the same schedule with some tasks faster.
 
     python benchmarks/replay_profile.py TIMELINE.npz --batch 1 [--context 8192] \
-        [--scale router=0.5 EXPERT_DOWN=0.75 ...] [--queue-gap LINEAR=1.0 ...]
+        [--scale router=0.5 EXPERT_DOWN=0.75 ...] [--queue-gap LINEAR=1.0 ...] \
+        [--place-greedily o_proj expert_down]
 
 TIMELINE.npz is written by ``benchmarks/megakernel_step.py --profile DIR`` or ``mkc bench --profile``
 (``trace-b1-c8192.npz``); the schedule is planned again with the same options, so run this on the
@@ -12,6 +13,8 @@ tasks of one opcode (EXPERT_DOWN) or one label (router: the tasks named ``L<i>.r
 each ``--queue-gap OP=US`` sets one opcode's gap after the task before it on its SM. Every what-if
 is replayed alone, then all together. Durations are held fixed, so a what-if that would change
 which tasks stream at once (and so their rates) is only a first estimate: a lever to measure.
+``--place-greedily LABEL ...`` moves those labels' tasks, layer by layer, onto the SM that frees
+first in the replay (greedy_tail): what an oracle's placement of a layer's tail would gain.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import dataclasses
 import numpy as np
 import profiled
 
+from mkc.ir.lower import lower
 from mkc.schedule.profile import Gaps, measured_gaps, replay
 
 
@@ -49,6 +53,9 @@ def main() -> None:
                     help="multiply the run time of an opcode's or a label's tasks by F")
     ap.add_argument("--queue-gap", nargs="*", default=[], metavar="OP=US",
                     help="set an opcode's gap after the task before it on its SM (µs)")
+    ap.add_argument("--place-greedily", nargs="*", default=[], metavar="LABEL",
+                    help="what-if: these labels' tasks (o_proj, expert_down) placed layer by layer on the SM "
+                         "that frees first in the replay (an oracle's bound)")
     a = ap.parse_args()
     sc, tl = profiled.load(a)
     run = tl["end"] - tl["start"]
@@ -93,6 +100,77 @@ def main() -> None:
     if len(scales) + len(queue_gaps) > 1:
         s = span(every_run, every_gap)
         print(f"  all together: {s:.1f} µs ({s - base:+.1f})")
+    if a.place_greedily:
+        unknown = sorted(set(a.place_greedily) - set(labels))
+        if unknown:
+            raise SystemExit(f"--place-greedily {', '.join(unknown)}: expected task labels ({', '.join(sorted(set(labels)))})")
+        g = lower(profiled.spec_of(a), a.batch, a.context, a.num_sms, page_size=a.page_size,
+                  attention_sms=sc.meta["attention_sms"]["chosen"]).graph
+        preds = [list(g.predecessors(t)) for t in range(len(sc.tasks))]
+        base = float(np.max(replay_queues(sc, sc.queues, preds, run, gaps)[1]))
+        queues = greedy_tail(sc, preds, run, gaps, set(a.place_greedily))
+        s = float(np.max(replay_queues(sc, queues, preds, run, gaps)[1]))
+        print(f"  {', '.join(a.place_greedily)} placed greedily, layer by layer: {s:.1f} µs ({s - base:+.1f} against "
+              f"{base:.1f}, the same queues replayed on every DAG edge)")
+
+
+def replay_queues(sc, queues: list[list[int]], preds: list[list[int]], run_us, gaps: Gaps) -> tuple[np.ndarray, np.ndarray]:
+    """mkc.schedule.profile.replay on other queues, each task after every DAG predecessor (a moved
+    task may lose the queue order a dropped wait relied on). Returns (start, end) by task id."""
+    n = len(sc.tasks)
+    before = [-1] * n
+    for q in queues:
+        for i in range(1, len(q)):
+            before[q[i]] = q[i - 1]
+    succ: list[list[int]] = [[] for _ in range(n)]
+    pending = [len(preds[t]) + (before[t] >= 0) for t in range(n)]
+    for t in range(n):
+        for p in preds[t] + ([before[t]] if before[t] >= 0 else []):
+            succ[p].append(t)
+    start, end = np.zeros(n), np.zeros(n)
+    ready = [t for t in range(n) if not pending[t]]
+    while ready:
+        t = ready.pop()
+        op = sc.tasks[t].op.name
+        st = max((end[p] + gaps.producer(op) for p in preds[t]), default=0.0)
+        if before[t] >= 0:
+            st = max(st, end[before[t]] + gaps.queue(op))
+        start[t], end[t] = st, st + run_us[t]
+        for u in succ[t]:
+            pending[u] -= 1
+            if not pending[u]:
+                ready.append(u)
+    if any(pending):
+        raise SystemExit("the greedy placement made a cycle through queue order and waits")
+    return start, end
+
+
+def greedy_tail(sc, preds: list[list[int]], run_us, gaps: Gaps, tail: set[str]) -> list[list[int]]:
+    """An oracle's placement: layer by layer, the tasks with a label in ``tail`` taken off their
+    queues and, in the order their producers end (replayed), each put on the SM that frees first
+    (the end of its tasks of this layer or earlier before its first residual tile or next-layer
+    task), where it goes. Run times stay the measured ones, so this bounds what a placement rule
+    could gain, not what it would."""
+    queues = [list(q) for q in sc.queues]
+    for layer in range(1, max(t.layer for t in sc.tasks)):
+        _, end = replay_queues(sc, queues, preds, run_us, gaps)
+        moved = {t.id for t in sc.tasks if t.layer == layer and label(t.name) in tail}
+        kept, cut, free = [], [], []
+        for q in queues:
+            k = [t for t in q if t not in moved]
+            i = next((j for j, t in enumerate(k) if sc.tasks[t].layer > layer
+                      or (sc.tasks[t].layer == layer and label(sc.tasks[t].name) == "residual")), len(k))
+            kept.append(k)
+            cut.append(i)
+            free.append(max((end[t] for t in k[:i]), default=0.0))
+        placed: list[list[int]] = [[] for _ in queues]
+        ready = {t: max((end[p] for p in preds[t]), default=0.0) for t in moved}
+        for t in sorted(moved, key=lambda t: (ready[t], t)):
+            sm = min(range(len(queues)), key=lambda s: (max(free[s], ready[t]), s))
+            placed[sm].append(t)
+            free[sm] = max(free[sm], ready[t] + gaps.producer(sc.tasks[t].op.name)) + run_us[t]
+        queues = [k[:i] + p + k[i:] for k, i, p in zip(kept, cut, placed)]
+    return queues
 
 
 if __name__ == "__main__":
