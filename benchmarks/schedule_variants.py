@@ -11,7 +11,9 @@ tiles, placement, queue order and counters change. The profile of 2026-11-29 (BE
 time goes now") found the model optimistic between tasks: it credits up to 96 KB of prefetch per
 task as overlap with its wait and charges 0.6 µs per hand-off, while the critical chain measured
 0.75 µs a hop and no overlap. Timing as megakernel_step.py: one warm-up, then ``reps`` steps timed
-one by one with CUDA events, median.
+one by one with CUDA events, median. ``default`` is what ships: with the attention SMs chosen by
+the planner (auto), a raise of the splits' inputs' priority recorded in the tuning table applies to
+it too (configs/tuning/h200.json: batch 4 at 8K), so there it schedules as attention-inputs-first.
 """
 
 from __future__ import annotations
