@@ -107,42 +107,11 @@ def main() -> None:
         g = lower(profiled.spec_of(a), a.batch, a.context, a.num_sms, page_size=a.page_size,
                   attention_sms=sc.meta["attention_sms"]["chosen"]).graph
         preds = [list(g.predecessors(t)) for t in range(len(sc.tasks))]
-        base = float(np.max(replay_queues(sc, sc.queues, preds, run, gaps)[1]))
+        base = float(np.max(replay(sc, run, gaps, sc.queues, preds)[1]))
         queues = greedy_tail(sc, preds, run, gaps, set(a.place_greedily))
-        s = float(np.max(replay_queues(sc, queues, preds, run, gaps)[1]))
+        s = float(np.max(replay(sc, run, gaps, queues, preds)[1]))
         print(f"  {', '.join(a.place_greedily)} placed greedily, layer by layer: {s:.1f} µs ({s - base:+.1f} against "
               f"{base:.1f}, the same queues replayed on every DAG edge)")
-
-
-def replay_queues(sc, queues: list[list[int]], preds: list[list[int]], run_us, gaps: Gaps) -> tuple[np.ndarray, np.ndarray]:
-    """mkc.schedule.profile.replay on other queues, each task after every DAG predecessor (a moved
-    task may lose the queue order a dropped wait relied on). Returns (start, end) by task id."""
-    n = len(sc.tasks)
-    before = [-1] * n
-    for q in queues:
-        for i in range(1, len(q)):
-            before[q[i]] = q[i - 1]
-    succ: list[list[int]] = [[] for _ in range(n)]
-    pending = [len(preds[t]) + (before[t] >= 0) for t in range(n)]
-    for t in range(n):
-        for p in preds[t] + ([before[t]] if before[t] >= 0 else []):
-            succ[p].append(t)
-    start, end = np.zeros(n), np.zeros(n)
-    ready = [t for t in range(n) if not pending[t]]
-    while ready:
-        t = ready.pop()
-        op = sc.tasks[t].op.name
-        st = max((end[p] + gaps.producer(op) for p in preds[t]), default=0.0)
-        if before[t] >= 0:
-            st = max(st, end[before[t]] + gaps.queue(op))
-        start[t], end[t] = st, st + run_us[t]
-        for u in succ[t]:
-            pending[u] -= 1
-            if not pending[u]:
-                ready.append(u)
-    if any(pending):
-        raise SystemExit("the greedy placement made a cycle through queue order and waits")
-    return start, end
 
 
 def greedy_tail(sc, preds: list[list[int]], run_us, gaps: Gaps, tail: set[str]) -> list[list[int]]:
@@ -153,7 +122,7 @@ def greedy_tail(sc, preds: list[list[int]], run_us, gaps: Gaps, tail: set[str]) 
     could gain, not what it would."""
     queues = [list(q) for q in sc.queues]
     for layer in range(1, max(t.layer for t in sc.tasks)):
-        _, end = replay_queues(sc, queues, preds, run_us, gaps)
+        _, end = replay(sc, run_us, gaps, queues, preds)
         moved = {t.id for t in sc.tasks if t.layer == layer and label(t.name) in tail}
         kept, cut, free = [], [], []
         for q in queues:

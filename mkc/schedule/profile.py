@@ -112,17 +112,27 @@ def measured_gaps(sc: Schedule, start, end) -> Gaps:
                 {op: float(np.median(v)) for op, v in by_queue.items()})
 
 
-def replay(sc: Schedule, run_us, gaps: Gaps) -> tuple[np.ndarray, np.ndarray]:
+def replay(sc: Schedule, run_us, gaps: Gaps, queues: list[list[int]] | None = None,
+           producers: list[list[int]] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The step the schedule would take if each task ran ``run_us[t]`` µs: every SM runs its queue
     in order, and a task starts at the later of its last producer's signal plus its opcode's
     producer gap and the end of the task before it plus its queue gap (the first task of a queue:
     its producers only). Returns (start, end) in µs, by task id. Replayed with the run times and
     gaps of a profiled step (measured_gaps), it gives back that step's span closely (North Mini
     Code at batch 1 on an H200: 2809 µs against 2802 measured), so it answers what-ifs on the same
-    schedule: a shorter op, a smaller gap (benchmarks/replay_profile.py)."""
+    schedule: a shorter op, a smaller gap (benchmarks/replay_profile.py). ``queues`` and
+    ``producers`` (per task, the tasks it waits for) replace the schedule's own: other placements
+    of the same tasks, each after every DAG predecessor (a moved task may lose the queue order a
+    dropped wait relied on)."""
     run = np.asarray(run_us, dtype=np.float64)
     n = len(sc.tasks)
-    producers, before = _blockers(sc)
+    own_producers, before = _blockers(sc)
+    if queues is not None:
+        before = [-1] * n
+        for q in queues:
+            for i in range(1, len(q)):
+                before[q[i]] = q[i - 1]
+    producers = producers if producers is not None else own_producers
     preds = [set(producers[t]) | ({before[t]} if before[t] >= 0 else set()) for t in range(n)]
     succs: list[list[int]] = [[] for _ in range(n)]
     for t in range(n):
