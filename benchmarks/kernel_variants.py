@@ -79,6 +79,9 @@ VARIANTS: dict[str, CodegenOptions] = {
     # (the default until 2026-11-30 17:40 UTC; now they issue their first weight batch, as LINEAR
     # tiles do)
     "down-l2-row": CodegenOptions(down_weights_before_wait=False),
+    # residual tiles load a term, add it, load the next (the default until 2026-11-30 19:30 UTC;
+    # now the token slots first, then every term in flight before the adds)
+    "residual-serial": CodegenOptions(residual_loads_first=False),
 }
 
 

@@ -597,7 +597,10 @@ __device__ void op_rope_append(const Task& t, unsigned char* smem) {
 }
 
 // x_out[b, cols] = x + sum_g o_part[g, b] + mlp[0, b] + sum_k routed[token_slots[b, k], b]
-// (token_slots in ascending expert order)
+// (token_slots in ascending expert order). The token slots come first, into shared memory (one
+// round trip); then every term of an element is loaded before the first add, so an element costs
+// one more round trip instead of one per slot (each routed term's address depends on its slot).
+// The adds run in the order written above (RESIDUAL_LOADS_FIRST; else load, add, load, add).
 __device__ void op_residual(const Task& t, unsigned char*) {
     using O = OPND_RESIDUAL;
     using A = ARG_RESIDUAL;
@@ -608,19 +611,51 @@ __device__ void op_residual(const Task& t, unsigned char*) {
     const float* mlp = t.ptr<float>(O::mlp);
     const float* routed = t.ptr<float>(O::routed);
     const int* ts = t.ptr<int>(O::token_slots);
-    const int top_k = routed ? TOP_K : 0;
     float* out = t.ptr<float>(O::out);
-    for (int i = threadIdx.x; i < BATCH * cols; i += NUM_THREADS) {
-        const int b = i / cols, c = col0 + i % cols;
-        const size_t bc = (size_t)b * hidden + c;
-        float v = ld_act_f32(x + bc);
-        for (int g = 0; g < parts; ++g) v += ld_act_f32(op + (size_t)g * BATCH * hidden + bc);
-        if (mlp) v += ld_act_f32(mlp + bc);
-        for (int k = 0; k < top_k; ++k) {
-            const int s = ld_act_i32(ts + b * TOP_K + k);
-            v += ld_act_f32(routed + (size_t)s * BATCH * hidden + bc);
+    if constexpr (RESIDUAL_LOADS_FIRST) {
+        constexpr int PARTS_IN_FLIGHT = 8;  // O-projection slices loaded at once (a loop past that)
+        __shared__ int slots[BATCH * TOP_K];
+        if (routed) {  // the same for every thread: the barrier below is uniform
+            if (threadIdx.x < BATCH * TOP_K) slots[threadIdx.x] = ld_act_i32(ts + threadIdx.x);
+            __syncthreads();
         }
-        out[bc] = v;
+        for (int i = threadIdx.x; i < BATCH * cols; i += NUM_THREADS) {
+            const int b = i / cols, c = col0 + i % cols;
+            const size_t bc = (size_t)b * hidden + c;
+            const float xv = ld_act_f32(x + bc);
+            float ov[PARTS_IN_FLIGHT];
+#pragma unroll
+            for (int g = 0; g < PARTS_IN_FLIGHT; ++g) ov[g] = g < parts ? ld_act_f32(op + (size_t)g * BATCH * hidden + bc) : 0.f;
+            const float mv = mlp ? ld_act_f32(mlp + bc) : 0.f;
+            float rv[TOP_K];
+#pragma unroll
+            for (int k = 0; k < TOP_K; ++k)
+                rv[k] = routed ? ld_act_f32(routed + (size_t)slots[b * TOP_K + k] * BATCH * hidden + bc) : 0.f;
+            float v = xv;
+#pragma unroll
+            for (int g = 0; g < PARTS_IN_FLIGHT; ++g)
+                if (g < parts) v += ov[g];
+            for (int g = PARTS_IN_FLIGHT; g < parts; ++g) v += ld_act_f32(op + (size_t)g * BATCH * hidden + bc);
+            if (mlp) v += mv;
+            if (routed)
+#pragma unroll
+                for (int k = 0; k < TOP_K; ++k) v += rv[k];
+            out[bc] = v;
+        }
+    } else {
+        const int top_k = routed ? TOP_K : 0;
+        for (int i = threadIdx.x; i < BATCH * cols; i += NUM_THREADS) {
+            const int b = i / cols, c = col0 + i % cols;
+            const size_t bc = (size_t)b * hidden + c;
+            float v = ld_act_f32(x + bc);
+            for (int g = 0; g < parts; ++g) v += ld_act_f32(op + (size_t)g * BATCH * hidden + bc);
+            if (mlp) v += ld_act_f32(mlp + bc);
+            for (int k = 0; k < top_k; ++k) {
+                const int s = ld_act_i32(ts + b * TOP_K + k);
+                v += ld_act_f32(routed + (size_t)s * BATCH * hidden + bc);
+            }
+            out[bc] = v;
+        }
     }
 }
 
