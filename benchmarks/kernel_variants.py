@@ -82,8 +82,6 @@ VARIANTS: dict[str, CodegenOptions] = {
     # residual tiles load a term, add it, load the next (the default until 2026-11-30 19:30 UTC;
     # now the token slots first, then every term in flight before the adds)
     "residual-serial": CodegenOptions(residual_loads_first=False),
-    # expert-up tiles do not ask L2 to keep the layer's O-projection weights
-    "no-prefetch-hints": CodegenOptions(prefetch_hints=False),
 }
 
 

@@ -83,20 +83,6 @@ __device__ __forceinline__ void prefetch_l2(const void* p, u32 bytes) {
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
 }
 
-// prefetch_l2 with the lines marked evict_last: L2 keeps them over the weights streaming past
-// (evict_normal) until keep_l2_done hands them back (a hint, never a fault).
-__device__ __forceinline__ void prefetch_l2_keep(const void* p, u32 bytes) {
-    asm volatile("{\n\t.reg .b64 pol;\n\t"
-                 "createpolicy.fractional.L2::evict_last.b64 pol, 1.0;\n\t"
-                 "cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, pol;\n\t}"
-                 ::"l"(p), "r"(bytes) : "memory");
-}
-
-// The 128-byte line at p (128-byte aligned) back to evict_normal once read (a hint).
-__device__ __forceinline__ void keep_l2_done(const void* p) {
-    asm volatile("applypriority.global.L2::evict_normal [%0], 128;" ::"l"(p) : "memory");
-}
-
 // Plain L2 prefetch of the 128-byte line holding p (an LSU hint, never a fault).
 __device__ __forceinline__ void prefetch_line_l2(const void* p) {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(p));

@@ -338,21 +338,6 @@ __device__ void op_linear(const Task& t, unsigned char* smem) {
         stage_input_async<O>(t, smem, k0, k);
         linear_gemv(t, smem, StageFinish<O>{t, smem, k0, k});
     }
-    // PREFETCH_HINTS: an un-normed LINEAR tile (the O-projection) may read weights an expert-up tile
-    // asked L2 to keep (prefetch_weights): hand its lines back to the normal eviction order
-    if (PREFETCH_HINTS && !t.has(O::norm)) {
-        const int ld = t.dim(O::weight, 1), rows = t.arg(A::rows);
-        const char* w = reinterpret_cast<const char*>(t.ptr<bf16>(O::weight));
-        if (WEIGHTS_TILED) {  // a run of 16 * k elements per 16-row group
-            const int lines = 16 * k * 2 / 128;
-            for (int i = threadIdx.x; i < (rows + 15) / 16 * lines; i += NUM_THREADS)
-                keep_l2_done(w + 2 * weight_tile_offset(t.arg(A::row0) + 16 * (i / lines), k0, ld) + 128 * (i % lines));
-        } else if (k * 2 % 128 == 0 && k0 * 2 % 128 == 0) {
-            const int lines = k * 2 / 128;
-            for (int i = threadIdx.x; i < rows * lines; i += NUM_THREADS)
-                keep_l2_done(w + 2 * ((size_t)(t.arg(A::row0) + i / lines) * ld + k0) + 128 * (i % lines));
-        }
-    }
 }
 
 // The SwiGLU GEMVs' epilogue: out[tok * out_ld + r] = bf16(silu(gate) * up) for the rows r < rows
@@ -698,19 +683,6 @@ __device__ void prefetch_weights(const Task& t) {
             const bf16* w = t.ptr<bf16>(O::weight);
             prefetch_rows(w + (size_t)t.arg(A::row0) * ld, t.arg(A::rows), ld, ld, PREFETCH_BYTES / 2);
             prefetch_rows(w + (size_t)t.arg(A::up_row0) * ld, t.arg(A::rows), ld, ld, PREFETCH_BYTES / 2);
-            break;
-        }
-        case OP_EXPERT_SWIGLU: {  // its expert is not known yet: its share of a later op's weights
-            using O = OPND_EXPERT_SWIGLU;
-            using A = ARG_EXPERT_SWIGLU;
-            if (PREFETCH_HINTS && t.has(O::hint)) {  // whole rows of every column: one contiguous run
-                constexpr int CHUNK = 16384;
-                const int ld = t.dim(O::hint, 1);
-                const char* p = reinterpret_cast<const char*>(t.ptr<bf16>(O::hint) + (size_t)t.arg(A::hint_row0) * ld);
-                const long long total = (long long)t.arg(A::hint_rows) * ld * 2;
-                for (long long off = (long long)(threadIdx.x - 32) * CHUNK; off < total; off += (long long)(NUM_THREADS - 32) * CHUNK)
-                    prefetch_l2_keep(p + off, (u32)min((long long)CHUNK, total - off));
-            }
             break;
         }
         case OP_LM_HEAD: {

@@ -86,30 +86,6 @@ def test_moe_does_not_wait_for_attention(tiny):
                    for a in anc)
 
 
-@pytest.mark.parametrize("batch", [1, 8])
-def test_expert_up_tiles_share_out_the_o_projection_weights_as_hints(batch):
-    """In a parallel block every row of the layer's O-projection weight is hinted (kept in L2) by
-    exactly one expert-up tile, in whole 16-row groups; the hint adds no edge and no bytes."""
-    spec = load_spec("configs/north_mini_code.yaml")
-    prog = lower(spec, batch=batch, context=1024, num_sms=132)
-    ups = [t for t in prog.tasks if t.layer == 5 and t.op == Opcode.EXPERT_SWIGLU]
-    hinted = [t for t in ups if t.arg("hint_rows")]
-    assert all(t.arg("hint_rows") % 16 == 0 and t.operand("hint") == "L5.w_o" for t in hinted)
-    rows = sorted((t.arg("hint_row0"), t.arg("hint_rows")) for t in hinted)
-    covered = [r for r0, n in rows for r in range(r0, r0 + n)]
-    assert covered == list(range(spec.hidden_size))
-    assert all(t.operand("hint") == "-" for t in ups if not t.arg("hint_rows"))
-    assert all(t.weight_bytes == 2 * t.arg("rows") * spec.hidden_size * 2 for t in ups)
-    assert not any(prog.tasks[p].name.startswith("L5.o_proj") for t in ups for p in nx.ancestors(prog.graph, t.id))
-
-
-def test_sequential_block_has_no_hints():
-    spec = load_spec("configs/mixtral_tiny.yaml")
-    prog = lower(spec, batch=2, context=64, num_sms=16)
-    ups = [t for t in prog.tasks if t.op == Opcode.EXPERT_SWIGLU]
-    assert ups and all(t.operand("hint") == "-" and t.arg("hint_rows") == 0 for t in ups)
-
-
 def test_o_proj_slice_waits_only_for_its_group(tiny):
     prog = lower(tiny, batch=1, context=16, num_sms=8)
     o = next(t for t in prog.tasks if t.name.startswith("L1.o_proj[kv1]"))

@@ -337,15 +337,10 @@ class _Lowerer:
             self.linear(layer, "down", h, wd, mo)
             self.residual(layer, x, o_part, mo, None, None, x_out, "residual")
         else:
-            # parallel block: the expert-up tiles ask L2 to keep the O-projection's weights
-            self.moe(layer, mlp_in, x, o_part, x_out, hint=wo if s.block != "sequential" else None)
+            self.moe(layer, mlp_in, x, o_part, x_out)
         return x_out
 
-    def moe(self, layer: int, n: Normed, x: Buffer, o_part: Buffer | None, x_out: Buffer,
-            hint: Buffer | None = None) -> None:
-        """The routed experts. ``hint``: a weight (the O-projection of a parallel block) whose rows
-        the expert-up tiles share out and ask L2 to keep while they wait for the routing (the
-        weight streams in the layer's tail, after the experts)."""
+    def moe(self, layer: int, n: Normed, x: Buffer, o_part: Buffer | None, x_out: Buffer) -> None:
         s, opt = self.spec, self.opt
         m = s.moe
         assert m is not None
@@ -370,23 +365,17 @@ class _Lowerer:
         up_tile = row_tile(I, 2 * H * 2, slots, self.mlp_sms(slots * I * 2 * H * 2))
         xin, xreads = gemv_input(n)
         down_tile = row_tile(H, I * 2, slots, opt.num_sms)
-        up_tiles = [(j, lo, hi) for j in range(slots) for lo, hi in tiles(I, up_tile)]
-        # the hint's rows, in 16-row groups (a contiguous run of every column in either weight
-        # layout), shared out evenly over the expert-up tiles
-        unit = 16 if hint is not None and hint.shape[0] % 16 == 0 else 1
-        units = hint.shape[0] // unit if hint is not None else 0
-        for u, (j, lo, hi) in enumerate(up_tiles):
-            h0, h1 = u * units // len(up_tiles) * unit, (u + 1) * units // len(up_tiles) * unit
-            hint_reads = [box(hint, (h0, h1), None)] if h1 > h0 else []
-            # which expert is read is known only at run time: declare every expert's rows,
-            # and count the bytes of one expert (the hint is a prefetch: no bytes, no input)
-            self.emit(Opcode.EXPERT_SWIGLU, layer, f"{P}.expert_up[slot{j}][{lo}:{hi}]",
-                      {**xin, "weight": wgu, "logits": rl, "out": h, "hint": hint if hint_reads else None},
-                      {"slot": j, "row0": lo, "rows": hi - lo, "hint_row0": h0, "hint_rows": h1 - h0},
-                      [*xreads, full(rl), box(wgu, None, (lo, hi), None),
-                       box(wgu, None, (I + lo, I + hi), None), *hint_reads],
-                      [box(h, (j, j + 1), None, (lo, hi))], flops=4 * B * (hi - lo) * H,
-                      weight_bytes=2 * (hi - lo) * H * 2)
+        for j in range(slots):
+            for lo, hi in tiles(I, up_tile):
+                # which expert is read is known only at run time: declare every expert's rows,
+                # and count the bytes of one expert
+                self.emit(Opcode.EXPERT_SWIGLU, layer, f"{P}.expert_up[slot{j}][{lo}:{hi}]",
+                          {**xin, "weight": wgu, "logits": rl, "out": h},
+                          {"slot": j, "row0": lo, "rows": hi - lo},
+                          [*xreads, full(rl), box(wgu, None, (lo, hi), None),
+                           box(wgu, None, (I + lo, I + hi), None)],
+                          [box(h, (j, j + 1), None, (lo, hi))], flops=4 * B * (hi - lo) * H,
+                          weight_bytes=2 * (hi - lo) * H * 2)
         for j in range(slots):
             for lo, hi in tiles(H, down_tile):
                 self.emit(Opcode.EXPERT_DOWN, layer, f"{P}.expert_down[slot{j}][{lo}:{hi}]",

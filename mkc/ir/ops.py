@@ -61,11 +61,7 @@ OP_INFO: dict[Opcode, OpInfo] = {
                                 ("kv_head", "head0", "heads", "splits", "split_keys", "window")),
     # selected: [B, top_k] each token's experts, best first (for the host)
     Opcode.TOPK: OpInfo(("logits", "token_slots", "selected"), ()),
-    # hint: a weight whose rows [hint_row0, hint_row0 + hint_rows) (every column) the tile asks L2
-    # to keep while it waits for the routing: in a parallel block, its share of the layer's
-    # O-projection, which streams in the layer's tail ("-" / 0 rows: none; a prefetch, no input)
-    Opcode.EXPERT_SWIGLU: OpInfo(("x", "norm", "weight", "logits", "out", "hint"),
-                                 ("slot", "row0", "rows", "hint_row0", "hint_rows")),
+    Opcode.EXPERT_SWIGLU: OpInfo(("x", "norm", "weight", "logits", "out"), ("slot", "row0", "rows")),
     Opcode.EXPERT_DOWN: OpInfo(("h", "weight", "logits", "out"), ("slot", "row0", "rows")),
     Opcode.RESIDUAL: OpInfo(("x", "o_part", "mlp", "routed", "token_slots", "out"), ("col0", "cols", "o_parts")),
     Opcode.LM_HEAD: OpInfo(("x", "norm", "weight", "logits", "best_val", "best_idx"), ("row0", "rows", "tile")),
