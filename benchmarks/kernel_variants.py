@@ -82,9 +82,6 @@ VARIANTS: dict[str, CodegenOptions] = {
     # residual tiles load a term, add it, load the next (the default until 2026-11-30 19:30 UTC;
     # now the token slots first, then every term in flight before the adds)
     "residual-serial": CodegenOptions(residual_loads_first=False),
-    # tiles that issue weights before their wait poll their counters after the first weight batch
-    # (the default until 2026-11-30; now warp 0 reads them once before any weight load)
-    "poll-after-weights": CodegenOptions(prepoll=False),
 }
 
 

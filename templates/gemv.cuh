@@ -84,13 +84,11 @@ __device__ __forceinline__ void stage_x(bf16* xs, const bf16* x, int x_ld, int k
 constexpr int NORM_QUADS = HIDDEN / 4;
 constexpr int NORM_SCRATCH_BYTES = BATCH * HIDDEN * 4 + HIDDEN * 2;
 static_assert(HIDDEN % 8 == 0, "RMSNorm staging copies 16-byte pieces of the weight");
-// (me, lanes: this thread among the threads that share the copies; default the whole CTA)
-__device__ __forceinline__ void stage_norm_async(const float* x, const bf16* w, int k0, int k, unsigned char* scratch,
-                                                 int me = threadIdx.x, int lanes = NUM_THREADS) {
+__device__ __forceinline__ void stage_norm_async(const float* x, const bf16* w, int k0, int k, unsigned char* scratch) {
     float4* xq = reinterpret_cast<float4*>(scratch);                    // [BATCH][NORM_QUADS]
     bf16* ws = reinterpret_cast<bf16*>(scratch + BATCH * HIDDEN * 4);  // [HIDDEN], columns [k0, k0 + k)
-    for (int i = me; i < BATCH * NORM_QUADS; i += lanes) cp_async16(xq + i, reinterpret_cast<const float4*>(x) + i);
-    for (int c = me; c < k / 8; c += lanes) cp_async16(ws + k0 + 8 * c, w + k0 + 8 * c);
+    for (int i = threadIdx.x; i < BATCH * NORM_QUADS; i += NUM_THREADS) cp_async16(xq + i, reinterpret_cast<const float4*>(x) + i);
+    for (int c = threadIdx.x; c < k / 8; c += NUM_THREADS) cp_async16(ws + k0 + 8 * c, w + k0 + 8 * c);
 }
 
 __device__ __forceinline__ void stage_norm_finish(bf16* xs, int k0, int k, const unsigned char* scratch) {
@@ -127,10 +125,9 @@ __device__ __forceinline__ void stage_norm_finish(bf16* xs, int k0, int k, const
 
 // stage_x with cp.async (16-byte copies straight into the tile; rows >= nrows zeroed by stores):
 // completes at the issuing thread's cp.async wait, published by a barrier (CopyFinish in ops.cuh).
-__device__ __forceinline__ void stage_x_async(bf16* xs, const bf16* x, int x_ld, int k0, int k, int nrows = BATCH,
-                                              int me = threadIdx.x, int lanes = NUM_THREADS) {
+__device__ __forceinline__ void stage_x_async(bf16* xs, const bf16* x, int x_ld, int k0, int k, int nrows = BATCH) {
     const int ld = xs_ld(k), chunks = k / 8;
-    for (int i = me; i < 8 * chunks; i += lanes) {
+    for (int i = threadIdx.x; i < 8 * chunks; i += NUM_THREADS) {
         const int n = i / chunks, c = i - n * chunks;
         if (n < nrows) cp_async16(xs + n * ld + c * 8, x + (size_t)n * x_ld + k0 + c * 8);
         else *reinterpret_cast<uint4*>(xs + n * ld + c * 8) = zero4();

@@ -52,10 +52,9 @@ __device__ __forceinline__ unsigned char* gemv_scratch(unsigned char* smem) {
 // loads (gemv_tile's `finish`): the bf16 activations x [BATCH, x_ld], or, when the task has a norm
 // operand, the RMSNorm of the f32 residual stream x (stage_norm_*).
 template <class O>
-__device__ __forceinline__ void stage_input_async(const Task& t, unsigned char* smem, int k0, int k,
-                                                  int me = threadIdx.x, int lanes = NUM_THREADS) {
-    if (t.has(O::norm)) stage_norm_async(t.ptr<float>(O::x), t.ptr<bf16>(O::norm), k0, k, gemv_scratch(smem), me, lanes);
-    else stage_x_async(gemv_xs(smem), t.ptr<bf16>(O::x), t.dim(O::x, 1), k0, k, BATCH, me, lanes);
+__device__ __forceinline__ void stage_input_async(const Task& t, unsigned char* smem, int k0, int k) {
+    if (t.has(O::norm)) stage_norm_async(t.ptr<float>(O::x), t.ptr<bf16>(O::norm), k0, k, gemv_scratch(smem));
+    else stage_x_async(gemv_xs(smem), t.ptr<bf16>(O::x), t.dim(O::x, 1), k0, k);
 }
 
 // The end of a GEMV's staging (gemv_tile's `finish`), called by every thread from a warp-dependent
@@ -82,21 +81,12 @@ struct StageFinish {
 // waiting for its inputs: the wait (every thread), then the activations' copies, then StageFinish.
 // The wait comes first: warp 0 may still have the next task's record in flight (the kernel loop),
 // which its counter loads need not wait for.
-// With PREPOLL, warp 0 alone waits (where its prepoll found a counter short) and stages.
 template <class O>
 struct WaitStageFinish : StageFinish<O> {
     __device__ void operator()() const {
         const StageFinish<O>& s = *this;
-        if constexpr (PREPOLL) {
-            if (threadIdx.x < 32) {
-                const int pre = s_wait.prepolled;  // this warp's prepoll (op_linear)
-                task_wait_warp0(s.t.w, 0, s.t.w[W_WAIT_CNT], pre);
-                if (!pre) stage_input_async<O>(s.t, s.smem, s.k0, s.k, threadIdx.x, 32);
-            }
-        } else {
-            task_wait(s.t.w);
-            stage_input_async<O>(s.t, s.smem, s.k0, s.k);
-        }
+        task_wait(s.t.w);
+        stage_input_async<O>(s.t, s.smem, s.k0, s.k);
         s();
     }
     __device__ void landed() const { (*this)(); }
@@ -111,16 +101,8 @@ struct WaitCopyFinish {
     const bf16* h;
     int k, first;
     __device__ void operator()() const {
-        if constexpr (PREPOLL) {  // warp 0 alone, as WaitStageFinish
-            if (threadIdx.x < 32) {
-                const int pre = s_wait.prepolled;  // this warp's prepoll (op_expert_down)
-                task_wait_warp0(t.w, first, t.w[W_WAIT_CNT], pre);
-                if (!pre) stage_x_async(xs, h, k, 0, k, BATCH, threadIdx.x, 32);
-            }
-        } else {
-            task_wait(t.w, first);
-            stage_x_async(xs, h, k, 0, k);
-        }
+        task_wait(t.w, first);
+        stage_x_async(xs, h, k, 0, k);
         cp_async_wait_all();
         cta_barrier();
     }
@@ -351,9 +333,6 @@ __device__ void op_linear(const Task& t, unsigned char* smem) {
     using A = ARG_LINEAR;
     const int k0 = t.arg(A::k0), k = t.arg(A::k);
     if constexpr (WEIGHTS_BEFORE_WAIT) {  // the kernel loop has not waited: the first weights fly first
-        // PREPOLL: warp 0 reads the counters first; inputs already there are staged before the weights
-        if (PREPOLL && threadIdx.x < 32 && prepoll(t.w, 0, t.w[W_WAIT_CNT]))
-            stage_input_async<O>(t, smem, k0, k, threadIdx.x, 32);
         linear_gemv(t, smem, WaitStageFinish<O>{{t, smem, k0, k}});
     } else {
         stage_input_async<O>(t, smem, k0, k);
@@ -459,10 +438,7 @@ __device__ void op_expert_down(const Task& t, unsigned char* smem) {
         });
     };
     if constexpr (WEIGHTS_BEFORE_WAIT && DOWN_WEIGHTS_BEFORE_WAIT) {
-        // the first weight batch is issued by gemv_tile before the rest of the wait (PREPOLL: warp 0
-        // reads the counters first, and stages hidden states already there)
-        if (PREPOLL && threadIdx.x < 32 && prepoll(t.w, routed ? 0 : 1, t.w[W_WAIT_CNT]))
-            stage_x_async(xs, h, k, 0, k, BATCH, threadIdx.x, 32);
+        // the first weight batch is issued by gemv_tile before the rest of the wait
         gemv_tile<1>(w, w_ld, rows, k, xs, gemv_red(smem), epi, WaitCopyFinish{t, xs, h, k, routed ? 0 : 1});
         return;
     }

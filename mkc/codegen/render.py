@@ -161,12 +161,6 @@ class CodegenOptions:
     # per routed slot (a batch-1 profile: 2.4 µs per tile, on every layer's critical chain). The
     # same adds in the same order. False: load, add, load, add.
     residual_loads_first: bool = True
-    # Tiles that issue weights before their wait (weights_before_wait): warp 0 reads the task's
-    # counters once before any weight load, so the read does not queue behind them (a batch-1
-    # profile: a poll of counters already reached took 0.7 µs there against 0.2 µs for a task with
-    # no weights in flight); where every counter is reached, warp 0 stages the inputs at once and
-    # no other poll follows. False: the poll follows the first weight batch.
-    prepoll: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,7 +203,6 @@ class KernelConfig:
     linear_one_gemv: bool
     down_weights_before_wait: bool
     residual_loads_first: bool
-    prepoll: bool
 
     @property
     def warps(self) -> int:
@@ -381,7 +374,7 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         weights_before_wait=options.weights_before_wait, signal_last_warp=options.signal_warp == "last",
         routing_redux=options.routing_argmax == "redux", linear_one_gemv=options.linear_one_gemv,
         down_weights_before_wait=options.down_weights_before_wait,
-        residual_loads_first=options.residual_loads_first, prepoll=options.prepoll and options.weights_before_wait)
+        residual_loads_first=options.residual_loads_first)
     if cfg.smem_bytes > MAX_SMEM_BYTES:
         raise CodegenError(f"shared memory {cfg.smem_bytes} B (widest GEMV k = {max_k}, batch = {cfg.batch}): "
                            f"expected at most {MAX_SMEM_BYTES} B")
@@ -441,7 +434,6 @@ def template_context(cfg: KernelConfig, banner: str) -> dict[str, Any]:
         "linear_one_gemv": cv.c_bool(cfg.linear_one_gemv),
         "down_weights_before_wait": cv.c_bool(cfg.down_weights_before_wait),
         "residual_loads_first": cv.c_bool(cfg.residual_loads_first),
-        "prepoll": cv.c_bool(cfg.prepoll),
         "max_rank": cv.c_int(MAX_RANK),
         "dtypes": [(cv.c_ident(f"DT_{k.upper()}"), cv.c_int(v)) for k, v in DTYPE_CODES.items()],
         "record_words": [(cv.c_ident(k), cv.c_int(v)) for k, v in RECORD_LAYOUT],
