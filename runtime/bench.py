@@ -24,6 +24,7 @@ import torch
 
 from mkc.ir.kv_layout import pages_per_seq
 from mkc.ir.spec import ModelSpec
+from mkc.schedule.cost import H200, Ceilings
 
 BF16 = 2
 
@@ -370,7 +371,6 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
     """tune_attention_sms, also returning the fastest count's row and the lines its run logged
     (so that mkc bench --tune reports that run instead of timing the count again)."""
     from mkc.schedule import tuning
-    from mkc.schedule.cost import H200
     from mkc.schedule.plan import (
         DEFAULT_LOWERING,
         INPUTS_FIRST,
@@ -420,17 +420,16 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
 
 def _megakernel_row(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context: int, *, sms: int,
                     bw: float, reps: int, page_size: int, profile_dir: Path | None, log,
-                    attention_sms: int | None = None, ceilings=None) -> Row:
+                    attention_sms: int | None = None, ceilings: Ceilings = H200) -> Row:
     """Time the megakernel at one point (random KV cache, every sequence at position context - 1;
     the same tokens for a batch size every time); its buffers are freed on return. ``ceilings``:
-    the scheduler's (default: the planner's)."""
+    the scheduler's (the planner applies a tuned raise only under the default)."""
     from mkc.codegen import build_kernel
     from mkc.schedule.plan import plan
 
     tokens = bench_tokens(spec, batch)
     positions = torch.full((batch,), context - 1, dtype=torch.int32)
-    sc = plan(spec, batch, context, sms, page_size=page_size, attention_sms=attention_sms,
-              **({"ceilings": ceilings} if ceilings is not None else {}))
+    sc = plan(spec, batch, context, sms, page_size=page_size, attention_sms=attention_sms, ceilings=ceilings)
     art = build_kernel(sc, spec)
     with decoder_in_place(sc, spec, weights, artifact=art) as dec:
         return _time_decoder(dec, sc, spec, tokens, positions, bw=bw, reps=reps, profile_dir=profile_dir, log=log)
