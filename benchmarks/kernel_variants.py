@@ -82,6 +82,10 @@ VARIANTS: dict[str, CodegenOptions] = {
     # residual tiles load a term, add it, load the next (the default until 2026-11-30 19:30 UTC;
     # now the token slots first, then every term in flight before the adds)
     "residual-serial": CodegenOptions(residual_loads_first=False),
+    # the profiling kernel (phase marks in a profiled step; an unprofiled step runs the default's work)
+    "profile-phases": CodegenOptions(profile_phases=True),
+    # RMSNorm staging over every warp (CodegenOptions.norm_all_warps)
+    "norm-all-warps": CodegenOptions(norm_all_warps=True),
 }
 
 

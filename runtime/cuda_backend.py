@@ -160,7 +160,7 @@ class CudaDecoder:
             self._abort = torch.zeros(ABORT_WORDS, dtype=torch.int32, device=dev)
         self.steps = 0  # steps launched since the last reset
         self.timeout_ns = settings.watchdog_ns()
-        self._prof: torch.Tensor | None = None  # [records * 3] int64 %globaltimer, queue order
+        self._prof: torch.Tensor | None = None  # [records * _prof_words] int64 %globaltimer, queue order
 
     # -- set-up ---------------------------------------------------------------------------------
     def _configure(self) -> LaunchConfig:
@@ -253,22 +253,33 @@ class CudaDecoder:
 
     def _profile_buffer(self) -> torch.Tensor:
         if self._prof is None:
-            self._prof = torch.zeros(3 * len(self.schedule.tasks), dtype=torch.int64, device=self.device)
+            self._prof = torch.zeros(self._prof_words * len(self.schedule.tasks), dtype=torch.int64,
+                                     device=self.device)
         return self._prof
+
+    @property
+    def _prof_words(self) -> int:
+        """%globaltimer values per record of a profiled step (kernel.cu.j2: PROF_WORDS)."""
+        return 5 if self.artifact.config.profile_phases else 3
 
     def timeline(self) -> dict[str, np.ndarray]:
         """Per task of the last profiled step (see launch(profile=True)), in task-id order:
         ``sm``, and ``wait``, ``start``, ``end`` in µs from the earliest wait: the wait for the
-        inputs began, the task began running, its counter was signalled."""
+        inputs began, the task began running, its counter was signalled. A kernel built with
+        CodegenOptions.profile_phases adds ``staged`` (inputs staged; NaN for ops that stage
+        none) and ``done`` (op done, before the counter's release)."""
         if self._prof is None:
             raise RuntimeError("timeline(): no profiled step yet (launch(..., profile=True))")
         torch.cuda.current_stream(self.device).synchronize()
-        raw = self._prof.view(-1, 3).cpu().numpy().astype(np.float64)
+        words = self._prof_words
+        raw = self._prof.view(-1, words).cpu().numpy().astype(np.float64)
+        if words == 5:
+            raw[raw[:, 3] == 0, 3] = np.nan
         order = np.concatenate([np.asarray(q, dtype=np.int64) for q in self.schedule.queues] or [np.zeros(0)])
         sm = np.concatenate([np.full(len(q), i) for i, q in enumerate(self.schedule.queues)] or [np.zeros(0)])
         t0 = raw[:, 0].min()
         out = {"sm": np.empty(len(order), dtype=np.int64)}
-        for j, name in enumerate(("wait", "start", "end")):
+        for j, name in enumerate(("wait", "start", "end", "staged", "done")[:words]):
             out[name] = np.empty(len(order))
             out[name][order] = (raw[:, j] - t0) / 1e3
         out["sm"][order] = sm

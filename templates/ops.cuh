@@ -69,6 +69,7 @@ struct StageFinish {
     int k0, k;
     __device__ void landed() const {
         if (t.has(O::norm)) stage_norm_finish(gemv_xs(smem), k0, k, gemv_scratch(smem));
+        prof_staged();
         cta_barrier();
     }
     __device__ void operator()() const {
@@ -104,13 +105,17 @@ struct WaitCopyFinish {
         task_wait(t.w, first);
         stage_x_async(xs, h, k, 0, k);
         cp_async_wait_all();
+        prof_staged();
         cta_barrier();
     }
     __device__ void landed() const { (*this)(); }
 };
 
 struct CopyFinish {  // the end of a plain stage_x_async
-    __device__ void landed() const { cta_barrier(); }
+    __device__ void landed() const {
+        prof_staged();
+        cta_barrier();
+    }
     __device__ void operator()() const {
         cp_async_wait_all();
         landed();

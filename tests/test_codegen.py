@@ -117,10 +117,10 @@ def test_codegen_variants_compile_without_local_memory(cache, batch):
     if batch == 1:  # descriptors read from the global table (kernel_variants.py: desc-table); thread 0
         # signalling and shuffle arg-max routing (signal-first-shuffle); LINEAR's GEMV per output dtype
         # (linear-per-dtype); expert-down tiles asking L2 for one row before their wait (down-l2-row);
-        # residual tiles loading one term at a time (residual-serial)
+        # residual tiles loading one term at a time (residual-serial); the phase-marking profile kernel
         variants += [CodegenOptions(descriptors="table"), CodegenOptions(signal_warp="first", routing_argmax="shuffle"),
                      CodegenOptions(linear_one_gemv=False), CodegenOptions(down_weights_before_wait=False),
-                     CodegenOptions(residual_loads_first=False)]
+                     CodegenOptions(residual_loads_first=False), CodegenOptions(profile_phases=True)]
     for options in variants:
         art = build_kernel(sc, spec, options, cache_dir=cache)
         assert art.spills == 0, f"{options}: ptxas reports {art.spills} bytes of spills\n{art.log}"

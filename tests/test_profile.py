@@ -17,9 +17,11 @@ from mkc.schedule.profile import (
     Gaps,
     critical_chain,
     format_layer,
+    format_phases,
     format_profile,
     measured_gaps,
     op_shares,
+    phases,
     read_rate,
     replay,
 )
@@ -57,6 +59,32 @@ def test_shares_and_report(sc_tl):
     assert sum(shares.values()) == pytest.approx(1.0) and list(shares.values()) == sorted(shares.values(), reverse=True)
     text = format_profile(sc, tl)
     assert "critical chain:" in text and "waiting" in text and next(iter(shares)) in text
+
+
+def test_phases_split_each_task_at_its_marks(sc_tl):
+    """A timeline of the phase-marking kernel (CodegenOptions.profile_phases): each op's mean wait,
+    staging (tasks that stage only), op and release are the differences of its tasks' marks."""
+    sc, tl = sc_tl
+    start, end = tl["start"], tl["end"]
+    stages = np.array([t.op.name in ("LINEAR", "SWIGLU", "EXPERT_SWIGLU", "EXPERT_DOWN") for t in sc.tasks])
+    run = end - start
+    staged = np.where(stages, start + 0.25 * run, np.nan)
+    done = end - 0.125 * run
+    ph = phases(sc, {**tl, "staged": staged, "done": done})
+    for op, v in ph.items():
+        idx = [t.id for t in sc.tasks if t.op.name == op]
+        r = run[idx]
+        assert v["tasks"] == len(idx) and v["wait"] == pytest.approx(0.5)
+        assert v["release"] == pytest.approx(0.125 * r.mean())
+        if stages[idx[0]]:
+            assert v["staging"] == pytest.approx(0.25 * r.mean()) and v["op"] == pytest.approx(0.625 * r.mean())
+        else:
+            assert np.isnan(v["staging"]) and v["op"] == pytest.approx(0.875 * r.mean())
+    chain = critical_chain(sc, start, end).tasks
+    assert sum(v["tasks"] for v in phases(sc, {**tl, "staged": staged, "done": done}, chain).values()) == len(chain)
+    text = format_profile(sc, {**tl, "staged": staged, "done": done})
+    assert format_phases(sc, {**tl, "staged": staged, "done": done}) in text and "the critical chain's tasks:" in text
+    assert "phases per task" not in format_profile(sc, tl)  # a timeline without the marks
 
 
 def test_read_rate_conserves_the_bytes(sc_tl):

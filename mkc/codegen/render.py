@@ -164,6 +164,16 @@ class CodegenOptions:
     # round): batch 1 -0.3%, batch 2 -1.0%, batch 4 -0.4%, batch 8 -1.8%; in a batch-1 profile the
     # tile ran 1.9 µs instead of 2.38 (mean).
     residual_loads_first: bool = True
+    # A profiled step (CudaDecoder.launch(profile=True)) also records, per task, when its inputs
+    # were staged (GEMV tiles: after the activations' copies and the RMSNorm, before the barrier that
+    # publishes them) and when its op was done (after the closing barrier, before the counter's
+    # release): profile.format_phases. A kernel of its own, for profiling: the default kernel
+    # records the wait and the signal only.
+    profile_phases: bool = False
+    # RMSNorm staging (GEMV tiles with a norm operand: the router, QKV, expert-up and LM-head tiles)
+    # spreads each token's sum of squares and its scaling over every warp; False: one warp per
+    # token, which at batch 1 leaves one warp doing the whole norm while seven wait at the barrier.
+    norm_all_warps: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,6 +216,8 @@ class KernelConfig:
     linear_one_gemv: bool
     down_weights_before_wait: bool
     residual_loads_first: bool
+    profile_phases: bool
+    norm_all_warps: bool
 
     @property
     def warps(self) -> int:
@@ -377,7 +389,8 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         weights_before_wait=options.weights_before_wait, signal_last_warp=options.signal_warp == "last",
         routing_redux=options.routing_argmax == "redux", linear_one_gemv=options.linear_one_gemv,
         down_weights_before_wait=options.down_weights_before_wait,
-        residual_loads_first=options.residual_loads_first)
+        residual_loads_first=options.residual_loads_first, profile_phases=options.profile_phases,
+        norm_all_warps=options.norm_all_warps)
     if cfg.smem_bytes > MAX_SMEM_BYTES:
         raise CodegenError(f"shared memory {cfg.smem_bytes} B (widest GEMV k = {max_k}, batch = {cfg.batch}): "
                            f"expected at most {MAX_SMEM_BYTES} B")
@@ -437,6 +450,8 @@ def template_context(cfg: KernelConfig, banner: str) -> dict[str, Any]:
         "linear_one_gemv": cv.c_bool(cfg.linear_one_gemv),
         "down_weights_before_wait": cv.c_bool(cfg.down_weights_before_wait),
         "residual_loads_first": cv.c_bool(cfg.residual_loads_first),
+        "profile_phases": cv.c_bool(cfg.profile_phases),
+        "norm_all_warps": cv.c_bool(cfg.norm_all_warps),
         "max_rank": cv.c_int(MAX_RANK),
         "dtypes": [(cv.c_ident(f"DT_{k.upper()}"), cv.c_int(v)) for k, v in DTYPE_CODES.items()],
         "record_words": [(cv.c_ident(k), cv.c_int(v)) for k, v in RECORD_LAYOUT],

@@ -2,9 +2,11 @@
 
 A timeline holds, per task (task-id order), ``start`` and ``end`` in µs (the task began running /
 signalled its counter) and optionally ``wait`` (it began waiting for its inputs) and ``sm``; the
-megakernel records one with ``CudaDecoder.launch(profile=True)`` and ``timeline()``. Everything
-here is plain arithmetic on it, so the same functions read a predicted step (the schedule's
-``predicted`` start / end) for comparison.
+megakernel records one with ``CudaDecoder.launch(profile=True)`` and ``timeline()``; a kernel built
+with ``CodegenOptions.profile_phases`` adds ``staged`` (the task's inputs were staged: GEMV tiles;
+NaN elsewhere) and ``done`` (its op was done, before the counter's release): format_phases.
+Everything here is plain arithmetic on it, so the same functions read a predicted step (the
+schedule's ``predicted`` start / end) for comparison.
 """
 
 from __future__ import annotations
@@ -200,7 +202,49 @@ def format_profile(sc: Schedule, timeline: Mapping[str, np.ndarray]) -> str:
         lines[0] += f", waiting {waited / (span * sc.num_sms):.1%}"
     lines.append("share of SM-busy time per op:")
     lines += [f"  {op:<14} {share:6.1%}" for op, share in op_shares(sc, start, end).items()]
-    return "\n".join([*lines, format_chain(sc, start, end)])
+    lines.append(format_chain(sc, start, end))
+    if "done" in timeline:
+        lines.append(format_phases(sc, timeline))
+    return "\n".join(lines)
+
+
+def phases(sc: Schedule, timeline: Mapping[str, np.ndarray], ids=None) -> dict[str, dict[str, float]]:
+    """Per op, the mean µs of each phase of its tasks (all, or those in ``ids``): ``wait`` (began
+    waiting → inputs ready), ``staging`` (→ inputs staged; tasks that stage), ``op`` (→ op done,
+    from the staging where there is one), ``release`` (→ counter signalled). Needs a timeline
+    with ``staged`` and ``done`` (CodegenOptions.profile_phases)."""
+    start, end = np.asarray(timeline["start"], np.float64), np.asarray(timeline["end"], np.float64)
+    wait = np.asarray(timeline.get("wait", start), np.float64)
+    staged, done = np.asarray(timeline["staged"], np.float64), np.asarray(timeline["done"], np.float64)
+    by_op: dict[str, list[int]] = {}
+    for i in (range(len(sc.tasks)) if ids is None else ids):
+        by_op.setdefault(sc.tasks[i].op.name, []).append(i)
+    out = {}
+    for op, idx in by_op.items():
+        ix = np.asarray(idx)
+        has = ~np.isnan(staged[ix])
+        op_from = np.where(has, staged[ix], start[ix])
+        out[op] = {"tasks": float(len(ix)), "wait": float(np.mean(start[ix] - wait[ix])),
+                   "staging": float(np.mean(staged[ix][has] - start[ix][has])) if has.any() else float("nan"),
+                   "op": float(np.mean(done[ix] - op_from)), "release": float(np.mean(end[ix] - done[ix]))}
+    return out
+
+
+def format_phases(sc: Schedule, timeline: Mapping[str, np.ndarray]) -> str:
+    """Per op, the mean phases of its tasks (phases()), for every task and for the critical chain's."""
+    head = f"  {'op':<14} {'tasks':>6} {'wait':>7} {'staging':>8} {'op':>7} {'release':>8}  (mean µs)"
+
+    def table(ph: dict[str, dict[str, float]]) -> list[str]:
+        rows = sorted(ph.items(), key=lambda kv: -kv[1]["tasks"] * (kv[1]["op"] + kv[1]["release"]))
+        return [f"  {op:<14} {int(v['tasks']):>6} {v['wait']:>7.2f} "
+                + (f"{v['staging']:>8.2f}" if not np.isnan(v["staging"]) else f"{'-':>8}")
+                + f" {v['op']:>7.2f} {v['release']:>8.2f}" for op, v in rows]
+
+    chain = critical_chain(sc, timeline["start"], timeline["end"]).tasks
+    title = ("phases per task (wait: began waiting → inputs ready; staging: → inputs staged; op: → op done; "
+             "release: → counter signalled):")
+    return "\n".join([title, head, *table(phases(sc, timeline)),
+                      "the critical chain's tasks:", head, *table(phases(sc, timeline, chain))])
 
 
 def format_chain(sc: Schedule, start, end) -> str:
