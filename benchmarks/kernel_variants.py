@@ -84,8 +84,10 @@ VARIANTS: dict[str, CodegenOptions] = {
     "residual-serial": CodegenOptions(residual_loads_first=False),
     # the profiling kernel (phase marks in a profiled step; an unprofiled step runs the default's work)
     "profile-phases": CodegenOptions(profile_phases=True),
-    # RMSNorm staging over every warp (CodegenOptions.norm_all_warps)
-    "norm-all-warps": CodegenOptions(norm_all_warps=True),
+    # the routing's arg-max rounds unrolled into each op, or a loop inlined into each (the default
+    # since 2026-11-30: a loop in one shared function; CodegenOptions.routing_code)
+    "routing-unrolled": CodegenOptions(routing_code="unrolled"),
+    "routing-loop": CodegenOptions(routing_code="loop"),
 }
 
 

@@ -91,60 +91,10 @@ __device__ __forceinline__ void stage_norm_async(const float* x, const bf16* w, 
     for (int c = threadIdx.x; c < k / 8; c += NUM_THREADS) cp_async16(ws + k0 + 8 * c, w + k0 + 8 * c);
 }
 
-// NORM_ALL_WARPS: every warp sums its share of every token's squares (a fixed order: lane-strided
-// within the warp's NORM_QUADS / NUM_WARPS quads, the warp sum, then the warps' partials in warp
-// order), and every thread scales a share of the columns: a token's norm no longer waits on one
-// warp's 2 x NORM_QUADS / 32 dependent steps. The same order in every consumer of a norm.
-__shared__ float s_norm_part[8][NUM_WARPS];  // token b's sum of squares over warp w's quads
-__shared__ float s_norm_r[8];                // token b's 1 / rms
-
-__device__ __forceinline__ void stage_norm_finish_all_warps(bf16* xs, int k0, int k, const float4* xq, const uint2* wq) {
-    constexpr int PER_WARP = (NORM_QUADS + NUM_WARPS - 1) / NUM_WARPS;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, ld = xs_ld(k), q0 = k0 / 4, nq = k / 4;
-    const int c_end = min(NORM_QUADS, (warp + 1) * PER_WARP);
-#pragma unroll
-    for (int b = 0; b < BATCH; ++b) {
-        float ss = 0.f;
-        for (int c = warp * PER_WARP + lane; c < c_end; c += 32) {
-            const float4 u = xq[b * NORM_QUADS + c];
-            ss += u.x * u.x + u.y * u.y + u.z * u.z + u.w * u.w;
-        }
-        ss = warp_sum(ss);
-        if (lane == 0) s_norm_part[b][warp] = ss;
-    }
-    cta_barrier();
-    if (threadIdx.x < BATCH) {
-        float ss = 0.f;
-#pragma unroll
-        for (int w = 0; w < NUM_WARPS; ++w) ss += s_norm_part[threadIdx.x][w];
-        s_norm_r[threadIdx.x] = rsqrtf(ss / (float)HIDDEN + NORM_EPS);
-    }
-    cta_barrier();
-    for (int i = threadIdx.x; i < 8 * nq; i += NUM_THREADS) {
-        const int n = i / nq, c = q0 + i % nq;
-        uint2* dst = reinterpret_cast<uint2*>(xs + n * ld + 4 * (c - q0));
-        if (n >= BATCH) {
-            *dst = make_uint2(0u, 0u);
-            continue;
-        }
-        const float r = s_norm_r[n];
-        const float4 u = xq[n * NORM_QUADS + c];
-        const uint2 wv = wq[c];
-        uint2 o;
-        o.x = pack_bf16x2(u.x * r * bf_lo(wv.x), u.y * r * bf_hi(wv.x));
-        o.y = pack_bf16x2(u.z * r * bf_lo(wv.y), u.w * r * bf_hi(wv.y));
-        *dst = o;
-    }
-}
-
 __device__ __forceinline__ void stage_norm_finish(bf16* xs, int k0, int k, const unsigned char* scratch) {
     const float4* xq = reinterpret_cast<const float4*>(scratch);
     const uint2* wq = reinterpret_cast<const uint2*>(scratch + BATCH * HIDDEN * 4);
     cta_barrier();
-    if constexpr (NORM_ALL_WARPS) {
-        stage_norm_finish_all_warps(xs, k0, k, xq, wq);
-        return;
-    }
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, ld = xs_ld(k), q0 = k0 / 4, nq = k / 4;
 #pragma unroll 1
     for (int n = warp; n < 8; n += NUM_WARPS) {

@@ -197,8 +197,11 @@ __shared__ const float* s_routed_logits;
 __device__ __forceinline__ bool routing_known(const float* logits) { return s_routed_logits == logits; }
 
 // Called by every thread of the CTA (it synchronises); the result lives in shared memory until
-// the next call for other logits.
-__device__ __forceinline__ const Routing& route_tokens(const float* logits) {
+// the next call for other logits. ROUTING_CODE (CodegenOptions.routing_code): 0 unrolls the TOP_K
+// arg-max rounds into every op that routes; 1 keeps them a loop (the picked logits go through
+// shared memory); 2 is 1 as one out-of-line function that the expert tiles and the routing task
+// share. The same arithmetic in the same order.
+__device__ __forceinline__ const Routing& route_tokens_body(const float* logits) {
     __shared__ Routing r;
     if (routing_known(logits)) return r;  // the same value for every thread (set behind barriers)
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -212,7 +215,7 @@ __device__ __forceinline__ const Routing& route_tokens(const float* logits) {
         }
         u32 taken = 0;  // bit j: this lane's expert lane + 32 j is picked
         float top[TOP_K];
-#pragma unroll
+#pragma unroll (ROUTING_CODE == 0 ? TOP_K : 1)
         for (int k = 0; k < TOP_K; ++k) {
             float bv = -INFINITY;
             int bi = 0x7fffffff;
@@ -224,8 +227,17 @@ __device__ __forceinline__ const Routing& route_tokens(const float* logits) {
             if constexpr (ROUTING_REDUX) warp_argmax_redux(bv, bi);
             else warp_argmax(bv, bi);
             if (bi % 32 == lane) taken |= 1u << (bi / 32);
-            top[k] = bv;
-            if (lane == 0) r.sel[b][k] = bi;
+            if (ROUTING_CODE == 0) top[k] = bv;
+            if (lane == 0) {
+                r.sel[b][k] = bi;
+                if (ROUTING_CODE != 0) r.selw[b][k] = bv;  // the picked logit, until its weight replaces it
+            }
+        }
+        if (ROUTING_CODE != 0) {  // every lane the picked logits (the softmax's denominator needs top[0])
+            __syncwarp();
+#pragma unroll
+            for (int k = 0; k < TOP_K; ++k) top[k] = r.selw[b][k];
+            __syncwarp();
         }
         float denom = 0.f;  // softmax scoring: the normaliser over every expert; top[0] is the row maximum
         if (!ROUTER_SIGMOID) {
@@ -283,6 +295,13 @@ __device__ __forceinline__ const Routing& route_tokens(const float* logits) {
     __syncthreads();
     if (threadIdx.x == 0) s_routed_logits = logits;  // read by later tasks, behind the kernel loop's barriers
     return r;
+}
+
+__device__ __noinline__ const Routing& route_tokens_shared(const float* logits) { return route_tokens_body(logits); }
+
+__device__ __forceinline__ const Routing& route_tokens(const float* logits) {
+    if constexpr (ROUTING_CODE == 2) return route_tokens_shared(logits);
+    else return route_tokens_body(logits);
 }
 
 // The routing for the residual tiles and the host (route_tokens: the expert tiles compute the

@@ -117,10 +117,12 @@ def test_codegen_variants_compile_without_local_memory(cache, batch):
     if batch == 1:  # descriptors read from the global table (kernel_variants.py: desc-table); thread 0
         # signalling and shuffle arg-max routing (signal-first-shuffle); LINEAR's GEMV per output dtype
         # (linear-per-dtype); expert-down tiles asking L2 for one row before their wait (down-l2-row);
-        # residual tiles loading one term at a time (residual-serial); the phase-marking profile kernel
+        # residual tiles loading one term at a time (residual-serial); the phase-marking profile kernel;
+        # the routing unrolled into each op or a loop inlined into each (routing-unrolled, routing-loop)
         variants += [CodegenOptions(descriptors="table"), CodegenOptions(signal_warp="first", routing_argmax="shuffle"),
                      CodegenOptions(linear_one_gemv=False), CodegenOptions(down_weights_before_wait=False),
-                     CodegenOptions(residual_loads_first=False), CodegenOptions(profile_phases=True)]
+                     CodegenOptions(residual_loads_first=False), CodegenOptions(profile_phases=True),
+                     CodegenOptions(routing_code="unrolled"), CodegenOptions(routing_code="loop")]
     for options in variants:
         art = build_kernel(sc, spec, options, cache_dir=cache)
         assert art.spills == 0, f"{options}: ptxas reports {art.spills} bytes of spills\n{art.log}"
@@ -350,6 +352,9 @@ def test_signal_and_routing_options_are_checked(tiny):
         kernel_config(sc, spec, CodegenOptions(signal_warp="middle"))
     with pytest.raises(CodegenError, match="routing_argmax = 'sort'"):
         kernel_config(sc, spec, CodegenOptions(routing_argmax="sort"))
+    with pytest.raises(CodegenError, match="routing_code = 'fast': expected one of 'unrolled', 'loop', 'shared'"):
+        kernel_config(sc, spec, CodegenOptions(routing_code="fast"))
+    assert kernel_config(sc, spec).routing_code == 2  # shared
     cfg = kernel_config(sc, spec)
     assert cfg.signal_last_warp and cfg.routing_redux
     cfg = kernel_config(sc, spec, CodegenOptions(signal_warp="first", routing_argmax="shuffle"))

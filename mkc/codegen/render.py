@@ -48,6 +48,9 @@ STATIC_SMEM_RESERVE = 2 * 1024  # the kernel's static shared memory (task record
 RING_STAGE_BYTES = 32 * 4 * 16  # one 64-wide block of 16 rows (gemv.cuh: a ring stage per row set)
 
 
+ROUTING_CODES = ("unrolled", "loop", "shared")  # CodegenOptions.routing_code, by the kernel's ROUTING_CODE
+
+
 class CodegenError(ValueError):
     """The schedule or spec cannot be compiled; the message names the task or key and the limit."""
 
@@ -170,10 +173,18 @@ class CodegenOptions:
     # release): profile.format_phases. A kernel of its own, for profiling: the default kernel
     # records the wait and the signal only.
     profile_phases: bool = False
-    # RMSNorm staging (GEMV tiles with a norm operand: the router, QKV, expert-up and LM-head tiles)
-    # spreads each token's sum of squares and its scaling over every warp; False: one warp per
-    # token, which at batch 1 leaves one warp doing the whole norm while seven wait at the barrier.
-    norm_all_warps: bool = False
+    # The routing's code (ops.cuh: route_tokens, run by the expert tiles and the routing task):
+    # "unrolled" (the TOP_K arg-max rounds unrolled, inlined into each op), "loop" (the rounds a
+    # loop) or "shared" (the loop in one out-of-line function all three share). The kernel does not
+    # fit the instruction cache, and a phase profile (profile_phases) of an expert-up tile on the
+    # critical chain found 1.2 µs between its inputs being ready and its first copies issued, and
+    # 3 µs more to its routing (2026-11-30 21:09 UTC, batch 1): code fetches, not arithmetic.
+    # Measured on an H200 (kernel_variants.py, 21:14 UTC, three rounds each, logits bitwise equal,
+    # µs): batch 1 2502 / 2498 / 2500 shared, 2549 / 2549 / 2546 loop, 2594 / 2585 / 2589 unrolled
+    # (-3.5%); batch 2 3457 / 3454 / 3483 against 3545 / 3541 / 3555 (-2.2%); batch 4 5545 / 5526 /
+    # 5547 (loop 5513 / 5515 / 5525) against 5627 / 5618 / 5640 (-1.6%); batch 8 8872 / 8776 /
+    # 8860 against 9003 / 9050 / 8959 (-1.7%). The kernel: 28,752 -> 25,400 instructions at batch 1.
+    routing_code: str = "shared"
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,7 +228,7 @@ class KernelConfig:
     down_weights_before_wait: bool
     residual_loads_first: bool
     profile_phases: bool
-    norm_all_warps: bool
+    routing_code: int  # CodegenOptions.routing_code: 0 unrolled, 1 loop, 2 shared
 
     @property
     def warps(self) -> int:
@@ -349,6 +360,9 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
                            f"(lane 0 of the last warp)")
     if options.routing_argmax not in ("shuffle", "redux"):
         raise CodegenError(f"routing_argmax = {options.routing_argmax!r}: expected 'shuffle' or 'redux'")
+    if options.routing_code not in ROUTING_CODES:
+        raise CodegenError(f"routing_code = {options.routing_code!r}: expected one of "
+                           + ", ".join(repr(c) for c in ROUTING_CODES))
     problem = tile_order_problem(schedule) if options.weight_layout != "rows" else None
     if options.weight_layout == "tiles" and problem:
         raise CodegenError(problem)
@@ -390,7 +404,7 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         routing_redux=options.routing_argmax == "redux", linear_one_gemv=options.linear_one_gemv,
         down_weights_before_wait=options.down_weights_before_wait,
         residual_loads_first=options.residual_loads_first, profile_phases=options.profile_phases,
-        norm_all_warps=options.norm_all_warps)
+        routing_code=ROUTING_CODES.index(options.routing_code))
     if cfg.smem_bytes > MAX_SMEM_BYTES:
         raise CodegenError(f"shared memory {cfg.smem_bytes} B (widest GEMV k = {max_k}, batch = {cfg.batch}): "
                            f"expected at most {MAX_SMEM_BYTES} B")
@@ -451,7 +465,7 @@ def template_context(cfg: KernelConfig, banner: str) -> dict[str, Any]:
         "down_weights_before_wait": cv.c_bool(cfg.down_weights_before_wait),
         "residual_loads_first": cv.c_bool(cfg.residual_loads_first),
         "profile_phases": cv.c_bool(cfg.profile_phases),
-        "norm_all_warps": cv.c_bool(cfg.norm_all_warps),
+        "routing_code": cv.c_int(cfg.routing_code),
         "max_rank": cv.c_int(MAX_RANK),
         "dtypes": [(cv.c_ident(f"DT_{k.upper()}"), cv.c_int(v)) for k, v in DTYPE_CODES.items()],
         "record_words": [(cv.c_ident(k), cv.c_int(v)) for k, v in RECORD_LAYOUT],
