@@ -4,7 +4,9 @@ the tensor cores; the cache is content-addressed; errors carry what a person nee
 
 from __future__ import annotations
 
+import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jinja2
@@ -26,6 +28,7 @@ from mkc.codegen.sass import (
     KERNEL_LOOP,
     disassemble,
     find_cuobjdump,
+    function_name,
     instructions_by_op,
     local_memory_ops,
     opcode_counts,
@@ -93,11 +96,14 @@ def test_nmc_kernel_compiles_without_local_memory(cache, batch):
     # the routing's arg-max rounds on warp reductions (CodegenOptions.routing_argmax="redux")
     assert ops["REDUX"] > 0, "no redux.sync (REDUX) in SASS"
     # the code size by op (sass.instructions_by_op): every instruction counted once, every GEMV op's
-    # code found at its dispatch case, and the kernel loop a small remainder
+    # code found at its dispatch case, the routing's shared function under its own name, and the
+    # kernel loop a small remainder (about 4,100 instructions at batch 2-8, 2,500 at batch 1)
     by_op = instructions_by_op(art.cubin, art.cu_source)
     assert sum(by_op.values()) == sum(ops.values()), (sum(by_op.values()), sum(ops.values()))
-    assert all(by_op.get(op, 0) > 0 for op in ("LINEAR", "EXPERT_SWIGLU", "EXPERT_DOWN", "LM_HEAD", "ATTN_SPLIT")), by_op
-    assert by_op[KERNEL_LOOP] < 0.15 * sum(by_op.values()), by_op
+    assert all(by_op.get(op, 0) > 0 for op in ("LINEAR", "EXPERT_SWIGLU", "EXPERT_DOWN", "LM_HEAD", "ATTN_SPLIT",
+                                               "route_tokens_shared")), by_op
+    assert by_op["TOPK"] < by_op["route_tokens_shared"], by_op  # the routing task calls the shared copy
+    assert by_op[KERNEL_LOOP] < 0.2 * sum(by_op.values()), by_op
 
 
 @pytest.mark.parametrize("batch", [1, 8])
@@ -123,8 +129,10 @@ def test_codegen_variants_compile_without_local_memory(cache, batch):
                      CodegenOptions(linear_one_gemv=False), CodegenOptions(down_weights_before_wait=False),
                      CodegenOptions(residual_loads_first=False), CodegenOptions(profile_phases=True),
                      CodegenOptions(routing_code="unrolled"), CodegenOptions(routing_code="loop")]
-    for options in variants:
-        art = build_kernel(sc, spec, options, cache_dir=cache)
+    # NVRTC calls release the GIL, so the variants compile side by side
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        arts = list(pool.map(lambda o: build_kernel(sc, spec, o, cache_dir=cache), variants))
+    for options, art in zip(variants, arts, strict=True):
         assert art.spills == 0, f"{options}: ptxas reports {art.spills} bytes of spills\n{art.log}"
         sass = disassemble(art.cubin)
         assert not local_memory_ops(sass), options
@@ -333,6 +341,13 @@ def test_nmc_waits_fit_the_records(batch):
     spec = load_spec(NMC)
     w = encode(schedule(lower(spec, batch, 8192, 132, attention_sms=32), spec.name))
     assert int(w.records[:, W_WAIT_CNT].max()) <= INLINE_WAITS
+
+
+def test_out_of_line_functions_are_named_from_their_symbols():
+    """sass.instructions_by_op counts a shared device function under its plain name."""
+    assert function_name("$mkc_decode$_Z19route_tokens_sharedPKf") == "route_tokens_shared"
+    assert function_name("$mkc_decode$_Z8wait_allPKiS0_PKjPijy") == "wait_all"
+    assert function_name("$__internal_0_$__cuda_sm20_rcp_rn_f32_slowpath") == "__cuda_sm20_rcp_rn_f32_slowpath"
 
 
 def test_cvalues():

@@ -69,7 +69,20 @@ def local_memory_ops(sass: str) -> list[str]:
 _CASE = re.compile(r"^\s*case OP_(\w+):")
 _LINE_INFO = re.compile(r'//## File "([^"]+)", line (\d+)(?: inlined at "([^"]+)", line (\d+))?')
 _INSTRUCTION = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+[A-Z@{]")
+_FUNCTION = re.compile(r"^\s*\.type\s+(\S+),@function")
+_MANGLED = re.compile(r"_Z(\d+)")
 KERNEL_LOOP = "kernel loop"
+# out-of-line device functions that belong to the kernel loop (its wait), by name
+_LOOP_FUNCTIONS = ("wait_all",)
+
+
+def function_name(symbol: str) -> str:
+    """The plain name of an out-of-line device function's SASS symbol, e.g.
+    ``$mkc_decode$_Z19route_tokens_sharedPKf`` -> ``route_tokens_shared``."""
+    m = _MANGLED.search(symbol)
+    if m is None:
+        return symbol.strip("$").split("$")[-1]
+    return symbol[m.end():m.end() + int(m.group(1))]
 
 
 def instructions_by_op(cubin: bytes, source: str, tool: str | None = None) -> dict[str, int]:
@@ -78,7 +91,10 @@ def instructions_by_op(cubin: bytes, source: str, tool: str | None = None) -> di
     for while waiting). ``source`` is the rendered kernel the cubin was built from with -lineinfo:
     nvdisasm's line table names, for each instruction, its source line and the line it was inlined
     at, and an instruction on or inlined at a dispatch ``case OP_<NAME>:`` line of the kernel
-    counts for that op. Raises FileNotFoundError without nvdisasm."""
+    counts for that op. An out-of-line device function that ops share (``__noinline__``, e.g. the
+    routing: ops.cuh route_tokens_shared) counts under its own name; the kernel loop's wait
+    (``wait_all``) and the compiler's own routines count under ``KERNEL_LOOP``. Raises
+    FileNotFoundError without nvdisasm."""
     tool = tool or find_binary_utility("nvdisasm")
     if tool is None:
         raise FileNotFoundError("nvdisasm not found: install nvidia-cuda-nvdisasm or set CUDA_HOME")
@@ -89,13 +105,23 @@ def instructions_by_op(cubin: bytes, source: str, tool: str | None = None) -> di
         out = subprocess.run([tool, "-gi", str(path)], capture_output=True, text=True, check=True).stdout
     counts: Counter[str] = Counter()
     owner = KERNEL_LOOP
+    function = None  # the out-of-line function being read, None inside the kernel itself
     for line in out.splitlines():
+        f = _FUNCTION.match(line)
+        if f:
+            symbol = f.group(1)
+            name = function_name(symbol)
+            shared = symbol.startswith("$") and "__internal" not in symbol and name not in _LOOP_FUNCTIONS
+            function = name if shared else None
+            owner = function or KERNEL_LOOP
+            continue
         m = _LINE_INFO.search(line)
         if m:
-            owner = KERNEL_LOOP
-            for file, no in ((m.group(1), m.group(2)), (m.group(3), m.group(4))):
-                if file and file.endswith(".cu") and int(no) in cases:
-                    owner = cases[int(no)]
+            owner = function or KERNEL_LOOP
+            if function is None:
+                for file, no in ((m.group(1), m.group(2)), (m.group(3), m.group(4))):
+                    if file and file.endswith(".cu") and int(no) in cases:
+                        owner = cases[int(no)]
             continue
         if _INSTRUCTION.match(line) and ".byte" not in line:
             counts[owner] += 1
