@@ -61,8 +61,13 @@ def _fixed_seeds():
 
 
 def pytest_collection_modifyitems(config, items):
-    """``@pytest.mark.gpu`` tests skip cleanly on a machine without a CUDA device."""
+    """``@pytest.mark.gpu`` tests skip cleanly on a machine without a CUDA device; where there is
+    one, they form one pytest-xdist group (with ``-n``, one worker runs them all: they share the
+    GPU and its memory)."""
     if torch.cuda.is_available():
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(pytest.mark.xdist_group("gpu"))
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
     for item in items:
