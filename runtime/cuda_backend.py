@@ -24,6 +24,7 @@ decoder must be ``reset()`` (its counters are no longer in step) before it is us
 from __future__ import annotations
 
 import ctypes
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -33,7 +34,7 @@ import torch
 from mkc import settings
 from mkc.codegen import KernelArtifact, build_kernel
 from mkc.codegen.render import CodegenOptions
-from mkc.codegen.taskwords import buffer_table, encode, record_descriptors
+from mkc.codegen.taskwords import buffer_table, encode, record_descriptors, routing_logits, tagged_words
 from mkc.codegen.weight_tiles import TiledWeights, from_tiles, tiled_weights, to_tiles
 from mkc.ir.kv_layout import identity_page_table, logical_view, page_size_of
 from mkc.ir.spec import ModelSpec
@@ -141,6 +142,9 @@ class CudaDecoder:
             self.launch_config = self._configure()
             # weights the kernel reads in tile order (CodegenOptions.weight_layout), reordered once here
             self.tiled = tiled_weights(schedule) if self.artifact.config.weights_tiled else frozenset()
+            # router logits with a tagged copy after them (CodegenOptions.tagged_logits)
+            self.tagged = routing_logits(schedule) if self.artifact.config.tagged_logits else frozenset()
+            self._tags: list[torch.Tensor] = []  # the tagged copies (zero: no step has written them)
             self.buffers = self._allocate(weights)
             self.page_size = page_size_of(schedule.buffers)
             if self.page_size:  # sequence b's pages are b * pages_per_seq + j until someone remaps them
@@ -152,7 +156,8 @@ class CudaDecoder:
             self._queue_start = torch.from_numpy(words.queue_start).to(dev)
             self._waits = torch.from_numpy(words.waits.reshape(-1)).to(dev)
             table = buffer_table(schedule, words.buffer_names,
-                                 {n: self.buffers[n].data_ptr() for n in words.buffer_names}, self.tiled)
+                                 {n: self.buffers[n].data_ptr() for n in words.buffer_names}, self.tiled,
+                                 self.tagged)
             self._table = torch.from_numpy(table.view(np.uint8).copy()).to(dev)
             rdesc = record_descriptors(words, table)
             self._record_desc = torch.from_numpy(rdesc.view(np.uint8).reshape(-1).copy()).to(dev)
@@ -199,6 +204,12 @@ class CudaDecoder:
                 out[b.name] = to_tiles(w) if b.name in self.tiled and not ready else w.contiguous()
             elif b.kind in ("state", "input"):
                 out[b.name] = torch.zeros(b.shape, dtype=dt, device=self.device)
+            elif b.name in self.tagged:  # the f32 values, then their tagged copy (taskwords.tagged_words)
+                n = math.prod(b.shape)
+                off, length = tagged_words(n)
+                store = torch.zeros(off + length, dtype=torch.float32, device=self.device)
+                self._tags.append(store[off:])
+                out[b.name] = store[:n].view(b.shape).fill_(float("nan"))
             else:  # act, output: poison, so an element read before it is written shows
                 t = torch.empty(b.shape, dtype=dt, device=self.device)
                 out[b.name] = t.fill_(-1) if dt == torch.int32 else t.fill_(float("nan"))
@@ -317,8 +328,11 @@ class CudaDecoder:
             self._module = None
 
     def reset(self) -> None:
-        """Zero the counters and the abort word (after a StepTimeout); the KV cache is kept."""
+        """Zero the counters, the abort word and the tagged copies' step tags (steps count from 1
+        again); the KV cache is kept."""
         torch.cuda.current_stream(self.device).synchronize()
         self._counters.zero_()
         self._abort.zero_()
+        for tags in self._tags:
+            tags.zero_()
         self.steps = 0

@@ -152,6 +152,20 @@ __device__ __forceinline__ int ld_relaxed_gpu_s32(const int* p) {
     return v;
 }
 
+// One 8-byte word, read and written whole (an aligned 64-bit access is single-copy atomic): a
+// tagged value (tagged_copy) is the value's 32 bits and the step that wrote it.
+__device__ __forceinline__ u64 ld_relaxed_gpu_u64(const u64* p) {
+    u64 v;
+    asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void st_relaxed_gpu_u64(u64* p, u64 v) {
+    asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ u64 tag_value(float v, u32 step) { return ((u64)step << 32) | __float_as_uint(v); }
+
 __device__ __forceinline__ u64 global_timer_ns() {
     u64 t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -213,7 +227,7 @@ __device__ __forceinline__ void warp_argmax_redux(float& v, int& i) {
 struct BufDesc {
     void* ptr;
     int shape[MAX_RANK];  // left-padded with 1s: shape[MAX_RANK - 1] is the innermost dim
-    int dtype;            // DT_BF16 | DT_F32 | DT_I32 | DT_BF16_TILES (weights in tile order)
+    int dtype;            // DT_BF16 | DT_F32 | DT_I32 | DT_BF16_TILES (weights in tile order) | DT_F32_TAGGED
 };
 
 constexpr int MAX_OPERANDS = W_ARGS - W_OPERANDS;
@@ -239,4 +253,15 @@ struct Task {
         return buf(operand).shape[MAX_RANK - from_end];
     }
     __device__ __forceinline__ int dtype(int operand) const { return buf(operand).dtype; }
+    // A DT_F32_TAGGED buffer's tagged copy: after its numel floats (rounded up to 8 bytes), one
+    // 8-byte word per element (tag_value: the value and the step that wrote it; the runtime zeroes
+    // them, and steps count from 1). Null for any other dtype.
+    __device__ __forceinline__ u64* tagged(int operand) const {
+        const BufDesc& b = buf(operand);
+        if (b.dtype != DT_F32_TAGGED) return nullptr;
+        size_t n = 1;
+#pragma unroll
+        for (int i = 0; i < MAX_RANK; ++i) n *= (size_t)b.shape[i];
+        return reinterpret_cast<u64*>(b.ptr) + (n + 1) / 2;
+    }
 };

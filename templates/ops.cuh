@@ -196,23 +196,85 @@ __shared__ const float* s_routed_logits;
 
 __device__ __forceinline__ bool routing_known(const float* logits) { return s_routed_logits == logits; }
 
+// TAGGED_LOGITS: one token's logits (a row of the router logits' tagged copy) into this lane's
+// v[j] (expert lane + 32 j), read again with nanosleep backoff until every word carries this step.
+// A tagged word is written once per step by the router tile that computes it, after that tile's own
+// wait, so its step tag alone says the value is this step's. Bounded as wait_range is: on a timeout
+// the abort word names the task and the router tiles' counter (the record's first wait); on a
+// timeout or another CTA's abort, lane 0 sets s_wait.abort and every lane returns false.
+__device__ bool await_tagged_logits(const u64* row, float (&v)[ROUTE_WORDS], const int* rec) {
+    const int lane = threadIdx.x % 32;
+    const u32 step = s_wait.step;
+    u64 t0 = 0;
+    u32 sleep_ns = 32;
+    for (u32 polls = 0;; ++polls) {
+        bool ok = true;
+#pragma unroll
+        for (int j = 0; j < ROUTE_WORDS; ++j) {
+            const int e = lane + 32 * j;
+            v[j] = -INFINITY;
+            if (e < NUM_EXPERTS) {
+                const u64 w = ld_relaxed_gpu_u64(row + e);
+                ok = ok && (u32)(w >> 32) == step;
+                v[j] = __uint_as_float((u32)w);
+            }
+        }
+        if (__all_sync(0xffffffffu, ok)) return true;
+        if (polls == 0) t0 = global_timer_ns();
+        __nanosleep(sleep_ns);
+        sleep_ns = sleep_ns < 128 ? sleep_ns * 2 : 128;
+        if ((polls & 31) == 31) {
+            int verdict = 0;  // 1: another CTA aborted, 2: this wait timed out
+            if (lane == 0)
+                verdict = ld_relaxed_gpu_s32(s_wait.abort_info) != 0 ? 1
+                          : (global_timer_ns() - t0 > s_wait.timeout_ns || polls >= SPIN_LIMIT) ? 2 : 0;
+            verdict = __shfl_sync(0xffffffffu, verdict, 0);
+            if (verdict != 0) {
+                if (lane == 0) {
+                    const int c = rec[W_WAITS];  // the router tiles' counter (taskwords.encode)
+                    if (verdict == 2 && atomicCAS(s_wait.abort_info, 0, 1) == 0) {
+                        s_wait.abort_info[1] = rec[W_ID];
+                        s_wait.abort_info[2] = c;
+                        s_wait.abort_info[3] = (int)ld_relaxed_gpu_s32(reinterpret_cast<const int*>(s_wait.counters) + c);
+                        s_wait.abort_info[4] = (int)((u32)rec[W_WAITS + 1] * step);
+                        s_wait.abort_info[5] = blockIdx.x;
+                        __threadfence();
+                    }
+                    s_wait.abort = 1;
+                }
+                __syncwarp();
+                return false;
+            }
+        }
+    }
+}
+
 // Called by every thread of the CTA (it synchronises); the result lives in shared memory until
 // the next call for other logits. ROUTING_CODE (CodegenOptions.routing_code): 0 unrolls the TOP_K
 // arg-max rounds into every op that routes; 1 keeps them a loop (the picked logits go through
 // shared memory); 2 is 1 as one out-of-line function that the expert tiles and the routing task
 // share. The same arithmetic in the same order.
-__device__ __forceinline__ const Routing& route_tokens_body(const float* logits) {
+//
+// With `tagged` (TAGGED_LOGITS, an expert-up tile: the logits' tagged copy) each warp reads its
+// tokens' logits from the tagged copy until every word carries this step (await_tagged_logits),
+// instead of the caller waiting for the router tiles' counter before the logits are read.
+__device__ __forceinline__ const Routing& route_tokens_body(const float* logits, const u64* tagged, const int* rec) {
     __shared__ Routing r;
     if (routing_known(logits)) return r;  // the same value for every thread (set behind barriers)
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     for (int b = warp; b < BATCH; b += NUM_WARPS) {
         float v[ROUTE_WORDS];
+        if (TAGGED_LOGITS && tagged) {
+            if (!await_tagged_logits(tagged + b * NUM_EXPERTS, v, rec)) continue;  // s_wait.abort is set
+        } else {
 #pragma unroll
-        for (int j = 0; j < ROUTE_WORDS; ++j) {
-            const int e = lane + 32 * j;
-            const float x = e < NUM_EXPERTS ? ld_act_f32(logits + b * NUM_EXPERTS + e) : -INFINITY;
-            v[j] = x != x ? -INFINITY : x;
+            for (int j = 0; j < ROUTE_WORDS; ++j) {
+                const int e = lane + 32 * j;
+                v[j] = e < NUM_EXPERTS ? ld_act_f32(logits + b * NUM_EXPERTS + e) : -INFINITY;
+            }
         }
+#pragma unroll
+        for (int j = 0; j < ROUTE_WORDS; ++j) v[j] = v[j] != v[j] ? -INFINITY : v[j];
         u32 taken = 0;  // bit j: this lane's expert lane + 32 j is picked
         float top[TOP_K];
 #pragma unroll (ROUTING_CODE == 0 ? TOP_K : 1)
@@ -263,6 +325,7 @@ __device__ __forceinline__ const Routing& route_tokens_body(const float* logits)
         }
     }
     __syncthreads();
+    if (TAGGED_LOGITS && tagged && s_wait.abort) return r;  // a tagged wait timed out: the caller leaves
     if (warp == 0) {  // the distinct experts in ascending order: a ballot prefix sum over the union
         int n = 0;
         for (int j = 0; j < ROUTE_WORDS; ++j) {
@@ -297,11 +360,14 @@ __device__ __forceinline__ const Routing& route_tokens_body(const float* logits)
     return r;
 }
 
-__device__ __noinline__ const Routing& route_tokens_shared(const float* logits) { return route_tokens_body(logits); }
+__device__ __noinline__ const Routing& route_tokens_shared(const float* logits, const u64* tagged, const int* rec) {
+    return route_tokens_body(logits, tagged, rec);
+}
 
-__device__ __forceinline__ const Routing& route_tokens(const float* logits) {
-    if constexpr (ROUTING_CODE == 2) return route_tokens_shared(logits);
-    else return route_tokens_body(logits);
+__device__ __forceinline__ const Routing& route_tokens(const float* logits, const u64* tagged = nullptr,
+                                                       const int* rec = nullptr) {
+    if constexpr (ROUTING_CODE == 2) return route_tokens_shared(logits, tagged, rec);
+    else return route_tokens_body(logits, tagged, rec);
 }
 
 // The routing for the residual tiles and the host (route_tokens: the expert tiles compute the
@@ -327,8 +393,12 @@ __device__ __forceinline__ void linear_gemv(const Task& t, unsigned char* smem, 
     const bf16* const w[1] = {t.ptr<bf16>(O::weight) + weight_tile_offset(row0, k0, w_ld)};
     const int out_ld = t.dim(O::out, 1);
     const size_t base = (size_t)slab * t.dim(O::out, 2) * out_ld + col0;
+    // TAGGED_LOGITS: the router tiles' logits (DT_F32_TAGGED) also go to their tagged copy, each
+    // with this step, for the expert-up tiles that read them without waiting for this tile's counter
+    u64* const tagged = TAGGED_LOGITS ? t.tagged(O::out) : nullptr;
+    const u32 step = s_wait.step;
     if constexpr (LINEAR_ONE_GEMV) {  // one instantiation, the output dtype a branch in the epilogue
-        const bool f32 = t.dtype(O::out) == DT_F32;
+        const bool f32 = t.dtype(O::out) != DT_BF16;
         float* out32 = t.ptr<float>(O::out) + base;
         bf16* out16 = t.ptr<bf16>(O::out) + base;
         gemv_tile<1>(w, w_ld, rows, k, xs, gemv_red(smem), [&](int r0, float (&acc)[1][4]) {
@@ -336,12 +406,16 @@ __device__ __forceinline__ void linear_gemv(const Task& t, unsigned char* smem, 
                 const size_t i = (size_t)n * out_ld + r;
                 if (f32) out32[i] = v;
                 else store_bf16(out16 + i, v);
+                if (TAGGED_LOGITS && tagged) st_relaxed_gpu_u64(tagged + base + i, tag_value(v, step));
             });
         }, finish);
-    } else if (t.dtype(O::out) == DT_F32) {
+    } else if (t.dtype(O::out) != DT_BF16) {
         float* out = t.ptr<float>(O::out) + base;
         gemv_tile<1>(w, w_ld, rows, k, xs, gemv_red(smem), [&](int r0, float (&acc)[1][4]) {
-            for_fragment(r0, acc[0], rows, [&](int r, int n, float v) { out[(size_t)n * out_ld + r] = v; });
+            for_fragment(r0, acc[0], rows, [&](int r, int n, float v) {
+                out[(size_t)n * out_ld + r] = v;
+                if (TAGGED_LOGITS && tagged) st_relaxed_gpu_u64(tagged + base + (size_t)n * out_ld + r, tag_value(v, step));
+            });
         }, finish);
     } else {
         bf16* out = t.ptr<bf16>(O::out) + base;
@@ -406,7 +480,10 @@ __device__ void op_expert_swiglu(const Task& t, unsigned char* smem) {
     // the activations' copies fly while the routing is derived (a no-op slot leaves them to the
     // kernel loop's cp.async wait)
     stage_input_async<O>(t, smem, 0, k);
-    const Routing& rt = route_tokens(t.ptr<float>(O::logits));
+    // TAGGED_LOGITS: the kernel loop did not wait for the router tiles (the record's first wait);
+    // the routing reads the logits' tagged copy until it holds this step's
+    const Routing& rt = route_tokens(t.ptr<float>(O::logits), TAGGED_LOGITS ? t.tagged(O::logits) : nullptr, t.w);
+    if (TAGGED_LOGITS && s_wait.abort) return;
     if (slot >= rt.count) return;
     const int e = rt.experts[slot];
     const bf16* we = t.ptr<bf16>(O::weight) + (size_t)e * inter2 * w_ld;

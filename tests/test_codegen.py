@@ -35,6 +35,7 @@ from mkc.codegen.sass import (
 )
 from mkc.codegen.taskwords import (
     BUF_DESC,
+    DTYPE_CODES,
     INLINE_WAITS,
     MAX_OPERANDS,
     RECORD_WORDS,
@@ -45,13 +46,17 @@ from mkc.codegen.taskwords import (
     W_WAIT_CNT,
     W_WAIT_OFF,
     W_WAITS,
+    EncodeError,
     buffer_table,
     encode,
     record_descriptors,
+    routing_logits,
+    tagged_words,
 )
 from mkc.ir.lower import lower
 from mkc.ir.ops import OP_INFO, Opcode
 from mkc.ir.spec import load_spec
+from mkc.schedule.schedule import routing_edge
 from mkc.schedule.scheduler import schedule
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -291,7 +296,7 @@ def test_task_words_encode_the_schedule(tiny):
             assert r[W_OP] == int(t.op) and r[W_SIGNAL] == sc.signals[tid]
             waits = [tuple(x) for x in w.waits[r[W_WAIT_OFF]:r[W_WAIT_OFF] + r[W_WAIT_CNT]].tolist()]
             want = [tuple(x) for x in sc.waits[tid]]
-            if t.op == Opcode.EXPERT_DOWN:  # the router tiles' counter first, then the schedule's waits
+            if t.op in (Opcode.EXPERT_DOWN, Opcode.EXPERT_SWIGLU):  # the router tiles' counter first, then the rest
                 router = sc.counters[waits[0][0]].producers
                 assert {sc.tasks[p].name.split("[")[0].split(".")[-1] for p in router} == {"router"}, t.name
                 assert waits[0][1] == len(router) and waits[1:] == [x for x in want if x != waits[0]]
@@ -324,6 +329,51 @@ def test_record_descriptors_are_the_table_rows_of_each_operand(tiny):
             else:
                 assert block[i]["ptr"] == 0 and not block[i]["shape"].any() and block[i]["dtype"] == 0
     assert (blocks["ptr"] != 0).sum() == (w.records[:, W_OPERANDS:W_OPERANDS + MAX_OPERANDS] >= 0).sum()
+
+
+def test_tagged_logits_are_the_router_logits_after_their_values(tiny):
+    """CodegenOptions.tagged_logits: the router logits the expert-up tiles read get a tagged copy
+    (dtype f32_tagged in the buffer table: the kernel finds the copy after the values); the option
+    is checked and "auto" turns it on at batch 1 and 2 only."""
+    spec, sc = tiny
+    tagged = routing_logits(sc)
+    moe = [i for i, ls in enumerate(spec.layers) if ls.mlp == "moe"]
+    assert tagged == {f"L{i}.router_logits" for i in moe}
+    w = encode(sc)
+    table = buffer_table(sc, w.buffer_names, {n: 4096 * (i + 1) for i, n in enumerate(w.buffer_names)},
+                         tagged=tagged)
+    for i, n in enumerate(w.buffer_names):
+        want = "f32_tagged" if n in tagged else sc.buffers[n].dtype
+        assert table[i]["dtype"] == DTYPE_CODES[want], n
+    bf16 = next(n for n, b in sc.buffers.items() if b.dtype == "bf16")
+    with pytest.raises(EncodeError, match=f"buffer {re.escape(bf16)} is bf16: only an f32 buffer has a tagged copy"):
+        buffer_table(sc, w.buffer_names, {n: 1 for n in w.buffer_names}, tagged=frozenset({bf16}))
+    # the copy starts 8-byte aligned after the values: two words per element
+    assert tagged_words(5) == (6, 10) and tagged_words(256) == (256, 512)
+    with pytest.raises(CodegenError, match="tagged_logits = 'yes': expected one of 'auto', 'on', 'off'"):
+        kernel_config(sc, spec, CodegenOptions(tagged_logits="yes"))
+    for batch, on in ((1, True), (2, True), (4, False), (8, False)):
+        sb = schedule(lower(spec, batch, 16, 8), spec.name)
+        assert kernel_config(sb, spec).tagged_logits == on
+        assert kernel_config(sb, spec, CodegenOptions(tagged_logits="on")).tagged_logits
+        assert not kernel_config(sb, spec, CodegenOptions(tagged_logits="off")).tagged_logits
+
+
+def test_a_routing_counter_shared_with_other_producers_is_refused(tiny):
+    """An expert-up tile's first wait is the router tiles' counter, which a kernel with tagged
+    logits skips: a counter that another task signals too cannot be skipped, so encoding refuses."""
+    import dataclasses
+
+    _, sc = tiny
+    up = next(t for t in sc.tasks if t.op == Opcode.EXPERT_SWIGLU)
+    router = next(c for c in sc.counters if all(routing_edge(sc.tasks[p], up) for p in c.producers))
+    other = next(t.id for t in sc.tasks if t.op == Opcode.EMBED)
+    signals = list(sc.signals)
+    signals[other] = router.id
+    counters = [dataclasses.replace(c, target=c.target + 1, producers=(*c.producers, other)) if c.id == router.id
+                else c for c in sc.counters]
+    with pytest.raises(EncodeError, match=f"counter {router.id} is also signalled by"):
+        encode(dataclasses.replace(sc, signals=signals, counters=counters))
 
 
 def test_descriptors_option_is_checked(tiny):

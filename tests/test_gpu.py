@@ -345,6 +345,61 @@ def test_watchdog_names_stuck_task(tiny, num_sms, monkeypatch, victim_op):
     good.step([1], [0])
 
 
+@pytest.mark.parametrize("batch", [1, 8])
+def test_tiny_tagged_logits_match_default(tiny, num_sms, batch):
+    """CodegenOptions(tagged_logits="on"): the expert-up tiles read the router logits' tagged copy
+    instead of waiting for the router tiles' counter. Over consecutive steps (each with new tokens,
+    so each step's logits differ), and again after reset() (steps count from 1 again: the old tags
+    must not pass for this step's), the logits and tokens are bitwise the default kernel's."""
+    from mkc.codegen import CodegenOptions
+    from mkc.runtime.cuda_backend import CudaDecoder
+
+    spec, weights = tiny
+    sc = plan(spec, batch, 16, num_sms)
+    ref = CudaDecoder(sc, spec, weights)
+    dec = CudaDecoder(sc, spec, weights, options=CodegenOptions(tagged_logits="on"))
+    assert dec.tagged and all(f"L{i}.router_logits" in dec.tagged
+                              for i, ls in enumerate(spec.layers) if ls.mlp == "moe")
+    gen = torch.Generator().manual_seed(31 + batch)
+    for p in range(8):
+        if p == 5:
+            dec.reset()
+        tokens = torch.randint(0, spec.vocab_size, (batch,), generator=gen, dtype=torch.int32)
+        positions = torch.full((batch,), p, dtype=torch.int32)
+        lg, tok = ref.step(tokens, positions)
+        lg2, tok2 = dec.step(tokens, positions)
+        assert torch.equal(lg, lg2) and torch.equal(tok, tok2), f"step at position {p}: differs from the default"
+
+
+def test_watchdog_names_the_router_under_tagged_logits(tiny, num_sms, monkeypatch):
+    """With tagged logits an expert-up tile waits for the router tiles by reading their tagged
+    logits; a router tile whose own wait can never be met leaves those reads unmet too. The step
+    fails fast naming the router tile or a task that waits on it (directly or not), and the
+    expert-up tiles spinning on the tags leave the kernel (no hang); the GPU stays usable."""
+    import dataclasses
+
+    from mkc.codegen import CodegenOptions
+    from mkc.runtime.cuda_backend import CudaDecoder, StepTimeout
+
+    spec, weights = tiny
+    sc = plan(spec, 1, 16, num_sms)
+    victim = next(t for t in sc.tasks
+                  if t.op.name == "LINEAR" and any(r.buffer.endswith("router_logits") for r in t.writes))
+    waits = [list(w) for w in sc.waits]
+    waits[victim.id].append((0, sc.counters[0].target + 1))
+    bad = dataclasses.replace(sc, waits=waits)
+    monkeypatch.setenv("MKC_WATCHDOG_MS", "200")
+    opts = CodegenOptions(tagged_logits="on")
+    dec = CudaDecoder(bad, spec, weights, options=opts)
+    with pytest.raises(StepTimeout) as e:
+        dec.step([1], [0])
+    msg = str(e.value)
+    stuck = int(re.search(r"task (\d+) \(", msg).group(1))
+    assert stuck == victim.id or victim.id in ancestors(sc, stuck), msg
+    good = CudaDecoder(sc, spec, weights, options=opts)
+    good.step([1], [0])
+
+
 # ------------------------------------------------------------------------------------------------
 # North Mini Code at full size: against the mirror on the GPU
 
@@ -473,6 +528,24 @@ def test_nmc_bulk_weight_ring_matches_default(nmc_weights, num_sms, batch, ring_
     ref = ref.clone()
     dec = nmc_decoder(spec, weights, batch, 8192, num_sms,
                       CodegenOptions(gemv_ring_bytes=ring_bytes, gemv_ring_bulk=True))
+    for i in range(3):
+        lg, tok = dec.step(tokens, positions)
+        assert torch.equal(lg, ref) and torch.equal(tok, ref_tok), f"step {i}: differs from the default kernel"
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_nmc_tagged_logits_match_default(nmc_weights, num_sms, batch):
+    """CodegenOptions(tagged_logits="on") at full size, context 8192: the expert-up tiles read the
+    router logits' tagged copy instead of waiting for the router tiles' counter; the arithmetic is
+    the default kernel's, so three steps give bitwise its logits and tokens."""
+    from mkc.codegen import CodegenOptions
+
+    spec, weights = nmc_weights
+    tokens = torch.randint(0, spec.vocab_size, (batch,), dtype=torch.int32)
+    positions = nmc_positions(batch, 8192)
+    ref, ref_tok = nmc_decoder(spec, weights, batch, 8192, num_sms).step(tokens, positions)
+    ref = ref.clone()
+    dec = nmc_decoder(spec, weights, batch, 8192, num_sms, CodegenOptions(tagged_logits="on"))
     for i in range(3):
         lg, tok = dec.step(tokens, positions)
         assert torch.equal(lg, ref) and torch.equal(tok, ref_tok), f"step {i}: differs from the default kernel"

@@ -22,7 +22,7 @@ from mkc.ir.graph import Buffer, Region, Task
 from mkc.ir.lower import lower
 from mkc.ir.ops import Opcode
 from mkc.ir.spec import load_spec
-from mkc.schedule.schedule import Counter, Schedule
+from mkc.schedule.schedule import Counter, Schedule, routing_edge
 from mkc.schedule.scheduler import schedule
 from mkc.schedule.validator import Problem, ScheduleError, check, validate
 
@@ -206,9 +206,15 @@ def test_wait_on_a_counter_nobody_signals():
 def test_cycle_across_sms():
     sc = tiny(2, 64, 8)
     where = placement(sc)
-    # tasks whose counters have one producer each, so the cycle has to pass through both
-    x = next(t for t in sc.queues[0] if sc.signals[t] >= 0 and sc.counters[sc.signals[t]].target == 1)
-    y = next(t for t in sc.queues[1] if sc.signals[t] >= 0 and sc.counters[sc.signals[t]].target == 1)
+    # tasks whose counters have one producer each, so the cycle has to pass through both; not
+    # expert-up tiles, whose wait on a router tile would be a routing wait (no HB edge: the
+    # simulation still finds the deadlock, test_routing_wait_orders_only_the_logits)
+    def ok(t):
+        return (sc.signals[t] >= 0 and sc.counters[sc.signals[t]].target == 1
+                and sc.tasks[t].op != Opcode.EXPERT_SWIGLU)
+
+    x = next(t for q in sc.queues for t in q if ok(t))
+    y = next(t for q in sc.queues if x not in q for t in q if ok(t))
     cx, cy = sc.signals[x], sc.signals[y]
     sc.waits[x].append((cy, sc.counters[cy].target))
     sc.waits[y].append((cx, sc.counters[cx].target))
@@ -220,6 +226,27 @@ def test_cycle_across_sms():
     assert loop.count(" → ") >= 2 and sc.tasks[x].name in loop and sc.tasks[y].name in loop
     assert where[x][0] != where[y][0]
     assert "deadlock" in kinds(problems)
+
+
+def test_routing_wait_orders_only_the_logits():
+    """An expert-up tile's wait on the router tiles is a routing wait: a kernel may meet it by
+    reading the logits' tagged copy, so it orders the logits and nothing else. Without its own wait
+    on the residual stream, the tile's read of it is a race, although the router tiles waited
+    for that stream before writing the logits (the path residual → router → expert-up)."""
+    sc = tiny(2, 64, 8)
+    assert validate(sc) == []
+    t = next(t for t in sc.tasks if t.op == Opcode.EXPERT_SWIGLU and len(sc.waits[t.id]) > 1)
+    routing = [(c, n) for c, n in sc.waits[t.id]
+               if all(routing_edge(sc.tasks[p], t) for p in sc.counters[c].producers)]
+    assert len(routing) == 1 and len(sc.waits[t.id]) > len(routing)
+    sc.waits[t.id] = routing
+    races = of_kind(validate(sc), "race")
+    assert races and all(p.tasks[1] == t.id for p in races)
+    read = {r.buffer for r in t.reads}
+    assert {b for p in races for b in p.buffers} <= read - {t.operands[3]}  # never the logits
+    # without the routing wait, the logits' read is the race
+    sc.waits[t.id] = []
+    assert any(t.operands[3] in p.buffers for p in of_kind(validate(sc), "race"))
 
 
 def _synthetic(writes: list[tuple[int, int]], queues: list[list[int]], waits=None, signals=None) -> Schedule:
@@ -349,9 +376,16 @@ def reference_safe(sc: Schedule, conflicts: tuple[tuple[int, int], ...], seed: i
     g.add_nodes_from(range(n))
     for q in sc.queues:
         nx.add_path(g, q)
+
+    def routing(c: int, t: int) -> bool:  # a routing wait orders the router logits alone (schedule.py)
+        return all(routing_edge(sc.tasks[p], sc.tasks[t]) for p in producers[c])
+
     for t, ws in enumerate(sc.waits):
-        g.add_edges_from((p, t) for c, _ in ws for p in producers[c])
-    return all(nx.has_path(g, a, b) for a, b in conflicts)
+        g.add_edges_from((p, t) for c, _ in ws if not routing(c, t) for p in producers[c])
+    # a router tile and an expert-up tile conflict on the logits alone (the router reads only what
+    # the expert-up tile reads too)
+    routed = {(p, t) for t, ws in enumerate(sc.waits) for c, _ in ws if routing(c, t) for p in producers[c]}
+    return all(nx.has_path(g, a, b) or (a, b) in routed for a, b in conflicts)
 
 
 MUTATIONS = ["drop_wait", "move_earlier", "move_to_other_sm", "wait_target", "counter_target", "resignal"]

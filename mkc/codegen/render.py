@@ -49,6 +49,8 @@ RING_STAGE_BYTES = 32 * 4 * 16  # one 64-wide block of 16 rows (gemv.cuh: a ring
 
 
 ROUTING_CODES = ("unrolled", "loop", "shared")  # CodegenOptions.routing_code, by the kernel's ROUTING_CODE
+TAGGED_LOGITS = ("auto", "on", "off")  # CodegenOptions.tagged_logits
+TAGGED_LOGITS_MAX_BATCH = 2  # "auto": on up to this batch
 
 
 class CodegenError(ValueError):
@@ -185,6 +187,21 @@ class CodegenOptions:
     # 5547 (loop 5513 / 5515 / 5525) against 5627 / 5618 / 5640 (-1.6%); batch 8 8872 / 8776 /
     # 8860 against 9003 / 9050 / 8959 (-1.7%). The kernel: 28,752 -> 25,400 instructions at batch 1.
     routing_code: str = "shared"
+    # "on": the router tiles also write each logit with the step in one 8-byte word (the logits
+    # buffer's tagged copy, DT_F32_TAGGED), and an expert-up tile reads those words until all carry
+    # this step instead of waiting for the router tiles' counter and then reading the logits: one
+    # dependent round trip fewer on every MoE layer's chain. The schedule orders an expert-up
+    # tile's other inputs by waits of their own (scheduler.py: routing edges). "off": the counter,
+    # then the logits. "auto": on at batch 1 and 2, where it measured faster; a poll reads 1 KB of
+    # tagged logits per token where a counter's is 4 bytes. Measured on an H200
+    # (kernel_variants.py, 2026-11-30 23:48 and 23:54 UTC, three rounds each, logits bitwise
+    # equal, µs on against off): batch 1 2497 / 2493 / 2497 against 2496 / 2506 / 2499 and 2533 /
+    # 2495 / 2491 against 2536 / 2507 / 2500; batch 2 3416 / 3386 / 3396 against 3489 / 3440 /
+    # 3442 and 3417 / 3428 / 3421 against 3484 / 3469 / 3489 (-1.2% to -2.1%); batch 4 5489 /
+    # 5478 / 5494 against 5494 / 5474 / 5499 and 5533 / 5596 / 5576 against 5504 / 5604 / 5505
+    # (+0.2%); batch 8 8901 / 8704 / 9352 against 9168 / 8707 / 8677 and 8757 / 8970 / 9311
+    # against 8936 / 8719 / 8717 (two of six rounds 7% slower).
+    tagged_logits: str = "auto"
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,6 +246,7 @@ class KernelConfig:
     residual_loads_first: bool
     profile_phases: bool
     routing_code: int  # CodegenOptions.routing_code: 0 unrolled, 1 loop, 2 shared
+    tagged_logits: bool  # CodegenOptions.tagged_logits, resolved
 
     @property
     def warps(self) -> int:
@@ -363,6 +381,11 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
     if options.routing_code not in ROUTING_CODES:
         raise CodegenError(f"routing_code = {options.routing_code!r}: expected one of "
                            + ", ".join(repr(c) for c in ROUTING_CODES))
+    if options.tagged_logits not in TAGGED_LOGITS:
+        raise CodegenError(f"tagged_logits = {options.tagged_logits!r}: expected one of "
+                           + ", ".join(repr(c) for c in TAGGED_LOGITS))
+    tagged_logits = options.tagged_logits == "on" or (options.tagged_logits == "auto"
+                                                      and schedule.batch <= TAGGED_LOGITS_MAX_BATCH)
     problem = tile_order_problem(schedule) if options.weight_layout != "rows" else None
     if options.weight_layout == "tiles" and problem:
         raise CodegenError(problem)
@@ -404,7 +427,7 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         routing_redux=options.routing_argmax == "redux", linear_one_gemv=options.linear_one_gemv,
         down_weights_before_wait=options.down_weights_before_wait,
         residual_loads_first=options.residual_loads_first, profile_phases=options.profile_phases,
-        routing_code=ROUTING_CODES.index(options.routing_code))
+        routing_code=ROUTING_CODES.index(options.routing_code), tagged_logits=tagged_logits)
     if cfg.smem_bytes > MAX_SMEM_BYTES:
         raise CodegenError(f"shared memory {cfg.smem_bytes} B (widest GEMV k = {max_k}, batch = {cfg.batch}): "
                            f"expected at most {MAX_SMEM_BYTES} B")
@@ -466,6 +489,7 @@ def template_context(cfg: KernelConfig, banner: str) -> dict[str, Any]:
         "residual_loads_first": cv.c_bool(cfg.residual_loads_first),
         "profile_phases": cv.c_bool(cfg.profile_phases),
         "routing_code": cv.c_int(cfg.routing_code),
+        "tagged_logits": cv.c_bool(cfg.tagged_logits),
         "max_rank": cv.c_int(MAX_RANK),
         "dtypes": [(cv.c_ident(f"DT_{k.upper()}"), cv.c_int(v)) for k, v in DTYPE_CODES.items()],
         "record_words": [(cv.c_ident(k), cv.c_int(v)) for k, v in RECORD_LAYOUT],

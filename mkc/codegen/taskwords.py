@@ -12,7 +12,10 @@ The kernel binary depends only on shapes and tiling; the schedule reaches it as 
 * ``waits`` — int32 ``[n, 2]``: ``(counter id, target per step)``, indexed by the wait offset. An
   EXPERT_DOWN record lists the counter of the router tiles first (implied by its other waits,
   so redundant for the schedule): the kernel may wait for it alone, derive which expert's weights
-  it streams and ask L2 for them, then wait for the rest (ops.cuh: op_expert_down).
+  it streams and ask L2 for them, then wait for the rest (ops.cuh: op_expert_down). An
+  EXPERT_SWIGLU record lists it first too: a kernel built with ``tagged_logits`` skips that wait
+  and reads the logits' tagged copy instead (ops.cuh: await_tagged_logits), so the counter must
+  be the router tiles' alone.
 * the buffer table — ``BUF_DESC`` records ``{ptr, shape (left-padded with 1s), dtype}`` in
   ``buffer_names`` order; the runtime fills in the pointers (``buffer_table``).
 
@@ -45,7 +48,8 @@ RECORD_LAYOUT: tuple[tuple[str, int], ...] = (
     ("W_SIGNAL", W_SIGNAL), ("W_OPERANDS", W_OPERANDS), ("W_ARGS", W_ARGS), ("W_WAITS", W_WAITS),
     ("INLINE_WAITS", INLINE_WAITS), ("RECORD_WORDS", RECORD_WORDS),
 )
-DTYPE_CODES: dict[str, int] = {"bf16": 0, "f32": 1, "i32": 2, "bf16_tiles": 3}  # bf16_tiles: weight_tiles.py
+# bf16_tiles: weight_tiles.py; f32_tagged: an f32 buffer followed by its tagged copy (routing_logits)
+DTYPE_CODES: dict[str, int] = {"bf16": 0, "f32": 1, "i32": 2, "bf16_tiles": 3, "f32_tagged": 4}
 
 # struct BufDesc { void* ptr; int shape[MAX_RANK]; int dtype; }  (32 bytes)
 BUF_DESC = np.dtype([("ptr", "<u8"), ("shape", "<i4", (MAX_RANK,)), ("dtype", "<i4")])
@@ -66,8 +70,10 @@ class TaskWords:
 
 
 def routing_wait(schedule: Schedule, tid: int, writers: dict[str, set[int]]) -> tuple[int, int]:
-    """(counter, target) of the tiles that write the router logits an EXPERT_DOWN task reads;
-    ``writers`` maps each buffer to the counters whose producers write it."""
+    """(counter, target) of the tiles that write the router logits an EXPERT_DOWN or EXPERT_SWIGLU
+    task reads; ``writers`` maps each buffer to the counters whose producers write it. For
+    EXPERT_SWIGLU every producer of that counter must write the logits (a kernel that reads the
+    tagged logits instead of waiting for the counter waits for nothing else through it)."""
     t = schedule.tasks[tid]
     logits = t.operands[OP_INFO[t.op].operands.index("logits")]
     found = writers.get(logits, set())
@@ -75,7 +81,23 @@ def routing_wait(schedule: Schedule, tid: int, writers: dict[str, set[int]]) -> 
         raise EncodeError(f"task {t.id} ({t.name}): the router logits {logits} are written under "
                           f"{len(found)} counters: expected the router tiles to signal exactly one")
     c = schedule.counters[next(iter(found))]
+    if t.op == Opcode.EXPERT_SWIGLU:
+        others = [p for p in c.producers if all(r.buffer != logits for r in schedule.tasks[p].writes)]
+        if others:
+            raise EncodeError(f"task {t.id} ({t.name}): the router tiles' counter {c.id} is also signalled by "
+                              f"{schedule.tasks[others[0]].name}, which does not write {logits}: expected a "
+                              f"counter of the router tiles alone")
     return c.id, c.target
+
+
+def routing_logits(schedule: Schedule) -> frozenset[str]:
+    """The router logits buffers the expert-up tiles read: with ``CodegenOptions.tagged_logits``
+    the runtime gives each a tagged copy (dtype f32_tagged) and the router tiles fill it."""
+    out = set()
+    for t in schedule.tasks:
+        if t.op == Opcode.EXPERT_SWIGLU:
+            out.add(t.operands[OP_INFO[t.op].operands.index("logits")])
+    return frozenset(out)
 
 
 def encode(schedule: Schedule) -> TaskWords:
@@ -107,7 +129,7 @@ def encode(schedule: Schedule) -> TaskWords:
             r = records[row]
             r[W_OP], r[W_ID] = int(t.op), t.id
             task_waits = [tuple(w) for w in schedule.waits[tid]]
-            if t.op == Opcode.EXPERT_DOWN:  # the routing first (see the module doc)
+            if t.op in (Opcode.EXPERT_DOWN, Opcode.EXPERT_SWIGLU):  # the routing first (see the module doc)
                 first = routing_wait(schedule, tid, writers)
                 task_waits = [first, *(w for w in task_waits if w[0] != first[0])]
             r[W_WAIT_OFF], r[W_WAIT_CNT] = len(waits), len(task_waits)
@@ -144,13 +166,25 @@ def record_descriptors(words: TaskWords, table: np.ndarray) -> np.ndarray:
 
 
 def buffer_table(schedule: Schedule, names: tuple[str, ...], pointers: dict[str, int],
-                 tiled: frozenset[str] = frozenset()) -> np.ndarray:
+                 tiled: frozenset[str] = frozenset(), tagged: frozenset[str] = frozenset()) -> np.ndarray:
     """The BUF_DESC array for the kernel: shape and dtype from the schedule, pointers from the
-    runtime; the bf16 weights named in ``tiled`` are stored in tile order (bf16_tiles)."""
+    runtime; the bf16 weights named in ``tiled`` are stored in tile order (bf16_tiles), the f32
+    buffers named in ``tagged`` are followed by their tagged copy (f32_tagged)."""
     table = np.zeros(len(names), dtype=BUF_DESC)
     for i, n in enumerate(names):
         b = schedule.buffers[n]
         table[i]["ptr"] = pointers[n]
         table[i]["shape"] = (1,) * (MAX_RANK - len(b.shape)) + tuple(b.shape)
-        table[i]["dtype"] = DTYPE_CODES["bf16_tiles" if n in tiled else b.dtype]
+        dtype = "bf16_tiles" if n in tiled else "f32_tagged" if n in tagged else b.dtype
+        if n in tagged and b.dtype != "f32":
+            raise EncodeError(f"buffer {n} is {b.dtype}: only an f32 buffer has a tagged copy")
+        table[i]["dtype"] = DTYPE_CODES[dtype]
     return table
+
+
+def tagged_words(numel: int) -> tuple[int, int]:
+    """(offset, length) in float32 words of a tagged buffer's copy within its allocation: after
+    its numel floats rounded up to 8 bytes, two words (value, step) per element (common.cuh:
+    Task::tagged)."""
+    off = 2 * ((numel + 1) // 2)
+    return off, 2 * numel

@@ -7,6 +7,12 @@ Counter semantics (the kernel and the CPU executor implement exactly this): coun
 and are never reset; in step s (1-based) a task waits until ``counter >= target * s`` for each of
 its waits, runs, then adds 1 to its signal counter (if any) after its writes are visible. A
 counter's target equals the number of tasks that signal it.
+
+A routing wait orders the router logits alone: an expert-up tile's wait on a counter whose
+producers all write its router logits (``routing_edge``) may be met by reading the logits' tagged
+copy instead of the counter (CodegenOptions.tagged_logits), so it orders those producers' logits
+before the tile's read and nothing else; every other input of the tile, and of the tasks after
+it, needs a wait of its own (the scheduler and the validator hold schedules to this).
 """
 
 from __future__ import annotations
@@ -17,9 +23,17 @@ from pathlib import Path
 from typing import Any
 
 from mkc.ir.graph import Buffer, Region, Task
-from mkc.ir.ops import Opcode
+from mkc.ir.ops import OP_INFO, Opcode
 
 FORMAT = "mkc-schedule/1"
+
+
+def routing_edge(a: Task, b: Task) -> bool:
+    """b is an expert-up tile and a writes its router logits (see the module doc)."""
+    if b.op != Opcode.EXPERT_SWIGLU:
+        return False
+    logits = b.operands[OP_INFO[b.op].operands.index("logits")]
+    return any(r.buffer == logits for r in a.writes)
 
 
 @dataclass(frozen=True, slots=True)

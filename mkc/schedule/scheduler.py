@@ -9,12 +9,16 @@ Rules, in the order they apply:
    inputs are ready, the one that went idle last (it wastes the least). A task's start may
    overlap its wait by its prefetchable weight time (cost.py).
 3. Counters: an edge a → b already implied by a path a → c → b is not waited on (c's own wait
-   covers it). Producers are then grouped by their exact set of remaining consumers; each group
+   covers it), unless the path runs through a routing edge: an expert-up tile's edge from the
+   router tiles (schedule.routing_edge) orders the logits alone, since a kernel may read the
+   logits' tagged copy instead of waiting for their counter (CodegenOptions.tagged_logits), so
+   every other input of the tile, and of the tasks after it, is waited for on its own. Producers are then grouped by their exact set of remaining consumers; each group
    gets one counter whose target is the group's size, so no consumer ever waits on a producer it
    does not need. A consumer waits on the counter of every group it depends on, except groups
    whose producers all run earlier on its own SM (queue order already covers them) and groups an
    earlier task on its SM already waited for (that wait ended before this task starts: the QKV
-   tiles queued on one SM poll the residual stream's counter once, not once per tile).
+   tiles queued on one SM poll the residual stream's counter once, not once per tile; an expert-up
+   tile's wait on the router tiles does not count, see 3).
 
 Deterministic: no randomness, no dict-order dependence beyond insertion order.
 """
@@ -26,9 +30,9 @@ from collections import defaultdict
 
 import networkx as nx
 
-from mkc.ir.graph import Program
+from mkc.ir.graph import Program, Task
 from mkc.schedule.cost import H200, Ceilings, prefetchable_time, task_time
-from mkc.schedule.schedule import Counter, Schedule
+from mkc.schedule.schedule import Counter, Schedule, routing_edge
 
 
 def upward_rank(g: nx.DiGraph, cost: list[float]) -> list[float]:
@@ -71,7 +75,7 @@ def schedule(program: Program, model: str, ceilings: Ceilings = H200) -> Schedul
         bisect.insort(free, (end[t], sm))
 
     # counters: group producers by their consumer set
-    preds = _direct_predecessors(g)
+    preds = _direct_predecessors(g, tasks)
     succs: list[list[int]] = [[] for _ in tasks]
     for b, ps in enumerate(preds):
         for a in ps:
@@ -103,7 +107,8 @@ def schedule(program: Program, model: str, ceilings: Ceilings = H200) -> Schedul
                 if cid in waited or all(sm_of[p] == sm_of[t] and pos[p] < pos[t] for p in c.producers):
                     continue
                 waits[t].append((cid, c.target))
-            waited.update(cid for cid, _ in waits[t])
+            waited.update(cid for cid, _ in waits[t]
+                          if not all(routing_edge(tasks[p], tasks[t]) for p in counters[cid].producers))
 
     step = max(end, default=0.0) + ceilings.launch_in_graph
     busy = defaultdict(float)
@@ -124,20 +129,22 @@ def schedule(program: Program, model: str, ceilings: Ceilings = H200) -> Schedul
                     signals=signals, counters=counters, predicted=predicted)
 
 
-def _direct_predecessors(g: nx.DiGraph) -> list[list[int]]:
+def _direct_predecessors(g: nx.DiGraph, tasks: list[Task]) -> list[list[int]]:
     """Per task, its predecessors minus those that are ancestors of another predecessor (a → … →
     c → b makes a → b redundant): e.g. the next layer's residual tile needs the previous residual
-    tile, but the norm between them already waited for every tile. Ancestor sets are bitsets
-    (Python ints) built in topological order. Sorted, for determinism."""
+    tile, but the norm between them already waited for every tile. A routing edge c → b makes
+    nothing redundant (neither c nor c's ancestors count as b's: see the module doc). Ancestor sets
+    are bitsets (Python ints) built in topological order. Sorted, for determinism."""
     anc = [0] * g.number_of_nodes()
     out: list[list[int]] = [[] for _ in range(g.number_of_nodes())]
     for b in nx.topological_sort(g):
         ps = list(g.predecessors(b))
+        ordering = [c for c in ps if not routing_edge(tasks[c], tasks[b])]
         reach = 0
-        for c in ps:
+        for c in ordering:
             reach |= anc[c]
         out[b] = sorted(a for a in ps if not (reach >> a) & 1)
-        for a in ps:
+        for a in ordering:
             reach |= 1 << a
         anc[b] = reach
     return out

@@ -25,7 +25,10 @@ What is proved, in the order it is checked (each problem names its tasks, counte
    ready task never disables another: if any interleaving completes, this one does, and if it
    sticks, every interleaving sticks (the blocked head of each stuck SM is reported).
 3. Ordering ("race", "order"): for every pair of tasks a < b whose regions overlap on a non-weight
-   buffer with at least one write (``conflicts``), a must happen-before b. No HB path is a
+   buffer with at least one write (``conflicts``), a must happen-before b. A routing wait (an
+   expert-up tile's wait on a counter whose producers all write its router logits, which a kernel
+   may meet by reading the logits' tagged copy: schedule.py) is no HB edge: it orders those
+   producers' writes of the logits before the tile's read of them, and nothing else. No HB path is a
    race; a path only from b to a runs the pair against program order (e.g. a consumer moved before
    its producer on one SM), which computes the wrong value even though it is not a race. Vector
    clocks make this fast: ``vc[t, s]`` is the last queue position on SM s that happens-before t
@@ -49,7 +52,7 @@ import numpy as np
 
 from mkc.ir.graph import KINDS, Region, conflicts
 from mkc.ir.ops import OP_INFO
-from mkc.schedule.schedule import Schedule
+from mkc.schedule.schedule import Schedule, routing_edge
 
 MAX_REGS_PER_THREAD = 255  # sm_90 architectural limit
 MAX_THREADS_PER_CTA = 1024
@@ -286,13 +289,26 @@ class _Validator:
 
     # -- 2. happens-before: deadlock and cycles -------------------------------------------------
     def _ordering_waits(self, t: int) -> list[int]:
-        """Counter ids whose wait orders every producer before t (the target covers them all)."""
+        """Counter ids whose wait orders every producer before t (the target covers them all),
+        routing waits excepted."""
         out = []
         for c, target in self.sc.waits[t]:
             prod = self.producers.get(c)
-            if c in self.cidx and prod and target >= len(prod) and c not in out:
+            if c in self.cidx and prod and target >= len(prod) and c not in out and not self._routing_wait(c, t):
                 out.append(c)
         return out
+
+    def _routing_wait(self, c: int, t: int) -> bool:
+        """t's wait on counter c is a routing wait (schedule.py): every producer writes t's logits."""
+        prod = self.producers.get(c)
+        return bool(prod) and all(routing_edge(self.sc.tasks[p], self.sc.tasks[t]) for p in prod)
+
+    def _routed(self, a: int, b: int, buf: str) -> bool:
+        """b's routing wait orders a's write of b's router logits ``buf`` before b reads it."""
+        tb, c = self.sc.tasks[b], self.sc.signals[a]
+        return (routing_edge(self.sc.tasks[a], tb) and buf == tb.operands[OP_INFO[tb.op].operands.index("logits")]
+                and any(w == c and n >= len(self.producers.get(c, ())) for w, n in self.sc.waits[b])
+                and self._routing_wait(c, b))
 
     def simulate(self) -> None:
         """Run every queue in order against the counters (one step); report each stuck SM."""
@@ -428,7 +444,10 @@ class _Validator:
         reversed_ = {}
         for i, r in zip(bad.tolist(), rev.tolist()):
             x, y = int(a[i]), int(b[i])
-            grouped.setdefault((x, y), []).append((pairs.names[pairs.buffer[i]], KINDS[pairs.kind[i]]))
+            buf = pairs.names[pairs.buffer[i]]
+            if not r and self._routed(x, y, buf):
+                continue
+            grouped.setdefault((x, y), []).append((buf, KINDS[pairs.kind[i]]))
             reversed_[(x, y)] = r
         for (x, y), accesses in grouped.items():
             self._report_pair(x, y, accesses, reversed_[(x, y)])
