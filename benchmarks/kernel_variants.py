@@ -89,8 +89,8 @@ VARIANTS: dict[str, CodegenOptions] = {
     "routing-unrolled": CodegenOptions(routing_code="unrolled"),
     "routing-loop": CodegenOptions(routing_code="loop"),
     # expert-up tiles wait for the router tiles' counter, then read the logits, or read the logits'
-    # tagged copy (CodegenOptions.tagged_logits; the default "auto" is on at batch 1 and 2 since
-    # 2026-11-30)
+    # tagged copy (CodegenOptions.tagged_logits; the default "auto" is on up to batch 4 since
+    # 2026-12-01)
     "counter-logits": CodegenOptions(tagged_logits="off"),
     "tagged-logits": CodegenOptions(tagged_logits="on"),
 }

@@ -50,7 +50,7 @@ RING_STAGE_BYTES = 32 * 4 * 16  # one 64-wide block of 16 rows (gemv.cuh: a ring
 
 ROUTING_CODES = ("unrolled", "loop", "shared")  # CodegenOptions.routing_code, by the kernel's ROUTING_CODE
 TAGGED_LOGITS = ("auto", "on", "off")  # CodegenOptions.tagged_logits
-TAGGED_LOGITS_MAX_BATCH = 2  # "auto": on up to this batch
+TAGGED_LOGITS_MAX_BATCH = 4  # "auto": on up to this batch
 
 
 class CodegenError(ValueError):
@@ -192,15 +192,16 @@ class CodegenOptions:
     # this step instead of waiting for the router tiles' counter and then reading the logits: one
     # dependent round trip fewer on every MoE layer's chain. The schedule orders an expert-up
     # tile's other inputs by waits of their own (scheduler.py: routing edges). "off": the counter,
-    # then the logits. "auto": on at batch 1 and 2, where it measured faster; a poll reads 1 KB of
-    # tagged logits per token where a counter's is 4 bytes. Measured on an H200
-    # (kernel_variants.py, 2026-11-30 23:48 and 23:54 UTC, three rounds each, logits bitwise
-    # equal, µs on against off): batch 1 2497 / 2493 / 2497 against 2496 / 2506 / 2499 and 2533 /
-    # 2495 / 2491 against 2536 / 2507 / 2500; batch 2 3416 / 3386 / 3396 against 3489 / 3440 /
-    # 3442 and 3417 / 3428 / 3421 against 3484 / 3469 / 3489 (-1.2% to -2.1%); batch 4 5489 /
-    # 5478 / 5494 against 5494 / 5474 / 5499 and 5533 / 5596 / 5576 against 5504 / 5604 / 5505
-    # (+0.2%); batch 8 8901 / 8704 / 9352 against 9168 / 8707 / 8677 and 8757 / 8970 / 9311
-    # against 8936 / 8719 / 8717 (two of six rounds 7% slower).
+    # then the logits. "auto": on up to batch 4 (TAGGED_LOGITS_MAX_BATCH); a poll reads 1 KB of
+    # tagged logits per token where a counter's is 4 bytes, and batch 8 measured no gain.
+    # Measured on an H200 (kernel_variants.py, 2026-12-01 00:04 and 00:06 UTC, logits bitwise
+    # equal, µs on against off): batch 1 2490 / 2498 / 2496 against 2498 / 2492 / 2510; batch 2
+    # 3409 / 3399 / 3378 against 3460 / 3465 / 3435 (-1.5% to -1.9%); batch 4 5441 / 5441 / 5442
+    # against 5493 / 5473 / 5489 and 5522 / 5510 / 5492 / 5442 against 5523 / 5569 / 5511 / 5566
+    # (-0.6% to -2.2%, one tie); batch 8 8686 / 8744 / 8796 against 8825 / 8839 / 8854, then 9075
+    # / 8866 / 9174 / 8690 against 8725 / 8820 / 8816 / 9100 (both kernels switch between about
+    # 8700 and 9100 µs). Two earlier runs (2026-11-30 23:48, 23:54 UTC, a scheduler that made
+    # later tasks poll the residual stream's counter again) agreed at batch 1, 2 and 4.
     tagged_logits: str = "auto"
 
 
