@@ -12,9 +12,9 @@ Rules, in the order they apply:
    covers it), unless the path runs through a routing edge: an expert-up tile's edge from the
    router tiles (schedule.routing_edge) orders the logits alone, since a kernel may read the
    logits' tagged copy instead of waiting for their counter (CodegenOptions.tagged_logits), so
-   every other input of the tile, and of the tasks after it, is waited for on its own. Producers are then grouped by their exact set of remaining consumers; each group
-   gets one counter whose target is the group's size, so no consumer ever waits on a producer it
-   does not need. A consumer waits on the counter of every group it depends on, except groups
+   every other input of the tile, and of the tasks after it, is waited for on its own. Producers
+   are then grouped by their exact set of remaining consumers; each group gets one counter whose
+   target is the group's size, so no consumer ever waits on a producer it does not need. A consumer waits on the counter of every group it depends on, except groups
    whose producers all run earlier on its own SM (queue order already covers them) and groups an
    earlier task on its SM already waited for (that wait ended before this task starts: the QKV
    tiles queued on one SM poll the residual stream's counter once, not once per tile; an expert-up
