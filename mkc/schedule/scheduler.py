@@ -14,11 +14,12 @@ Rules, in the order they apply:
    logits' tagged copy instead of waiting for their counter (CodegenOptions.tagged_logits), so
    every other input of the tile, and of the tasks after it, is waited for on its own. Producers
    are then grouped by their exact set of remaining consumers; each group gets one counter whose
-   target is the group's size, so no consumer ever waits on a producer it does not need. A consumer waits on the counter of every group it depends on, except groups
-   whose producers all run earlier on its own SM (queue order already covers them) and groups an
-   earlier task on its SM already waited for (that wait ended before this task starts: the QKV
-   tiles queued on one SM poll the residual stream's counter once, not once per tile; an expert-up
-   tile's wait on the router tiles does not count, see 3).
+   target is the group's size, so no consumer ever waits on a producer it does not need. A
+   consumer waits on the counter of every group it depends on, except groups whose producers all
+   run earlier on its own SM (queue order already covers them) and groups an earlier task on its
+   SM already waited for (that wait ended before this task starts: the QKV tiles queued on one SM
+   poll the residual stream's counter once, not once per tile; an expert-up tile's wait on the
+   router tiles does not count, see above).
 
 Deterministic: no randomness, no dict-order dependence beyond insertion order.
 """
