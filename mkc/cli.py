@@ -77,15 +77,19 @@ def _contexts(v: str) -> list[int]:
 
 def _kernel_line(kernel_json: Path, schedule) -> str:
     """One summary line for the compiled kernel: its name, resources and weight layout (and, when
-    the GEMV weights stay row-major, why tile order was not possible)."""
+    the GEMV weights stay row-major, why tile order was not possible), and whether the expert-up
+    tiles read tagged router logits (CodegenOptions.tagged_logits)."""
     import json
 
     from mkc.codegen.render import tile_order_problem
+    from mkc.codegen.taskwords import routing_logits
 
     k = json.loads(kernel_json.read_text())
     layout = "weights in tile order"
     if not k["config"]["weights_tiled"]:
         layout = f"weights row-major ({tile_order_problem(schedule) or 'asked for'})"
+    if k["config"].get("tagged_logits") and routing_logits(schedule):
+        layout += ", tagged router logits"
     line = (f"kernel          {k['name']}: {k['regs']} registers, {k['dynamic_smem']} + {k['static_smem']} B "
             f"shared memory, {layout}")
     by_op = k.get("sass_by_op")

@@ -107,7 +107,7 @@ def test_bad_input_is_one_clear_line(args, needle):
 
 
 @pytest.mark.parametrize(("config", "layout"), [
-    ("configs/tiny.yaml", "weights in tile order"),
+    ("configs/tiny.yaml", "weights in tile order, tagged router logits"),
     ("configs/mixtral_tiny.yaml", "weights row-major (weight L0.w_router (8, 128)"),  # an 8-row router
 ])
 def test_compile_names_the_kernel_and_its_weight_layout(config, layout, tmp_path):
@@ -116,6 +116,7 @@ def test_compile_names_the_kernel_and_its_weight_layout(config, layout, tmp_path
     assert r.returncode == 0, r.stderr
     line = next(ln for ln in r.stdout.splitlines() if ln.startswith("kernel "))
     assert "registers" in line and layout in line, line
+    assert line.endswith(", tagged router logits")  # batch 1: on (CodegenOptions.tagged_logits "auto")
     code = next(ln for ln in r.stdout.splitlines() if ln.startswith("code "))  # nvdisasm: the cuda extra
     assert "SASS instructions; the largest: " in code, code
     by_op = json.loads((tmp_path / "kernel.json").read_text())["sass_by_op"]
