@@ -24,6 +24,8 @@ from mkc.schedule.profile import (
     phases,
     read_rate,
     replay,
+    stage,
+    stage_ends,
 )
 from mkc.schedule.scheduler import schedule
 
@@ -120,6 +122,28 @@ def test_layer_view(sc_tl):
     assert "read rate of the whole GPU, TB/s per 2 µs up to the next layer's first start" in text
     with pytest.raises(ValueError, match="layer 99: no tasks"):
         format_layer(sc, tl, 99)
+
+
+def test_stage_ends_are_each_stage_last_end_from_its_layer_start(sc_tl):
+    """stage_ends: per stage (a task's name without layer and tile: the LINEAR tiles of qkv, router
+    and o_proj count apart), the mean over layers of its last task's end from the layer's first
+    start. A synthetic timeline where every layer starts at 100 L and each stage's tasks end at
+    100 L + 10 + (the stage's rank): the means are exactly 10 + rank."""
+    sc, _ = sc_tl
+    assert stage(next(t for t in sc.tasks if "o_proj" in t.name)) == "o_proj"
+    names = sorted({stage(t) for t in sc.tasks})
+    rank = {n: i for i, n in enumerate(names)}
+    start = np.array([100.0 * t.layer + 1.0 for t in sc.tasks])
+    end = np.array([100.0 * t.layer + 10.0 + rank[stage(t)] - (t.id % 3) for t in sc.tasks])
+    for layer in {t.layer for t in sc.tasks}:  # every layer's first task starts at 100 L, each stage's
+        ids = [t.id for t in sc.tasks if t.layer == layer]  # last task ends at 100 L + 10 + rank
+        start[ids[0]] = 100.0 * layer
+        for n in {stage(sc.tasks[i]) for i in ids}:
+            end[next(i for i in ids if stage(sc.tasks[i]) == n)] = 100.0 * layer + 10.0 + rank[n]
+    got = stage_ends(sc, {"start": start, "end": end})
+    assert got == {n: 10.0 + rank[n] for n in names}
+    assert list(got) == names  # earliest first
+    assert "each stage's last end" in format_profile(sc, {"start": start, "end": end})
 
 
 def test_write_profile_files(sc_tl, tmp_path):

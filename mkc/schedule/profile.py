@@ -203,6 +203,7 @@ def format_profile(sc: Schedule, timeline: Mapping[str, np.ndarray]) -> str:
     lines.append("share of SM-busy time per op:")
     lines += [f"  {op:<14} {share:6.1%}" for op, share in op_shares(sc, start, end).items()]
     lines.append(format_chain(sc, start, end))
+    lines.append(format_stage_ends(sc, timeline))
     if "done" in timeline:
         lines.append(format_phases(sc, timeline))
     return "\n".join(lines)
@@ -256,6 +257,42 @@ def format_chain(sc: Schedule, start, end) -> str:
         lines.append(f"  {op:<14} running {ch.run_us[op]:8.0f} µs, waiting after its blocker signalled "
                      f"{ch.handoff_us.get(op, 0.0):6.0f} µs")
     return "\n".join(lines)
+
+
+def stage(task) -> str:
+    """A task's stage within its layer: its name without the layer and the tile ("L10.o_proj[kv0][0:64]"
+    → "o_proj"), so the tiles of one op that a layer runs in several roles (LINEAR: qkv, router,
+    o_proj) count apart."""
+    return task.name.split("[")[0].split(".")[-1]
+
+
+def stage_ends(sc: Schedule, timeline: Mapping[str, np.ndarray]) -> dict[str, float]:
+    """Per stage (``stage``) of the layers that have it, the mean over those layers of when its last
+    task ended, in µs from the layer's first start; earliest first. The stages that end last are
+    a layer's tail: e.g. how long the O-projection and the residual run after both branches of a
+    parallel block are done."""
+    start, end = np.asarray(timeline["start"], dtype=np.float64), np.asarray(timeline["end"], dtype=np.float64)
+    first: dict[int, float] = {}
+    last: dict[tuple[int, str], float] = {}
+    for t in sc.tasks:
+        first[t.layer] = min(first.get(t.layer, np.inf), float(start[t.id]))
+        key = (t.layer, stage(t))
+        last[key] = max(last.get(key, -np.inf), float(end[t.id]))
+    by_stage: dict[str, list[float]] = {}
+    for (layer, name), e in last.items():
+        by_stage.setdefault(name, []).append(e - first[layer])
+    means = {name: float(np.mean(v)) for name, v in by_stage.items()}
+    return dict(sorted(means.items(), key=lambda kv: kv[1]))
+
+
+def format_stage_ends(sc: Schedule, timeline: Mapping[str, np.ndarray]) -> str:
+    """stage_ends as one line per stage (stages of at least two layers)."""
+    counts: dict[str, set[int]] = {}
+    for t in sc.tasks:
+        counts.setdefault(stage(t), set()).add(t.layer)
+    rows = [(name, us) for name, us in stage_ends(sc, timeline).items() if len(counts[name]) > 1]
+    return "\n".join(["each stage's last end, µs from its layer's first start (mean over the layers that have it):",
+                      *(f"  {name:<14} {us:8.1f}  ({len(counts[name])} layers)" for name, us in rows)])
 
 
 def format_layer(sc: Schedule, timeline: Mapping[str, np.ndarray], layer: int) -> str:
