@@ -4,9 +4,8 @@ the tensor cores; the cache is content-addressed; errors carry what a person nee
 
 from __future__ import annotations
 
-import os
 import re
-from concurrent.futures import ThreadPoolExecutor
+from functools import cache as cache_fn
 from pathlib import Path
 
 import jinja2
@@ -111,47 +110,60 @@ def test_nmc_kernel_compiles_without_local_memory(cache, batch):
     assert by_op[KERNEL_LOOP] < 0.2 * sum(by_op.values()), by_op
 
 
-@pytest.mark.parametrize("batch", [1, 8])
-def test_codegen_variants_compile_without_local_memory(cache, batch):
+# The kernels benchmarks/kernel_variants.py measures against the default, by its names where it has
+# them: the batches CI compiles each at, and its CodegenOptions fields.
+CODEGEN_VARIANTS: dict[str, tuple[tuple[int, ...], dict]] = {
+    "ring-16k": ((1, 8), {"gemv_ring_bytes": 16 * 1024}),  # the weight ring (16-byte cp.async copies)
+    "ring-bulk-16k": ((1, 8), {"gemv_ring_bytes": 16 * 1024, "gemv_ring_bulk": True}),  # bulk copies, mbarriers
+    "attn-cta": ((1, 8), {"attn_warp_stages": 0}),  # attention splits in CTA-wide chunks
+    "attn-cta-v-global": ((1, 8), {"attn_warp_stages": 0, "attn_stage_v": False}),  # ... with V from global
+    "attn-warps-3": ((1, 8), {"attn_warp_stages": 3}),  # warp splits with three ring stages
+    "desc-table": ((1,), {"descriptors": "table"}),  # descriptors read from the global table
+    "signal-first-shuffle": ((1,), {"signal_warp": "first", "routing_argmax": "shuffle"}),
+    "linear-per-dtype": ((1,), {"linear_one_gemv": False}),  # LINEAR's GEMV per output dtype
+    "down-l2-row": ((1,), {"down_weights_before_wait": False}),  # expert-down tiles ask L2 for one row
+    "residual-serial": ((1,), {"residual_loads_first": False}),  # residual tiles load one term at a time
+    "profile-phases": ((1,), {"profile_phases": True}),  # the phase-marking profile kernel
+    "routing-unrolled": ((1,), {"routing_code": "unrolled"}),  # the routing unrolled into each op
+    "routing-loop": ((1,), {"routing_code": "loop"}),  # ... or a loop inlined into each
+    "counter-logits": ((1,), {"tagged_logits": "off"}),  # expert-up tiles wait for the router's counter
+    "tagged-logits": ((8,), {"tagged_logits": "on"}),  # ... or read tagged logits (off by default at 8)
+}
+
+
+@cache_fn
+def _nmc_schedule(batch: int):
+    spec = load_spec(NMC)
+    return spec, schedule(lower(spec, batch, 8192, 132), spec.name)
+
+
+@pytest.mark.parametrize(("batch", "variant"), [(b, name) for name, (bs, _) in CODEGEN_VARIANTS.items() for b in bs])
+def test_codegen_variant_compiles_without_local_memory(cache, batch, variant):
     """The kernels benchmarks/kernel_variants.py measures against the default must compile cleanly
-    too: the weight ring (16-byte cp.async copies, or bulk copies on mbarriers), attention splits in
-    CTA-wide chunks (with V from global memory too), and warp splits with three ring stages (whose
-    dynamic shared memory must be what render.py sizes)."""
+    too (one test each, so pytest-xdist spreads the compiles over the workers), and each shows
+    what it asks for: the bulk ring's mbarrier waits, the shuffle routing without redux.sync, the
+    per-dtype LINEAR code, the three ring stages' dynamic shared memory as render.py sizes it."""
     from mkc.codegen import CodegenOptions
 
-    spec = load_spec(NMC)
-    sc = schedule(lower(spec, batch, 8192, 132), spec.name)
-    variants = [CodegenOptions(gemv_ring_bytes=16 * 1024),
-                CodegenOptions(gemv_ring_bytes=16 * 1024, gemv_ring_bulk=True),
-                CodegenOptions(attn_warp_stages=0), CodegenOptions(attn_warp_stages=0, attn_stage_v=False),
-                CodegenOptions(attn_warp_stages=3)]
-    if batch == 1:  # descriptors read from the global table (kernel_variants.py: desc-table); thread 0
-        # signalling and shuffle arg-max routing (signal-first-shuffle); LINEAR's GEMV per output dtype
-        # (linear-per-dtype); expert-down tiles asking L2 for one row before their wait (down-l2-row);
-        # residual tiles loading one term at a time (residual-serial); the phase-marking profile kernel;
-        # the routing unrolled into each op or a loop inlined into each (routing-unrolled, routing-loop)
-        variants += [CodegenOptions(descriptors="table"), CodegenOptions(signal_warp="first", routing_argmax="shuffle"),
-                     CodegenOptions(linear_one_gemv=False), CodegenOptions(down_weights_before_wait=False),
-                     CodegenOptions(residual_loads_first=False), CodegenOptions(profile_phases=True),
-                     CodegenOptions(routing_code="unrolled"), CodegenOptions(routing_code="loop")]
-    # NVRTC calls release the GIL, so the variants compile side by side
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-        arts = list(pool.map(lambda o: build_kernel(sc, spec, o, cache_dir=cache), variants))
-    for options, art in zip(variants, arts, strict=True):
-        assert art.spills == 0, f"{options}: ptxas reports {art.spills} bytes of spills\n{art.log}"
-        sass = disassemble(art.cubin)
-        assert not local_memory_ops(sass), options
-        if options.gemv_ring_bulk:  # bulk copies into shared memory, completing on mbarriers
-            assert "UBLKCP.S.G" in sass and "SYNCS.PHASECHK.TRANS64.TRYWAIT" in sass, options
-        if options.routing_argmax == "shuffle":
-            assert "REDUX" not in sass, options
-        if not options.linear_one_gemv:  # one GEMV per output dtype: more LINEAR code than the default's one
-            default = build_kernel(sc, spec, cache_dir=cache)
-            per_dtype = instructions_by_op(art.cubin, art.cu_source)["LINEAR"]
-            assert per_dtype > 1.5 * instructions_by_op(default.cubin, default.cu_source)["LINEAR"], options
-        if options.attn_warp_stages == 3:  # 8 warps x 3 blocks x (16 keys x 128 dims of K and V) in flight
-            assert art.dynamic_smem == kernel_config(sc, spec, options).smem_bytes
-            assert art.dynamic_smem >= 8 * 3 * 16 * 128 * 2 * 2
+    spec, sc = _nmc_schedule(batch)
+    options = CodegenOptions(**CODEGEN_VARIANTS[variant][1])
+    art = build_kernel(sc, spec, options, cache_dir=cache)
+    assert art.spills == 0, f"{options}: ptxas reports {art.spills} bytes of spills\n{art.log}"
+    sass = disassemble(art.cubin)
+    assert not local_memory_ops(sass), options
+    if options.gemv_ring_bulk:  # bulk copies into shared memory, completing on mbarriers
+        assert "UBLKCP.S.G" in sass and "SYNCS.PHASECHK.TRANS64.TRYWAIT" in sass, options
+    if options.routing_argmax == "shuffle":
+        assert "REDUX" not in sass, options
+    if not options.linear_one_gemv:  # one GEMV per output dtype: more LINEAR code than the default's one
+        default = build_kernel(sc, spec, cache_dir=cache)
+        per_dtype = instructions_by_op(art.cubin, art.cu_source)["LINEAR"]
+        assert per_dtype > 1.5 * instructions_by_op(default.cubin, default.cu_source)["LINEAR"], options
+    if options.attn_warp_stages == 3:  # 8 warps x 3 blocks x (16 keys x 128 dims of K and V) in flight
+        assert art.dynamic_smem == kernel_config(sc, spec, options).smem_bytes
+        assert art.dynamic_smem >= 8 * 3 * 16 * 128 * 2 * 2
+    assert art.config.tagged_logits == (options.tagged_logits == "on" or (options.tagged_logits == "auto"
+                                                                          and batch <= 4))
 
 
 def test_warp_split_rings_fit_the_shared_memory(nmc, tiny):
