@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mkc.ir.ops import OP_INFO, Opcode
-from mkc.schedule.schedule import Schedule
+from mkc.schedule.schedule import Schedule, logits_operand
 
 MAX_OPERANDS = max(len(i.operands) for i in OP_INFO.values())
 MAX_ARGS = max(len(i.args) for i in OP_INFO.values())
@@ -75,7 +75,7 @@ def routing_wait(schedule: Schedule, tid: int, writers: dict[str, set[int]]) -> 
     EXPERT_SWIGLU every producer of that counter must write the logits (a kernel that reads the
     tagged logits instead of waiting for the counter waits for nothing else through it)."""
     t = schedule.tasks[tid]
-    logits = t.operands[OP_INFO[t.op].operands.index("logits")]
+    logits = logits_operand(t)
     found = writers.get(logits, set())
     if len(found) != 1:
         raise EncodeError(f"task {t.id} ({t.name}): the router logits {logits} are written under "
@@ -96,7 +96,7 @@ def routing_logits(schedule: Schedule) -> frozenset[str]:
     out = set()
     for t in schedule.tasks:
         if t.op == Opcode.EXPERT_SWIGLU:
-            out.add(t.operands[OP_INFO[t.op].operands.index("logits")])
+            out.add(logits_operand(t))
     return frozenset(out)
 
 

@@ -28,11 +28,16 @@ from mkc.ir.ops import OP_INFO, Opcode
 FORMAT = "mkc-schedule/1"
 
 
+def logits_operand(t: Task) -> str:
+    """The router logits buffer a routing task (expert-up, expert-down) reads."""
+    return t.operands[OP_INFO[t.op].operands.index("logits")]
+
+
 def routing_edge(a: Task, b: Task) -> bool:
     """b is an expert-up tile and a writes its router logits (see the module doc)."""
     if b.op != Opcode.EXPERT_SWIGLU:
         return False
-    logits = b.operands[OP_INFO[b.op].operands.index("logits")]
+    logits = logits_operand(b)
     return any(r.buffer == logits for r in a.writes)
 
 

@@ -52,7 +52,7 @@ import numpy as np
 
 from mkc.ir.graph import KINDS, Region, conflicts
 from mkc.ir.ops import OP_INFO
-from mkc.schedule.schedule import Schedule, routing_edge
+from mkc.schedule.schedule import Schedule, logits_operand, routing_edge
 
 MAX_REGS_PER_THREAD = 255  # sm_90 architectural limit
 MAX_THREADS_PER_CTA = 1024
@@ -306,7 +306,7 @@ class _Validator:
     def _routed(self, a: int, b: int, buf: str) -> bool:
         """b's routing wait orders a's write of b's router logits ``buf`` before b reads it."""
         tb, c = self.sc.tasks[b], self.sc.signals[a]
-        return (routing_edge(self.sc.tasks[a], tb) and buf == tb.operands[OP_INFO[tb.op].operands.index("logits")]
+        return (routing_edge(self.sc.tasks[a], tb) and buf == logits_operand(tb)
                 and any(w == c and n >= len(self.producers.get(c, ())) for w, n in self.sc.waits[b])
                 and self._routing_wait(c, b))
 
