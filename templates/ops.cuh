@@ -199,9 +199,10 @@ __device__ __forceinline__ bool routing_known(const float* logits) { return s_ro
 // TAGGED_LOGITS: one token's logits (a row of the router logits' tagged copy) into this lane's
 // v[j] (expert lane + 32 j), read again with nanosleep backoff until every word carries this step.
 // A tagged word is written once per step by the router tile that computes it, after that tile's own
-// wait, so its step tag alone says the value is this step's. Bounded as wait_range is: on a timeout
-// the abort word names the task and the router tiles' counter (the record's first wait); on a
-// timeout or another CTA's abort, lane 0 sets s_wait.abort and every lane returns false.
+// wait, so its step tag alone says the value is this step's. Bounded as wait_range is, by the same
+// protocol (wait_verdict, record_abort): on a timeout the abort word names the task and the router
+// tiles' counter (the record's first wait); on a timeout or another CTA's abort, lane 0 sets
+// s_wait.abort and every lane returns false.
 __device__ bool await_tagged_logits(const u64* row, float (&v)[ROUTE_WORDS], const int* rec) {
     const int lane = threadIdx.x % 32;
     const u32 step = s_wait.step;
@@ -224,22 +225,14 @@ __device__ bool await_tagged_logits(const u64* row, float (&v)[ROUTE_WORDS], con
         __nanosleep(sleep_ns);
         sleep_ns = sleep_ns < 128 ? sleep_ns * 2 : 128;
         if ((polls & 31) == 31) {
-            int verdict = 0;  // 1: another CTA aborted, 2: this wait timed out
-            if (lane == 0)
-                verdict = ld_relaxed_gpu_s32(s_wait.abort_info) != 0 ? 1
-                          : (global_timer_ns() - t0 > s_wait.timeout_ns || polls >= SPIN_LIMIT) ? 2 : 0;
-            verdict = __shfl_sync(0xffffffffu, verdict, 0);
+            const int verdict = wait_verdict(s_wait.abort_info, t0, s_wait.timeout_ns, polls);
             if (verdict != 0) {
                 if (lane == 0) {
                     const int c = rec[W_WAITS];  // the router tiles' counter (taskwords.encode)
-                    if (verdict == 2 && atomicCAS(s_wait.abort_info, 0, 1) == 0) {
-                        s_wait.abort_info[1] = rec[W_ID];
-                        s_wait.abort_info[2] = c;
-                        s_wait.abort_info[3] = (int)ld_relaxed_gpu_s32(reinterpret_cast<const int*>(s_wait.counters) + c);
-                        s_wait.abort_info[4] = (int)((u32)rec[W_WAITS + 1] * step);
-                        s_wait.abort_info[5] = blockIdx.x;
-                        __threadfence();
-                    }
+                    if (verdict == 2)
+                        record_abort(s_wait.abort_info, rec[W_ID], c,
+                                     (u32)ld_relaxed_gpu_s32(reinterpret_cast<const int*>(s_wait.counters) + c),
+                                     (u32)rec[W_WAITS + 1] * step);
                     s_wait.abort = 1;
                 }
                 __syncwarp();
