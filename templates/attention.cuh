@@ -101,11 +101,20 @@ __device__ __forceinline__ KvRows kv_rows(const Task& t, int cache, int b, int g
 }
 #endif
 
-// [lo, hi) of the keys this split attends (empty when lo >= hi)
-__device__ __forceinline__ void attn_key_range(const Task& t, int& lo, int& hi) {
-    using O = OPND_ATTN_SPLIT;
+// The position of the sequence of the split that runs next: read by the warps that prefetch its
+// rows while warp 0 waits (ops.cuh: prefetch_weights), so the split itself starts without that
+// round trip (positions are an input: the host writes them before the launch).
+__shared__ int s_split_pos;
+static_assert(NUM_THREADS > 32, "a split's position is read by warp 1 (prefetch_weights)");
+
+// The split's sequence position, read from global memory (positions: an input of the step)
+__device__ __forceinline__ int split_position(const Task& t) {
+    return ld_act_i32(t.ptr<int>(OPND_ATTN_SPLIT::positions) + t.arg(ARG_ATTN_SPLIT::seq));
+}
+
+// [lo, hi) of the keys this split attends at position pos (empty when lo >= hi)
+__device__ __forceinline__ void attn_key_range(const Task& t, int pos, int& lo, int& hi) {
     using A = ARG_ATTN_SPLIT;
-    const int pos = ld_act_i32(t.ptr<int>(O::positions) + t.arg(A::seq));
     const int window = t.arg(A::window), split_keys = t.arg(A::split_keys);
     const int base = window > 0 ? max(0, pos - window + 1) : 0;
     lo = base + t.arg(A::split) * split_keys;
@@ -118,8 +127,8 @@ __device__ __forceinline__ void attn_key_range(const Task& t, int& lo, int& hi) 
 // MMA's B operand, rows >= GROUP zero) or qs (scaled floats, CUDA-core path). With `own` (the
 // split holds the step's position) also the key head, rotated in place, and the value head: both
 // stay in `rows` ([GROUP + 2][HEAD_DIM] bf16, then [GROUP + 1] f32 qk-norm factors) for the chunks.
-// Ends with a barrier.
-__device__ void stage_own_query(const Task& t, int b, int g, bool own, bf16* qx, float* qs, bf16* rows) {
+// pos: the sequence's position. Ends with a barrier.
+__device__ void stage_own_query(const Task& t, int b, int g, int pos, bool own, bf16* qx, float* qs, bf16* rows) {
     using O = OPND_ATTN_SPLIT;
     using A = ARG_ATTN_SPLIT;
     constexpr int CH = HEAD_DIM / 8, HALF = HEAD_DIM / 2;
@@ -151,7 +160,6 @@ __device__ void stage_own_query(const Task& t, int b, int g, bool own, bf16* qx,
         __syncthreads();
     }
     const bool rope = t.arg(A::rope) != 0;
-    const int pos = ld_act_i32(t.ptr<int>(O::positions) + b);
     const bf16* qn = t.ptr<bf16>(O::q_norm);
     const bf16* kn = t.ptr<bf16>(O::k_norm);
     for (int i = tid; i < nrot * HALF; i += NUM_THREADS) {
@@ -287,8 +295,9 @@ __device__ void attn_split_warps(const Task& t, unsigned char* smem) {
 #else
     const int kv_heads = t.dim(O::k_cache, 3);
 #endif
+    const int pos = s_split_pos;  // read while warp 0 waited (prefetch_weights)
     int lo, hi;
-    attn_key_range(t, lo, hi);
+    attn_key_range(t, pos, lo, hi);
     const AttnRows rows = attn_rows(t);
     bf16* qx = reinterpret_cast<bf16*>(smem);  // [8][HEAD_DIM + XS_PAD] query heads (rows >= GROUP zero)
     bf16* own_rows = reinterpret_cast<bf16*>(smem + ATTW_ROWS_OFF);  // [GROUP + 2][HEAD_DIM] q, k, v
@@ -296,16 +305,16 @@ __device__ void attn_split_warps(const Task& t, unsigned char* smem) {
     const bool fused = t.has(O::qkv);
     // warps 1.. of a split that rotates its own query issued their first blocks while it waited
     if (!fused || warp == 0) attw_prologue(ring, rows, lo, hi);
-    const int pos = ld_act_i32(t.ptr<int>(O::positions) + b);
     const int own = fused && lo <= pos && pos < hi ? pos : -1;  // the key taken from qkv (-1: none)
     const bf16* own_k = own_rows + GROUP * HEAD_DIM;
     const bf16* own_v = own_k + HEAD_DIM;
-    if (fused) stage_own_query(t, b, g, own >= 0, qx, nullptr, own_rows);
+    if (fused) stage_own_query(t, b, g, pos, own >= 0, qx, nullptr, own_rows);
     else {
         stage_x(qx, t.ptr<bf16>(O::q) + (size_t)b * t.dim(O::q, 1) + (size_t)g * GROUP * HEAD_DIM, HEAD_DIM, 0, HEAD_DIM,
                 GROUP);
         __syncthreads();
     }
+    prof_staged();  // the query is staged (after the barrier: a profile's "staging" ends here)
     // the query fragments (A operand, row lg; rows lg + 8 are zero): the permuted k of the K pieces
     u32 qa[ATTW_KB][8];
 #pragma unroll
@@ -444,15 +453,16 @@ __device__ void op_attn_split(const Task& t, unsigned char* smem) {
     using A = ARG_ATTN_SPLIT;
     const int b = t.arg(A::seq), g = t.arg(A::kv_head), sp = t.arg(A::split);
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int pos = s_split_pos;  // read while warp 0 waited (prefetch_weights)
 #if MKC_PAGED
     const int kv_heads = t.dim(O::k_cache, 4);
     int lo, hi;
-    attn_key_range(t, lo, hi);
+    attn_key_range(t, pos, lo, hi);
     const KvRows krows = kv_rows<O>(t, O::k_cache, b, g), vrows = kv_rows<O>(t, O::v_cache, b, g);
 #else
     const int ctx = t.dim(O::k_cache, 2), kv_heads = t.dim(O::k_cache, 3);
     int lo, hi;
-    attn_key_range(t, lo, hi);
+    attn_key_range(t, pos, lo, hi);
     const size_t row0 = ((size_t)b * kv_heads + g) * ctx;
     const bf16* kc = t.ptr<bf16>(O::k_cache) + row0 * HEAD_DIM;
     const bf16* vc = t.ptr<bf16>(O::v_cache) + row0 * HEAD_DIM;
@@ -471,12 +481,11 @@ __device__ void op_attn_split(const Task& t, unsigned char* smem) {
     // this step's key and value where the split rotates its own query (a qkv operand) and holds the
     // step's position: they come from qkv, not from the cache (ROPE_APPEND writes it after the splits)
     const bool fused = t.has(O::qkv);
-    const int pos = ld_act_i32(t.ptr<int>(O::positions) + b);
     const int own = fused && lo <= pos && pos < hi ? pos : -1;  // the key taken from qkv (-1: none)
     // fused: red holds [GROUP + 2][HEAD_DIM] q heads, k (rotated), v until the last chunk is done
     const bf16* own_k = reinterpret_cast<const bf16*>(red) + GROUP * HEAD_DIM;
     const bf16* own_v = own_k + HEAD_DIM;
-    if (fused) stage_own_query(t, b, g, own >= 0, qx, qs, reinterpret_cast<bf16*>(red));
+    if (fused) stage_own_query(t, b, g, pos, own >= 0, qx, qs, reinterpret_cast<bf16*>(red));
     else {
         const bf16* q = t.ptr<bf16>(O::q) + (size_t)b * t.dim(O::q, 1) + (size_t)g * GROUP * HEAD_DIM;
         if constexpr (ATT_MMA) stage_x(qx, q, HEAD_DIM, 0, HEAD_DIM, GROUP);

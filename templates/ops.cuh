@@ -790,8 +790,10 @@ __device__ void prefetch_weights(const Task& t) {
         case OP_ATTN_SPLIT: {  // the split's K and V rows: written by earlier steps, and positions are inputs
             using O = OPND_ATTN_SPLIT;
             using A = ARG_ATTN_SPLIT;
+            const int pos = split_position(t);
+            if (threadIdx.x == 32) s_split_pos = pos;  // for the split (published by the loop's barrier)
             int lo, hi;
-            attn_key_range(t, lo, hi);
+            attn_key_range(t, pos, lo, hi);
             if (ATT_WARP && t.has(O::qkv)) {  // each warp's first blocks into its ring (attention.cuh)
                 attw_prologue(attw_ring_lane(gemv_dyn_smem), attn_rows(t), lo, hi);
                 break;
