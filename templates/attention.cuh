@@ -214,7 +214,12 @@ constexpr int ATTW_RING_BYTES = ATTW_STAGES * ATTW_PIECES * 32 * 16;  // per war
 static_assert(!ATT_WARP || ATTN_WARP_STAGES >= 2, "attention warp splits need at least two ring stages");
 static_assert(!ATT_WARP || ATTW_RING_OFF + NUM_WARPS * ATTW_RING_BYTES <= SMEM_BYTES,
               "attention: warp rings past the shared memory (mkc/codegen/render.py sizes them)");
-static_assert(!ATT_WARP || NUM_WARPS * (GROUP * HEAD_DIM + 2 * GROUP) * 4 <= NUM_WARPS * ATTW_RING_BYTES,
+// the warps' merge (attn_split_warps): per warp and head its m and l, then per head m and l, then
+// per warp and head its o in rows of ATTW_O_LD floats (the 16-byte pad puts a warp's float4 stores
+// on every bank)
+constexpr int ATTW_O_LD = HEAD_DIM + 4;
+constexpr int ATTW_O_OFF = (2 * NUM_WARPS * GROUP + 2 * GROUP + 3) / 4 * 4;  // floats, 16-byte aligned
+static_assert(!ATT_WARP || (ATTW_O_OFF + NUM_WARPS * GROUP * ATTW_O_LD) * 4 <= NUM_WARPS * ATTW_RING_BYTES,
               "attention: the warps' merge does not fit their rings");
 
 // The K and V rows of one (sequence, KV head).
@@ -397,18 +402,20 @@ __device__ void attn_split_warps(const Task& t, unsigned char* smem) {
     l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
 
     // merge the warps (fixed order) into the split's partials: m = max_w m_w, c_w = exp(m_w - m),
-    // l = sum_w c_w l_w, o = sum_w c_w o_w (an empty split: m = -inf, l = 0, o = 0)
+    // l = sum_w c_w l_w, o = sum_w c_w o_w (an empty split: m = -inf, l = 0, o = 0); one thread per
+    // head derives m, l and the c_w first, so each output element reads only c_w and o_w
     cp_async_wait_all();
     __syncthreads();  // every warp is done with its ring
-    float* wm = reinterpret_cast<float*>(smem + ATTW_RING_OFF);  // [NUM_WARPS][GROUP]
-    float* wl = wm + NUM_WARPS * GROUP;                          // [NUM_WARPS][GROUP]
-    float* wo = wl + NUM_WARPS * GROUP;                          // [NUM_WARPS][GROUP][HEAD_DIM]
+    float* wm = reinterpret_cast<float*>(smem + ATTW_RING_OFF);  // [NUM_WARPS][GROUP] m_w, then c_w
+    float* wl = wm + NUM_WARPS * GROUP;                          // [NUM_WARPS][GROUP] l_w
+    float* hm = wl + NUM_WARPS * GROUP;                          // [GROUP] m, then [GROUP] l
+    float* wo = wm + ATTW_O_OFF;                                 // [NUM_WARPS][GROUP][ATTW_O_LD] o_w
     if (lg < GROUP) {
         if (lq == 0) {
             wm[warp * GROUP + lg] = m_run;
             wl[warp * GROUP + lg] = l_run;
         }
-        float* row = wo + (warp * GROUP + lg) * HEAD_DIM + 16 * lq;
+        float* row = wo + (warp * GROUP + lg) * ATTW_O_LD + 16 * lq;
 #pragma unroll
         for (int h = 0; h < ATTW_VP; ++h) {
             float4* d = reinterpret_cast<float4*>(row + 64 * h);
@@ -419,27 +426,36 @@ __device__ void attn_split_warps(const Task& t, unsigned char* smem) {
         }
     }
     __syncthreads();
+    if (tid < GROUP) {
+        const int h = tid;
+        float m = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < NUM_WARPS; ++w) m = fmaxf(m, wm[w * GROUP + h]);
+        float l = 0.f;
+#pragma unroll
+        for (int w = 0; w < NUM_WARPS; ++w) {
+            const float mw = wm[w * GROUP + h];
+            const float c = mw == -INFINITY ? 0.f : __expf(mw - m);
+            wm[w * GROUP + h] = c;
+            l += c * wl[w * GROUP + h];
+        }
+        hm[h] = m;
+        hm[GROUP + h] = l;
+    }
+    __syncthreads();
     const int splits = t.dim(O::part_o, 3);
     const size_t part = ((size_t)b * kv_heads + g) * splits + sp;
     float* po = t.ptr<float>(O::part_o) + part * GROUP * HEAD_DIM;
     for (int i = tid; i < GROUP * HEAD_DIM; i += NUM_THREADS) {
         const int h = i / HEAD_DIM;
-        float m = -INFINITY;
+        float acc = 0.f;
 #pragma unroll
-        for (int w = 0; w < NUM_WARPS; ++w) m = fmaxf(m, wm[w * GROUP + h]);
-        float acc = 0.f, l = 0.f;
-#pragma unroll
-        for (int w = 0; w < NUM_WARPS; ++w) {
-            const float mw = wm[w * GROUP + h];
-            const float c = mw == -INFINITY ? 0.f : __expf(mw - m);
-            acc += c * wo[(w * GROUP + h) * HEAD_DIM + i % HEAD_DIM];
-            l += c * wl[w * GROUP + h];
-        }
+        for (int w = 0; w < NUM_WARPS; ++w) acc += wm[w * GROUP + h] * wo[(w * GROUP + h) * ATTW_O_LD + i % HEAD_DIM];
         po[i] = acc;
         if (i % HEAD_DIM == 0) {
             float* ml = t.ptr<float>(O::part_ml) + (part * GROUP + h) * 2;
-            ml[0] = m;
-            ml[1] = l;
+            ml[0] = hm[h];
+            ml[1] = hm[GROUP + h];
         }
     }
 }
