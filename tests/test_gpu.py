@@ -260,14 +260,14 @@ def test_tiny_deterministic(tiny, num_sms):
         assert torch.equal(first, again) and torch.equal(tok, tok2), "the same inputs gave different logits"
 
 
-STAGING_OPS = ("LINEAR", "SWIGLU", "EXPERT_SWIGLU", "EXPERT_DOWN", "LM_HEAD")
+STAGING_OPS = ("LINEAR", "SWIGLU", "EXPERT_SWIGLU", "EXPERT_DOWN", "LM_HEAD", "ATTN_SPLIT")
 
 
 @pytest.mark.parametrize("batch", [1, 8])
 def test_tiny_profile_phases_are_ordered(tiny, num_sms, batch):
     """A profiled step of the phase-marking kernel (CodegenOptions.profile_phases): per task, began
-    waiting <= inputs ready <= (inputs staged, GEMV tiles only) <= op done <= signalled, and the
-    profiled step computes bitwise what the default kernel does."""
+    waiting <= inputs ready <= (inputs staged: GEMV tiles and warp attention splits) <= op done <=
+    signalled, and the profiled step computes bitwise what the default kernel does."""
     from mkc.codegen import CodegenOptions
     from mkc.runtime.cuda_backend import CudaDecoder
 
