@@ -4,7 +4,8 @@ A timeline holds, per task (task-id order), ``start`` and ``end`` in µs (the ta
 signalled its counter) and optionally ``wait`` (it began waiting for its inputs) and ``sm``; the
 megakernel records one with ``CudaDecoder.launch(profile=True)`` and ``timeline()``; a kernel built
 with ``CodegenOptions.profile_phases`` adds ``staged`` (the task's inputs were staged: GEMV tiles;
-the query heads of a warp attention split; NaN elsewhere) and ``done`` (its op was done, before the counter's release): format_phases.
+the query heads of a warp attention split; NaN elsewhere) and ``done`` (its op was done, before the
+counter's release): format_phases.
 Everything here is plain arithmetic on it, so the same functions read a predicted step (the
 schedule's ``predicted`` start / end) for comparison.
 """
