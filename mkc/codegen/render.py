@@ -172,8 +172,8 @@ class CodegenOptions:
     # A profiled step (CudaDecoder.launch(profile=True)) also records, per task, when its inputs
     # were staged (GEMV tiles: after the activations' copies and the RMSNorm, before the barrier that
     # publishes them; warp attention splits: their query heads, after that barrier) and when its op
-    # was done (after the closing barrier, before the counter's release): profile.format_phases. A kernel of its own, for profiling: the default kernel
-    # records the wait and the signal only.
+    # was done (after the closing barrier, before the counter's release): profile.format_phases. A
+    # kernel of its own, for profiling: the default kernel records the wait and the signal only.
     profile_phases: bool = False
     # The routing's code (ops.cuh: route_tokens, run by the expert tiles and the routing task):
     # "unrolled" (the TOP_K arg-max rounds unrolled, inlined into each op), "loop" (the rounds a
