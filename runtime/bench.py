@@ -361,7 +361,8 @@ def tune_attention_sms(spec: ModelSpec, weights: dict[str, torch.Tensor], batch:
     (mkc/schedule/plan.py) and record the fastest (mkc/schedule/tuning.py); None when there is
     only one candidate. Every count runs the same tokens and KV cache. The fastest count is then
     timed with the attention splits' inputs ranked first (Ceilings.attention_inputs_first_us),
-    where that places anything differently, and the faster of the two is recorded with it."""
+    where that places anything differently, and the faster of the two is recorded with it; then
+    the same with a layer's sibling tiles spread over SMs (Ceilings.spread_siblings)."""
     best = _tune(spec, weights, batch, context, sms=sms, bw=bw, reps=reps, page_size=page_size, log=log)
     return best[0] if best else None
 
@@ -375,6 +376,7 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
         DEFAULT_LOWERING,
         INPUTS_FIRST,
         INPUTS_FIRST_CANDIDATES,
+        SPREAD,
         attention_sms_candidates,
         plan,
     )
@@ -408,14 +410,31 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
         log(f"batch {batch} context {context}: {best} attention SMs, the splits' inputs ranked {us:g} µs "
             f"higher: {r.step_us:.1f} µs ({r.sol_fraction:.1%} SOL)")
     raise_us = min(first, key=lambda us: (first[us], us))
+    # then with a layer's sibling tiles spread over SMs (Ceilings.spread_siblings), where that places
+    # anything differently
+    chosen = dataclasses.replace(H200, attention_inputs_first_us=raise_us)
+    spread = {False: first[raise_us]}
+    spread_runs = {False: first_runs[raise_us]}
+    spread_ceilings = dataclasses.replace(chosen, spread_siblings=True)
+    if (plan(spec, batch, context, sms, page_size=page_size, attention_sms=best, ceilings=spread_ceilings).queues
+            != plan(spec, batch, context, sms, page_size=page_size, attention_sms=best, ceilings=chosen).queues):
+        lines = []
+        r = _megakernel_row(spec, weights, batch, context, sms=sms, bw=bw, reps=reps, page_size=page_size,
+                            profile_dir=None, log=lines.append, attention_sms=best, ceilings=spread_ceilings)
+        spread[True], spread_runs[True] = r.step_us, (r, lines)
+        log(f"batch {batch} context {context}: the same with sibling tiles spread over SMs: {r.step_us:.1f} µs "
+            f"({r.sol_fraction:.1%} SOL)")
+    spread_on = min(spread, key=lambda on: (spread[on], on))
     path = tuning.record(tuning.tuning_key(spec, batch, context, sms, page_size), {
         "attention_sms": best, "measured_us": {str(a): round(t, 1) for a, t in measured.items()},
         INPUTS_FIRST: raise_us, INPUTS_FIRST + "_measured_us": {f"{us:g}": round(t, 1) for us, t in first.items()},
+        SPREAD: spread_on, SPREAD + "_measured_us": {("on" if on else "off"): round(t, 1) for on, t in spread.items()},
         "gpu": torch.cuda.get_device_name(0), "reps": reps, "lowering": dict(DEFAULT_LOWERING),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")})
     log(f"batch {batch} context {context}: fastest with {best} attention SMs"
-        + (f" and the splits' inputs ranked {raise_us:g} µs higher" if raise_us else "") + f"; recorded in {path}")
-    return best, *first_runs[raise_us]
+        + (f" and the splits' inputs ranked {raise_us:g} µs higher" if raise_us else "")
+        + (" and sibling tiles spread over SMs" if spread_on else "") + f"; recorded in {path}")
+    return best, *spread_runs[spread_on]
 
 
 def _megakernel_row(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context: int, *, sms: int,

@@ -169,3 +169,30 @@ def test_attention_inputs_ranked_first():
     assert qkv_behind_expert_up(default, 10) > 0
     assert qkv_behind_expert_up(first, 10) == 0
     assert validate(first) == []
+
+
+def test_sibling_tiles_spread_over_sms():
+    """Ceilings.spread_siblings: North Mini Code at batch 1 holds a layer's 128 O-projection tiles
+    on 85 SMs (43 with two, one after the other); spread, 120 SMs hold them (at most 8 with two),
+    every other rule still applies, and the validator accepts the schedule."""
+    import dataclasses
+    from collections import Counter
+
+    from mkc.schedule.cost import H200
+    from mkc.schedule.profile import stage
+    from mkc.schedule.validator import validate
+
+    spec = load_spec("configs/north_mini_code.yaml")
+    prog = lower(spec, 1, 8192, 132, attention_sms=32)
+
+    def o_proj_sms(sc: Schedule, layer: int) -> Counter:
+        sm = {t: i for i, q in enumerate(sc.queues) for t in q}
+        return Counter(sm[t.id] for t in sc.tasks if t.layer == layer and stage(t) == "o_proj")
+
+    default = schedule(prog, spec.name)
+    spread = schedule(prog, spec.name, dataclasses.replace(H200, spread_siblings=True))
+    before, after = o_proj_sms(default, 10), o_proj_sms(spread, 10)
+    assert sum(before.values()) == sum(after.values()) == 128
+    assert max(before.values()) == 2 and sum(1 for n in before.values() if n == 2) > 32
+    assert len(after) > len(before) and sum(1 for n in after.values() if n > 1) <= 8
+    assert validate(spread) == []

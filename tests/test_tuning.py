@@ -91,25 +91,30 @@ def test_tune_times_every_candidate_and_records_the_fastest(tiny, tuning_file, m
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
     logs = []
     best = bench.tune_attention_sms(tiny, {}, 2, 40, sms=16, bw=4e12, reps=3, log=logs.append)
+    # the tiny model's placement is the same with its splits' inputs ranked first and with its
+    # sibling tiles spread: neither is timed
     assert best == 4 and timed == attention_sms_candidates(tiny, 2, 16)
     rec = json.loads(tuning_file.read_text())[tuning.tuning_key(tiny, 2, 40, 16)]
     assert rec["attention_sms"] == 4 and rec["gpu"] == "NVIDIA H200" and rec["reps"] == 3
     assert rec["lowering"] == {"rope_in_splits": True, "mlp_share": "bytes"}  # what the counts were timed with
     assert set(rec["measured_us"]) == {str(a) for a in timed}
     assert any("fastest with 4 attention SMs" in ln for ln in logs)
-    # the tiny model's placement is the same with its splits' inputs ranked first: not timed, 0 recorded
     assert rec["attention_inputs_first_us"] == 0.0 and rec["attention_inputs_first_us_measured_us"] == {
         "0": rec["measured_us"]["4"]}
+    assert rec["spread_siblings"] is False and rec["spread_siblings_measured_us"] == {"off": rec["measured_us"]["4"]}
     assert plan(tiny, 2, 40, 16).meta["attention_sms"] == {
         "chosen": 4, "chosen_by": "measured", "measured_us": rec["measured_us"], "measured_on": "NVIDIA H200",
         "measured_at": rec["date"], "measured_lowering": rec["lowering"], "measured_by": None,
-        "attention_inputs_first_us": 0.0, "attention_inputs_first_us_measured_us": {"0": rec["measured_us"]["4"]}}
+        "attention_inputs_first_us": 0.0, "attention_inputs_first_us_measured_us": {"0": rec["measured_us"]["4"]},
+        "spread_siblings": False, "spread_siblings_measured_us": {"off": rec["measured_us"]["4"]}}
 
 
 def test_tune_times_the_splits_inputs_first_where_it_places_differently(nmc, tuning_file, monkeypatch):
     """North Mini Code at batch 8: ranking the attention splits' inputs first (Ceilings.
     attention_inputs_first_us) changes the placement, so the fastest count is timed once more with
-    it, and the faster is recorded; the planner then schedules with it."""
+    it, and the faster is recorded; the planner then schedules with it. Spreading sibling tiles
+    (Ceilings.spread_siblings) changes it too, so that is timed next, with the raise; slower here,
+    it is recorded off."""
     import dataclasses
 
     from mkc.schedule.cost import H200
@@ -118,8 +123,9 @@ def test_tune_times_the_splits_inputs_first_where_it_places_differently(nmc, tun
 
     def fake_row(spec, w, b, c, *, attention_sms, ceilings=None, **kw):
         raised = ceilings is not None and ceilings.attention_inputs_first_us > 0
-        timed.append((attention_sms, raised))
-        us = 100 * (1 + abs(attention_sms - 64) / 64) - (5 if raised else 0)
+        spread = ceilings is not None and ceilings.spread_siblings
+        timed.append((attention_sms, raised, spread))
+        us = 100 * (1 + abs(attention_sms - 64) / 64) - (5 if raised else 0) + (3 if spread else 0)
         return bench.row("mkc", b, c, [us * 1e-6], 10**6, 4e12)
 
     monkeypatch.setattr(bench, "_megakernel_row", fake_row)
@@ -127,10 +133,11 @@ def test_tune_times_the_splits_inputs_first_where_it_places_differently(nmc, tun
     logs = []
     assert bench.tune_attention_sms(nmc, {}, 8, 8192, sms=132, bw=4e12, reps=3, log=logs.append) == 64
     candidates = attention_sms_candidates(nmc, 8, 132)
-    assert timed == [(a, False) for a in candidates] + [(64, True)]
+    assert timed == [(a, False, False) for a in candidates] + [(64, True, False), (64, True, True)]
     rec = json.loads(tuning_file.read_text())[tuning.tuning_key(nmc, 8, 8192, 132)]
     assert rec["attention_inputs_first_us"] == 100.0
     assert rec["attention_inputs_first_us_measured_us"] == {"0": 100.0, "100": 95.0}
+    assert rec["spread_siblings"] is False and rec["spread_siblings_measured_us"] == {"off": 95.0, "on": 98.0}
     assert any("and the splits' inputs ranked 100 µs higher" in ln for ln in logs)
     sc = plan(nmc, 8, 8192, 132)
     assert sc.meta["attention_sms"]["attention_inputs_first_us"] == 100.0

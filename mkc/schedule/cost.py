@@ -78,6 +78,12 @@ class Ceilings:
     # schedule does not change. Off here; `mkc bench --tune` times it per point and records the
     # faster (mkc/schedule/plan.py applies a recorded one: configs/tuning/h200.json at batch 4).
     attention_inputs_first_us: float = 0.0
+    # Spread a layer's tiles of one op over SMs (scheduler.py, rule 2): a tile whose SM already
+    # holds a sibling goes to the first SM without one that can start it before it would end there.
+    # Measured on an H200 (2026-12-01 00:23-00:24 UTC, BENCHMARKS.md; a scratch version of the same
+    # rule): batch 4 -0.6% to -1.9% in five rounds, batch 2 -0.3%, batch 1 +1.7%, batch 8 mixed.
+    # Off here; `mkc bench --tune` times it per point and records the faster (plan.py applies it).
+    spread_siblings: bool = False
 
 
 H200 = Ceilings()

@@ -22,8 +22,9 @@ the splits' measured 16 GB/s that placement uses. Against the counts measured on
 measurement wins where there is one.
 
 A measured entry may also carry the priority raise of the attention splits' inputs
-(``Ceilings.attention_inputs_first_us``) that ran faster at its point; the planner schedules with
-it unless the caller passes its own ceilings.
+(``Ceilings.attention_inputs_first_us``) and the spread of a layer's sibling tiles over SMs
+(``Ceilings.spread_siblings``) that ran faster at its point; the planner schedules with them
+unless the caller passes its own ceilings.
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ LOWERING_CHOICES = ("rope_in_splits", "mlp_share")
 # under INPUTS_FIRST + "_measured_us".
 INPUTS_FIRST = "attention_inputs_first_us"
 INPUTS_FIRST_CANDIDATES = (0.0, 100.0)
+# ... and its measured Ceilings.spread_siblings (timed with the count and raise chosen first), with
+# the times under SPREAD + "_measured_us" ("off", "on").
+SPREAD = "spread_siblings"
 DEFAULT_LOWERING = {f.name: f.default for f in dataclasses.fields(LowerOptions) if f.name in LOWERING_CHOICES}
 
 
@@ -115,13 +119,19 @@ def plan(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int
             how = {"chosen_by": "measured", "measured_us": measured.get("measured_us", {}),
                    "measured_on": measured.get("gpu", "?"), "measured_at": measured.get("date", "?"),
                    "measured_lowering": measured.get("lowering"), "measured_by": measured.get("by")}
-            # the priority raise of the attention splits' inputs measured at this point (an entry
-            # without one: the ceilings' own), unless the caller asked for other ceilings
-            first = measured.get(INPUTS_FIRST)
-            if isinstance(first, (int, float)) and ceilings == H200:
+            # the priority raise of the attention splits' inputs and the spread of sibling tiles
+            # measured at this point (an entry without them: the ceilings' own), unless the caller
+            # asked for other ceilings
+            first, spread = measured.get(INPUTS_FIRST), measured.get(SPREAD)
+            default_ceilings = ceilings == H200
+            if isinstance(first, (int, float)) and default_ceilings:
                 ceilings = dataclasses.replace(ceilings, attention_inputs_first_us=float(first))
                 how[INPUTS_FIRST] = float(first)
                 how[INPUTS_FIRST + "_measured_us"] = measured.get(INPUTS_FIRST + "_measured_us", {})
+            if isinstance(spread, bool) and default_ceilings:
+                ceilings = dataclasses.replace(ceilings, spread_siblings=spread)
+                how[SPREAD] = spread
+                how[SPREAD + "_measured_us"] = measured.get(SPREAD + "_measured_us", {})
         else:
             attention_sms, tried = choose_attention_sms(spec, batch, context, num_sms, page_size, kv_pages,
                                                         ceilings, **lowering)

@@ -7,7 +7,10 @@ Rules, in the order they apply:
 2. List scheduling: tasks are taken in priority order (which is a topological order) and each is
    placed on the SM where it can start earliest, preferring, among SMs already idle when its
    inputs are ready, the one that went idle last (it wastes the least). A task's start may
-   overlap its wait by its prefetchable weight time (cost.py).
+   overlap its wait by its prefetchable weight time (cost.py). With Ceilings.spread_siblings, a
+   task whose SM already holds a sibling (a task of its layer and stage, profile.stage: e.g.
+   another O-projection tile) goes instead to the first SM without one that can start it before
+   it would end there, so a layer's tiles of one op run beside each other, not one after another.
 3. Counters: an edge a → b already implied by a path a → c → b is not waited on (c's own wait
    covers it), unless the path runs through a routing edge: an expert-up tile's edge from the
    router tiles (schedule.routing_edge) orders the logits alone, since a kernel may read the
@@ -33,6 +36,7 @@ import networkx as nx
 
 from mkc.ir.graph import Program, Task
 from mkc.schedule.cost import H200, Ceilings, prefetchable_time, task_time
+from mkc.schedule.profile import stage
 from mkc.schedule.schedule import Counter, Schedule, routing_edge
 
 
@@ -62,13 +66,26 @@ def schedule(program: Program, model: str, ceilings: Ceilings = H200) -> Schedul
     start = [0.0] * len(tasks)
     end = [0.0] * len(tasks)
     sm_of = [-1] * len(tasks)
+    holders: dict[tuple[int, str], set[int]] = defaultdict(set)  # (layer, stage) -> SMs holding one
     for t in order:
         ready = max((end[p] + hop for p in g.predecessors(t)), default=0.0)
         # the SM that went idle last among those idle by `ready`, else the first to go idle
         i = bisect.bisect_right(free, (ready, n_sm)) - 1
         i = max(i, 0)
-        idle_at, sm = free.pop(i)
+        idle_at, sm = free[i]
         s = max(idle_at, ready - pre[t])
+        siblings = holders[tasks[t].layer, stage(tasks[t])]
+        if ceilings.spread_siblings and sm in siblings:
+            # the first SM to go idle without a sibling, if it can start the task before it would end here
+            for j, (idle_j, sm_j) in enumerate(free):
+                if max(idle_j, ready - pre[t]) >= s + cost[t]:
+                    break
+                if sm_j not in siblings:
+                    i, idle_at, sm = j, idle_j, sm_j
+                    s = max(idle_at, ready - pre[t])
+                    break
+        free.pop(i)
+        siblings.add(sm)
         start[t] = s
         end[t] = max(s + cost[t], ready + cost[t] - pre[t])
         sm_of[t] = sm

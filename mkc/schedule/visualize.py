@@ -196,6 +196,9 @@ def _attention_sms_row(d: dict[str, Any]) -> str:
             timed = ", ".join(f"{k}: {v:.1f}" for k, v in a.get("attention_inputs_first_us_measured_us", {}).items())
             row += (f"; the splits' inputs ranked {a['attention_inputs_first_us']:g} µs ahead, measured faster "
                     f"(step µs by raise: {timed})")
+        if a.get("spread_siblings"):  # the tuned spread of a layer's sibling tiles (plan.py)
+            timed = ", ".join(f"{k}: {v:.1f}" for k, v in a.get("spread_siblings_measured_us", {}).items())
+            row += f"; sibling tiles spread over SMs, measured faster (step µs: {timed})"
         return row
     if a["chosen_by"] == "compiler":
         tried = ", ".join(f"{k}: {v:.1f}" for k, v in a["probe_predicted_us"].items())
