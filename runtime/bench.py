@@ -394,36 +394,43 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
         runs[a] = (r, lines)
         log(f"batch {batch} context {context}: {a} attention SMs: {r.step_us:.1f} µs ({r.sol_fraction:.1%} SOL)")
     best = min(measured, key=lambda a: (measured[a], a))
-    # then the fastest count with each priority raise of the attention splits' inputs that places
-    # its tasks differently (Ceilings.attention_inputs_first_us; the first candidate, 0, is the run above)
+    # then the fastest count with each priority raise of the attention splits' inputs, and then with
+    # the chosen raise and a layer's sibling tiles spread over SMs (Ceilings.attention_inputs_first_us,
+    # spread_siblings): each timed only where it places the tasks differently
+    placed: dict[tuple[float, bool], list[list[int]]] = {}
+
+    def ceilings_of(raise_us: float, spread_on: bool) -> Ceilings:
+        return dataclasses.replace(H200, attention_inputs_first_us=raise_us, spread_siblings=spread_on)
+
+    def queues(raise_us: float, spread_on: bool) -> list[list[int]]:
+        if (raise_us, spread_on) not in placed:
+            placed[raise_us, spread_on] = plan(spec, batch, context, sms, page_size=page_size, attention_sms=best,
+                                               ceilings=ceilings_of(raise_us, spread_on)).queues
+        return placed[raise_us, spread_on]
+
+    def time_if_placed_otherwise(raise_us: float, spread_on: bool, than: tuple[float, bool], what: str):
+        if queues(raise_us, spread_on) == queues(*than):
+            return None  # the same schedule: nothing to time
+        lines: list[str] = []
+        r = _megakernel_row(spec, weights, batch, context, sms=sms, bw=bw, reps=reps, page_size=page_size,
+                            profile_dir=None, log=lines.append, attention_sms=best,
+                            ceilings=ceilings_of(raise_us, spread_on))
+        log(f"batch {batch} context {context}: {what}: {r.step_us:.1f} µs ({r.sol_fraction:.1%} SOL)")
+        return r, lines
+
     first = {INPUTS_FIRST_CANDIDATES[0]: measured[best]}
     first_runs = {INPUTS_FIRST_CANDIDATES[0]: runs[best]}
-    base_queues = plan(spec, batch, context, sms, page_size=page_size, attention_sms=best).queues
     for us in INPUTS_FIRST_CANDIDATES[1:]:
-        ceilings = dataclasses.replace(H200, attention_inputs_first_us=us)
-        if plan(spec, batch, context, sms, page_size=page_size, attention_sms=best, ceilings=ceilings).queues == base_queues:
-            continue  # the same schedule: nothing to time
-        lines = []
-        r = _megakernel_row(spec, weights, batch, context, sms=sms, bw=bw, reps=reps, page_size=page_size,
-                            profile_dir=None, log=lines.append, attention_sms=best, ceilings=ceilings)
-        first[us], first_runs[us] = r.step_us, (r, lines)
-        log(f"batch {batch} context {context}: {best} attention SMs, the splits' inputs ranked {us:g} µs "
-            f"higher: {r.step_us:.1f} µs ({r.sol_fraction:.1%} SOL)")
+        run = time_if_placed_otherwise(us, False, (INPUTS_FIRST_CANDIDATES[0], False),
+                                       f"{best} attention SMs, the splits' inputs ranked {us:g} µs higher")
+        if run:
+            first[us], first_runs[us] = run[0].step_us, run
     raise_us = min(first, key=lambda us: (first[us], us))
-    # then with a layer's sibling tiles spread over SMs (Ceilings.spread_siblings), where that places
-    # anything differently
-    chosen = dataclasses.replace(H200, attention_inputs_first_us=raise_us)
     spread = {False: first[raise_us]}
     spread_runs = {False: first_runs[raise_us]}
-    spread_ceilings = dataclasses.replace(chosen, spread_siblings=True)
-    if (plan(spec, batch, context, sms, page_size=page_size, attention_sms=best, ceilings=spread_ceilings).queues
-            != plan(spec, batch, context, sms, page_size=page_size, attention_sms=best, ceilings=chosen).queues):
-        lines = []
-        r = _megakernel_row(spec, weights, batch, context, sms=sms, bw=bw, reps=reps, page_size=page_size,
-                            profile_dir=None, log=lines.append, attention_sms=best, ceilings=spread_ceilings)
-        spread[True], spread_runs[True] = r.step_us, (r, lines)
-        log(f"batch {batch} context {context}: the same with sibling tiles spread over SMs: {r.step_us:.1f} µs "
-            f"({r.sol_fraction:.1%} SOL)")
+    run = time_if_placed_otherwise(raise_us, True, (raise_us, False), "the same with sibling tiles spread over SMs")
+    if run:
+        spread[True], spread_runs[True] = run[0].step_us, run
     spread_on = min(spread, key=lambda on: (spread[on], on))
     path = tuning.record(tuning.tuning_key(spec, batch, context, sms, page_size), {
         "attention_sms": best, "measured_us": {str(a): round(t, 1) for a, t in measured.items()},
