@@ -427,20 +427,22 @@ def nmc_positions(batch: int, context: int) -> torch.Tensor:
 
 
 def nmc_decoder(spec, weights, batch: int, context: int, num_sms: int, options=None):
-    """The decoder a user gets: the attention-SM count (and the raise of the splits' inputs'
-    priority) measured on an H200 where the shipped table has one (configs/tuning/h200.json; the
-    tests otherwise read an empty tuning file), else the cost model's; the default kernel unless
-    ``options`` (CodegenOptions) are given."""
+    """The decoder a user gets: the attention-SM count (with the raise of the splits' inputs'
+    priority and the spread of sibling tiles) measured on an H200 where the shipped table has one
+    (configs/tuning/h200.json; the tests otherwise read an empty tuning file), else the cost
+    model's; the default kernel unless ``options`` (CodegenOptions) are given."""
     import dataclasses
 
     from mkc.runtime.cuda_backend import CudaDecoder
     from mkc.schedule import tuning
     from mkc.schedule.cost import H200
+    from mkc.schedule.plan import INPUTS_FIRST, SPREAD
 
     shipped = tuning.lookup(tuning.tuning_key(spec, batch, context, num_sms), ROOT / "configs" / "tuning" / "h200.json")
-    raised = dataclasses.replace(H200, attention_inputs_first_us=float((shipped or {}).get("attention_inputs_first_us", 0.0)))
+    measured = dataclasses.replace(H200, attention_inputs_first_us=float((shipped or {}).get(INPUTS_FIRST, 0.0)),
+                                   spread_siblings=bool((shipped or {}).get(SPREAD, False)))
     sc = plan(spec, batch, context, num_sms, attention_sms=shipped["attention_sms"] if shipped else None,
-              ceilings=raised)
+              ceilings=measured)
     dec = CudaDecoder(sc, spec, weights, options=options)
     g = torch.Generator(device="cuda").manual_seed(batch * 100003 + context)
     for layer in range(spec.num_layers):

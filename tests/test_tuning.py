@@ -193,7 +193,7 @@ def test_compile_says_the_choice_was_measured(tiny, tuning_file, tmp_path):
 
 
 def test_the_shipped_h200_table_matches_north_mini_code(nmc, monkeypatch):
-    """configs/tuning/h200.json (mkc bench --tune on an H200, 2026-11-30) is keyed by today's
+    """configs/tuning/h200.json (mkc bench --tune on an H200, 2026-11-30 and 12-01) is keyed by today's
     North Mini Code spec: pointed at it, the planner takes its measured counts (a changed spec
     would silently stop matching, which this catches)."""
     monkeypatch.setenv("MKC_TUNING_FILE", str(ROOT / "configs" / "tuning" / "h200.json"))
@@ -212,6 +212,12 @@ def test_the_shipped_h200_table_matches_north_mini_code(nmc, monkeypatch):
         if raised:
             times = meta["attention_inputs_first_us_measured_us"]
             assert times["100"] < times["0"], times
+        # sibling tiles spread over SMs where that measured faster (batch 2 and 4 at 8K)
+        spread = meta.get("spread_siblings", False)
+        assert spread == ((batch, context) in ((2, 8192), (4, 8192))), (batch, context, meta)
+        if spread:
+            times = meta["spread_siblings_measured_us"]
+            assert times["on"] < times["off"], times
 
 
 def test_without_a_named_file_the_shipped_tables_apply_under_the_cache(nmc, monkeypatch, tmp_path):
