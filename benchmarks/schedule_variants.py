@@ -61,6 +61,16 @@ VARIANTS = {
     # expert tiles on an SM (replay of a batch-8 profile, 2026-11-30: -2.7%; measured 17:57-17:59
     # UTC: batch 4 -3.8%, batch 8 a tie, batch 2 +1.3%; batch 1's schedule is the default's)
     "attention-inputs-first": dataclasses.replace(H200, attention_inputs_first_us=100.0),
+    # ... and sibling tiles spread over SMs (Ceilings.spread_siblings): the shipped schedule of batch
+    # 4 at 8K (configs/tuning/h200.json, measured 2026-12-01 04:06 UTC), for another attention-SM count
+    "inputs-first-spread": dataclasses.replace(H200, attention_inputs_first_us=100.0, spread_siblings=True),
+    # sibling tiles spread alone: batch 2 at 8K's shipped schedule
+    "spread": dataclasses.replace(H200, spread_siblings=True),
+    # the splits ranked first too (Ceilings.splits_first; measured 2026-12-01 05:05 UTC: batch 8 -1.5%,
+    # batch 4 +1.0%, +4.3% with the spread)
+    "splits-first": dataclasses.replace(H200, attention_inputs_first_us=100.0, splits_first=True),
+    "splits-first-spread": dataclasses.replace(H200, attention_inputs_first_us=100.0, splits_first=True,
+                                               spread_siblings=True),
 }
 
 

@@ -361,8 +361,9 @@ def tune_attention_sms(spec: ModelSpec, weights: dict[str, torch.Tensor], batch:
     (mkc/schedule/plan.py) and record the fastest (mkc/schedule/tuning.py); None when there is
     only one candidate. Every count runs the same tokens and KV cache. The fastest count is then
     timed with the attention splits' inputs ranked first (Ceilings.attention_inputs_first_us),
-    where that places anything differently, and the faster of the two is recorded with it; then
-    the same with a layer's sibling tiles spread over SMs (Ceilings.spread_siblings)."""
+    and with the splits ranked first too (Ceilings.splits_first), each where that places anything
+    differently, and the fastest of these is recorded with it; then the same with a layer's sibling
+    tiles spread over SMs (Ceilings.spread_siblings)."""
     best = _tune(spec, weights, batch, context, sms=sms, bw=bw, reps=reps, page_size=page_size, log=log)
     return best[0] if best else None
 
@@ -376,6 +377,8 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
         DEFAULT_LOWERING,
         INPUTS_FIRST,
         INPUTS_FIRST_CANDIDATES,
+        SPLITS_FIRST,
+        SPLITS_FIRST_KEY,
         SPREAD,
         attention_sms_candidates,
         plan,
@@ -394,52 +397,59 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
         runs[a] = (r, lines)
         log(f"batch {batch} context {context}: {a} attention SMs: {r.step_us:.1f} µs ({r.sol_fraction:.1%} SOL)")
     best = min(measured, key=lambda a: (measured[a], a))
-    # then the fastest count with each priority raise of the attention splits' inputs, and then with
-    # the chosen raise and a layer's sibling tiles spread over SMs (Ceilings.attention_inputs_first_us,
-    # spread_siblings): each timed only where it places the tasks differently
-    placed: dict[tuple[float, bool], list[list[int]]] = {}
+    # then the fastest count with each priority raise of the attention splits' inputs (and of the
+    # splits too), and then with the chosen raise and a layer's sibling tiles spread over SMs
+    # (Ceilings.attention_inputs_first_us, splits_first, spread_siblings): each timed only where it
+    # places the tasks differently. A raise is (µs, splits too).
+    placed: dict[tuple[float, bool, bool], list[list[int]]] = {}
 
-    def ceilings_of(raise_us: float, spread_on: bool) -> Ceilings:
-        return dataclasses.replace(H200, attention_inputs_first_us=raise_us, spread_siblings=spread_on)
+    def ceilings_of(raise_us: float, splits: bool, spread_on: bool) -> Ceilings:
+        return dataclasses.replace(H200, attention_inputs_first_us=raise_us, splits_first=splits,
+                                   spread_siblings=spread_on)
 
-    def queues(raise_us: float, spread_on: bool) -> list[list[int]]:
-        if (raise_us, spread_on) not in placed:
-            placed[raise_us, spread_on] = plan(spec, batch, context, sms, page_size=page_size, attention_sms=best,
-                                               ceilings=ceilings_of(raise_us, spread_on)).queues
-        return placed[raise_us, spread_on]
+    def queues(*choice) -> list[list[int]]:
+        if choice not in placed:
+            placed[choice] = plan(spec, batch, context, sms, page_size=page_size, attention_sms=best,
+                                  ceilings=ceilings_of(*choice)).queues
+        return placed[choice]
 
-    def time_if_placed_otherwise(raise_us: float, spread_on: bool, than: tuple[float, bool], what: str):
-        if queues(raise_us, spread_on) == queues(*than):
+    def time_if_placed_otherwise(choice: tuple[float, bool, bool], than: tuple[float, bool, bool], what: str):
+        if queues(*choice) == queues(*than):
             return None  # the same schedule: nothing to time
         lines: list[str] = []
         r = _megakernel_row(spec, weights, batch, context, sms=sms, bw=bw, reps=reps, page_size=page_size,
-                            profile_dir=None, log=lines.append, attention_sms=best,
-                            ceilings=ceilings_of(raise_us, spread_on))
+                            profile_dir=None, log=lines.append, attention_sms=best, ceilings=ceilings_of(*choice))
         log(f"batch {batch} context {context}: {what}: {r.step_us:.1f} µs ({r.sol_fraction:.1%} SOL)")
         return r, lines
 
-    first = {INPUTS_FIRST_CANDIDATES[0]: measured[best]}
-    first_runs = {INPUTS_FIRST_CANDIDATES[0]: runs[best]}
-    for us in INPUTS_FIRST_CANDIDATES[1:]:
-        run = time_if_placed_otherwise(us, False, (INPUTS_FIRST_CANDIDATES[0], False),
-                                       f"{best} attention SMs, the splits' inputs ranked {us:g} µs higher")
+    raises = [(us, False) for us in INPUTS_FIRST_CANDIDATES] + [(INPUTS_FIRST_CANDIDATES[-1], True)]
+    first = {raises[0]: measured[best]}
+    first_runs = {raises[0]: runs[best]}
+    for us, splits in raises[1:]:
+        run = time_if_placed_otherwise((us, splits, False), (*raises[0], False),
+                                       f"{best} attention SMs, the splits' inputs"
+                                       + (" and the splits" if splits else "") + f" ranked {us:g} µs higher")
         if run:
-            first[us], first_runs[us] = run[0].step_us, run
-    raise_us = min(first, key=lambda us: (first[us], us))
-    spread = {False: first[raise_us]}
-    spread_runs = {False: first_runs[raise_us]}
-    run = time_if_placed_otherwise(raise_us, True, (raise_us, False), "the same with sibling tiles spread over SMs")
+            first[us, splits], first_runs[us, splits] = run[0].step_us, run
+    raise_us, splits_first = min(first, key=lambda r: (first[r], r))
+    spread = {False: first[raise_us, splits_first]}
+    spread_runs = {False: first_runs[raise_us, splits_first]}
+    run = time_if_placed_otherwise((raise_us, splits_first, True), (raise_us, splits_first, False),
+                                   "the same with sibling tiles spread over SMs")
     if run:
         spread[True], spread_runs[True] = run[0].step_us, run
     spread_on = min(spread, key=lambda on: (spread[on], on))
     path = tuning.record(tuning.tuning_key(spec, batch, context, sms, page_size), {
         "attention_sms": best, "measured_us": {str(a): round(t, 1) for a, t in measured.items()},
-        INPUTS_FIRST: raise_us, INPUTS_FIRST + "_measured_us": {f"{us:g}": round(t, 1) for us, t in first.items()},
+        INPUTS_FIRST: raise_us, SPLITS_FIRST: splits_first,
+        INPUTS_FIRST + "_measured_us": {(SPLITS_FIRST_KEY if splits else f"{us:g}"): round(t, 1)
+                                         for (us, splits), t in first.items()},
         SPREAD: spread_on, SPREAD + "_measured_us": {("on" if on else "off"): round(t, 1) for on, t in spread.items()},
         "gpu": torch.cuda.get_device_name(0), "reps": reps, "lowering": dict(DEFAULT_LOWERING),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")})
     log(f"batch {batch} context {context}: fastest with {best} attention SMs"
-        + (f" and the splits' inputs ranked {raise_us:g} µs higher" if raise_us else "")
+        + (f" and the splits' inputs{' and the splits' if splits_first else ''} ranked {raise_us:g} µs higher"
+           if raise_us else "")
         + (" and sibling tiles spread over SMs" if spread_on else "") + f"; recorded in {path}")
     return best, *spread_runs[spread_on]
 

@@ -92,29 +92,33 @@ def test_tune_times_every_candidate_and_records_the_fastest(tiny, tuning_file, m
     logs = []
     best = bench.tune_attention_sms(tiny, {}, 2, 40, sms=16, bw=4e12, reps=3, log=logs.append)
     # the tiny model's placement is the same with its splits' inputs ranked first and with its
-    # sibling tiles spread: neither is timed
-    assert best == 4 and timed == attention_sms_candidates(tiny, 2, 16)
+    # sibling tiles spread (neither is timed), not with its splits ranked first too (timed once
+    # more; as fast here, so the plain ranking is kept)
+    candidates = attention_sms_candidates(tiny, 2, 16)
+    assert best == 4 and timed == [*candidates, 4]
     rec = json.loads(tuning_file.read_text())[tuning.tuning_key(tiny, 2, 40, 16)]
     assert rec["attention_sms"] == 4 and rec["gpu"] == "NVIDIA H200" and rec["reps"] == 3
     assert rec["lowering"] == {"rope_in_splits": True, "mlp_share": "bytes"}  # what the counts were timed with
-    assert set(rec["measured_us"]) == {str(a) for a in timed}
+    assert set(rec["measured_us"]) == {str(a) for a in candidates}
     assert any("fastest with 4 attention SMs" in ln for ln in logs)
-    assert rec["attention_inputs_first_us"] == 0.0 and rec["attention_inputs_first_us_measured_us"] == {
-        "0": rec["measured_us"]["4"]}
-    assert rec["spread_siblings"] is False and rec["spread_siblings_measured_us"] == {"off": rec["measured_us"]["4"]}
+    t4 = rec["measured_us"]["4"]
+    assert rec["attention_inputs_first_us"] == 0.0 and rec["splits_first"] is False
+    assert rec["attention_inputs_first_us_measured_us"] == {"0": t4, "100+splits": t4}
+    assert rec["spread_siblings"] is False and rec["spread_siblings_measured_us"] == {"off": t4}
     assert plan(tiny, 2, 40, 16).meta["attention_sms"] == {
         "chosen": 4, "chosen_by": "measured", "measured_us": rec["measured_us"], "measured_on": "NVIDIA H200",
         "measured_at": rec["date"], "measured_lowering": rec["lowering"], "measured_by": None,
-        "attention_inputs_first_us": 0.0, "attention_inputs_first_us_measured_us": {"0": rec["measured_us"]["4"]},
-        "spread_siblings": False, "spread_siblings_measured_us": {"off": rec["measured_us"]["4"]}}
+        "attention_inputs_first_us": 0.0, "attention_inputs_first_us_measured_us": {"0": t4, "100+splits": t4},
+        "spread_siblings": False, "spread_siblings_measured_us": {"off": t4}}
 
 
 def test_tune_times_the_splits_inputs_first_where_it_places_differently(nmc, tuning_file, monkeypatch):
     """North Mini Code at batch 8: ranking the attention splits' inputs first (Ceilings.
-    attention_inputs_first_us) changes the placement, so the fastest count is timed once more with
-    it, and the faster is recorded; the planner then schedules with it. Spreading sibling tiles
-    (Ceilings.spread_siblings) changes it too, so that is timed next, with the raise; slower here,
-    it is recorded off."""
+    attention_inputs_first_us) changes the placement, and ranking the splits first too (Ceilings.
+    splits_first) changes it again, so the fastest count is timed with each, and the fastest is
+    recorded; the planner then schedules with it. Spreading sibling tiles (Ceilings.
+    spread_siblings) changes it too, so that is timed next, with the raise; slower here, it is
+    recorded off."""
     import dataclasses
 
     from mkc.schedule.cost import H200
@@ -123,9 +127,10 @@ def test_tune_times_the_splits_inputs_first_where_it_places_differently(nmc, tun
 
     def fake_row(spec, w, b, c, *, attention_sms, ceilings=None, **kw):
         raised = ceilings is not None and ceilings.attention_inputs_first_us > 0
+        splits = ceilings is not None and ceilings.splits_first
         spread = ceilings is not None and ceilings.spread_siblings
-        timed.append((attention_sms, raised, spread))
-        us = 100 * (1 + abs(attention_sms - 64) / 64) - (5 if raised else 0) + (3 if spread else 0)
+        timed.append((attention_sms, raised, splits, spread))
+        us = 100 * (1 + abs(attention_sms - 64) / 64) - (5 if raised else 0) - (2 if splits else 0) + (3 if spread else 0)
         return bench.row("mkc", b, c, [us * 1e-6], 10**6, 4e12)
 
     monkeypatch.setattr(bench, "_megakernel_row", fake_row)
@@ -133,17 +138,21 @@ def test_tune_times_the_splits_inputs_first_where_it_places_differently(nmc, tun
     logs = []
     assert bench.tune_attention_sms(nmc, {}, 8, 8192, sms=132, bw=4e12, reps=3, log=logs.append) == 64
     candidates = attention_sms_candidates(nmc, 8, 132)
-    assert timed == [(a, False, False) for a in candidates] + [(64, True, False), (64, True, True)]
+    assert timed == ([(a, False, False, False) for a in candidates]
+                     + [(64, True, False, False), (64, True, True, False), (64, True, True, True)])
     rec = json.loads(tuning_file.read_text())[tuning.tuning_key(nmc, 8, 8192, 132)]
-    assert rec["attention_inputs_first_us"] == 100.0
-    assert rec["attention_inputs_first_us_measured_us"] == {"0": 100.0, "100": 95.0}
-    assert rec["spread_siblings"] is False and rec["spread_siblings_measured_us"] == {"off": 95.0, "on": 98.0}
-    assert any("and the splits' inputs ranked 100 µs higher" in ln for ln in logs)
+    assert rec["attention_inputs_first_us"] == 100.0 and rec["splits_first"] is True
+    assert rec["attention_inputs_first_us_measured_us"] == {"0": 100.0, "100": 95.0, "100+splits": 93.0}
+    assert rec["spread_siblings"] is False and rec["spread_siblings_measured_us"] == {"off": 93.0, "on": 96.0}
+    assert any("and the splits' inputs and the splits ranked 100 µs higher" in ln for ln in logs)
     sc = plan(nmc, 8, 8192, 132)
     assert sc.meta["attention_sms"]["attention_inputs_first_us"] == 100.0
+    assert sc.meta["attention_sms"]["splits_first"] is True
     raised = plan(nmc, 8, 8192, 132, attention_sms=64,
                   ceilings=dataclasses.replace(H200, attention_inputs_first_us=100.0))
-    assert sc.queues == raised.queues != plan(nmc, 8, 8192, 132, attention_sms=64).queues
+    first = plan(nmc, 8, 8192, 132, attention_sms=64,
+                 ceilings=dataclasses.replace(H200, attention_inputs_first_us=100.0, splits_first=True))
+    assert sc.queues == first.queues != raised.queues != plan(nmc, 8, 8192, 132, attention_sms=64).queues
 
 
 def test_tune_skips_a_point_with_one_candidate(monkeypatch, tuning_file):
@@ -177,11 +186,13 @@ def test_run_bench_tunes_then_reports_the_fastest_run(tiny, tuning_file, monkeyp
     rows = bench.run_bench(tiny, {}, [2], [40], reps=3, tune=True, log=logs.append,
                            profile_dir=tmp_path if profiled else None)
     candidates = attention_sms_candidates(tiny, 2, 16)
-    timed = [(a, False) for a in candidates]
+    timed = [(a, False) for a in candidates] + [(4, False)]  # the splits ranked first too: another placement
     assert runs == timed + ([(None, True)] if profiled else []) + [("torch", False)]
     assert rows[0].step_us == pytest.approx(100.0)  # the 4-SM run, the fastest
     assert ("kernel line of the run with 4 attention SMs" in logs) != profiled
     assert sum(ln.startswith("kernel line") for ln in logs) == 1  # the reported run's only
+
+
 def test_compile_says_the_choice_was_measured(tiny, tuning_file, tmp_path):
     tuning.record(tuning.tuning_key(tiny, 2, 64, 8), entry(4))
     r = subprocess.run([sys.executable, "-m", "mkc.cli", "compile", "configs/tiny.yaml", "-o", str(tmp_path / "out"),

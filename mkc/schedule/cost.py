@@ -84,6 +84,14 @@ class Ceilings:
     # rule): batch 4 -0.6% to -1.9% in five rounds, batch 2 -0.3%, batch 1 +1.7%, batch 8 mixed.
     # Off here; `mkc bench --tune` times it per point and records the faster (plan.py applies it).
     spread_siblings: bool = False
+    # With attention_inputs_first_us, the attention splits themselves take the raise too, so the
+    # list scheduler places each split (and, through the rank, its inputs) ahead of the expert tiles
+    # instead of queueing it behind one. Measured on an H200 (benchmarks/schedule_variants.py,
+    # 2026-12-01 05:05 UTC, two rounds, µs against the shipped schedule): batch 8 8584.8 / 8575.9
+    # against 8738.8 / 8682.7 (-1.5%); batch 4 5422.7 / 5478.8 against 5390.4 / 5409.2 with the
+    # shipped spread (+1.0%). Off here; `mkc bench --tune` times it per point and records the
+    # faster (plan.py applies a recorded one).
+    splits_first: bool = False
 
 
 H200 = Ceilings()

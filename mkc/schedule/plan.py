@@ -22,9 +22,9 @@ the splits' measured 16 GB/s that placement uses. Against the counts measured on
 measurement wins where there is one.
 
 A measured entry may also carry the priority raise of the attention splits' inputs
-(``Ceilings.attention_inputs_first_us``) and the spread of a layer's sibling tiles over SMs
-(``Ceilings.spread_siblings``) that ran faster at its point; the planner schedules with them
-unless the caller passes its own ceilings.
+(``Ceilings.attention_inputs_first_us``, and ``Ceilings.splits_first``: of the splits too) and
+the spread of a layer's sibling tiles over SMs (``Ceilings.spread_siblings``) that ran faster at
+its point; the planner schedules with them unless the caller passes its own ceilings.
 """
 
 from __future__ import annotations
@@ -47,6 +47,10 @@ LOWERING_CHOICES = ("rope_in_splits", "mlp_share")
 # under INPUTS_FIRST + "_measured_us".
 INPUTS_FIRST = "attention_inputs_first_us"
 INPUTS_FIRST_CANDIDATES = (0.0, 100.0)
+# ... whether the raise goes to the splits themselves too (Ceilings.splits_first: timed as a third
+# raise, its time under INPUTS_FIRST + "_measured_us" as SPLITS_FIRST_KEY) ...
+SPLITS_FIRST = "splits_first"
+SPLITS_FIRST_KEY = f"{INPUTS_FIRST_CANDIDATES[-1]:g}+splits"
 # ... and its measured Ceilings.spread_siblings (timed with the count and raise chosen first), with
 # the times under SPREAD + "_measured_us" ("off", "on").
 SPREAD = "spread_siblings"
@@ -128,6 +132,9 @@ def plan(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int
                 ceilings = dataclasses.replace(ceilings, attention_inputs_first_us=float(first))
                 how[INPUTS_FIRST] = float(first)
                 how[INPUTS_FIRST + "_measured_us"] = measured.get(INPUTS_FIRST + "_measured_us", {})
+                if measured.get(SPLITS_FIRST) is True:
+                    ceilings = dataclasses.replace(ceilings, splits_first=True)
+                    how[SPLITS_FIRST] = True
             if isinstance(spread, bool) and default_ceilings:
                 ceilings = dataclasses.replace(ceilings, spread_siblings=spread)
                 how[SPREAD] = spread

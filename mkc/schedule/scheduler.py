@@ -3,7 +3,9 @@
 Rules, in the order they apply:
 
 1. Priority is the upward rank: a task's predicted time plus the longest chain of predicted
-   times after it (the critical path to the end of the step). Ties go to program order.
+   times after it (the critical path to the end of the step). Ties go to program order. With
+   Ceilings.attention_inputs_first_us, the tasks that feed an attention split (and with
+   Ceilings.splits_first the splits too) count that much more.
 2. List scheduling: tasks are taken in priority order (which is a topological order) and each is
    placed on the SM where it can start earliest, preferring, among SMs already idle when its
    inputs are ready, the one that went idle last (it wastes the least). A task's start may
@@ -56,8 +58,9 @@ def schedule(program: Program, model: str, ceilings: Ceilings = H200) -> Schedul
     cost = [task_time(t, n_sm, ceilings) for t in tasks]
     pre = [prefetchable_time(t, n_sm, ceilings) for t in tasks]
     boost = ceilings.attention_inputs_first_us * 1e-6
-    feeds_split = [boost > 0 and any(tasks[s].op.name == "ATTN_SPLIT" for s in g.successors(t.id)) for t in tasks]
-    rank = upward_rank(g, [c + (boost if f else 0.0) for c, f in zip(cost, feeds_split)])
+    raised = [boost > 0 and (any(tasks[s].op.name == "ATTN_SPLIT" for s in g.successors(t.id))
+                             or (ceilings.splits_first and t.op.name == "ATTN_SPLIT")) for t in tasks]
+    rank = upward_rank(g, [c + (boost if r else 0.0) for c, r in zip(cost, raised)])
     order = sorted(range(len(tasks)), key=lambda i: (-rank[i], i))
 
     # list scheduling; free = sorted list of (time the SM goes idle, sm)

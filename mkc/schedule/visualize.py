@@ -194,7 +194,8 @@ def _attention_sms_row(d: dict[str, Any]) -> str:
             row += f"; measured under {was} (this compile: {now})"
         if a.get("attention_inputs_first_us"):  # the tuned raise of the splits' inputs (plan.py)
             timed = ", ".join(f"{k}: {v:.1f}" for k, v in a.get("attention_inputs_first_us_measured_us", {}).items())
-            row += (f"; the splits' inputs ranked {a['attention_inputs_first_us']:g} µs ahead, measured faster "
+            what = "the splits and their inputs" if a.get("splits_first") else "the splits' inputs"
+            row += (f"; {what} ranked {a['attention_inputs_first_us']:g} µs ahead, measured faster "
                     f"(step µs by raise: {timed})")
         if a.get("spread_siblings"):  # the tuned spread of a layer's sibling tiles (plan.py)
             timed = ", ".join(f"{k}: {v:.1f}" for k, v in a.get("spread_siblings_measured_us", {}).items())
