@@ -76,7 +76,7 @@ class Ceilings:
     # µs against the default): batch 4 5719 / 5626 against 5906 / 5883 (-3.8%), batch 8 8972 / 9079
     # against 9036 / 9061 (a tie), batch 2 3619 / 3618 against 3565 / 3579 (+1.3%); batch 1's
     # schedule does not change. Off here; `mkc bench --tune` times it per point and records the
-    # faster (mkc/schedule/plan.py applies a recorded one: configs/tuning/h200.json at batch 4).
+    # faster (mkc/schedule/plan.py applies a recorded one: configs/tuning/h200.json at batch 4 and 8).
     attention_inputs_first_us: float = 0.0
     # Spread a layer's tiles of one op over SMs (scheduler.py, rule 2): a tile whose SM already
     # holds a sibling goes to the first SM without one that can start it before it would end there.
