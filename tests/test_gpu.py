@@ -28,6 +28,7 @@ element). Through the layers such flips average out to ~1e-3 relative in L2, so:
 from __future__ import annotations
 
 import math
+import os
 import re
 from pathlib import Path
 
@@ -427,23 +428,16 @@ def nmc_positions(batch: int, context: int) -> torch.Tensor:
 
 
 def nmc_decoder(spec, weights, batch: int, context: int, num_sms: int, options=None):
-    """The decoder a user gets: the attention-SM count (with the raise of the splits' inputs' or
-    the splits' priority and the spread of sibling tiles) measured on an H200 where the shipped table has one
-    (configs/tuning/h200.json; the tests otherwise read an empty tuning file), else the cost
-    model's; the default kernel unless ``options`` (CodegenOptions) are given."""
-    import dataclasses
+    """The decoder a user gets: planned as `plan()` plans it with the shipped table
+    (configs/tuning/h200.json: the attention-SM count, the raise and the spread measured on an
+    H200 at that point, else the cost model's; the tests otherwise read an empty tuning file); the
+    default kernel unless ``options`` (CodegenOptions) are given."""
+    from unittest import mock
 
     from mkc.runtime.cuda_backend import CudaDecoder
-    from mkc.schedule import tuning
-    from mkc.schedule.cost import H200
-    from mkc.schedule.plan import INPUTS_FIRST, SPLITS_FIRST, SPREAD
 
-    shipped = tuning.lookup(tuning.tuning_key(spec, batch, context, num_sms), ROOT / "configs" / "tuning" / "h200.json")
-    measured = dataclasses.replace(H200, attention_inputs_first_us=float((shipped or {}).get(INPUTS_FIRST, 0.0)),
-                                   splits_first=(shipped or {}).get(SPLITS_FIRST) is True,
-                                   spread_siblings=bool((shipped or {}).get(SPREAD, False)))
-    sc = plan(spec, batch, context, num_sms, attention_sms=shipped["attention_sms"] if shipped else None,
-              ceilings=measured)
+    with mock.patch.dict(os.environ, {"MKC_TUNING_FILE": str(ROOT / "configs" / "tuning" / "h200.json")}):
+        sc = plan(spec, batch, context, num_sms)
     dec = CudaDecoder(sc, spec, weights, options=options)
     g = torch.Generator(device="cuda").manual_seed(batch * 100003 + context)
     for layer in range(spec.num_layers):
