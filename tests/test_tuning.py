@@ -16,7 +16,7 @@ import torch
 from mkc.ir.spec import load_spec
 from mkc.runtime import bench
 from mkc.schedule import tuning
-from mkc.schedule.plan import attention_sms_candidates, plan
+from mkc.schedule.plan import attention_sms_candidates, plan, plan_choices
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -145,14 +145,10 @@ def test_tune_times_the_splits_inputs_first_where_it_places_differently(nmc, tun
     assert rec["attention_inputs_first_us_measured_us"] == {"0": 100.0, "100": 95.0, "100+splits": 93.0}
     assert rec["spread_siblings"] is False and rec["spread_siblings_measured_us"] == {"off": 93.0, "on": 96.0}
     assert any("and the splits' inputs and the splits ranked 100 µs higher" in ln for ln in logs)
-    sc = plan(nmc, 8, 8192, 132)
-    assert sc.meta["attention_sms"]["attention_inputs_first_us"] == 100.0
-    assert sc.meta["attention_sms"]["splits_first"] is True
-    raised = plan(nmc, 8, 8192, 132, attention_sms=64,
-                  ceilings=dataclasses.replace(H200, attention_inputs_first_us=100.0))
-    first = plan(nmc, 8, 8192, 132, attention_sms=64,
-                 ceilings=dataclasses.replace(H200, attention_inputs_first_us=100.0, splits_first=True))
-    assert sc.queues == first.queues != raised.queues != plan(nmc, 8, 8192, 132, attention_sms=64).queues
+    # what plan() then schedules with (each raise placed differently, or the tuner had not timed it)
+    count, ceilings, how = plan_choices(nmc, 8, 8192, 132)
+    assert count == 64 and ceilings == dataclasses.replace(H200, attention_inputs_first_us=100.0, splits_first=True)
+    assert how["attention_inputs_first_us"] == 100.0 and how["splits_first"] is True
 
 
 def test_tune_skips_a_point_with_one_candidate(monkeypatch, tuning_file):
@@ -215,7 +211,8 @@ def test_the_shipped_h200_table_matches_north_mini_code(nmc, monkeypatch):
         rec = table[tuning.tuning_key(nmc, batch, context, 132)]
         fastest = min(rec["measured_us"], key=lambda a: rec["measured_us"][a])
         assert rec["attention_sms"] == want and fastest == str(want), (batch, context, rec)
-        meta = plan(nmc, batch, context, 132).meta["attention_sms"]
+        chosen, _, how = plan_choices(nmc, batch, context, 132)  # what plan() schedules with
+        meta = {"chosen": chosen, **how}
         assert meta["chosen"] == want and meta["chosen_by"] == "measured", (batch, context, meta)
         # the splits' inputs ranked first where it measured faster (batch 4 and 8 at 8K), and the
         # splits too where that measured faster still (batch 8), nowhere else
@@ -239,12 +236,12 @@ def test_without_a_named_file_the_shipped_tables_apply_under_the_cache(nmc, monk
     """MKC_TUNING_FILE unset: the kernel cache's tuning.json first, then configs/tuning/*.json."""
     monkeypatch.delenv("MKC_TUNING_FILE", raising=False)
     monkeypatch.setenv("MKC_CACHE_DIR", str(tmp_path))
-    meta = plan(nmc, 8, 8192, 132).meta["attention_sms"]
-    assert meta["chosen"] == 64 and meta["chosen_by"] == "measured" and meta["measured_on"] == "NVIDIA H200"
+    chosen, _, how = plan_choices(nmc, 8, 8192, 132)  # what plan() schedules with
+    assert chosen == 64 and how["chosen_by"] == "measured" and how["measured_on"] == "NVIDIA H200"
     tuning.record(tuning.tuning_key(nmc, 8, 8192, 132), entry(32))  # this machine's own measurement
     assert (tmp_path / "tuning.json").exists()
-    meta = plan(nmc, 8, 8192, 132).meta["attention_sms"]
-    assert meta["chosen"] == 32 and meta["measured_us"]["32"] == 100.0
+    chosen, _, how = plan_choices(nmc, 8, 8192, 132)
+    assert chosen == 32 and how["measured_us"]["32"] == 100.0
 
 
 def test_a_measured_count_names_its_tool_and_lowering(nmc, tuning_file):

@@ -30,6 +30,7 @@ its point; the planner schedules with them unless the caller passes its own ceil
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from mkc.ir.lower import LowerOptions, lower
 from mkc.ir.spec import ModelSpec
@@ -104,6 +105,44 @@ def choose_attention_sms(spec: ModelSpec, batch: int, context: int, num_sms: int
     return min(cands, key=lambda a: (predicted[a], a)), predicted
 
 
+def plan_choices(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int = 0, kv_pages: int = 0,
+                 attention_sms: int | None = None, ceilings: Ceilings = H200,
+                 **lowering) -> tuple[int, Ceilings, dict[str, Any]]:
+    """What plan() schedules with, before it lowers and schedules: the attention-SM count, the
+    ceilings (with a measured entry's raise and spread applied) and ``meta["attention_sms"]``
+    without the count (see plan)."""
+    lowering = lowering_choices(lowering)
+    how: dict[str, Any] = {"chosen_by": "asked", "probe_predicted_us": {}}
+    if attention_sms is not None:
+        return attention_sms, ceilings, how
+    measured = tuning.lookup(tuning.tuning_key(spec, batch, context, num_sms, page_size))
+    if not (measured and measured.get("attention_sms") in attention_sms_candidates(spec, batch, num_sms)):
+        attention_sms, tried = choose_attention_sms(spec, batch, context, num_sms, page_size, kv_pages,
+                                                    ceilings, **lowering)
+        return attention_sms, ceilings, {"chosen_by": "compiler" if tried else "only candidate",
+                                         "probe_predicted_us": {str(a): us for a, us in tried.items()}}
+    how = {"chosen_by": "measured", "measured_us": measured.get("measured_us", {}),
+           "measured_on": measured.get("gpu", "?"), "measured_at": measured.get("date", "?"),
+           "measured_lowering": measured.get("lowering"), "measured_by": measured.get("by")}
+    # the priority raise of the attention splits' inputs (and splits) and the spread of sibling
+    # tiles measured at this point (an entry without them: the ceilings' own), unless the caller
+    # asked for other ceilings
+    first, spread = measured.get(INPUTS_FIRST), measured.get(SPREAD)
+    default_ceilings = ceilings == H200
+    if isinstance(first, (int, float)) and default_ceilings:
+        ceilings = dataclasses.replace(ceilings, attention_inputs_first_us=float(first))
+        how[INPUTS_FIRST] = float(first)
+        how[INPUTS_FIRST + "_measured_us"] = measured.get(INPUTS_FIRST + "_measured_us", {})
+        if measured.get(SPLITS_FIRST) is True:
+            ceilings = dataclasses.replace(ceilings, splits_first=True)
+            how[SPLITS_FIRST] = True
+    if isinstance(spread, bool) and default_ceilings:
+        ceilings = dataclasses.replace(ceilings, spread_siblings=spread)
+        how[SPREAD] = spread
+        how[SPREAD + "_measured_us"] = measured.get(SPREAD + "_measured_us", {})
+    return int(measured["attention_sms"]), ceilings, how
+
+
 def plan(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int = 0, kv_pages: int = 0,
          attention_sms: int | None = None, ceilings: Ceilings = H200, **lowering) -> Schedule:
     """Lower and schedule one decode step: the schedule every runtime path runs.
@@ -115,35 +154,8 @@ def plan(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int
     ``lowering``: the LOWERING_CHOICES (LowerOptions fields; default DEFAULT_LOWERING), each also in
     ``meta`` under its name."""
     lowering = lowering_choices(lowering)
-    how = {"chosen_by": "asked", "probe_predicted_us": {}}
-    if attention_sms is None:
-        measured = tuning.lookup(tuning.tuning_key(spec, batch, context, num_sms, page_size))
-        if measured and measured.get("attention_sms") in attention_sms_candidates(spec, batch, num_sms):
-            attention_sms = int(measured["attention_sms"])
-            how = {"chosen_by": "measured", "measured_us": measured.get("measured_us", {}),
-                   "measured_on": measured.get("gpu", "?"), "measured_at": measured.get("date", "?"),
-                   "measured_lowering": measured.get("lowering"), "measured_by": measured.get("by")}
-            # the priority raise of the attention splits' inputs and the spread of sibling tiles
-            # measured at this point (an entry without them: the ceilings' own), unless the caller
-            # asked for other ceilings
-            first, spread = measured.get(INPUTS_FIRST), measured.get(SPREAD)
-            default_ceilings = ceilings == H200
-            if isinstance(first, (int, float)) and default_ceilings:
-                ceilings = dataclasses.replace(ceilings, attention_inputs_first_us=float(first))
-                how[INPUTS_FIRST] = float(first)
-                how[INPUTS_FIRST + "_measured_us"] = measured.get(INPUTS_FIRST + "_measured_us", {})
-                if measured.get(SPLITS_FIRST) is True:
-                    ceilings = dataclasses.replace(ceilings, splits_first=True)
-                    how[SPLITS_FIRST] = True
-            if isinstance(spread, bool) and default_ceilings:
-                ceilings = dataclasses.replace(ceilings, spread_siblings=spread)
-                how[SPREAD] = spread
-                how[SPREAD + "_measured_us"] = measured.get(SPREAD + "_measured_us", {})
-        else:
-            attention_sms, tried = choose_attention_sms(spec, batch, context, num_sms, page_size, kv_pages,
-                                                        ceilings, **lowering)
-            how = {"chosen_by": "compiler" if tried else "only candidate",
-                   "probe_predicted_us": {str(a): us for a, us in tried.items()}}
+    attention_sms, ceilings, how = plan_choices(spec, batch, context, num_sms, page_size, kv_pages, attention_sms,
+                                                ceilings, **lowering)
     program = lower(spec, batch, context, num_sms, page_size, kv_pages, attention_sms=attention_sms, **lowering)
     sc = schedule(program, spec.name, ceilings)
     sc.meta["attention_sms"] = {"chosen": attention_sms, **how}
