@@ -400,7 +400,7 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
     # then the fastest count with each priority raise of the attention splits' inputs (and of the
     # splits too), and then with the chosen raise and a layer's sibling tiles spread over SMs
     # (Ceilings.attention_inputs_first_us, splits_first, spread_siblings): each timed only where it
-    # places the tasks differently. A raise is (µs, splits too).
+    # places the tasks differently from every placement timed before it. A raise is (µs, splits too).
     placed: dict[tuple[float, bool, bool], list[list[int]]] = {}
 
     def ceilings_of(raise_us: float, splits: bool, spread_on: bool) -> Ceilings:
@@ -413,9 +413,9 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
                                   ceilings=ceilings_of(*choice)).queues
         return placed[choice]
 
-    def time_if_placed_otherwise(choice: tuple[float, bool, bool], than: tuple[float, bool, bool], what: str):
-        if queues(*choice) == queues(*than):
-            return None  # the same schedule: nothing to time
+    def time_if_placed_otherwise(choice: tuple[float, bool, bool], timed: list[tuple[float, bool, bool]], what: str):
+        if any(queues(*choice) == queues(*c) for c in timed):
+            return None  # a schedule already timed: nothing to time
         lines: list[str] = []
         r = _megakernel_row(spec, weights, batch, context, sms=sms, bw=bw, reps=reps, page_size=page_size,
                             profile_dir=None, log=lines.append, attention_sms=best, ceilings=ceilings_of(*choice))
@@ -426,7 +426,7 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
     first = {raises[0]: measured[best]}
     first_runs = {raises[0]: runs[best]}
     for us, splits in raises[1:]:
-        run = time_if_placed_otherwise((us, splits, False), (*raises[0], False),
+        run = time_if_placed_otherwise((us, splits, False), [(*r, False) for r in first],
                                        f"{best} attention SMs, the splits' inputs"
                                        + (" and the splits" if splits else "") + f" ranked {us:g} µs higher")
         if run:
@@ -434,7 +434,7 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
     raise_us, splits_first = min(first, key=lambda r: (first[r], r))
     spread = {False: first[raise_us, splits_first]}
     spread_runs = {False: first_runs[raise_us, splits_first]}
-    run = time_if_placed_otherwise((raise_us, splits_first, True), (raise_us, splits_first, False),
+    run = time_if_placed_otherwise((raise_us, splits_first, True), [(raise_us, splits_first, False)],
                                    "the same with sibling tiles spread over SMs")
     if run:
         spread[True], spread_runs[True] = run[0].step_us, run
