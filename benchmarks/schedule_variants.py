@@ -90,6 +90,9 @@ def main() -> None:
     ap.add_argument("--mlp-share", nargs="+", default=["bytes"], choices=["rest", "bytes"],
                     help="LowerOptions.mlp_share values to lower with (bytes: the MLP's first GEMV and the QKV "
                          "projection share the SMs by bytes)")
+    ap.add_argument("--residual-in-o-proj", nargs="+", default=["no"], choices=["yes", "no"],
+                    help="LowerOptions.residual_in_o_proj values to lower with (yes: the O-projection tiles add "
+                         "the residual and the MLP's output, no RESIDUAL tiles)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time every variant this many times, in turn (drift between variants shows)")
     ap.add_argument("--build-only", action="store_true", help="compile every variant's kernel (no GPU) and exit")
@@ -97,8 +100,9 @@ def main() -> None:
     a = ap.parse_args()
     a.attention_sms = [None if v == "auto" else int(v) for v in a.attention_sms]
     spec = load_spec(a.config)
-    variants = [(att, {"rope_in_splits": rope == "yes", "mlp_share": share}, name)
-                for att in a.attention_sms for rope in a.rope_in_splits for share in a.mlp_share for name in a.variants]
+    variants = [(att, {"rope_in_splits": rope == "yes", "mlp_share": share, "residual_in_o_proj": fold == "yes"}, name)
+                for att in a.attention_sms for rope in a.rope_in_splits for share in a.mlp_share
+                for fold in a.residual_in_o_proj for name in a.variants]
     if a.build_only:
         for batch in a.batch:
             for att, lowering, name in variants:
@@ -120,6 +124,7 @@ def main() -> None:
             sc = plan(spec, batch, a.context, sms, attention_sms=att, ceilings=VARIANTS[name], **lowering)
             label = f"{sc.meta['attention_sms']['chosen']}" + (" (auto)" if att is None else "")
             label += f", rope in splits {'yes' if lowering['rope_in_splits'] else 'no'}, mlp share {lowering['mlp_share']}"
+            label += f", residual in o_proj {'yes' if lowering['residual_in_o_proj'] else 'no'}"
             with decoder_in_place(sc, spec, weights) as dec:
                 fill_bench_kv(dec, spec)
                 logits, _ = dec.step(tokens, positions)
@@ -133,7 +138,7 @@ def main() -> None:
                         + ("equal" if torch.equal(ref.argmax(-1), logits.argmax(-1)) else "DIFFERS")
                         + ", rerun " + ("bitwise the same" if repeat else "DIFFERS (a race)"))
                 med, sol, _ = time_step(dec, spec, batch, a.context, bw, a.reps)
-                print(f"batch {batch} attention_sms {label:<60} {name:<20} measured {med * 1e6:8.1f} µs ({sol:.1%} SOL), "
+                print(f"batch {batch} attention_sms {label:<85} {name:<20} measured {med * 1e6:8.1f} µs ({sol:.1%} SOL), "
                       f"predicted {sc.predicted['step_us']:8.1f} µs; {same}", flush=True)
 
 

@@ -78,6 +78,52 @@ struct StageFinish {
     }
 };
 
+// A LINEAR tile that ends a layer (LowerOptions.residual_in_o_proj: a residual operand) adds its
+// rows' residual terms to its product: the residual stream, a dense MLP's output, then every
+// routing slot's expert output, in that order. They are copied with its activations, into the
+// RMSNorm staging's scratch (the tile has no norm operand) as [term][BATCH][rows] floats, so they
+// land with the activations' copies instead of costing the epilogue a round trip
+// (RESIDUAL_STAGE_BYTES: the codegen sized the scratch for the largest tile; rows and col0 are
+// multiples of 4).
+template <class O>
+__device__ __forceinline__ void stage_residual_async(const Task&, unsigned char*) {}
+
+struct ResidualTerms {
+    const float* staged;  // [terms][BATCH][rows]; null: the tile does not end a layer
+    int terms, rows;
+    // (((residual + v) + mlp) + slot 0) + slot 1 ... for row r, token n
+    __device__ __forceinline__ float operator()(int r, int n, float v) const {
+        const float* p = staged + n * rows + r;
+        float a = p[0] + v;
+        for (int i = 1; i < terms; ++i) a += p[(size_t)i * BATCH * rows];
+        return a;
+    }
+};
+
+__device__ __forceinline__ ResidualTerms residual_terms(const Task& t, unsigned char* smem) {
+    using O = OPND_LINEAR;
+    if (!t.has(O::residual)) return {nullptr, 0, 0};
+    const int terms = 1 + (t.has(O::mlp) ? 1 : 0) + (t.has(O::routed) ? t.dim(O::routed, 3) : 0);
+    return {reinterpret_cast<const float*>(gemv_scratch(smem)), terms, t.arg(ARG_LINEAR::rows)};
+}
+
+template <>
+__device__ __forceinline__ void stage_residual_async<OPND_LINEAR>(const Task& t, unsigned char* smem) {
+    using O = OPND_LINEAR;
+    if (!t.has(O::residual)) return;
+    const ResidualTerms rt = residual_terms(t, smem);
+    const int col0 = t.arg(ARG_LINEAR::col0), hidden = t.dim(O::residual, 1), quads = rt.rows / 4;
+    const bool mlp = t.has(O::mlp);
+    float* dst = reinterpret_cast<float*>(gemv_scratch(smem));
+    for (int i = threadIdx.x; i < rt.terms * BATCH * quads; i += NUM_THREADS) {
+        const int c = i % quads, tb = i / quads, b = tb % BATCH, term = tb / BATCH;
+        const float* src = term == 0 ? t.ptr<float>(O::residual)
+                           : mlp && term == 1 ? t.ptr<float>(O::mlp)
+                           : t.ptr<float>(O::routed) + (size_t)(term - 1 - (mlp ? 1 : 0)) * BATCH * hidden;
+        cp_async16(dst + (size_t)tb * rt.rows + 4 * c, src + (size_t)b * hidden + col0 + 4 * c);
+    }
+}
+
 // WEIGHTS_BEFORE_WAIT: the end of staging for a tile that issued its first weight loads before
 // waiting for its inputs: the wait (every thread), then the activations' copies, then StageFinish.
 // The wait comes first: warp 0 may still have the next task's record in flight (the kernel loop),
@@ -88,6 +134,7 @@ struct WaitStageFinish : StageFinish<O> {
         const StageFinish<O>& s = *this;
         task_wait(s.t.w);
         stage_input_async<O>(s.t, s.smem, s.k0, s.k);
+        stage_residual_async<O>(s.t, s.smem);
         s();
     }
     __device__ void landed() const { (*this)(); }
@@ -390,6 +437,7 @@ __device__ __forceinline__ void linear_gemv(const Task& t, unsigned char* smem, 
     // with this step, for the expert-up tiles that read them without waiting for this tile's counter
     u64* const tagged = TAGGED_LOGITS ? t.tagged(O::out) : nullptr;
     const u32 step = s_wait.step;
+    const ResidualTerms res = residual_terms(t, smem);  // a tile that ends a layer (f32 out)
     if constexpr (LINEAR_ONE_GEMV) {  // one instantiation, the output dtype a branch in the epilogue
         const bool f32 = t.dtype(O::out) != DT_BF16;
         float* out32 = t.ptr<float>(O::out) + base;
@@ -397,7 +445,8 @@ __device__ __forceinline__ void linear_gemv(const Task& t, unsigned char* smem, 
         gemv_tile<1>(w, w_ld, rows, k, xs, gemv_red(smem), [&](int r0, float (&acc)[1][4]) {
             for_fragment(r0, acc[0], rows, [&](int r, int n, float v) {
                 const size_t i = (size_t)n * out_ld + r;
-                if (f32) out32[i] = v;
+                if (res.staged) out32[i] = res(r, n, v);
+                else if (f32) out32[i] = v;
                 else store_bf16(out16 + i, v);
                 if (TAGGED_LOGITS && tagged) st_relaxed_gpu_u64(tagged + base + i, tag_value(v, step));
             });
@@ -406,7 +455,7 @@ __device__ __forceinline__ void linear_gemv(const Task& t, unsigned char* smem, 
         float* out = t.ptr<float>(O::out) + base;
         gemv_tile<1>(w, w_ld, rows, k, xs, gemv_red(smem), [&](int r0, float (&acc)[1][4]) {
             for_fragment(r0, acc[0], rows, [&](int r, int n, float v) {
-                out[(size_t)n * out_ld + r] = v;
+                out[(size_t)n * out_ld + r] = res.staged ? res(r, n, v) : v;
                 if (TAGGED_LOGITS && tagged) st_relaxed_gpu_u64(tagged + base + (size_t)n * out_ld + r, tag_value(v, step));
             });
         }, finish);
@@ -427,6 +476,7 @@ __device__ void op_linear(const Task& t, unsigned char* smem) {
         linear_gemv(t, smem, WaitStageFinish<O>{{t, smem, k0, k}});
     } else {
         stage_input_async<O>(t, smem, k0, k);
+        stage_residual_async<O>(t, smem);
         linear_gemv(t, smem, StageFinish<O>{t, smem, k0, k});
     }
 }
@@ -516,6 +566,10 @@ __device__ void op_expert_down(const Task& t, unsigned char* smem) {
     const Routing& rt = route_tokens(logits);
     if (slot >= rt.count) {
         if (routed) task_wait(t.w, 0, 1);  // nothing to wait for, but the profile records the wait
+        // zeros, so a sum over every slot (a LINEAR tile that ends the layer) stays right
+        float* dead = t.ptr<float>(O::out) + (size_t)slot * t.dim(O::out, 2) * t.dim(O::out, 1) + row0;
+        for (int i = threadIdx.x; i < BATCH * rows; i += NUM_THREADS)
+            dead[(size_t)(i / rows) * t.dim(O::out, 1) + i % rows] = 0.f;
         return;
     }
     const int e = rt.experts[slot];
@@ -528,7 +582,9 @@ __device__ void op_expert_down(const Task& t, unsigned char* smem) {
     float* out = t.ptr<float>(O::out) + (size_t)slot * t.dim(O::out, 2) * out_ld + row0;
     const auto epi = [&](int r0, float (&acc)[1][4]) {
         for_fragment(r0, acc[0], rows, [&](int r, int n, float v) {
-            out[(size_t)n * out_ld + r] = ((n & 1) ? wt1 : wt0) * v;
+            // exact zeros for a token that did not pick e (a sum over every slot reads them)
+            const float wt = (n & 1) ? wt1 : wt0;
+            out[(size_t)n * out_ld + r] = wt != 0.f ? wt * v : 0.f;
         });
     };
     if constexpr (WEIGHTS_BEFORE_WAIT && DOWN_WEIGHTS_BEFORE_WAIT) {

@@ -427,17 +427,18 @@ def nmc_positions(batch: int, context: int) -> torch.Tensor:
     return torch.tensor([max(0, context - 1 - 5 * b) for b in range(batch)], dtype=torch.int32)
 
 
-def nmc_decoder(spec, weights, batch: int, context: int, num_sms: int, options=None):
+def nmc_decoder(spec, weights, batch: int, context: int, num_sms: int, options=None, **lowering):
     """The decoder a user gets: planned as `plan()` plans it with the shipped table
     (configs/tuning/h200.json: the attention-SM count, the raise and the spread measured on an
     H200 at that point, else the cost model's; the tests otherwise read an empty tuning file); the
-    default kernel unless ``options`` (CodegenOptions) are given."""
+    default kernel unless ``options`` (CodegenOptions) are given, the default lowering unless
+    ``lowering`` (plan's LOWERING_CHOICES) says otherwise."""
     from unittest import mock
 
     from mkc.runtime.cuda_backend import CudaDecoder
 
     with mock.patch.dict(os.environ, {"MKC_TUNING_FILE": str(ROOT / "configs" / "tuning" / "h200.json")}):
-        sc = plan(spec, batch, context, num_sms)
+        sc = plan(spec, batch, context, num_sms, **lowering)
     dec = CudaDecoder(sc, spec, weights, options=options)
     g = torch.Generator(device="cuda").manual_seed(batch * 100003 + context)
     for layer in range(spec.num_layers):
@@ -473,6 +474,26 @@ def test_nmc_attention_cta_chunks_match_mirror(nmc_weights, num_sms, batch, cont
     again, nt2 = dec.step(tokens, positions)
     assert torch.equal(lg, again) and torch.equal(nt, nt2), "a rerun differs"
     check_against_mirror(dec, spec, weights, tokens, positions, lg, nt, f"NMC CTA chunks b{batch} ctx {context}")
+
+
+@pytest.mark.parametrize("batch, context", [(1, 8192), (1, 100), (2, 4097), (4, 8192), (8, 8192), (8, 1)])
+def test_nmc_residual_in_o_proj_matches_mirror(nmc_weights, num_sms, batch, context):
+    """LowerOptions.residual_in_o_proj: the O-projection tiles add the residual stream, the dense
+    MLP's output (layer 0) and every routing slot's expert output (zeros for tokens an expert did
+    not serve, and for slots past the live count: batch 8 routes to fewer than 64 distinct experts)
+    and write the next layer's stream; no RESIDUAL tile runs. The same checks as the default
+    lowering, and reruns bitwise the same."""
+    from mkc.ir.ops import Opcode
+
+    spec, weights = nmc_weights
+    dec = nmc_decoder(spec, weights, batch, context, num_sms, residual_in_o_proj=True)
+    assert not any(t.op == Opcode.RESIDUAL for t in dec.schedule.tasks)
+    tokens = torch.randint(0, spec.vocab_size, (batch,), dtype=torch.int32)
+    positions = nmc_positions(batch, context)
+    lg, nt = dec.step(tokens, positions)
+    again, nt2 = dec.step(tokens, positions)
+    assert torch.equal(lg, again) and torch.equal(nt, nt2), "a rerun differs"
+    check_against_mirror(dec, spec, weights, tokens, positions, lg, nt, f"NMC residual in o_proj b{batch} ctx {context}")
 
 
 def check_against_mirror(dec, spec, weights, tokens, positions, lg, nt, what: str) -> None:

@@ -1,5 +1,7 @@
 """Lowering: the tile-task DAG, its region-derived edges, and the tiling rule."""
 
+from pathlib import Path
+
 import networkx as nx
 import pytest
 
@@ -92,6 +94,40 @@ def test_o_proj_slice_waits_only_for_its_group(tiny):
     combines = [prog.tasks[p].name for p in prog.graph.predecessors(o.id)
                 if prog.tasks[p].op == Opcode.ATTN_COMBINE]
     assert combines == [f"L1.combine[kv1,h{h}:{h + 1}]" for h in range(4, 8)]  # the 4 query heads of group 1
+
+
+def test_residual_in_o_proj_ends_each_layer(tiny):
+    """LowerOptions.residual_in_o_proj: no O-projection partials and no RESIDUAL tiles; the
+    O-projection tiles cover the hidden rows once, read every head's attention, their rows of the
+    residual stream and of every routing slot's output (the dense MLP's in layer 0), write the next
+    layer's stream, and wait for the whole attention and for the expert-down tiles of their rows."""
+    prog = lower(tiny, batch=3, context=40, num_sms=8, residual_in_o_proj=True)
+    assert not any(t.op == Opcode.RESIDUAL for t in prog.tasks)
+    assert not any(name.endswith(".o_part") for name in prog.buffers)
+    H = tiny.hidden_size
+    for layer in range(tiny.num_layers):
+        tiles = [t for t in prog.tasks if t.name.startswith(f"L{layer}.o_proj[")]
+        assert sorted((t.arg("row0"), t.arg("row0") + t.arg("rows")) for t in tiles) == \
+            [(lo, lo + tiles[0].arg("rows")) for lo in range(0, H, tiles[0].arg("rows"))]
+        mlp = "mlp" if tiny.layers[layer].mlp == "dense" else "routed"
+        want = {"x": f"L{layer}.attn", "out": f"L{layer + 1}.x", "residual": f"L{layer}.x",
+                mlp: f"L{layer}.mlp_out" if mlp == "mlp" else f"L{layer}.moe_out"}
+        for t in tiles:
+            assert {r: t.operand(r) for r in want} == want, t.name
+            assert t.arg("k") == tiny.attention.num_heads * tiny.attention.head_dim
+            before = nx.ancestors(prog.graph, t.id)
+            assert all(c.id in before for c in prog.tasks if c.name.startswith(f"L{layer}.combine["))
+            if mlp == "routed":
+                lo, hi = t.arg("row0"), t.arg("row0") + t.arg("rows")
+                down = [d for d in prog.tasks if d.name.startswith(f"L{layer}.expert_down[")
+                        and d.arg("row0") < hi and lo < d.arg("row0") + d.arg("rows")]
+                assert down and all(d.id in before for d in down), t.name
+    # a sequential block adds the attention in its O-projection, the MLP in a RESIDUAL tile
+    seq = load_spec(Path(__file__).resolve().parents[1] / "configs" / "qwen3_moe_tiny.yaml")
+    prog = lower(seq, batch=2, context=40, num_sms=8, residual_in_o_proj=True)
+    ends = {t.operand("out") for t in prog.tasks if ".o_proj[" in t.name}
+    assert ends == {f"L{i}.x_mid" for i in range(seq.num_layers)}
+    assert {t.name.split(".")[1].split("[")[0] for t in prog.tasks if t.op == Opcode.RESIDUAL} == {"residual"}
 
 
 def test_attention_splits_scale_with_context(tiny):

@@ -248,6 +248,9 @@ class KernelConfig:
     profile_phases: bool
     routing_code: int  # CodegenOptions.routing_code: 0 unrolled, 1 loop, 2 shared
     tagged_logits: bool  # CodegenOptions.tagged_logits, resolved
+    # the residual terms of the largest LINEAR tile that ends a layer (ops.cuh: stage_residual_async),
+    # staged in the RMSNorm's scratch; 0 without such tiles
+    residual_stage_bytes: int = 0
 
     @property
     def warps(self) -> int:
@@ -263,7 +266,8 @@ class KernelConfig:
         staging's scratch (gemv.cuh: NORM_SCRATCH_BYTES)."""
         f = 4
         red = self.warps * 2 * 4 * 32 * f  # gemv.cuh: GEMV_RED_FLOATS
-        gemv = self.gemv_xs_bytes + red + self.batch * self.hidden * f + self.hidden * 2
+        scratch = max(self.batch * self.hidden * f + self.hidden * 2, self.residual_stage_bytes)
+        gemv = self.gemv_xs_bytes + red + scratch
         return _round(gemv, 128)
 
     @property
@@ -331,6 +335,19 @@ def _gemv_k(schedule: Schedule, t) -> tuple[int, int, str]:
     return b[t.operand("weight")].shape[-1], 0, t.operand("x")
 
 
+def _residual_stage_bytes(schedule: Schedule, t) -> int:
+    """Shared memory a LINEAR tile that ends a layer stages its residual terms in: [terms][batch][rows]
+    floats (ops.cuh: stage_residual_async, 16-byte copies of whole rows of each term)."""
+    b = schedule.buffers
+    rows, col0 = t.arg("rows"), t.arg("col0")
+    terms = [t.operand(r) for r in ("residual", "mlp", "routed") if t.operand(r) != "-"]
+    if rows % 4 or col0 % 4 or any(b[n].dtype != "f32" or b[n].shape[-1] % 4 for n in terms):
+        raise CodegenError(f"task {t.id} ({t.name}): residual terms {', '.join(terms)} at columns {col0}..{col0 + rows}: "
+                           f"expected f32 rows, with rows, col0 and the row width multiples of 4 (16-byte copies)")
+    count = 1 + (t.operand("mlp") != "-") + (b[t.operand("routed")].shape[0] if t.operand("routed") != "-" else 0)
+    return count * schedule.batch * rows * 4
+
+
 def tile_order_problem(schedule: Schedule) -> str | None:
     """Why the GEMV weights of ``schedule`` cannot be stored in tile order, or None: every such
     weight needs whole 16 x 64 blocks and every GEMV tile must start on a block."""
@@ -391,7 +408,7 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
     if options.weight_layout == "tiles" and problem:
         raise CodegenError(problem)
     tiled = options.weight_layout != "rows" and problem is None
-    max_k = 64
+    max_k, stage_bytes = 64, 0
     for t in schedule.tasks:
         if t.op in GEMV_OPS:
             k, k0, x = _gemv_k(schedule, t)
@@ -406,6 +423,8 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
                                    + ("the f32 residual stream [batch, hidden] (the task normalises it)" if normed
                                       else "bf16"))
             max_k = max(max_k, k)
+            if t.op == Opcode.LINEAR and t.operand("residual") != "-":
+                stage_bytes = max(stage_bytes, _residual_stage_bytes(schedule, t))
         elif t.op == Opcode.ATTN_COMBINE and t.arg("splits") > schedule.num_sms:
             raise CodegenError(f"task {t.id} ({t.name}): {t.arg('splits')} splits: expected at most "
                                f"num_sms = {schedule.num_sms}")
@@ -428,7 +447,8 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         routing_redux=options.routing_argmax == "redux", linear_one_gemv=options.linear_one_gemv,
         down_weights_before_wait=options.down_weights_before_wait,
         residual_loads_first=options.residual_loads_first, profile_phases=options.profile_phases,
-        routing_code=ROUTING_CODES.index(options.routing_code), tagged_logits=tagged_logits)
+        routing_code=ROUTING_CODES.index(options.routing_code), tagged_logits=tagged_logits,
+        residual_stage_bytes=stage_bytes)
     if cfg.smem_bytes > MAX_SMEM_BYTES:
         raise CodegenError(f"shared memory {cfg.smem_bytes} B (widest GEMV k = {max_k}, batch = {cfg.batch}): "
                            f"expected at most {MAX_SMEM_BYTES} B")

@@ -41,6 +41,12 @@ class LowerOptions:
     # step µs bytes / rest at the tuned attention SMs): batch 1 3072 / 3190, batch 2 4066 / 4119,
     # batch 4 6112 / 6120; batch 8 lowers the same either way.
     mlp_share: str = "bytes"
+    # the O-projection ends the layer: one GEMV over every head (no split-K partials by KV group)
+    # whose tiles add the residual stream and the MLP's output (a dense MLP's, or every routing
+    # slot's expert output) and write the next layer's residual stream, so no RESIDUAL task (and
+    # its hand-off) follows them on the layer's chain. Its tiles wait for the whole attention and
+    # the MLP. False: O-projection partials per KV group, then RESIDUAL tiles that sum them.
+    residual_in_o_proj: bool = False
 
     def check(self) -> None:
         if not 1 <= self.batch <= 8:
@@ -203,7 +209,8 @@ class _Lowerer:
         prog = Program(self.buffers, self.tasks, {"batch": B, "context": C, "num_sms": opt.num_sms,
                                                   "page_size": opt.page_size, "attention_sms": opt.attention_sms,
                                                   "rope_in_splits": opt.rope_in_splits,
-                                                  "mlp_share": opt.mlp_share})
+                                                  "mlp_share": opt.mlp_share,
+                                                  "residual_in_o_proj": opt.residual_in_o_proj})
         derive_edges(prog)
         return prog
 
@@ -312,21 +319,27 @@ class _Lowerer:
                           [box(part_o, None, (g, g + 1), None, (h, h + hpc), None),
                            box(part_ml, None, (g, g + 1), None, (h, h + hpc), None), full(positions)],
                           [box(attn, None, (head * D, (head + hpc) * D))])
-        # O-proj split-K by KV group: slice g waits only for the attention of group g
         wo = self.buf(f"{P}.w_o", (H, QH * D), "bf16", "weight", "[hidden, heads * head_dim]")
-        o_part = self.buf(f"{P}.o_part", (G, B, H), "f32", "act", "[kv_heads, B, hidden] split-K partials")
-        o_tile = row_tile(H, GS * D * 2, G, opt.num_sms)
-        for g in range(G):
-            self.linear(layer, f"o_proj[kv{g}]", attn, wo, o_part, k0=g * GS * D, k=GS * D, slab=g, tile=o_tile)
+        o_ends = opt.residual_in_o_proj
+        o_part = None
+        if not o_ends:  # O-proj split-K by KV group: slice g waits only for the attention of group g
+            o_part = self.buf(f"{P}.o_part", (G, B, H), "f32", "act", "[kv_heads, B, hidden] split-K partials")
+            o_tile = row_tile(H, GS * D * 2, G, opt.num_sms)
+            for g in range(G):
+                self.linear(layer, f"o_proj[kv{g}]", attn, wo, o_part, k0=g * GS * D, k=GS * D, slab=g, tile=o_tile)
         # --- MLP on the same normed input (parallel block)
         mlp_in = n
         if s.block == "sequential":
             x_mid = self.buf(f"{P}.x_mid", (B, H), "f32", "act", "[B, hidden] x + attention")
-            self.residual(layer, x, o_part, None, None, None, x_mid, "residual_attn")
+            if o_ends:
+                self.o_proj_residual(layer, attn, wo, x, x_mid)
+            else:
+                self.residual(layer, x, o_part, None, None, None, x_mid, "residual_attn")
             nw2 = self.buf(f"{P}.mlp_norm", (H,), "bf16", "weight", "[hidden]")
             mlp_in = Normed(x_mid, nw2)
             x, o_part = x_mid, None
         x_out = self.buf(f"L{layer + 1}.x", (B, H), "f32", "act", f"[B, hidden] residual stream into layer {layer + 1}")
+        mo = routed = tslots = None
         if ls.mlp == "dense":
             inter = s.dense_intermediate
             wgu = self.buf(f"{P}.w_gate_up", (2 * inter, H), "bf16", "weight", "[2 * inter (gate; up), hidden]")
@@ -335,12 +348,33 @@ class _Lowerer:
             mo = self.buf(f"{P}.mlp_out", (1, B, H), "f32", "act", "[1, B, hidden]")
             self.swiglu(layer, "gate_up", mlp_in, wgu, h, inter)
             self.linear(layer, "down", h, wd, mo)
-            self.residual(layer, x, o_part, mo, None, None, x_out, "residual")
         else:
-            self.moe(layer, mlp_in, x, o_part, x_out)
+            routed, tslots = self.moe(layer, mlp_in)
+        if o_ends and s.block == "parallel":  # the O-projection ends the layer, after the MLP in program order
+            self.o_proj_residual(layer, attn, wo, x, x_out, mo, routed)
+        else:
+            self.residual(layer, x, o_part, mo, routed, None if routed is None else tslots, x_out, "residual")
         return x_out
 
-    def moe(self, layer: int, n: Normed, x: Buffer, o_part: Buffer | None, x_out: Buffer) -> None:
+    def o_proj_residual(self, layer: int, attn: Buffer, wo: Buffer, x: Buffer, out: Buffer,
+                        mlp: Buffer | None = None, routed: Buffer | None = None) -> None:
+        """out[:, rows] = x + attn @ wo[rows]^T (+ mlp) (+ every routing slot's output), tiled by
+        rows (LowerOptions.residual_in_o_proj)."""
+        H, k = wo.shape
+        tile = row_tile(H, k * DTYPE_BYTES[wo.dtype], 1, self.opt.num_sms)
+        B = self.opt.batch
+        for lo, hi in tiles(H, tile):
+            cols = (lo, hi)
+            reads = [full(attn), box(wo, cols, None), box(x, None, cols)]
+            reads += [box(b, None, None, cols) for b in (mlp, routed) if b is not None]
+            self.emit(Opcode.LINEAR, layer, f"L{layer}.o_proj[{lo}:{hi}]",
+                      {"x": attn, "norm": None, "weight": wo, "out": out, "residual": x, "mlp": mlp, "routed": routed},
+                      {"row0": lo, "rows": hi - lo, "k0": 0, "k": k, "col0": lo, "slab": 0},
+                      reads, [box(out, None, cols)], flops=2 * B * (hi - lo) * k)
+
+    def moe(self, layer: int, n: Normed) -> tuple[Buffer, Buffer]:
+        """The routed experts of one layer: (their weighted outputs [slots, B, hidden], each
+        token's slots [B, top_k])."""
         s, opt = self.spec, self.opt
         m = s.moe
         assert m is not None
@@ -384,7 +418,7 @@ class _Lowerer:
                           [box(h, (j, j + 1), None, None), full(rl), box(wd, None, (lo, hi), None)],
                           [box(out, (j, j + 1), None, (lo, hi))], flops=2 * B * (hi - lo) * I,
                           weight_bytes=(hi - lo) * I * 2)
-        self.residual(layer, x, o_part, None, out, tslots, x_out, "residual")
+        return out, tslots
 
     def residual(self, layer: int, x: Buffer, o_part: Buffer | None, mlp: Buffer | None,
                  routed: Buffer | None, tslots: Buffer | None, out: Buffer, label: str) -> None:
@@ -409,7 +443,7 @@ class _Lowerer:
 def lower(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int = 0, kv_pages: int = 0,
           attention_sms: int = 0, **choices) -> Program:
     """Lower a model into a Program (buffers, tasks in program order, derived DAG). ``choices``: the
-    other LowerOptions fields (rope_in_splits, mlp_share)."""
+    other LowerOptions fields (rope_in_splits, mlp_share, residual_in_o_proj)."""
     opt = LowerOptions(batch=batch, context=context, num_sms=num_sms, page_size=page_size, kv_pages=kv_pages,
                        attention_sms=attention_sms, **choices)
     opt.check()

@@ -12,14 +12,14 @@ from enum import IntEnum
 
 class Opcode(IntEnum):
     EMBED = 1  # x[b, :] = embed[tokens[b], :]
-    LINEAR = 3  # out[slab, b, col0 + i] = sum_k xn[b, k0 + k] * w[row0 + i, k0 + k]
+    LINEAR = 3  # out[slab, b, col0 + i] = sum_k xn[b, k0 + k] * w[row0 + i, k0 + k] (+ the residual terms)
     SWIGLU = 4  # h[b, col0 + i] = silu(xn . w[row0 + i]) * (xn . w[up_row0 + i])
     ROPE_APPEND = 5  # [q,] k = rope(qk_norm(q, k)); k, v appended to the KV cache at positions[b]
     ATTN_SPLIT = 6  # partial softmax(q k^T) v over one key range of one (sequence, KV head)
     ATTN_COMBINE = 7  # merge the split partials of some query heads of one KV group into attn[b, heads]
     TOPK = 8  # routing per token: its experts (best first) and their slots (ascending expert)
     EXPERT_SWIGLU = 9  # SWIGLU of the expert in routing slot `slot` (no-op past the live count)
-    EXPERT_DOWN = 10  # out[slot, b, rows] = weight[slot, b] * h[slot, b] . w_down[expert, rows]
+    EXPERT_DOWN = 10  # out[slot, b, rows] = weight[slot, b] * h[slot, b] . w_down[expert, rows] (0: not routed)
     RESIDUAL = 11  # x_out[:, cols] = x_in + sum(o_part) + mlp (dense or routed) over a column tile
     LM_HEAD = 12  # logits tile (scaled) of xn and its per-row argmax partial
     ARGMAX = 13  # next_token[b] = argmax over the LM-head partials
@@ -43,7 +43,13 @@ class OpInfo:
 
 OP_INFO: dict[Opcode, OpInfo] = {
     Opcode.EMBED: OpInfo(("tokens", "embed", "out"), ()),
-    Opcode.LINEAR: OpInfo(("x", "norm", "weight", "out"), ("row0", "rows", "k0", "k", "col0", "slab")),
+    # residual / mlp / routed: a tile that ends a layer (LowerOptions.residual_in_o_proj) adds to its
+    # product the residual stream residual[b, col0 + i], then mlp[0, b, col0 + i] (a dense MLP's
+    # output), then routed[j, b, col0 + i] for every routing slot j in ascending order (each expert
+    # tile writes zeros for the tokens it did not serve, and a slot past the live count all zeros),
+    # so no RESIDUAL task follows it; "-" where absent
+    Opcode.LINEAR: OpInfo(("x", "norm", "weight", "out", "residual", "mlp", "routed"),
+                          ("row0", "rows", "k0", "k", "col0", "slab")),
     Opcode.SWIGLU: OpInfo(("x", "norm", "weight", "out"), ("row0", "rows", "up_row0", "col0")),
     # q_norm / k_norm: per-head RMSNorm weights [head_dim] of qk-norm models ("-" without qk-norm)
     # page_table: [B, pages per sequence] of a paged KV cache ("-" with one slab per sequence)

@@ -103,7 +103,22 @@ def _linear(t: Task, bufs: Tensors, w: Tensors, spec: ModelSpec) -> None:
     weight = _f(_operand(t, "weight", bufs, w)[row0:row0 + rows, k0:k0 + k])  # [rows, k]
     out = _operand(t, "out", bufs, w)
     dst = out[slab, :, col0:col0 + rows] if out.dim() == 3 else out[:, col0:col0 + rows]
-    _store(dst, x @ weight.T)
+    y = x @ weight.T
+    if t.operand("residual") != "-":  # a tile that ends its layer: x + this product + the MLP's terms
+        y = _add_terms(_f(_operand(t, "residual", bufs, w)[:, col0:col0 + rows]) + y, t, bufs, w,
+                       slice(col0, col0 + rows))
+    _store(dst, y)
+
+
+def _add_terms(acc: torch.Tensor, t: Task, bufs: Tensors, w: Tensors, c: slice) -> torch.Tensor:
+    """acc [B, cols] + mlp[0, :, c], then + routed[j, :, c] for every slot j in ascending order
+    (LINEAR's residual operands; an expert tile wrote zeros for the tokens it did not serve)."""
+    if t.operand("mlp") != "-":
+        acc = acc + _f(_operand(t, "mlp", bufs, w)[0, :, c])
+    if t.operand("routed") != "-":
+        for part in _operand(t, "routed", bufs, w)[:, :, c]:
+            acc = acc + _f(part)
+    return acc
 
 
 def _swiglu_rows(x: torch.Tensor, weight: torch.Tensor, row0: int, rows: int, up_row0: int) -> torch.Tensor:
@@ -313,11 +328,15 @@ def _expert_down(t: Task, bufs: Tensors, w: Tensors, spec: ModelSpec) -> None:
     slot, row0, rows = t.arg("slot"), t.arg("row0"), t.arg("rows")
     routing = _routing(t, bufs, w, spec)
     e = routing.expert_of(slot)
-    if e is None:
+    out = _operand(t, "out", bufs, w)[slot, :, row0:row0 + rows]
+    if e is None:  # a slot past the live count: zeros, so a sum over every slot stays right
+        _store(out, torch.zeros(out.shape))
         return
     h = _f(_operand(t, "h", bufs, w)[slot])  # [B, I]
     weight = _f(_operand(t, "weight", bufs, w)[e, row0:row0 + rows])  # [rows, I]
-    _store(_operand(t, "out", bufs, w)[slot, :, row0:row0 + rows], routing.weight(e)[:, None] * (h @ weight.T))
+    # tokens that did not pick e get exact zeros (weight 0), whatever their hidden states hold
+    wt = routing.weight(e)[:, None]
+    _store(out, torch.where(wt != 0, wt * (h @ weight.T), 0.0))
 
 
 def _residual(t: Task, bufs: Tensors, w: Tensors, spec: ModelSpec) -> None:
