@@ -254,7 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--profile", action="store_true", help="also write a per-task Perfetto trace of a real step")
     b.add_argument("--tune", action="store_true",
                    help="first time every count of attention SMs the compiler considers, then with the fastest "
-                        "the scheduler's priority raises and sibling spread, and record the fastest "
+                        "the scheduler's priority raises and sibling spread, then the residual added by the "
+                        "O-projection, and record the fastest "
                         "(MKC_TUNING_FILE, default tuning.json in the kernel cache); later compiles, benches and "
                         "servers at the same point use it instead of the cost model's prediction")
     b.add_argument("--page-size", type=_page_size, default=0, help="the megakernel's KV cache in pages of this many "

@@ -363,7 +363,8 @@ def tune_attention_sms(spec: ModelSpec, weights: dict[str, torch.Tensor], batch:
     timed with the attention splits' inputs ranked first (Ceilings.attention_inputs_first_us),
     and with the splits ranked first too (Ceilings.splits_first), each where that places anything
     differently, and the fastest of these is recorded with it; then the same with a layer's sibling
-    tiles spread over SMs (Ceilings.spread_siblings)."""
+    tiles spread over SMs (Ceilings.spread_siblings); last, the chosen schedule lowered with the
+    residual added by the O-projection (LowerOptions.residual_in_o_proj)."""
     best = _tune(spec, weights, batch, context, sms=sms, bw=bw, reps=reps, page_size=page_size, log=log)
     return best[0] if best else None
 
@@ -377,6 +378,7 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
         DEFAULT_LOWERING,
         INPUTS_FIRST,
         INPUTS_FIRST_CANDIDATES,
+        RESIDUAL_IN_O_PROJ,
         SPLITS_FIRST,
         SPLITS_FIRST_KEY,
         SPREAD,
@@ -439,33 +441,50 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
     if run:
         spread[True], spread_runs[True] = run[0].step_us, run
     spread_on = min(spread, key=lambda on: (spread[on], on))
+    # last, the O-projection ending the layer (LowerOptions.residual_in_o_proj): another lowering,
+    # so another placement, always timed
+    fold = {False: spread[spread_on]}
+    fold_runs = {False: spread_runs[spread_on]}
+    lines = []
+    r = _megakernel_row(spec, weights, batch, context, sms=sms, bw=bw, reps=reps, page_size=page_size,
+                        profile_dir=None, log=lines.append, attention_sms=best,
+                        ceilings=ceilings_of(raise_us, splits_first, spread_on), **{RESIDUAL_IN_O_PROJ: True})
+    log(f"batch {batch} context {context}: the same with the residual added by the O-projection: "
+        f"{r.step_us:.1f} µs ({r.sol_fraction:.1%} SOL)")
+    fold[True], fold_runs[True] = r.step_us, (r, lines)
+    fold_on = min(fold, key=lambda on: (fold[on], on))
     path = tuning.record(tuning.tuning_key(spec, batch, context, sms, page_size), {
         "attention_sms": best, "measured_us": {str(a): round(t, 1) for a, t in measured.items()},
         INPUTS_FIRST: raise_us, SPLITS_FIRST: splits_first,
         INPUTS_FIRST + "_measured_us": {(SPLITS_FIRST_KEY if splits else f"{us:g}"): round(t, 1)
                                          for (us, splits), t in first.items()},
         SPREAD: spread_on, SPREAD + "_measured_us": {("on" if on else "off"): round(t, 1) for on, t in spread.items()},
+        RESIDUAL_IN_O_PROJ: fold_on,
+        RESIDUAL_IN_O_PROJ + "_measured_us": {("on" if on else "off"): round(t, 1) for on, t in fold.items()},
         "gpu": torch.cuda.get_device_name(0), "reps": reps, "lowering": dict(DEFAULT_LOWERING),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")})
     log(f"batch {batch} context {context}: fastest with {best} attention SMs"
         + (f" and the splits' inputs{' and the splits' if splits_first else ''} ranked {raise_us:g} µs higher"
            if raise_us else "")
-        + (" and sibling tiles spread over SMs" if spread_on else "") + f"; recorded in {path}")
-    return best, *spread_runs[spread_on]
+        + (" and sibling tiles spread over SMs" if spread_on else "")
+        + (" and the residual added by the O-projection" if fold_on else "") + f"; recorded in {path}")
+    return best, *fold_runs[fold_on]
 
 
 def _megakernel_row(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context: int, *, sms: int,
                     bw: float, reps: int, page_size: int, profile_dir: Path | None, log,
-                    attention_sms: int | None = None, ceilings: Ceilings = H200) -> Row:
+                    attention_sms: int | None = None, ceilings: Ceilings = H200, **lowering) -> Row:
     """Time the megakernel at one point (random KV cache, every sequence at position context - 1;
     the same tokens for a batch size every time); its buffers are freed on return. ``ceilings``:
-    the scheduler's (the planner applies a tuned raise only under the default)."""
+    the scheduler's (the planner applies a tuned raise only under the default); ``lowering``: plan's
+    LOWERING_CHOICES (default: the planner's)."""
     from mkc.codegen import build_kernel
     from mkc.schedule.plan import plan
 
     tokens = bench_tokens(spec, batch)
     positions = torch.full((batch,), context - 1, dtype=torch.int32)
-    sc = plan(spec, batch, context, sms, page_size=page_size, attention_sms=attention_sms, ceilings=ceilings)
+    sc = plan(spec, batch, context, sms, page_size=page_size, attention_sms=attention_sms, ceilings=ceilings,
+              **lowering)
     art = build_kernel(sc, spec)
     with decoder_in_place(sc, spec, weights, artifact=art) as dec:
         return _time_decoder(dec, sc, spec, tokens, positions, bw=bw, reps=reps, profile_dir=profile_dir, log=log)

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from mkc.ir.ops import Opcode
 from mkc.ir.spec import load_spec
 from mkc.runtime import bench
 from mkc.schedule import tuning
@@ -79,13 +80,15 @@ def test_record_keeps_the_other_entries(tiny, tuning_file):
 
 
 def test_tune_times_every_candidate_and_records_the_fastest(tiny, tuning_file, monkeypatch):
-    """Fake timings (fastest at 4 attention SMs): every candidate is timed once, the fastest is
-    recorded with every timing, and the planner then picks it."""
+    """Fake timings (fastest at 4 attention SMs, and 10% faster with the residual added by the
+    O-projection): every candidate is timed once, the fastest is recorded with every timing, and
+    the planner then picks it, and lowers with the residual in the O-projection."""
     timed = []
 
     def fake_row(spec, w, b, c, *, attention_sms, **kw):
         timed.append(attention_sms)
-        return bench.row("mkc", b, c, [1e-4 * (1 + abs(attention_sms - 4))], 10**6, 4e12)
+        fold = 0.9 if kw.get("residual_in_o_proj") else 1.0
+        return bench.row("mkc", b, c, [1e-4 * (1 + abs(attention_sms - 4)) * fold], 10**6, 4e12)
 
     monkeypatch.setattr(bench, "_megakernel_row", fake_row)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
@@ -93,23 +96,31 @@ def test_tune_times_every_candidate_and_records_the_fastest(tiny, tuning_file, m
     best = bench.tune_attention_sms(tiny, {}, 2, 40, sms=16, bw=4e12, reps=3, log=logs.append)
     # the tiny model's placement is the same with its splits' inputs ranked first and with its
     # sibling tiles spread (neither is timed), not with its splits ranked first too (timed once
-    # more; as fast here, so the plain ranking is kept)
+    # more; as fast here, so the plain ranking is kept), then the O-projection ending the layer
     candidates = attention_sms_candidates(tiny, 2, 16)
-    assert best == 4 and timed == [*candidates, 4]
+    assert best == 4 and timed == [*candidates, 4, 4]
     rec = json.loads(tuning_file.read_text())[tuning.tuning_key(tiny, 2, 40, 16)]
     assert rec["attention_sms"] == 4 and rec["gpu"] == "NVIDIA H200" and rec["reps"] == 3
-    assert rec["lowering"] == {"rope_in_splits": True, "mlp_share": "bytes"}  # what the counts were timed with
+    # what the counts were timed with
+    assert rec["lowering"] == {"rope_in_splits": True, "mlp_share": "bytes", "residual_in_o_proj": False}
     assert set(rec["measured_us"]) == {str(a) for a in candidates}
     assert any("fastest with 4 attention SMs" in ln for ln in logs)
     t4 = rec["measured_us"]["4"]
     assert rec["attention_inputs_first_us"] == 0.0 and rec["splits_first"] is False
     assert rec["attention_inputs_first_us_measured_us"] == {"0": t4, "100+splits": t4}
     assert rec["spread_siblings"] is False and rec["spread_siblings_measured_us"] == {"off": t4}
-    assert plan(tiny, 2, 40, 16).meta["attention_sms"] == {
+    assert rec["residual_in_o_proj"] is True
+    assert rec["residual_in_o_proj_measured_us"] == {"off": t4, "on": round(0.9 * t4, 1)}
+    sc = plan(tiny, 2, 40, 16)
+    assert sc.meta["attention_sms"] == {
         "chosen": 4, "chosen_by": "measured", "measured_us": rec["measured_us"], "measured_on": "NVIDIA H200",
         "measured_at": rec["date"], "measured_lowering": rec["lowering"], "measured_by": None,
         "attention_inputs_first_us": 0.0, "attention_inputs_first_us_measured_us": {"0": t4, "100+splits": t4},
-        "spread_siblings": False, "spread_siblings_measured_us": {"off": t4}}
+        "spread_siblings": False, "spread_siblings_measured_us": {"off": t4},
+        "residual_in_o_proj": True, "residual_in_o_proj_measured_us": rec["residual_in_o_proj_measured_us"]}
+    assert sc.meta["residual_in_o_proj"] is True and not any(t.op == Opcode.RESIDUAL for t in sc.tasks)
+    # the caller's lowering wins over the measured one
+    assert plan(tiny, 2, 40, 16, residual_in_o_proj=False).meta["residual_in_o_proj"] is False
 
 
 def test_tune_times_the_splits_inputs_first_where_it_places_differently(nmc, tuning_file, monkeypatch):
@@ -139,11 +150,13 @@ def test_tune_times_the_splits_inputs_first_where_it_places_differently(nmc, tun
     assert bench.tune_attention_sms(nmc, {}, 8, 8192, sms=132, bw=4e12, reps=3, log=logs.append) == 64
     candidates = attention_sms_candidates(nmc, 8, 132)
     assert timed == ([(a, False, False, False) for a in candidates]
-                     + [(64, True, False, False), (64, True, True, False), (64, True, True, True)])
+                     + [(64, True, False, False), (64, True, True, False), (64, True, True, True)]
+                     + [(64, True, True, False)])  # the chosen schedule with the residual in the O-projection
     rec = json.loads(tuning_file.read_text())[tuning.tuning_key(nmc, 8, 8192, 132)]
     assert rec["attention_inputs_first_us"] == 100.0 and rec["splits_first"] is True
     assert rec["attention_inputs_first_us_measured_us"] == {"0": 100.0, "100": 95.0, "100+splits": 93.0}
     assert rec["spread_siblings"] is False and rec["spread_siblings_measured_us"] == {"off": 93.0, "on": 96.0}
+    assert rec["residual_in_o_proj"] is False and rec["residual_in_o_proj_measured_us"] == {"off": 93.0, "on": 93.0}
     assert any("and the splits' inputs and the splits ranked 100 µs higher" in ln for ln in logs)
     # what plan() then schedules with (each raise placed differently, or the tuner had not timed it)
     count, ceilings, how = plan_choices(nmc, 8, 8192, 132)
@@ -182,7 +195,8 @@ def test_run_bench_tunes_then_reports_the_fastest_run(tiny, tuning_file, monkeyp
     rows = bench.run_bench(tiny, {}, [2], [40], reps=3, tune=True, log=logs.append,
                            profile_dir=tmp_path if profiled else None)
     candidates = attention_sms_candidates(tiny, 2, 16)
-    timed = [(a, False) for a in candidates] + [(4, False)]  # the splits ranked first too: another placement
+    # the splits ranked first too: another placement; then the residual in the O-projection
+    timed = [(a, False) for a in candidates] + [(4, False), (4, False)]
     assert runs == timed + ([(None, True)] if profiled else []) + [("torch", False)]
     assert rows[0].step_us == pytest.approx(100.0)  # the 4-SM run, the fastest
     assert ("kernel line of the run with 4 attention SMs" in logs) != profiled

@@ -55,6 +55,15 @@ SPLITS_FIRST_KEY = f"{INPUTS_FIRST_CANDIDATES[-1]:g}+splits"
 # ... and its measured Ceilings.spread_siblings (timed with the count and raise chosen first), with
 # the times under SPREAD + "_measured_us" ("off", "on").
 SPREAD = "spread_siblings"
+# ... and whether the O-projection ends the layer (LowerOptions.residual_in_o_proj: timed last, with
+# the count, raise and spread chosen; its times under RESIDUAL_IN_O_PROJ + "_measured_us" ("off",
+# "on")). An entry without it was measured without it. Where nothing was measured it is off: the
+# probe's predictions (within 1% either way) disagreed in sign with the whole model's and with the
+# measurements at North Mini Code batch 1, 2, 4 and 8 (measured on an H200, 2026-12-01 07:14 UTC,
+# schedule_variants.py: batch 1 3.4% faster, where the attention chain ends the layer and the
+# O-projection's weights are in flight while it waits; batch 2, 4 and 8 5-17% slower, where its
+# tiles hold their SMs until the longer MoE branch ends).
+RESIDUAL_IN_O_PROJ = "residual_in_o_proj"
 DEFAULT_LOWERING = {f.name: f.default for f in dataclasses.fields(LowerOptions) if f.name in LOWERING_CHOICES}
 
 
@@ -110,7 +119,9 @@ def plan_choices(spec: ModelSpec, batch: int, context: int, num_sms: int, page_s
                  **lowering) -> tuple[int, Ceilings, dict[str, Any]]:
     """What plan() schedules with, before it lowers and schedules: the attention-SM count, the
     ceilings (with a measured entry's raise and spread applied) and ``meta["attention_sms"]``
-    without the count (see plan)."""
+    without the count (see plan). Unless the caller gives the count or ``residual_in_o_proj``, a
+    measured entry's choice of it is ``how[RESIDUAL_IN_O_PROJ]`` (absent from the entry: False)."""
+    given_fold = RESIDUAL_IN_O_PROJ in lowering
     lowering = lowering_choices(lowering)
     how: dict[str, Any] = {"chosen_by": "asked", "probe_predicted_us": {}}
     if attention_sms is not None:
@@ -140,6 +151,9 @@ def plan_choices(spec: ModelSpec, batch: int, context: int, num_sms: int, page_s
         ceilings = dataclasses.replace(ceilings, spread_siblings=spread)
         how[SPREAD] = spread
         how[SPREAD + "_measured_us"] = measured.get(SPREAD + "_measured_us", {})
+    if not given_fold:
+        how[RESIDUAL_IN_O_PROJ] = measured.get(RESIDUAL_IN_O_PROJ) is True
+        how[RESIDUAL_IN_O_PROJ + "_measured_us"] = measured.get(RESIDUAL_IN_O_PROJ + "_measured_us", {})
     return int(measured["attention_sms"]), ceilings, how
 
 
@@ -153,9 +167,11 @@ def plan(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int
     differ from this one.
     ``lowering``: the LOWERING_CHOICES (LowerOptions fields; default DEFAULT_LOWERING), each also in
     ``meta`` under its name."""
-    lowering = lowering_choices(lowering)
     attention_sms, ceilings, how = plan_choices(spec, batch, context, num_sms, page_size, kv_pages, attention_sms,
                                                 ceilings, **lowering)
+    lowering = lowering_choices(lowering)
+    if RESIDUAL_IN_O_PROJ in how:  # measured at this point (plan_choices)
+        lowering[RESIDUAL_IN_O_PROJ] = how[RESIDUAL_IN_O_PROJ]
     program = lower(spec, batch, context, num_sms, page_size, kv_pages, attention_sms=attention_sms, **lowering)
     sc = schedule(program, spec.name, ceilings)
     sc.meta["attention_sms"] = {"chosen": attention_sms, **how}
