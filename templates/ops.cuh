@@ -91,14 +91,22 @@ __device__ __forceinline__ void stage_residual_async(const Task&, unsigned char*
 struct ResidualTerms {
     const float* staged;  // [terms][BATCH][rows]; null: the tile does not end a layer
     int terms, rows;
-    // (((residual + v) + mlp) + slot 0) + slot 1 ... for row r, token n
-    __device__ __forceinline__ float operator()(int r, int n, float v) const {
-        const float* p = staged + n * rows + r;
-        float a = p[0] + v;
-        for (int i = 1; i < terms; ++i) a += p[(size_t)i * BATCH * rows];
-        return a;
-    }
 };
+
+// The epilogue of a tile that ends a layer, for one GEMV fragment (gemv_tile's epi: rows r0 and
+// r0 + 8, tokens n and n + 1 of this lane; c as for_fragment reads it): out[n, r] = (((residual +
+// product) + mlp) + slot 0) + slot 1 ... Out of line, with the fragment by value (an array by
+// reference would go through local memory): code size costs instruction fetches.
+__device__ __noinline__ void store_with_residual(float* out, int out_ld, ResidualTerms res, int r0, float c0,
+                                                 float c1, float c2, float c3) {
+    const float c[4] = {c0, c1, c2, c3};
+    for_fragment(r0, c, res.rows, [&](int r, int n, float v) {
+        const float* p = res.staged + n * res.rows + r;
+        float a = p[0] + v;
+        for (int i = 1; i < res.terms; ++i) a += p[(size_t)i * BATCH * res.rows];
+        out[(size_t)n * out_ld + r] = a;
+    });
+}
 
 __device__ __forceinline__ ResidualTerms residual_terms(const Task& t, unsigned char* smem) {
     using O = OPND_LINEAR;
@@ -107,10 +115,10 @@ __device__ __forceinline__ ResidualTerms residual_terms(const Task& t, unsigned 
     return {reinterpret_cast<const float*>(gemv_scratch(smem)), terms, t.arg(ARG_LINEAR::rows)};
 }
 
-template <>
-__device__ __forceinline__ void stage_residual_async<OPND_LINEAR>(const Task& t, unsigned char* smem) {
+// out of line: the staging's finish is inlined at several points of gemv_tile, and code size costs
+// instruction fetches (docs/kernel.md)
+__device__ __noinline__ void stage_residual_terms(const Task t, unsigned char* smem) {  // by value: a reference would put the caller's Task in local memory
     using O = OPND_LINEAR;
-    if (!t.has(O::residual)) return;
     const ResidualTerms rt = residual_terms(t, smem);
     const int col0 = t.arg(ARG_LINEAR::col0), hidden = t.dim(O::residual, 1), quads = rt.rows / 4;
     const bool mlp = t.has(O::mlp);
@@ -122,6 +130,16 @@ __device__ __forceinline__ void stage_residual_async<OPND_LINEAR>(const Task& t,
                            : t.ptr<float>(O::routed) + (size_t)(term - 1 - (mlp ? 1 : 0)) * BATCH * hidden;
         cp_async16(dst + (size_t)tb * rt.rows + 4 * c, src + (size_t)b * hidden + col0 + 4 * c);
     }
+}
+
+template <>
+__device__ __forceinline__ void stage_residual_async<OPND_LINEAR>(const Task& t, unsigned char* smem) {
+    if (t.has(OPND_LINEAR::residual)) stage_residual_terms(t, smem);
+}
+
+// rows [0, rows) of BATCH tokens, ld floats apart, set to zero (out of line: a rare path)
+__device__ __noinline__ void zero_rows(float* out, int ld, int rows) {
+    for (int i = threadIdx.x; i < BATCH * rows; i += NUM_THREADS) out[(size_t)(i / rows) * ld + i % rows] = 0.f;
 }
 
 // WEIGHTS_BEFORE_WAIT: the end of staging for a tile that issued its first weight loads before
@@ -443,10 +461,13 @@ __device__ __forceinline__ void linear_gemv(const Task& t, unsigned char* smem, 
         float* out32 = t.ptr<float>(O::out) + base;
         bf16* out16 = t.ptr<bf16>(O::out) + base;
         gemv_tile<1>(w, w_ld, rows, k, xs, gemv_red(smem), [&](int r0, float (&acc)[1][4]) {
+            if (res.staged) {
+                store_with_residual(out32, out_ld, res, r0, acc[0][0], acc[0][1], acc[0][2], acc[0][3]);
+                return;
+            }
             for_fragment(r0, acc[0], rows, [&](int r, int n, float v) {
                 const size_t i = (size_t)n * out_ld + r;
-                if (res.staged) out32[i] = res(r, n, v);
-                else if (f32) out32[i] = v;
+                if (f32) out32[i] = v;
                 else store_bf16(out16 + i, v);
                 if (TAGGED_LOGITS && tagged) st_relaxed_gpu_u64(tagged + base + i, tag_value(v, step));
             });
@@ -454,8 +475,12 @@ __device__ __forceinline__ void linear_gemv(const Task& t, unsigned char* smem, 
     } else if (t.dtype(O::out) != DT_BF16) {
         float* out = t.ptr<float>(O::out) + base;
         gemv_tile<1>(w, w_ld, rows, k, xs, gemv_red(smem), [&](int r0, float (&acc)[1][4]) {
+            if (res.staged) {
+                store_with_residual(out, out_ld, res, r0, acc[0][0], acc[0][1], acc[0][2], acc[0][3]);
+                return;
+            }
             for_fragment(r0, acc[0], rows, [&](int r, int n, float v) {
-                out[(size_t)n * out_ld + r] = res.staged ? res(r, n, v) : v;
+                out[(size_t)n * out_ld + r] = v;
                 if (TAGGED_LOGITS && tagged) st_relaxed_gpu_u64(tagged + base + (size_t)n * out_ld + r, tag_value(v, step));
             });
         }, finish);
@@ -567,9 +592,7 @@ __device__ void op_expert_down(const Task& t, unsigned char* smem) {
     if (slot >= rt.count) {
         if (routed) task_wait(t.w, 0, 1);  // nothing to wait for, but the profile records the wait
         // zeros, so a sum over every slot (a LINEAR tile that ends the layer) stays right
-        float* dead = t.ptr<float>(O::out) + (size_t)slot * t.dim(O::out, 2) * t.dim(O::out, 1) + row0;
-        for (int i = threadIdx.x; i < BATCH * rows; i += NUM_THREADS)
-            dead[(size_t)(i / rows) * t.dim(O::out, 1) + i % rows] = 0.f;
+        zero_rows(t.ptr<float>(O::out) + (size_t)slot * t.dim(O::out, 2) * t.dim(O::out, 1) + row0, t.dim(O::out, 1), rows);
         return;
     }
     const int e = rt.experts[slot];

@@ -167,6 +167,38 @@ def test_codegen_variant_compiles_without_local_memory(cache, batch, variant):
                                                                           and batch <= 4))
 
 
+def test_residual_in_o_proj_kernel_compiles_without_local_memory(cache):
+    """North Mini Code at batch 8 with the residual added by the O-projection (LowerOptions.
+    residual_in_o_proj): its reduction over every head (4096) sizes the staged activations, its
+    residual terms (the stream and all 64 routing slots of its rows) the scratch, and the kernel
+    compiles without local memory, the terms' staging and adds out of line (code size)."""
+    spec = load_spec(NMC)
+    sc = schedule(lower(spec, 8, 8192, 132, residual_in_o_proj=True), spec.name)
+    ends = [t for t in sc.tasks if t.op == Opcode.LINEAR and t.operand("residual") != "-"]
+    cfg = kernel_config(sc, spec)
+    assert cfg.gemv_max_k == 4096
+    assert cfg.residual_stage_bytes == (1 + 64) * 8 * max(t.arg("rows") for t in ends) * 4
+    art = build_kernel(sc, spec, cache_dir=cache)
+    assert art.spills == 0, f"ptxas reports {art.spills} bytes of spills\n{art.log}"
+    assert not local_memory_ops(disassemble(art.cubin))
+    by_op = instructions_by_op(art.cubin, art.cu_source)
+    assert by_op.get("stage_residual_terms", 0) > 0 and by_op.get("store_with_residual", 0) > 0, by_op
+
+
+def test_a_residual_tile_off_the_copy_grain_is_refused(tiny):
+    """The residual terms are copied 16 bytes at a time: a tile whose columns do not start on 4
+    floats gets a CodegenError naming it, not a misaligned copy."""
+    import dataclasses
+
+    spec, _ = tiny
+    sc = schedule(lower(spec, 2, 16, 8, residual_in_o_proj=True), spec.name)
+    t = next(t for t in sc.tasks if t.op == Opcode.LINEAR and t.operand("residual") != "-")
+    col0 = OP_INFO[Opcode.LINEAR].args.index("col0")
+    sc.tasks[t.id] = dataclasses.replace(t, args=tuple(v + 2 if i == col0 else v for i, v in enumerate(t.args)))
+    with pytest.raises(CodegenError, match=rf"task {t.id} \({re.escape(t.name)}\): residual terms .* multiples of 4"):
+        kernel_config(sc, spec)
+
+
 def test_warp_split_rings_fit_the_shared_memory(nmc, tiny):
     """CodegenOptions.attn_warp_stages is lowered to the rings that fit beside the rest of the
     attention's shared memory (8 warps x 8 KB per stage at head_dim 128: three fit, four do not),

@@ -187,7 +187,10 @@ def _attention_sms_row(d: dict[str, Any]) -> str:
         row = (f"{head}; measured fastest by {a.get('measured_by') or 'mkc bench --tune'} on {a['measured_on']}, "
                f"{a['measured_at']} "
                f"(step µs by attention SMs: {timed})")
-        was_for = a.get("measured_lowering")
+        # what the counts were timed with; the residual in the O-projection, when the entry chose it,
+        # was timed with the chosen count (it is named below)
+        was_for = {k: v for k, v in (a.get("measured_lowering") or {}).items()
+                   if not (k == "residual_in_o_proj" and "residual_in_o_proj" in a)}
         if was_for and {k: d.get("lowering", {}).get(k) for k in was_for} != was_for:
             was = ", ".join(f"{k}={v}" for k, v in was_for.items())
             now = ", ".join(f"{k}={d['lowering'].get(k)}" for k in was_for)
@@ -200,6 +203,9 @@ def _attention_sms_row(d: dict[str, Any]) -> str:
         if a.get("spread_siblings"):  # the tuned spread of a layer's sibling tiles (plan.py)
             timed = ", ".join(f"{k}: {v:.1f}" for k, v in a.get("spread_siblings_measured_us", {}).items())
             row += f"; sibling tiles spread over SMs, measured faster (step µs: {timed})"
+        if a.get("residual_in_o_proj"):  # the tuned end of the layer (plan.py)
+            timed = ", ".join(f"{k}: {v:.1f}" for k, v in a.get("residual_in_o_proj_measured_us", {}).items())
+            row += f"; the residual added by the O-projection tiles, measured faster (step µs: {timed})"
         return row
     if a["chosen_by"] == "compiler":
         tried = ", ".join(f"{k}: {v:.1f}" for k, v in a["probe_predicted_us"].items())
