@@ -83,8 +83,8 @@ struct StageFinish {
 // routing slot's expert output, in that order. They are copied with its activations, into the
 // RMSNorm staging's scratch (the tile has no norm operand) as [term][BATCH][rows] floats, so they
 // land with the activations' copies instead of costing the epilogue a round trip
-// (RESIDUAL_STAGE_BYTES: the codegen sized the scratch for the largest tile; rows and col0 are
-// multiples of 4).
+// (KernelConfig.residual_stage_bytes: render.py sized the scratch for the largest such tile and
+// checked that rows and col0 are multiples of 4).
 template <class O>
 __device__ __forceinline__ void stage_residual_async(const Task&, unsigned char*) {}
 
@@ -115,26 +115,24 @@ __device__ __forceinline__ ResidualTerms residual_terms(const Task& t, unsigned 
     return {reinterpret_cast<const float*>(gemv_scratch(smem)), terms, t.arg(ARG_LINEAR::rows)};
 }
 
-// out of line: the staging's finish is inlined at several points of gemv_tile, and code size costs
-// instruction fetches (docs/kernel.md)
-__device__ __noinline__ void stage_residual_terms(const Task t, unsigned char* smem) {  // by value: a reference would put the caller's Task in local memory
-    using O = OPND_LINEAR;
-    const ResidualTerms rt = residual_terms(t, smem);
-    const int col0 = t.arg(ARG_LINEAR::col0), hidden = t.dim(O::residual, 1), quads = rt.rows / 4;
-    const bool mlp = t.has(O::mlp);
-    float* dst = reinterpret_cast<float*>(gemv_scratch(smem));
-    for (int i = threadIdx.x; i < rt.terms * BATCH * quads; i += NUM_THREADS) {
-        const int c = i % quads, tb = i / quads, b = tb % BATCH, term = tb / BATCH;
-        const float* src = term == 0 ? t.ptr<float>(O::residual)
-                           : mlp && term == 1 ? t.ptr<float>(O::mlp)
-                           : t.ptr<float>(O::routed) + (size_t)(term - 1 - (mlp ? 1 : 0)) * BATCH * hidden;
-        cp_async16(dst + (size_t)tb * rt.rows + 4 * c, src + (size_t)b * hidden + col0 + 4 * c);
-    }
-}
-
+// Inline (a call would wait for the weight loads in flight in registers first: the staging
+// would no longer overlap them); a warp per (term, token), a lane per 16 bytes of its rows.
 template <>
 __device__ __forceinline__ void stage_residual_async<OPND_LINEAR>(const Task& t, unsigned char* smem) {
-    if (t.has(OPND_LINEAR::residual)) stage_residual_terms(t, smem);
+    using O = OPND_LINEAR;
+    if (!t.has(O::residual)) return;
+    const ResidualTerms rt = residual_terms(t, smem);
+    const int col0 = t.arg(ARG_LINEAR::col0), hidden = t.dim(O::residual, 1), quads = rt.rows / 4;
+    const int mlp = t.has(O::mlp) ? 1 : 0;
+    float* dst = reinterpret_cast<float*>(gemv_scratch(smem));
+    for (int tb = threadIdx.x / 32; tb < rt.terms * BATCH; tb += NUM_WARPS) {
+        const int b = tb % BATCH, term = tb / BATCH;
+        const float* src = term == 0 ? t.ptr<float>(O::residual)
+                           : term < 1 + mlp ? t.ptr<float>(O::mlp)
+                           : t.ptr<float>(O::routed) + (size_t)(term - 1 - mlp) * BATCH * hidden;
+        src += (size_t)b * hidden + col0;
+        for (int c = threadIdx.x % 32; c < quads; c += 32) cp_async16(dst + (size_t)tb * rt.rows + 4 * c, src + 4 * c);
+    }
 }
 
 // rows [0, rows) of BATCH tokens, ld floats apart, set to zero (out of line: a rare path)

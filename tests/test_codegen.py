@@ -171,7 +171,7 @@ def test_residual_in_o_proj_kernel_compiles_without_local_memory(cache):
     """North Mini Code at batch 8 with the residual added by the O-projection (LowerOptions.
     residual_in_o_proj): its reduction over every head (4096) sizes the staged activations, its
     residual terms (the stream and all 64 routing slots of its rows) the scratch, and the kernel
-    compiles without local memory, the terms' staging and adds out of line (code size)."""
+    compiles without local memory, the terms' adds out of line (code size)."""
     spec = load_spec(NMC)
     sc = schedule(lower(spec, 8, 8192, 132, residual_in_o_proj=True), spec.name)
     ends = [t for t in sc.tasks if t.op == Opcode.LINEAR and t.operand("residual") != "-"]
@@ -182,7 +182,7 @@ def test_residual_in_o_proj_kernel_compiles_without_local_memory(cache):
     assert art.spills == 0, f"ptxas reports {art.spills} bytes of spills\n{art.log}"
     assert not local_memory_ops(disassemble(art.cubin))
     by_op = instructions_by_op(art.cubin, art.cu_source)
-    assert by_op.get("stage_residual_terms", 0) > 0 and by_op.get("store_with_residual", 0) > 0, by_op
+    assert by_op.get("store_with_residual", 0) > 0, by_op
 
 
 def test_a_residual_tile_off_the_copy_grain_is_refused(tiny):
