@@ -29,8 +29,11 @@ def _routing(bufs, spec, i):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fold", [False, True], ids=["residual-tiles", "residual-in-o-proj"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_family_step_matches_cpu_executor(family):
+def test_family_step_matches_cpu_executor(family, fold):
+    """The default lowering, and the O-projection tiles adding the residual (LowerOptions.
+    residual_in_o_proj: a parallel block's whole residual, a sequential block's attention part)."""
     from mkc.runtime.cuda_backend import CudaDecoder
     from mkc.runtime.weights import random_weights
     from mkc.schedule.executor import CpuExecutor
@@ -39,7 +42,7 @@ def test_family_step_matches_cpu_executor(family):
     weights = random_weights(spec, seed=11, dtype=torch.float32, std=0.1)
     batch, context = 2, 24
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    sc = plan(spec, batch, context, sms)
+    sc = plan(spec, batch, context, sms, residual_in_o_proj=fold)
     dec = CudaDecoder(sc, spec, weights)
     ex = CpuExecutor(sc, spec, weights, dtype=torch.bfloat16, poison_weights=False)
     gen = torch.Generator().manual_seed(5)
