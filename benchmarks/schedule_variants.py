@@ -93,9 +93,6 @@ def main() -> None:
     ap.add_argument("--residual-in-o-proj", nargs="+", default=["no"], choices=["yes", "no"],
                     help="LowerOptions.residual_in_o_proj values to lower with (yes: the O-projection tiles add "
                          "the residual and the MLP's output, no RESIDUAL tiles)")
-    ap.add_argument("--o-proj-by-group", nargs="+", default=["no"], choices=["yes", "no"],
-                    help="LowerOptions.o_proj_by_group values to lower with, where the residual is in the "
-                         "O-projection (yes: its slices stay split by KV group, the last one adds the residual)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time every variant this many times, in turn (drift between variants shows)")
     ap.add_argument("--build-only", action="store_true", help="compile every variant's kernel (no GPU) and exit")
@@ -103,11 +100,9 @@ def main() -> None:
     a = ap.parse_args()
     a.attention_sms = [None if v == "auto" else int(v) for v in a.attention_sms]
     spec = load_spec(a.config)
-    variants = [(att, {"rope_in_splits": rope == "yes", "mlp_share": share, "residual_in_o_proj": fold == "yes",
-                       "o_proj_by_group": group == "yes"}, name)
+    variants = [(att, {"rope_in_splits": rope == "yes", "mlp_share": share, "residual_in_o_proj": fold == "yes"}, name)
                 for att in a.attention_sms for rope in a.rope_in_splits for share in a.mlp_share
-                for fold in a.residual_in_o_proj for group in a.o_proj_by_group for name in a.variants
-                if fold == "yes" or group == "no"]  # the groups' split is what a RESIDUAL tile ends
+                for fold in a.residual_in_o_proj for name in a.variants]
     if a.build_only:
         for batch in a.batch:
             for att, lowering, name in variants:
@@ -130,7 +125,6 @@ def main() -> None:
             label = f"{sc.meta['attention_sms']['chosen']}" + (" (auto)" if att is None else "")
             label += f", rope in splits {'yes' if lowering['rope_in_splits'] else 'no'}, mlp share {lowering['mlp_share']}"
             label += f", residual in o_proj {'yes' if lowering['residual_in_o_proj'] else 'no'}"
-            label += " by group" if lowering["o_proj_by_group"] else ""
             with decoder_in_place(sc, spec, weights) as dec:
                 fill_bench_kv(dec, spec)
                 logits, _ = dec.step(tokens, positions)

@@ -91,33 +91,28 @@ __device__ __forceinline__ void stage_residual_async(const Task&, unsigned char*
 struct ResidualTerms {
     const float* staged;  // [terms][BATCH][rows]; null: the tile does not end a layer
     int terms, rows;
-    int before;  // terms added before the product: the residual stream and the split-K partials
 };
 
 // The epilogue of a tile that ends a layer, for one GEMV fragment (gemv_tile's epi: rows r0 and
-// r0 + 8, tokens n and n + 1 of this lane; c as for_fragment reads it): out[n, r] = ((((residual +
-// partial 0) + ...) + product) + mlp) + slot 0 ..., a RESIDUAL tile's order. Out of line, with the
-// fragment by value (an array by reference would go through local memory): code size costs
-// instruction fetches.
+// r0 + 8, tokens n and n + 1 of this lane; c as for_fragment reads it): out[n, r] = (((residual +
+// product) + mlp) + slot 0) + slot 1 ... Out of line, with the fragment by value (an array by
+// reference would go through local memory): code size costs instruction fetches.
 __device__ __noinline__ void store_with_residual(float* out, int out_ld, ResidualTerms res, int r0, float c0,
                                                  float c1, float c2, float c3) {
     const float c[4] = {c0, c1, c2, c3};
     for_fragment(r0, c, res.rows, [&](int r, int n, float v) {
         const float* p = res.staged + n * res.rows + r;
-        float a = p[0];
-        for (int i = 1; i < res.before; ++i) a += p[(size_t)i * BATCH * res.rows];
-        a += v;
-        for (int i = res.before; i < res.terms; ++i) a += p[(size_t)i * BATCH * res.rows];
+        float a = p[0] + v;
+        for (int i = 1; i < res.terms; ++i) a += p[(size_t)i * BATCH * res.rows];
         out[(size_t)n * out_ld + r] = a;
     });
 }
 
 __device__ __forceinline__ ResidualTerms residual_terms(const Task& t, unsigned char* smem) {
     using O = OPND_LINEAR;
-    if (!t.has(O::residual)) return {nullptr, 0, 0, 0};
-    const int before = 1 + (t.has(O::parts) ? t.dim(O::parts, 3) : 0);
-    const int terms = before + (t.has(O::mlp) ? 1 : 0) + (t.has(O::routed) ? t.dim(O::routed, 3) : 0);
-    return {reinterpret_cast<const float*>(gemv_scratch(smem)), terms, t.arg(ARG_LINEAR::rows), before};
+    if (!t.has(O::residual)) return {nullptr, 0, 0};
+    const int terms = 1 + (t.has(O::mlp) ? 1 : 0) + (t.has(O::routed) ? t.dim(O::routed, 3) : 0);
+    return {reinterpret_cast<const float*>(gemv_scratch(smem)), terms, t.arg(ARG_LINEAR::rows)};
 }
 
 // Inline (a call would wait for the weight loads in flight in registers first: the staging
@@ -128,14 +123,13 @@ __device__ __forceinline__ void stage_residual_async<OPND_LINEAR>(const Task& t,
     if (!t.has(O::residual)) return;
     const ResidualTerms rt = residual_terms(t, smem);
     const int col0 = t.arg(ARG_LINEAR::col0), hidden = t.dim(O::residual, 1), quads = rt.rows / 4;
-    const int mlp = rt.before + (t.has(O::mlp) ? 1 : 0);  // the terms [before, mlp) are the MLP's output
+    const int mlp = t.has(O::mlp) ? 1 : 0;
     float* dst = reinterpret_cast<float*>(gemv_scratch(smem));
     for (int tb = threadIdx.x / 32; tb < rt.terms * BATCH; tb += NUM_WARPS) {
         const int b = tb % BATCH, term = tb / BATCH;
         const float* src = term == 0 ? t.ptr<float>(O::residual)
-                           : term < rt.before ? t.ptr<float>(O::parts) + (size_t)(term - 1) * BATCH * hidden
-                           : term < mlp ? t.ptr<float>(O::mlp)
-                           : t.ptr<float>(O::routed) + (size_t)(term - mlp) * BATCH * hidden;
+                           : term < 1 + mlp ? t.ptr<float>(O::mlp)
+                           : t.ptr<float>(O::routed) + (size_t)(term - 1 - mlp) * BATCH * hidden;
         src += (size_t)b * hidden + col0;
         for (int c = threadIdx.x % 32; c < quads; c += 32) cp_async16(dst + (size_t)tb * rt.rows + 4 * c, src + 4 * c);
     }

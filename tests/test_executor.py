@@ -136,19 +136,17 @@ def test_rope_in_splits_computes_what_the_rope_task_computes(config, dtype):
         assert torch.equal(x, y), f"step {step}: max difference {(x - y).abs().max().item():.3g}"
 
 
-@pytest.mark.parametrize("config, batch, by_group", [("tiny.yaml", 1, False), ("tiny.yaml", 3, False),
-                                                     ("qwen3_moe_tiny.yaml", 2, False), ("llama_tiny.yaml", 2, False),
-                                                     ("tiny.yaml", 3, True), ("qwen3_moe_tiny.yaml", 2, True)])
-def test_residual_in_o_proj_matches_reference(config, batch, by_group):
+@pytest.mark.parametrize("config, batch", [("tiny.yaml", 1), ("tiny.yaml", 3), ("qwen3_moe_tiny.yaml", 2),
+                                           ("llama_tiny.yaml", 2)])
+def test_residual_in_o_proj_matches_reference(config, batch):
     """LowerOptions.residual_in_o_proj (the O-projection tiles add the residual stream and the
     MLP's output): the same logits as the dense reference, in random interleavings, for a parallel
     block with a dense layer and MoE layers, a sequential MoE block and a sequential dense one. At
     batch 3 the tiny model's 12 routing slots are not all live in some step, so the slots past the
-    live count are read too: they hold zeros, and poison or a stale step's output would show. With
-    o_proj_by_group the last KV group's O-projection slices add the other groups' partials too."""
+    live count are read too: they hold zeros, and poison or a stale step's output would show."""
     spec = load_spec(Path(__file__).resolve().parents[1] / "configs" / config)
     w = random_weights(spec, seed=7, dtype=torch.float32, std=0.1)
-    sc = schedule(lower(spec, batch, 64, 8, residual_in_o_proj=True, o_proj_by_group=by_group), spec.name)
+    sc = schedule(lower(spec, batch, 64, 8, residual_in_o_proj=True), spec.name)
     assert any(t.op == Opcode.LINEAR and t.operand("residual") != "-" for t in sc.tasks)
     ex, ref = CpuExecutor(sc, spec, w), DenseReference(spec, w)
     g = torch.Generator().manual_seed(batch)

@@ -496,30 +496,6 @@ def test_nmc_residual_in_o_proj_matches_mirror(nmc_weights, num_sms, batch, cont
     check_against_mirror(dec, spec, weights, tokens, positions, lg, nt, f"NMC residual in o_proj b{batch} ctx {context}")
 
 
-@pytest.mark.parametrize("batch, context", [(1, 100), (2, 4097), (8, 8192)])
-def test_nmc_o_proj_by_group_is_bitwise_the_default(nmc_weights, num_sms, batch, context):
-    """LowerOptions.o_proj_by_group: the last KV group's O-projection slices add the residual, the
-    other slices' partials and the MLP's output in a RESIDUAL tile's order (an expert's zeros for
-    the tokens it did not serve add nothing), so every layer's residual stream and the logits are
-    bitwise those of the default lowering."""
-    from mkc.ir.ops import Opcode
-
-    spec, weights = nmc_weights
-    tokens = torch.randint(0, spec.vocab_size, (batch,), dtype=torch.int32)
-    positions = nmc_positions(batch, context)
-    runs = []
-    for fold in (False, True):
-        dec = nmc_decoder(spec, weights, batch, context, num_sms, residual_in_o_proj=fold, o_proj_by_group=fold)
-        assert any(t.op == Opcode.RESIDUAL for t in dec.schedule.tasks) != fold
-        lg, nt = dec.step(tokens, positions)
-        runs.append((lg.clone(), nt.clone(), [dec.buffers[f"L{i}.x"].clone() for i in range(spec.num_layers + 1)]))
-        dec.close()
-    (lg0, nt0, xs0), (lg1, nt1, xs1) = runs
-    for i, (a, b) in enumerate(zip(xs0, xs1)):
-        assert torch.equal(a, b), f"L{i}.x differs: max {(a - b).abs().max().item():.3g}"
-    assert torch.equal(lg0, lg1) and torch.equal(nt0, nt1)
-
-
 def check_against_mirror(dec, spec, weights, tokens, positions, lg, nt, what: str) -> None:
     """Layer by layer with the kernel's residual stream as input (tight), and end to end with
     only the routing teacher-forced (looser: bf16 noise compounds over the layers)."""

@@ -130,29 +130,6 @@ def test_residual_in_o_proj_ends_each_layer(tiny):
     assert {t.name.split(".")[1].split("[")[0] for t in prog.tasks if t.op == Opcode.RESIDUAL} == {"residual"}
 
 
-def test_o_proj_by_group_ends_the_layer_with_the_last_groups_slices(tiny):
-    """LowerOptions.o_proj_by_group: the O-projection stays split by KV group; the first groups'
-    slices write partials and wait for their group's attention only, and the last group's slices
-    add the residual stream, those partials and the MLP's output, and write the next layer's
-    stream; no RESIDUAL tile. Without residual_in_o_proj the option is refused."""
-    G = tiny.attention.num_kv_heads
-    prog = lower(tiny, batch=3, context=40, num_sms=8, residual_in_o_proj=True, o_proj_by_group=True)
-    assert not any(t.op == Opcode.RESIDUAL for t in prog.tasks)
-    for layer in range(tiny.num_layers):
-        assert prog.buffers[f"L{layer}.o_part"].shape[0] == G - 1
-        firsts = [t for t in prog.tasks if t.name.startswith(f"L{layer}.o_proj[kv") and t.operand("residual") == "-"]
-        lasts = [t for t in prog.tasks if t.name.startswith(f"L{layer}.o_proj[kv{G - 1}]")]
-        assert {t.arg("slab") for t in firsts} == set(range(G - 1))
-        assert lasts and all(t.operand("out") == f"L{layer + 1}.x" and t.operand("parts") == f"L{layer}.o_part"
-                             and t.operand("residual") == f"L{layer}.x" for t in lasts)
-        for t in lasts:
-            lo, hi = t.arg("row0"), t.arg("row0") + t.arg("rows")
-            before = nx.ancestors(prog.graph, t.id)
-            assert all(f.id in before for f in firsts if f.arg("row0") < hi and lo < f.arg("row0") + f.arg("rows"))
-    with pytest.raises(SpecError, match="o_proj_by_group = True: expected residual_in_o_proj = True"):
-        lower(tiny, batch=1, context=40, num_sms=8, o_proj_by_group=True)
-
-
 def test_attention_splits_scale_with_context(tiny):
     short = lower(tiny, batch=1, context=64, num_sms=132)
     long = lower(tiny, batch=1, context=4096, num_sms=132)

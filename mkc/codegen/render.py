@@ -340,12 +340,11 @@ def _residual_stage_bytes(schedule: Schedule, t) -> int:
     floats (ops.cuh: stage_residual_async, 16-byte copies of whole rows of each term)."""
     b = schedule.buffers
     rows, col0 = t.arg("rows"), t.arg("col0")
-    terms = [t.operand(r) for r in ("residual", "parts", "mlp", "routed") if t.operand(r) != "-"]
+    terms = [t.operand(r) for r in ("residual", "mlp", "routed") if t.operand(r) != "-"]
     if rows % 4 or col0 % 4 or any(b[n].dtype != "f32" or b[n].shape[-1] % 4 for n in terms):
         raise CodegenError(f"task {t.id} ({t.name}): residual terms {', '.join(terms)} at columns {col0}..{col0 + rows}: "
                            f"expected f32 rows, with rows, col0 and the row width multiples of 4 (16-byte copies)")
-    count = 1 + (t.operand("mlp") != "-") + sum(b[t.operand(r)].shape[0] for r in ("parts", "routed")
-                                                 if t.operand(r) != "-")
+    count = 1 + (t.operand("mlp") != "-") + (b[t.operand("routed")].shape[0] if t.operand("routed") != "-" else 0)
     return count * schedule.batch * rows * 4
 
 

@@ -47,11 +47,6 @@ class LowerOptions:
     # its hand-off) follows them on the layer's chain. Its tiles wait for the whole attention and
     # the MLP. False: O-projection partials per KV group, then RESIDUAL tiles that sum them.
     residual_in_o_proj: bool = False
-    # with residual_in_o_proj: the O-projection stays split along K by KV group; the slices of the
-    # first groups write partials (each waits for its group's attention only), and the last group's
-    # slices add the residual stream, those partials, their product and the MLP's output, in the
-    # order a RESIDUAL tile adds them. False: one GEMV over every head.
-    o_proj_by_group: bool = False
 
     def check(self) -> None:
         if not 1 <= self.batch <= 8:
@@ -68,9 +63,6 @@ class LowerOptions:
                             f"({self.context}) positions per KV page")
         if self.mlp_share not in ("rest", "bytes"):
             raise SpecError(f"mlp_share = {self.mlp_share!r}: expected 'rest' or 'bytes'")
-        if self.o_proj_by_group and not self.residual_in_o_proj:
-            raise SpecError("o_proj_by_group = True: expected residual_in_o_proj = True (the O-projection slices "
-                            "split by KV group are the default when a RESIDUAL tile ends the layer)")
         if self.kv_pages < 0 or (self.kv_pages and not self.page_size):
             raise SpecError(f"kv_pages = {self.kv_pages}: expected 0, or a pool size with a page size")
 
@@ -218,8 +210,7 @@ class _Lowerer:
                                                   "page_size": opt.page_size, "attention_sms": opt.attention_sms,
                                                   "rope_in_splits": opt.rope_in_splits,
                                                   "mlp_share": opt.mlp_share,
-                                                  "residual_in_o_proj": opt.residual_in_o_proj,
-                                                  "o_proj_by_group": opt.o_proj_by_group})
+                                                  "residual_in_o_proj": opt.residual_in_o_proj})
         derive_edges(prog)
         return prog
 
@@ -330,21 +321,18 @@ class _Lowerer:
                           [box(attn, None, (head * D, (head + hpc) * D))])
         wo = self.buf(f"{P}.w_o", (H, QH * D), "bf16", "weight", "[hidden, heads * head_dim]")
         o_ends = opt.residual_in_o_proj
-        o_part = o_tile = None
-        if not o_ends or opt.o_proj_by_group:  # split-K by KV group: slice g waits only for the attention of group g
-            slabs = G - 1 if o_ends else G  # where the O-projection ends the layer, the last slice adds them
+        o_part = None
+        if not o_ends:  # O-proj split-K by KV group: slice g waits only for the attention of group g
+            o_part = self.buf(f"{P}.o_part", (G, B, H), "f32", "act", "[kv_heads, B, hidden] split-K partials")
             o_tile = row_tile(H, GS * D * 2, G, opt.num_sms)
-            if slabs:
-                o_part = self.buf(f"{P}.o_part", (slabs, B, H), "f32", "act", "[kv_heads, B, hidden] split-K partials")
-            for g in range(slabs):
+            for g in range(G):
                 self.linear(layer, f"o_proj[kv{g}]", attn, wo, o_part, k0=g * GS * D, k=GS * D, slab=g, tile=o_tile)
-        ends = {"parts": o_part, "group": G - 1 if o_tile else None, "tile": o_tile}  # o_proj_residual's split
         # --- MLP on the same normed input (parallel block)
         mlp_in = n
         if s.block == "sequential":
             x_mid = self.buf(f"{P}.x_mid", (B, H), "f32", "act", "[B, hidden] x + attention")
             if o_ends:
-                self.o_proj_residual(layer, attn, wo, x, x_mid, **ends)
+                self.o_proj_residual(layer, attn, wo, x, x_mid)
             else:
                 self.residual(layer, x, o_part, None, None, None, x_mid, "residual_attn")
             nw2 = self.buf(f"{P}.mlp_norm", (H,), "bf16", "weight", "[hidden]")
@@ -363,33 +351,25 @@ class _Lowerer:
         else:
             routed, tslots = self.moe(layer, mlp_in)
         if o_ends and s.block == "parallel":  # the O-projection ends the layer, after the MLP in program order
-            self.o_proj_residual(layer, attn, wo, x, x_out, mo, routed, **ends)
+            self.o_proj_residual(layer, attn, wo, x, x_out, mo, routed)
         else:
             self.residual(layer, x, o_part, mo, routed, None if routed is None else tslots, x_out, "residual")
         return x_out
 
     def o_proj_residual(self, layer: int, attn: Buffer, wo: Buffer, x: Buffer, out: Buffer,
-                        mlp: Buffer | None = None, routed: Buffer | None = None, parts: Buffer | None = None,
-                        group: int | None = None, tile: int | None = None) -> None:
-        """out[:, rows] = x (+ the other groups' partials) + attn @ wo[rows]^T (+ mlp) (+ every routing
-        slot's output), tiled by rows (LowerOptions.residual_in_o_proj): over every head, or
-        (o_proj_by_group) over KV group ``group``'s heads in the groups' ``tile``."""
+                        mlp: Buffer | None = None, routed: Buffer | None = None) -> None:
+        """out[:, rows] = x + attn @ wo[rows]^T (+ mlp) (+ every routing slot's output), tiled by
+        rows (LowerOptions.residual_in_o_proj)."""
         H, k = wo.shape
-        label = "o_proj"
-        k0 = 0
-        if group is not None:
-            k = k // self.spec.attention.num_kv_heads
-            k0, label = group * k, f"o_proj[kv{group}]"
-        tile = tile or row_tile(H, k * DTYPE_BYTES[wo.dtype], 1, self.opt.num_sms)
+        tile = row_tile(H, k * DTYPE_BYTES[wo.dtype], 1, self.opt.num_sms)
         B = self.opt.batch
         for lo, hi in tiles(H, tile):
             cols = (lo, hi)
-            reads = [box(attn, None, (k0, k0 + k)), box(wo, cols, (k0, k0 + k)), box(x, None, cols)]
-            reads += [box(b, None, None, cols) for b in (parts, mlp, routed) if b is not None]
-            self.emit(Opcode.LINEAR, layer, f"L{layer}.{label}[{lo}:{hi}]",
-                      {"x": attn, "norm": None, "weight": wo, "out": out, "residual": x, "mlp": mlp, "routed": routed,
-                       "parts": parts},
-                      {"row0": lo, "rows": hi - lo, "k0": k0, "k": k, "col0": lo, "slab": 0},
+            reads = [full(attn), box(wo, cols, None), box(x, None, cols)]
+            reads += [box(b, None, None, cols) for b in (mlp, routed) if b is not None]
+            self.emit(Opcode.LINEAR, layer, f"L{layer}.o_proj[{lo}:{hi}]",
+                      {"x": attn, "norm": None, "weight": wo, "out": out, "residual": x, "mlp": mlp, "routed": routed},
+                      {"row0": lo, "rows": hi - lo, "k0": 0, "k": k, "col0": lo, "slab": 0},
                       reads, [box(out, None, cols)], flops=2 * B * (hi - lo) * k)
 
     def moe(self, layer: int, n: Normed) -> tuple[Buffer, Buffer]:

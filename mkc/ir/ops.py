@@ -43,13 +43,12 @@ class OpInfo:
 
 OP_INFO: dict[Opcode, OpInfo] = {
     Opcode.EMBED: OpInfo(("tokens", "embed", "out"), ()),
-    # residual / parts / mlp / routed: a tile that ends a layer (LowerOptions.residual_in_o_proj)
-    # writes residual[b, col0 + i] + parts[p, b, col0 + i] for every split-K partial p in order
-    # (o_proj_by_group), + its product, + mlp[0, b, col0 + i] (a dense MLP's output), + routed[j, b,
-    # col0 + i] for every routing slot j in ascending order (each expert tile writes zeros for the
-    # tokens it did not serve, and a slot past the live count all zeros), so no RESIDUAL task
-    # follows it; "-" where absent
-    Opcode.LINEAR: OpInfo(("x", "norm", "weight", "out", "residual", "mlp", "routed", "parts"),
+    # residual / mlp / routed: a tile that ends a layer (LowerOptions.residual_in_o_proj) adds to its
+    # product the residual stream residual[b, col0 + i], then mlp[0, b, col0 + i] (a dense MLP's
+    # output), then routed[j, b, col0 + i] for every routing slot j in ascending order (each expert
+    # tile writes zeros for the tokens it did not serve, and a slot past the live count all zeros),
+    # so no RESIDUAL task follows it; "-" where absent
+    Opcode.LINEAR: OpInfo(("x", "norm", "weight", "out", "residual", "mlp", "routed"),
                           ("row0", "rows", "k0", "k", "col0", "slab")),
     Opcode.SWIGLU: OpInfo(("x", "norm", "weight", "out"), ("row0", "rows", "up_row0", "col0")),
     # q_norm / k_norm: per-head RMSNorm weights [head_dim] of qk-norm models ("-" without qk-norm)

@@ -104,13 +104,9 @@ def _linear(t: Task, bufs: Tensors, w: Tensors, spec: ModelSpec) -> None:
     out = _operand(t, "out", bufs, w)
     dst = out[slab, :, col0:col0 + rows] if out.dim() == 3 else out[:, col0:col0 + rows]
     y = x @ weight.T
-    if t.operand("residual") != "-":  # a tile that ends its layer: x + partials + this product + the MLP's terms
-        c = slice(col0, col0 + rows)
-        acc = _f(_operand(t, "residual", bufs, w)[:, c])
-        if t.operand("parts") != "-":
-            for part in _operand(t, "parts", bufs, w)[:, :, c]:
-                acc = acc + _f(part)
-        y = _add_terms(acc + y, t, bufs, w, c)
+    if t.operand("residual") != "-":  # a tile that ends its layer: x + this product + the MLP's terms
+        y = _add_terms(_f(_operand(t, "residual", bufs, w)[:, col0:col0 + rows]) + y, t, bufs, w,
+                       slice(col0, col0 + rows))
     _store(dst, y)
 
 
