@@ -373,6 +373,8 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
           reps: int, page_size: int, log) -> tuple[int, Row, list[str]] | None:
     """tune_attention_sms, also returning the fastest count's row and the lines its run logged
     (so that mkc bench --tune reports that run instead of timing the count again)."""
+    from mkc.codegen import CodegenError
+    from mkc.ir.spec import SpecError
     from mkc.schedule import tuning
     from mkc.schedule.plan import (
         DEFAULT_LOWERING,
@@ -445,13 +447,17 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
     # so another placement, always timed
     fold = {False: spread[spread_on]}
     fold_runs = {False: spread_runs[spread_on]}
-    lines = []
-    r = _megakernel_row(spec, weights, batch, context, sms=sms, bw=bw, reps=reps, page_size=page_size,
-                        profile_dir=None, log=lines.append, attention_sms=best,
-                        ceilings=ceilings_of(raise_us, splits_first, spread_on), **{RESIDUAL_IN_O_PROJ: True})
-    log(f"batch {batch} context {context}: the same with the residual added by the O-projection: "
-        f"{r.step_us:.1f} µs ({r.sol_fraction:.1%} SOL)")
-    fold[True], fold_runs[True] = r.step_us, (r, lines)
+    fold_lines: list[str] = []
+    try:
+        r = _megakernel_row(spec, weights, batch, context, sms=sms, bw=bw, reps=reps, page_size=page_size,
+                            profile_dir=None, log=fold_lines.append, attention_sms=best,
+                            ceilings=ceilings_of(raise_us, splits_first, spread_on), **{RESIDUAL_IN_O_PROJ: True})
+    except (CodegenError, SpecError) as e:  # e.g. its residual terms do not fit the shared memory
+        log(f"batch {batch} context {context}: the residual added by the O-projection cannot be built here: {e}")
+    else:
+        log(f"batch {batch} context {context}: the same with the residual added by the O-projection: "
+            f"{r.step_us:.1f} µs ({r.sol_fraction:.1%} SOL)")
+        fold[True], fold_runs[True] = r.step_us, (r, fold_lines)
     fold_on = min(fold, key=lambda on: (fold[on], on))
     path = tuning.record(tuning.tuning_key(spec, batch, context, sms, page_size), {
         "attention_sms": best, "measured_us": {str(a): round(t, 1) for a, t in measured.items()},

@@ -468,12 +468,7 @@ def test_nmc_attention_cta_chunks_match_mirror(nmc_weights, num_sms, batch, cont
 
     spec, weights = nmc_weights
     dec = nmc_decoder(spec, weights, batch, context, num_sms, CodegenOptions(attn_warp_stages=0))
-    tokens = torch.randint(0, spec.vocab_size, (batch,), dtype=torch.int32)
-    positions = nmc_positions(batch, context)
-    lg, nt = dec.step(tokens, positions)
-    again, nt2 = dec.step(tokens, positions)
-    assert torch.equal(lg, again) and torch.equal(nt, nt2), "a rerun differs"
-    check_against_mirror(dec, spec, weights, tokens, positions, lg, nt, f"NMC CTA chunks b{batch} ctx {context}")
+    check_rerun_and_mirror(dec, spec, weights, batch, context, f"NMC CTA chunks b{batch} ctx {context}")
 
 
 @pytest.mark.parametrize("batch, context", [(1, 8192), (1, 100), (2, 4097), (4, 8192), (8, 8192), (8, 1)])
@@ -488,12 +483,17 @@ def test_nmc_residual_in_o_proj_matches_mirror(nmc_weights, num_sms, batch, cont
     spec, weights = nmc_weights
     dec = nmc_decoder(spec, weights, batch, context, num_sms, residual_in_o_proj=True)
     assert not any(t.op == Opcode.RESIDUAL for t in dec.schedule.tasks)
+    check_rerun_and_mirror(dec, spec, weights, batch, context, f"NMC residual in o_proj b{batch} ctx {context}")
+
+
+def check_rerun_and_mirror(dec, spec, weights, batch: int, context: int, what: str) -> None:
+    """One step of random tokens at nmc_positions, rerun bitwise the same, then check_against_mirror."""
     tokens = torch.randint(0, spec.vocab_size, (batch,), dtype=torch.int32)
     positions = nmc_positions(batch, context)
     lg, nt = dec.step(tokens, positions)
     again, nt2 = dec.step(tokens, positions)
     assert torch.equal(lg, again) and torch.equal(nt, nt2), "a rerun differs"
-    check_against_mirror(dec, spec, weights, tokens, positions, lg, nt, f"NMC residual in o_proj b{batch} ctx {context}")
+    check_against_mirror(dec, spec, weights, tokens, positions, lg, nt, what)
 
 
 def check_against_mirror(dec, spec, weights, tokens, positions, lg, nt, what: str) -> None:

@@ -123,6 +123,25 @@ def test_tune_times_every_candidate_and_records_the_fastest(tiny, tuning_file, m
     assert plan(tiny, 2, 40, 16, residual_in_o_proj=False).meta["residual_in_o_proj"] is False
 
 
+def test_tune_keeps_the_residual_tiles_where_the_o_projection_cannot_end_the_layer(tiny, tuning_file, monkeypatch):
+    """A lowering with the residual in the O-projection that cannot be built at a point (here a
+    CodegenError) is reported and recorded off; the tune still records the rest."""
+    from mkc.codegen import CodegenError
+
+    def fake_row(spec, w, b, c, *, attention_sms, **kw):
+        if kw.get("residual_in_o_proj"):
+            raise CodegenError("shared memory 300000 B: expected at most 232448 B")
+        return bench.row("mkc", b, c, [1e-4 * (1 + abs(attention_sms - 4))], 10**6, 4e12)
+
+    monkeypatch.setattr(bench, "_megakernel_row", fake_row)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    logs = []
+    assert bench.tune_attention_sms(tiny, {}, 2, 40, sms=16, bw=4e12, reps=3, log=logs.append) == 4
+    rec = json.loads(tuning_file.read_text())[tuning.tuning_key(tiny, 2, 40, 16)]
+    assert rec["residual_in_o_proj"] is False and set(rec["residual_in_o_proj_measured_us"]) == {"off"}
+    assert any("cannot be built here: shared memory 300000 B" in ln for ln in logs)
+
+
 def test_tune_times_the_splits_inputs_first_where_it_places_differently(nmc, tuning_file, monkeypatch):
     """North Mini Code at batch 8: ranking the attention splits' inputs first (Ceilings.
     attention_inputs_first_us) changes the placement, and ranking the splits first too (Ceilings.

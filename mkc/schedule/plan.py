@@ -24,7 +24,9 @@ measurement wins where there is one.
 A measured entry may also carry the priority raise of the attention splits' inputs
 (``Ceilings.attention_inputs_first_us``, and ``Ceilings.splits_first``: of the splits too) and
 the spread of a layer's sibling tiles over SMs (``Ceilings.spread_siblings``) that ran faster at
-its point; the planner schedules with them unless the caller passes its own ceilings.
+its point; the planner schedules with them unless the caller passes its own ceilings. It may also
+say that the layer ran faster ended by the O-projection (``LowerOptions.residual_in_o_proj``);
+the planner then lowers so unless the caller says otherwise.
 """
 
 from __future__ import annotations
