@@ -24,14 +24,15 @@ class CompileResult:
 
 
 def compile_schedule(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int = 0,
-                     attention_sms: int | None = None) -> tuple[Schedule, dict[str, float]]:
+                     attention_sms: int | None = None, **lowering) -> tuple[Schedule, dict[str, float]]:
     """Lower, schedule (choosing the attention SMs unless given: mkc/schedule/plan.py) and
-    validate; raises SpecError or ScheduleError."""
+    validate; raises SpecError or ScheduleError. ``lowering``: plan's LOWERING_CHOICES (default:
+    the planner's)."""
     from mkc.schedule.validator import check
 
     times: dict[str, float] = {}
     t0 = time.perf_counter()
-    sc = plan(spec, batch, context, num_sms, page_size, attention_sms=attention_sms)
+    sc = plan(spec, batch, context, num_sms, page_size, attention_sms=attention_sms, **lowering)
     t1 = time.perf_counter()
     check(sc)
     t2 = time.perf_counter()
@@ -55,12 +56,13 @@ def _check_kernel_resources(sc: Schedule, kernel_json: Path) -> None:
 
 def compile_to_folder(spec_path: str | Path, out_dir: str | Path, *, batch: int = 1, context: int = 8192,
                       num_sms: int = 132, page_size: int = 0, attention_sms: int | None = None,
-                      kernel: bool = True) -> CompileResult:
-    """Run the whole pipeline and write every artifact into out_dir."""
+                      kernel: bool = True, **lowering) -> CompileResult:
+    """Run the whole pipeline and write every artifact into out_dir (``lowering``: as
+    compile_schedule)."""
     from mkc.schedule import visualize
 
     spec = load_spec(spec_path)
-    sc, times = compile_schedule(spec, batch, context, num_sms, page_size, attention_sms)
+    sc, times = compile_schedule(spec, batch, context, num_sms, page_size, attention_sms, **lowering)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()

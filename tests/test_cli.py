@@ -46,6 +46,22 @@ def test_compile_says_how_the_branches_share_the_sms(compiled, tmp_path):
     assert meta["attention_sms"]["chosen"] == 4
 
 
+def test_compile_ends_the_layer_as_asked(compiled, tmp_path):
+    """--residual-in-o-proj on: no residual tiles, the O-projection tiles write the next layer's
+    stream, and the summary says so (auto here: nothing measured, residual tiles)."""
+    _, stdout = compiled
+    assert next(ln for ln in stdout.splitlines() if ln.startswith("layer end")).endswith(
+        "residual tiles add the attention and the MLP's output")
+    r = mkc("compile", "configs/tiny.yaml", "-o", tmp_path, "--batch", 2, "--context", 64, "--num-sms", 8,
+            "--residual-in-o-proj", "on", "--no-kernel")
+    assert r.returncode == 0, r.stderr
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("layer end"))
+    assert line.endswith("the O-projection tiles add the residual and the MLP's output (no residual tiles), as asked")
+    sc = json.loads((tmp_path / "schedule.json").read_text())
+    assert sc["meta"]["residual_in_o_proj"] is True
+    assert not any(t["op"] == "RESIDUAL" for t in sc["tasks"])
+
+
 def test_check_accepts_the_compiled_schedule(compiled):
     out, _ = compiled
     r = mkc("check", out / "schedule.json")
@@ -99,6 +115,8 @@ def test_import_hf_round_trip(tmp_path):
     (("compile", "configs/tiny.yaml", "--num-sms", "8", "--attention-sms", "8", "--no-kernel"),
      "--attention-sms 8: expected 0 (every op fills all SMs) or fewer than the 8 SMs"),
     (("compile", "configs/mixtral_tiny.yaml", "--attention-sms", "4", "--no-kernel"), "sequential block"),
+    (("compile", "configs/tiny.yaml", "--residual-in-o-proj", "yes", "--no-kernel"),
+     "invalid choice: 'yes' (choose from 'auto', 'on', 'off')"),
 ])
 def test_bad_input_is_one_clear_line(args, needle):
     r = mkc(*args)

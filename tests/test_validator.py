@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from mkc.ir.graph import Buffer, Region, Task
 from mkc.ir.lower import lower
-from mkc.ir.ops import Opcode
+from mkc.ir.ops import OP_INFO, Opcode
 from mkc.ir.spec import load_spec
 from mkc.schedule.schedule import Counter, Schedule, routing_edge
 from mkc.schedule.scheduler import schedule
@@ -252,7 +252,8 @@ def test_routing_wait_orders_only_the_logits():
 def _synthetic(writes: list[tuple[int, int]], queues: list[list[int]], waits=None, signals=None) -> Schedule:
     """Tasks that each write buf[lo:hi] of one 16-element buffer."""
     buf = Buffer("buf", (16,), "f32", "act", "[16]")
-    tasks = [Task(id=i, op=Opcode.LINEAR, layer=0, name=f"w{i}[{lo}:{hi}]", operands=("-", "-", "-", "buf"),
+    operands = tuple("buf" if role == "out" else "-" for role in OP_INFO[Opcode.LINEAR].operands)
+    tasks = [Task(id=i, op=Opcode.LINEAR, layer=0, name=f"w{i}[{lo}:{hi}]", operands=operands,
                   args=(0, 0, 0, 0, 0, 0), reads=(), writes=(Region("buf", ((lo, hi),)),), weight_bytes=0,
                   act_bytes=0, flops=0) for i, (lo, hi) in enumerate(writes)]
     signals = signals or [-1] * len(tasks)

@@ -167,6 +167,7 @@ def _summary_rows(d: dict[str, Any]) -> list[tuple[str, str]]:
         ("busy / SM", (f"{up['min']:.1f} / {up['mean']:.1f} / {up['max']:.1f} µs  "
                       f"(utilisation {d['utilisation']:.1%})")),
         *([("attention SMs", _attention_sms_row(d))] if d.get("attention_sms") else []),
+        ("layer end", _layer_end_row(d)),
         ("critical path", f"{d['critical_path_tasks']} tasks, {d['critical_path_us']:.1f} µs"),
         ("bytes read", (f"{_fmt_bytes(d['bytes'])}  (weights {_fmt_bytes(d['weight_bytes'])}, "
                        f"activations/KV {_fmt_bytes(d['act_bytes'])})")),
@@ -174,6 +175,18 @@ def _summary_rows(d: dict[str, Any]) -> list[tuple[str, str]]:
         ("predicted step", (f"{d['step_us']:.1f} µs  →  {d['tok_s']:.1f} tok/s, "
                            f"{d['sol_fraction']:.1%} of SOL")),
     ]
+
+
+def _layer_end_row(d: dict[str, Any]) -> str:
+    """What ends each layer (LowerOptions.residual_in_o_proj), and who chose it (plan.py)."""
+    a = d.get("attention_sms") or {}
+    if not d.get("lowering", {}).get("residual_in_o_proj"):
+        return "residual tiles add the attention and the MLP's output"
+    row = "the O-projection tiles add the residual and the MLP's output (no residual tiles)"
+    if "residual_in_o_proj" in a:  # the entry of mkc bench --tune chose it
+        timed = ", ".join(f"{k}: {v:.1f}" for k, v in a.get("residual_in_o_proj_measured_us", {}).items())
+        return row + f"; measured faster (step µs: {timed})"
+    return row + ", as asked"
 
 
 def _attention_sms_row(d: dict[str, Any]) -> str:
@@ -203,9 +216,6 @@ def _attention_sms_row(d: dict[str, Any]) -> str:
         if a.get("spread_siblings"):  # the tuned spread of a layer's sibling tiles (plan.py)
             timed = ", ".join(f"{k}: {v:.1f}" for k, v in a.get("spread_siblings_measured_us", {}).items())
             row += f"; sibling tiles spread over SMs, measured faster (step µs: {timed})"
-        if a.get("residual_in_o_proj"):  # the tuned end of the layer (plan.py)
-            timed = ", ".join(f"{k}: {v:.1f}" for k, v in a.get("residual_in_o_proj_measured_us", {}).items())
-            row += f"; the residual added by the O-projection tiles, measured faster (step µs: {timed})"
         return row
     if a["chosen_by"] == "compiler":
         tried = ", ".join(f"{k}: {v:.1f}" for k, v in a["probe_predicted_us"].items())
