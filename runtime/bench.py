@@ -304,11 +304,12 @@ def time_step(dec, spec: ModelSpec, batch: int, context: int, bw: float, reps: i
 
 def run_bench(spec: ModelSpec, weights: dict[str, torch.Tensor], batches: list[int], contexts: list[int], *,
               reps: int = 20, profile_dir: Path | None = None, page_size: int = 0, tune: bool = False,
-              log=print) -> list[Row | Skip]:
+              tune_rounds: int = 1, log=print) -> list[Row | Skip]:
     """Megakernel and CUDA-graph PyTorch baseline, side by side, per (batch, context); the
     megakernel's KV cache paged when ``page_size`` > 0 (under the identity page table). With
     ``tune``, each point first times every attention-SM count (tune_attention_sms); the fastest
-    count's run is the megakernel row (with ``profile_dir``, that count runs again, profiled).
+    count's run is the megakernel row (with ``profile_dir``, that count runs again, profiled);
+    ``tune_rounds``: as tune_attention_sms's ``rounds``.
 
     Before each engine allocates anything its memory estimate (memory_estimate) is compared with
     the GPU's free memory: an engine that does not fit is skipped with a Skip saying what it needed
@@ -329,7 +330,7 @@ def run_bench(spec: ModelSpec, weights: dict[str, torch.Tensor], batches: list[i
                     try:
                         if engine == "mkc":
                             tuned = _tune(spec, weights, batch, context, sms=sms, bw=bw, reps=reps,
-                                          page_size=page_size, log=log) if tune else None
+                                          page_size=page_size, log=log, rounds=tune_rounds) if tune else None
                             if tuned and profile_dir is None:  # the fastest count's run is the row
                                 for line in tuned[2]:
                                     log(line)
@@ -356,7 +357,7 @@ def run_bench(spec: ModelSpec, weights: dict[str, torch.Tensor], batches: list[i
 
 
 def tune_attention_sms(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context: int, *, sms: int,
-                       bw: float, reps: int, page_size: int = 0, log=print) -> int | None:
+                       bw: float, reps: int, page_size: int = 0, log=print, rounds: int = 1) -> int | None:
     """Time the megakernel with every attention-SM count the planner considers at this point
     (mkc/schedule/plan.py) and record the fastest (mkc/schedule/tuning.py); None when there is
     only one candidate. Every count runs the same tokens and KV cache. The fastest count is then
@@ -364,13 +365,16 @@ def tune_attention_sms(spec: ModelSpec, weights: dict[str, torch.Tensor], batch:
     and with the splits ranked first too (Ceilings.splits_first), each where that places anything
     differently, and the fastest of these is recorded with it; then the same with a layer's sibling
     tiles spread over SMs (Ceilings.spread_siblings); last, the chosen schedule lowered with the
-    residual added by the O-projection (LowerOptions.residual_in_o_proj)."""
-    best = _tune(spec, weights, batch, context, sms=sms, bw=bw, reps=reps, page_size=page_size, log=log)
+    residual added by the O-projection (LowerOptions.residual_in_o_proj). With ``rounds`` > 1 each
+    decision times its options in turn that many times, the option chosen before included, and
+    compares medians (the entry's measured times are those medians)."""
+    best = _tune(spec, weights, batch, context, sms=sms, bw=bw, reps=reps, page_size=page_size, log=log,
+                 rounds=rounds)
     return best[0] if best else None
 
 
 def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context: int, *, sms: int, bw: float,
-          reps: int, page_size: int, log) -> tuple[int, Row, list[str]] | None:
+          reps: int, page_size: int, log, rounds: int = 1) -> tuple[int, Row, list[str]] | None:
     """tune_attention_sms, also returning the fastest count's row and the lines its run logged
     (so that mkc bench --tune reports that run instead of timing the count again)."""
     from mkc.codegen import CodegenError
@@ -391,25 +395,45 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
     candidates = attention_sms_candidates(spec, batch, sms)
     if len(candidates) == 1:
         return None
-    measured: dict[int, float] = {}
-    runs: dict[int, tuple[Row, list[str]]] = {}
-    for a in candidates:
+    # A schedule is (count, raise µs, splits raised too, sibling spread, residual in the O-projection).
+    # Every decision below compares some of them: with one round each is timed once (a schedule timed
+    # before is not timed again); with more, every option of the decision, the one chosen before
+    # included, is timed once per round in turn, and the medians decide (drift between rounds falls
+    # on every option alike).
+    times: dict[tuple, list[float]] = {}
+    runs: dict[tuple, tuple[Row, list[str]]] = {}
+
+    def ceilings_of(raise_us: float, splits: bool, spread_on: bool) -> Ceilings:
+        return dataclasses.replace(H200, attention_inputs_first_us=raise_us, splits_first=splits,
+                                   spread_siblings=spread_on)
+
+    def time_once(key: tuple, what: str) -> None:
+        a, raise_us, splits, spread_on, fold = key
         lines: list[str] = []
         r = _megakernel_row(spec, weights, batch, context, sms=sms, bw=bw, reps=reps, page_size=page_size,
-                            profile_dir=None, log=lines.append, attention_sms=a)
-        measured[a] = r.step_us
-        runs[a] = (r, lines)
-        log(f"batch {batch} context {context}: {a} attention SMs: {r.step_us:.1f} µs ({r.sol_fraction:.1%} SOL)")
-    best = min(measured, key=lambda a: (measured[a], a))
+                            profile_dir=None, log=lines.append, attention_sms=a,
+                            ceilings=ceilings_of(raise_us, splits, spread_on), **({RESIDUAL_IN_O_PROJ: True} if fold else {}))
+        times.setdefault(key, []).append(r.step_us)
+        runs[key] = (r, lines)
+        log(f"batch {batch} context {context}: {what}: {r.step_us:.1f} µs ({r.sol_fraction:.1%} SOL)")
+
+    def median(key: tuple) -> float:
+        return statistics.median(times[key])
+
+    def decide(options: dict[tuple, str]) -> None:
+        again = rounds > 1 and len(options) > 1  # one option is nothing to compare
+        for _ in range(rounds if again else 1):
+            for key, what in options.items():
+                if again or key not in times:
+                    time_once(key, what)
+
+    decide({(a, 0.0, False, False, False): f"{a} attention SMs" for a in candidates})
+    best = min(candidates, key=lambda a: (median((a, 0.0, False, False, False)), a))
     # then the fastest count with each priority raise of the attention splits' inputs (and of the
     # splits too), and then with the chosen raise and a layer's sibling tiles spread over SMs
     # (Ceilings.attention_inputs_first_us, splits_first, spread_siblings): each timed only where it
     # places the tasks differently from every placement timed before it. A raise is (µs, splits too).
     placed: dict[tuple[float, bool, bool], list[list[int]]] = {}
-
-    def ceilings_of(raise_us: float, splits: bool, spread_on: bool) -> Ceilings:
-        return dataclasses.replace(H200, attention_inputs_first_us=raise_us, splits_first=splits,
-                                   spread_siblings=spread_on)
 
     def queues(*choice) -> list[list[int]]:
         if choice not in placed:
@@ -417,48 +441,37 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
                                   ceilings=ceilings_of(*choice)).queues
         return placed[choice]
 
-    def time_if_placed_otherwise(choice: tuple[float, bool, bool], timed: list[tuple[float, bool, bool]], what: str):
-        if any(queues(*choice) == queues(*c) for c in timed):
-            return None  # a schedule already timed: nothing to time
-        lines: list[str] = []
-        r = _megakernel_row(spec, weights, batch, context, sms=sms, bw=bw, reps=reps, page_size=page_size,
-                            profile_dir=None, log=lines.append, attention_sms=best, ceilings=ceilings_of(*choice))
-        log(f"batch {batch} context {context}: {what}: {r.step_us:.1f} µs ({r.sol_fraction:.1%} SOL)")
-        return r, lines
-
     raises = [(us, False) for us in INPUTS_FIRST_CANDIDATES] + [(INPUTS_FIRST_CANDIDATES[-1], True)]
-    first = {raises[0]: measured[best]}
-    first_runs = {raises[0]: runs[best]}
+    kept = [raises[0]]  # each placed otherwise than every raise before it
     for us, splits in raises[1:]:
-        run = time_if_placed_otherwise((us, splits, False), [(*r, False) for r in first],
-                                       f"{best} attention SMs, the splits' inputs"
-                                       + (" and the splits" if splits else "") + f" ranked {us:g} µs higher")
-        if run:
-            first[us, splits], first_runs[us, splits] = run[0].step_us, run
+        if not any(queues(us, splits, False) == queues(*r, False) for r in kept):
+            kept.append((us, splits))
+    decide({(best, us, splits, False, False): (f"{best} attention SMs" if not us else
+                                               f"{best} attention SMs, the splits' inputs"
+                                               + (" and the splits" if splits else "") + f" ranked {us:g} µs higher")
+            for us, splits in kept})
+    first = {r: median((best, *r, False, False)) for r in kept}
     raise_us, splits_first = min(first, key=lambda r: (first[r], r))
-    spread = {False: first[raise_us, splits_first]}
-    spread_runs = {False: first_runs[raise_us, splits_first]}
-    run = time_if_placed_otherwise((raise_us, splits_first, True), [(raise_us, splits_first, False)],
-                                   "the same with sibling tiles spread over SMs")
-    if run:
-        spread[True], spread_runs[True] = run[0].step_us, run
+    spread_keys = {False: (best, raise_us, splits_first, False, False)}
+    if queues(raise_us, splits_first, True) != queues(raise_us, splits_first, False):
+        spread_keys[True] = (best, raise_us, splits_first, True, False)
+    decide({k: ("the same with sibling tiles spread over SMs" if on else "the same, sibling tiles not spread")
+            for on, k in spread_keys.items()})
+    spread = {on: median(k) for on, k in spread_keys.items()}
     spread_on = min(spread, key=lambda on: (spread[on], on))
     # last, the O-projection ending the layer (LowerOptions.residual_in_o_proj): another lowering,
     # so another placement, always timed
-    fold = {False: spread[spread_on]}
-    fold_runs = {False: spread_runs[spread_on]}
-    fold_lines: list[str] = []
+    fold_keys = {False: (best, raise_us, splits_first, spread_on, False)}
     try:
-        r = _megakernel_row(spec, weights, batch, context, sms=sms, bw=bw, reps=reps, page_size=page_size,
-                            profile_dir=None, log=fold_lines.append, attention_sms=best,
-                            ceilings=ceilings_of(raise_us, splits_first, spread_on), **{RESIDUAL_IN_O_PROJ: True})
+        decide({k: ("the same with the residual added by the O-projection" if on else "the same, residual tiles")
+                for on, k in {**fold_keys, True: (best, raise_us, splits_first, spread_on, True)}.items()})
     except (CodegenError, SpecError) as e:  # e.g. its residual terms do not fit the shared memory
         log(f"batch {batch} context {context}: the residual added by the O-projection cannot be built here: {e}")
     else:
-        log(f"batch {batch} context {context}: the same with the residual added by the O-projection: "
-            f"{r.step_us:.1f} µs ({r.sol_fraction:.1%} SOL)")
-        fold[True], fold_runs[True] = r.step_us, (r, fold_lines)
+        fold_keys[True] = (best, raise_us, splits_first, spread_on, True)
+    fold = {on: median(k) for on, k in fold_keys.items()}
     fold_on = min(fold, key=lambda on: (fold[on], on))
+    measured = {a: median((a, 0.0, False, False, False)) for a in candidates}
     path = tuning.record(tuning.tuning_key(spec, batch, context, sms, page_size), {
         "attention_sms": best, "measured_us": {str(a): round(t, 1) for a, t in measured.items()},
         INPUTS_FIRST: raise_us, SPLITS_FIRST: splits_first,
@@ -467,14 +480,14 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
         SPREAD: spread_on, SPREAD + "_measured_us": {("on" if on else "off"): round(t, 1) for on, t in spread.items()},
         RESIDUAL_IN_O_PROJ: fold_on,
         RESIDUAL_IN_O_PROJ + "_measured_us": {("on" if on else "off"): round(t, 1) for on, t in fold.items()},
-        "gpu": torch.cuda.get_device_name(0), "reps": reps, "lowering": dict(DEFAULT_LOWERING),
+        "gpu": torch.cuda.get_device_name(0), "reps": reps, "rounds": rounds, "lowering": dict(DEFAULT_LOWERING),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")})
     log(f"batch {batch} context {context}: fastest with {best} attention SMs"
         + (f" and the splits' inputs{' and the splits' if splits_first else ''} ranked {raise_us:g} µs higher"
            if raise_us else "")
         + (" and sibling tiles spread over SMs" if spread_on else "")
         + (" and the residual added by the O-projection" if fold_on else "") + f"; recorded in {path}")
-    return best, *fold_runs[fold_on]
+    return best, *runs[fold_keys[fold_on]]
 
 
 def _megakernel_row(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context: int, *, sms: int,
@@ -601,7 +614,7 @@ def bench_main(a) -> int:
     out = Path(a.output)
     out.mkdir(parents=True, exist_ok=True)
     rows = run_bench(spec, weights, batches, contexts, reps=a.reps, profile_dir=out if a.profile else None,
-                     page_size=a.page_size, tune=a.tune)
+                     page_size=a.page_size, tune=a.tune, tune_rounds=a.tune_rounds)
     print(format_table(rows))
     write_json(rows, out / "bench.json", {"gpu": torch.cuda.get_device_name(0), "model": spec.name,
                                           "reps": a.reps, "weights": "checkpoint" if a.checkpoint else "random",

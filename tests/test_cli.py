@@ -115,6 +115,8 @@ def test_import_hf_round_trip(tmp_path):
     (("compile", "configs/tiny.yaml", "--num-sms", "8", "--attention-sms", "8", "--no-kernel"),
      "--attention-sms 8: expected 0 (every op fills all SMs) or fewer than the 8 SMs"),
     (("compile", "configs/mixtral_tiny.yaml", "--attention-sms", "4", "--no-kernel"), "sequential block"),
+    (("bench", "--config", "configs/tiny.yaml", "--random-weights", "--tune", "--tune-rounds", "0"),
+     "argument --tune-rounds: 0: expected a positive integer"),
     (("compile", "configs/tiny.yaml", "--residual-in-o-proj", "yes", "--no-kernel"),
      "invalid choice: 'yes' (choose from 'auto', 'on', 'off')"),
 ])

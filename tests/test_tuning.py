@@ -123,6 +123,36 @@ def test_tune_times_every_candidate_and_records_the_fastest(tiny, tuning_file, m
     assert plan(tiny, 2, 40, 16, residual_in_o_proj=False).meta["residual_in_o_proj"] is False
 
 
+def test_tune_rounds_time_each_decisions_options_in_turn(tiny, tuning_file, monkeypatch):
+    """--tune-rounds 2: every decision times its options in turn twice, the option chosen before
+    included (a decision with one option times nothing again), and compares medians; a first
+    sample that flatters a slower count does not win. The entry records the medians and the rounds."""
+    timed = []
+
+    def fake_row(spec, w, b, c, *, attention_sms, ceilings, **kw):
+        fold = bool(kw.get("residual_in_o_proj"))
+        timed.append((attention_sms, ceilings.attention_inputs_first_us > 0, ceilings.splits_first,
+                      ceilings.spread_siblings, fold))
+        us = 100 * (1 + abs(attention_sms - 4) / 4) * (0.9 if fold else 1.0)
+        if len(timed) == 1:  # the first sample of 0 attention SMs: far too fast (noise)
+            us = 50.0
+        return bench.row("mkc", b, c, [us * 1e-6], 10**6, 4e12)
+
+    monkeypatch.setattr(bench, "_megakernel_row", fake_row)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    assert bench.tune_attention_sms(tiny, {}, 2, 40, sms=16, bw=4e12, reps=3, log=print, rounds=2) == 4
+    candidates = attention_sms_candidates(tiny, 2, 16)
+    plain = (4, False, False, False, False)
+    splits = (4, True, True, False, False)  # the tiny model places only this raise otherwise
+    assert timed == ([(a, False, False, False, False) for a in candidates] * 2
+                     + [plain, splits] * 2  # the raises (the spread places nothing otherwise: not timed)
+                     + [plain, (4, False, False, False, True)] * 2)  # the residual in the O-projection
+    rec = json.loads(tuning_file.read_text())[tuning.tuning_key(tiny, 2, 40, 16)]
+    assert rec["rounds"] == 2 and rec["attention_sms"] == 4
+    assert rec["measured_us"]["0"] == pytest.approx((50.0 + 200.0) / 2, abs=0.1)  # the median of its two
+    assert rec["residual_in_o_proj"] is True and rec["residual_in_o_proj_measured_us"] == {"off": 100.0, "on": 90.0}
+
+
 def test_tune_keeps_the_residual_tiles_where_the_o_projection_cannot_end_the_layer(tiny, tuning_file, monkeypatch):
     """A lowering with the residual in the O-projection that cannot be built at a point (here a
     CodegenError) is reported and recorded off; the tune still records the rest."""
