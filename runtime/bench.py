@@ -461,14 +461,14 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
     spread_on = min(spread, key=lambda on: (spread[on], on))
     # last, the O-projection ending the layer (LowerOptions.residual_in_o_proj): another lowering,
     # so another placement, always timed
-    fold_keys = {False: (best, raise_us, splits_first, spread_on, False)}
+    tiles, folded = ((best, raise_us, splits_first, spread_on, on) for on in (False, True))
+    fold_keys = {False: tiles}
     try:
-        decide({k: ("the same with the residual added by the O-projection" if on else "the same, residual tiles")
-                for on, k in {**fold_keys, True: (best, raise_us, splits_first, spread_on, True)}.items()})
+        decide({tiles: "the same, residual tiles", folded: "the same with the residual added by the O-projection"})
     except (CodegenError, SpecError) as e:  # e.g. its residual terms do not fit the shared memory
         log(f"batch {batch} context {context}: the residual added by the O-projection cannot be built here: {e}")
     else:
-        fold_keys[True] = (best, raise_us, splits_first, spread_on, True)
+        fold_keys[True] = folded
     fold = {on: median(k) for on, k in fold_keys.items()}
     fold_on = min(fold, key=lambda on: (fold[on], on))
     measured = {a: median((a, 0.0, False, False, False)) for a in candidates}
