@@ -454,6 +454,8 @@ __device__ __forceinline__ void linear_gemv(const Task& t, unsigned char* smem, 
     u64* const tagged = TAGGED_LOGITS ? t.tagged(O::out) : nullptr;
     const u32 step = s_wait.step;
     const ResidualTerms res = residual_terms(t, smem);  // a tile that ends a layer (f32 out)
+    // PARK_BYTES: an earlier task of this SM copied this tile's weights into the parking region
+    const unsigned char* parked = PARK_BYTES > 0 && t.w[W_ID] == s_park_task ? smem + PARK_OFF : nullptr;
     if constexpr (LINEAR_ONE_GEMV) {  // one instantiation, the output dtype a branch in the epilogue
         const bool f32 = t.dtype(O::out) != DT_BF16;
         float* out32 = t.ptr<float>(O::out) + base;
@@ -469,7 +471,7 @@ __device__ __forceinline__ void linear_gemv(const Task& t, unsigned char* smem, 
                 else store_bf16(out16 + i, v);
                 if (TAGGED_LOGITS && tagged) st_relaxed_gpu_u64(tagged + base + i, tag_value(v, step));
             });
-        }, finish);
+        }, finish, parked);
     } else if (t.dtype(O::out) != DT_BF16) {
         float* out = t.ptr<float>(O::out) + base;
         gemv_tile<1>(w, w_ld, rows, k, xs, gemv_red(smem), [&](int r0, float (&acc)[1][4]) {

@@ -51,6 +51,7 @@ RING_STAGE_BYTES = 32 * 4 * 16  # one 64-wide block of 16 rows (gemv.cuh: a ring
 ROUTING_CODES = ("unrolled", "loop", "shared")  # CodegenOptions.routing_code, by the kernel's ROUTING_CODE
 TAGGED_LOGITS = ("auto", "on", "off")  # CodegenOptions.tagged_logits
 TAGGED_LOGITS_MAX_BATCH = 4  # "auto": on up to this batch
+PARK_OPS = ("layer_end", "linear")  # CodegenOptions.park_ops
 
 
 class CodegenError(ValueError):
@@ -203,6 +204,15 @@ class CodegenOptions:
     # 8700 and 9100 µs). Two earlier runs (2026-11-30 23:48, 23:54 UTC, a scheduler that made
     # later tasks poll the residual stream's counter again) agreed at batch 1, 2 and 4.
     tagged_logits: str = "auto"
+    # Weight parking: a LINEAR tile that ends a layer ("layer_end") or any LINEAR tile ("linear")
+    # whose whole tile (tile-ordered rows, every column) is at most this many bytes has its weights
+    # copied into a region of shared memory of their own by one bulk copy (TMA, completing on an
+    # mbarrier) that an earlier task of the same SM issues when it starts (up to park_ahead tasks
+    # before; never across an attention split, whose rings share that region), so the tile reads
+    # no weights from memory after its wait. 0: off (taskwords.park_plan).
+    park_bytes: int = 0
+    park_ahead: int = 2
+    park_ops: str = "layer_end"
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,6 +261,9 @@ class KernelConfig:
     # the residual terms of the largest LINEAR tile that ends a layer (ops.cuh: stage_residual_async),
     # staged in the RMSNorm's scratch; 0 without such tiles
     residual_stage_bytes: int = 0
+    park_bytes: int = 0  # CodegenOptions.park_bytes (0: no parking region)
+    park_ahead: int = 2  # CodegenOptions.park_ahead
+    park_ops: str = "layer_end"  # CodegenOptions.park_ops
 
     @property
     def warps(self) -> int:
@@ -301,6 +314,20 @@ class KernelConfig:
         return stages if stages >= 2 else 0
 
     @property
+    def park_offset(self) -> int:
+        """Where the parked weights start: above every op's shared memory but the attention
+        splits' (whose rings may overlap it: taskwords.park_plan never parks across a split)."""
+        return _round(max(self.gemv_ring_offset + self.warps * self.gemv_ring_bytes, self._combine_rope_bytes), 128)
+
+    @property
+    def _combine_rope_bytes(self) -> int:
+        f = 4
+        combine = _round(self.batch * self.group * self.max_splits * f, 16) + self.threads * 4 * f  # weights, partial sums
+        # ops.cuh: positions, qk-norm factors, then the group's q/k/v rows of every sequence
+        rope = 128 + _round(self.batch * (self.group + 1) * f, 128) + self.batch * (self.group + 2) * self.head_dim * 2
+        return max(combine, rope)
+
+    @property
     def smem_bytes(self) -> int:
         """Dynamic shared memory: the largest need of any op (bytes)."""
         f = 4
@@ -315,10 +342,8 @@ class KernelConfig:
             attn = _round(attn, 16) + max(self.threads * self.head_dim * 2, self.group * kl * self.head_dim * f)
         if self.attn_warp_stages:  # attention.cuh: qx, the own rows, then a ring per warp
             attn = max(attn, self.attn_ring_offset + self.warps * self.attn_warp_stages * self.attn_stage_bytes)
-        combine = _round(self.batch * self.group * self.max_splits * f, 16) + self.threads * 4 * f  # weights, partial sums
-        # ops.cuh: positions, qk-norm factors, then the group's q/k/v rows of every sequence
-        rope = 128 + _round(self.batch * (self.group + 1) * f, 128) + self.batch * (self.group + 2) * self.head_dim * 2
-        return _round(max(gemv, attn, combine, rope), 128)
+        park = self.park_offset + self.park_bytes if self.park_bytes else 0
+        return _round(max(gemv, attn, self._combine_rope_bytes, park), 128)
 
 
 def _round(n: int, a: int) -> int:
@@ -448,7 +473,13 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         down_weights_before_wait=options.down_weights_before_wait,
         residual_loads_first=options.residual_loads_first, profile_phases=options.profile_phases,
         routing_code=ROUTING_CODES.index(options.routing_code), tagged_logits=tagged_logits,
-        residual_stage_bytes=stage_bytes)
+        residual_stage_bytes=stage_bytes, park_bytes=options.park_bytes,
+        park_ahead=options.park_ahead, park_ops=options.park_ops)
+    if options.park_bytes and (options.park_bytes % 2048 or not tiled or options.park_ops not in PARK_OPS
+                               or options.park_ahead < 1 or not options.linear_one_gemv):
+        raise CodegenError(f"park_bytes = {options.park_bytes}, park_ops = {options.park_ops!r}, park_ahead = "
+                           f"{options.park_ahead}: expected a multiple of 2048 bytes, tile-ordered weights, one LINEAR "
+                           f"GEMV (linear_one_gemv), park_ops one of {', '.join(repr(o) for o in PARK_OPS)} and park_ahead >= 1")
     if cfg.smem_bytes > MAX_SMEM_BYTES:
         raise CodegenError(f"shared memory {cfg.smem_bytes} B (widest GEMV k = {max_k}, batch = {cfg.batch}): "
                            f"expected at most {MAX_SMEM_BYTES} B")
@@ -511,6 +542,8 @@ def template_context(cfg: KernelConfig, banner: str) -> dict[str, Any]:
         "profile_phases": cv.c_bool(cfg.profile_phases),
         "routing_code": cv.c_int(cfg.routing_code),
         "tagged_logits": cv.c_bool(cfg.tagged_logits),
+        "park_bytes": cv.c_int(cfg.park_bytes),
+        "park_off": cv.c_int(cfg.park_offset),
         "max_rank": cv.c_int(MAX_RANK),
         "dtypes": [(cv.c_ident(f"DT_{k.upper()}"), cv.c_int(v)) for k, v in DTYPE_CODES.items()],
         "record_words": [(cv.c_ident(k), cv.c_int(v)) for k, v in RECORD_LAYOUT],

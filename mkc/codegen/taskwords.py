@@ -188,3 +188,60 @@ def tagged_words(numel: int) -> tuple[int, int]:
     Task::tagged)."""
     off = 2 * ((numel + 1) // 2)
     return off, 2 * numel
+
+
+# struct ParkCopy { u64 src; u32 bytes; int task; }  (16 bytes): the weights record p's task copies
+# into the parking region when it starts, for the later task `task` (CodegenOptions.park_bytes)
+PARK_COPY = np.dtype([("src", "<u8"), ("bytes", "<u4"), ("task", "<i4")])
+assert PARK_COPY.itemsize == 16
+
+
+def park_plan(schedule: Schedule, words: TaskWords, park_bytes: int, ahead: int = 2,
+              layer_end_only: bool = True) -> dict[int, int]:
+    """Which record parks whose weights (CodegenOptions.park_bytes): ``{issuer row: consumer row}``.
+
+    A consumer is a LINEAR tile over every column of its weight (k0 = 0, k = the weight's width),
+    whose rows are whole 16-row groups and whose weights fit ``park_bytes`` (with
+    ``layer_end_only``, only a tile that ends a layer: its residual operand is present). Its issuer
+    is the earliest of the ``ahead`` records before it on its SM such that neither the issuer nor
+    any record up to the consumer is an attention split (the splits' rings share the parking
+    region) and the SM's previous consumer has run (one parked copy at a time)."""
+    plan: dict[int, int] = {}
+    ops = words.records[:, W_OP]
+    for sm in range(schedule.num_sms):
+        begin, end = int(words.queue_start[sm]), int(words.queue_start[sm + 1])
+        free_from = begin  # the first row a new copy may be issued at
+        for row in range(begin, end):
+            if ops[row] == int(Opcode.ATTN_SPLIT):
+                free_from = row + 1
+                continue
+            t = schedule.tasks[int(words.records[row, W_ID])]
+            if t.op != Opcode.LINEAR or (layer_end_only and t.operand("residual") == "-"):
+                continue
+            rows, k0, k = t.arg("rows"), t.arg("k0"), t.arg("k")
+            width = schedule.buffers[t.operand("weight")].shape[-1]
+            if k0 or k != width or rows % 16 or t.arg("row0") % 16 or rows * k * 2 > park_bytes:
+                continue
+            issuer = max(row - ahead, free_from)
+            if issuer < row:
+                plan[issuer] = row
+                free_from = row + 1
+    return plan
+
+
+def park_copies(schedule: Schedule, words: TaskWords, descriptors: np.ndarray, park_bytes: int, ahead: int = 2,
+                layer_end_only: bool = True) -> np.ndarray:
+    """The PARK_COPY of every record (zeros where a record parks nothing), from ``park_plan`` and
+    the runtime's per-record descriptors (record_descriptors): the consumer's weight rows are one
+    contiguous run in tile order."""
+    out = np.zeros(len(words.records), dtype=PARK_COPY)
+    weight = OP_INFO[Opcode.LINEAR].operands.index("weight")
+    for issuer, consumer in park_plan(schedule, words, park_bytes, ahead, layer_end_only).items():
+        t = schedule.tasks[int(words.records[consumer, W_ID])]
+        d = descriptors[consumer, weight]
+        if d["dtype"] != DTYPE_CODES["bf16_tiles"]:
+            raise EncodeError(f"task {t.id} ({t.name}): weight parking needs tile-ordered weights, "
+                              f"{t.operand('weight')} is not")
+        k = t.arg("k")
+        out[issuer] = (int(d["ptr"]) + t.arg("row0") * k * 2, t.arg("rows") * k * 2, t.id)
+    return out
