@@ -100,6 +100,8 @@ VARIANTS: dict[str, CodegenOptions] = {
     "park-3": CodegenOptions(park_bytes=128 * 1024, park_ahead=3),
     # every LINEAR tile that fits (the router tiles too)
     "park-2-linear": CodegenOptions(park_bytes=128 * 1024, park_ahead=2, park_ops="linear"),
+    # the epilogue of the tiles that end a layer inlined (CodegenOptions.residual_epilogue)
+    "epilogue-inline": CodegenOptions(residual_epilogue="inline"),
 }
 
 

@@ -97,7 +97,12 @@ struct ResidualTerms {
 // r0 + 8, tokens n and n + 1 of this lane; c as for_fragment reads it): out[n, r] = (((residual +
 // product) + mlp) + slot 0) + slot 1 ... Out of line, with the fragment by value (an array by
 // reference would go through local memory): code size costs instruction fetches.
-__device__ __noinline__ void store_with_residual(float* out, int out_ld, ResidualTerms res, int r0, float c0,
+#if MKC_RESIDUAL_EPILOGUE_INLINE
+__device__ __forceinline__
+#else
+__device__ __noinline__
+#endif
+void store_with_residual(float* out, int out_ld, ResidualTerms res, int r0, float c0,
                                                  float c1, float c2, float c3) {
     const float c[4] = {c0, c1, c2, c3};
     for_fragment(r0, c, res.rows, [&](int r, int n, float v) {

@@ -213,6 +213,9 @@ class CodegenOptions:
     park_bytes: int = 0
     park_ahead: int = 2
     park_ops: str = "layer_end"
+    # The epilogue of a LINEAR tile that ends a layer (ops.cuh: store_with_residual): "call" (one
+    # out-of-line function) or "inline" (inlined into the GEMV's epilogue).
+    residual_epilogue: str = "call"
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,6 +267,7 @@ class KernelConfig:
     park_bytes: int = 0  # CodegenOptions.park_bytes (0: no parking region)
     park_ahead: int = 2  # CodegenOptions.park_ahead
     park_ops: str = "layer_end"  # CodegenOptions.park_ops
+    residual_epilogue_inline: bool = False  # CodegenOptions.residual_epilogue == "inline"
 
     @property
     def warps(self) -> int:
@@ -474,7 +478,10 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         residual_loads_first=options.residual_loads_first, profile_phases=options.profile_phases,
         routing_code=ROUTING_CODES.index(options.routing_code), tagged_logits=tagged_logits,
         residual_stage_bytes=stage_bytes, park_bytes=options.park_bytes,
-        park_ahead=options.park_ahead, park_ops=options.park_ops)
+        park_ahead=options.park_ahead, park_ops=options.park_ops,
+        residual_epilogue_inline=options.residual_epilogue == "inline")
+    if options.residual_epilogue not in ("call", "inline"):
+        raise CodegenError(f"residual_epilogue = {options.residual_epilogue!r}: expected 'call' or 'inline'")
     if options.park_bytes and (options.park_bytes % 2048 or not tiled or options.park_ops not in PARK_OPS
                                or options.park_ahead < 1 or not options.linear_one_gemv):
         raise CodegenError(f"park_bytes = {options.park_bytes}, park_ops = {options.park_ops!r}, park_ahead = "
@@ -544,6 +551,7 @@ def template_context(cfg: KernelConfig, banner: str) -> dict[str, Any]:
         "tagged_logits": cv.c_bool(cfg.tagged_logits),
         "park_bytes": cv.c_int(cfg.park_bytes),
         "park_off": cv.c_int(cfg.park_offset),
+        "residual_epilogue_inline": cv.c_int(int(cfg.residual_epilogue_inline)),  # a preprocessor 0 / 1
         "max_rank": cv.c_int(MAX_RANK),
         "dtypes": [(cv.c_ident(f"DT_{k.upper()}"), cv.c_int(v)) for k, v in DTYPE_CODES.items()],
         "record_words": [(cv.c_ident(k), cv.c_int(v)) for k, v in RECORD_LAYOUT],
