@@ -93,15 +93,10 @@ VARIANTS: dict[str, CodegenOptions] = {
     # 2026-12-01)
     "counter-logits": CodegenOptions(tagged_logits="off"),
     "tagged-logits": CodegenOptions(tagged_logits="on"),
-    # the tiles that end a layer (the O-projection at batch 1) find their weights in shared memory,
-    # copied by a task up to N before them on their SM (CodegenOptions.park_bytes, park_ahead)
-    "park-1": CodegenOptions(park_bytes=128 * 1024, park_ahead=1),
-    "park-2": CodegenOptions(park_bytes=128 * 1024, park_ahead=2),
-    "park-3": CodegenOptions(park_bytes=128 * 1024, park_ahead=3),
-    # every LINEAR tile that fits (the router tiles too)
-    "park-2-linear": CodegenOptions(park_bytes=128 * 1024, park_ahead=2, park_ops="linear"),
-    # the epilogue of the tiles that end a layer inlined (CodegenOptions.residual_epilogue)
+    # the epilogue of the tiles that end a layer (the O-projection at batch 1) inlined, or one
+    # out-of-line function (CodegenOptions.residual_epilogue; "auto" inlines it since 2026-12-01)
     "epilogue-inline": CodegenOptions(residual_epilogue="inline"),
+    "epilogue-call": CodegenOptions(residual_epilogue="call"),
 }
 
 

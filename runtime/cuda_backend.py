@@ -34,14 +34,7 @@ import torch
 from mkc import settings
 from mkc.codegen import KernelArtifact, build_kernel
 from mkc.codegen.render import CodegenOptions
-from mkc.codegen.taskwords import (
-    buffer_table,
-    encode,
-    park_copies,
-    record_descriptors,
-    routing_logits,
-    tagged_words,
-)
+from mkc.codegen.taskwords import buffer_table, encode, record_descriptors, routing_logits, tagged_words
 from mkc.codegen.weight_tiles import TiledWeights, from_tiles, tiled_weights, to_tiles
 from mkc.ir.kv_layout import identity_page_table, logical_view, page_size_of
 from mkc.ir.spec import ModelSpec
@@ -168,13 +161,6 @@ class CudaDecoder:
             self._table = torch.from_numpy(table.view(np.uint8).copy()).to(dev)
             rdesc = record_descriptors(words, table)
             self._record_desc = torch.from_numpy(rdesc.view(np.uint8).reshape(-1).copy()).to(dev)
-            # weights a record copies into the parking region for a later task (CodegenOptions.park_bytes)
-            cfg = self.artifact.config
-            self._park = None
-            if cfg.park_bytes:
-                park = park_copies(schedule, words, rdesc, cfg.park_bytes, cfg.park_ahead,
-                                   cfg.park_ops == "layer_end")
-                self._park = torch.from_numpy(park.view(np.uint8).copy()).to(dev)
             self._counters = torch.zeros(max(1, words.num_counters), dtype=torch.int32, device=dev)
             self._abort = torch.zeros(ABORT_WORDS, dtype=torch.int32, device=dev)
         self.steps = 0  # steps launched since the last reset
@@ -270,8 +256,7 @@ class CudaDecoder:
                 ctypes.c_void_p(self._record_desc.data_ptr()),
                 ctypes.c_void_p(self._counters.data_ptr()), ctypes.c_void_p(self._abort.data_ptr()),
                 ctypes.c_uint32(self.steps), ctypes.c_uint64(self.timeout_ns),
-                ctypes.c_void_p(self._profile_buffer().data_ptr() if profile else 0),
-                ctypes.c_void_p(self._park.data_ptr() if self._park is not None else 0)]
+                ctypes.c_void_p(self._profile_buffer().data_ptr() if profile else 0)]
         ptrs = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
         stream = driver.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
         _check(driver.cuLaunchKernel(self._func, cfg.grid, 1, 1, cfg.threads, 1, 1, cfg.dynamic_smem, stream,

@@ -368,72 +368,6 @@ __device__ __forceinline__ void gemv_item_bulk(const bf16* const (&w0)[NACC], bo
     __syncwarp();
 }
 
-// ---- parked weights (PARK_BYTES > 0) ---------------------------------------------------------------
-// An earlier task of this SM copied a LINEAR tile's whole weights (tile order: 16-row group gi's
-// block kb at (gi * blocks + kb) * 2 KB) into the parking region with bulk copies completing on
-// s_park_bar (the kernel loop's park_issue, planned by taskwords.park_plan), so the tile reads
-// them from shared memory once its inputs are staged. The reads and products are those of the
-// register path, in the same order.
-struct ParkCopy {
-    unsigned long long src;  // the weights (global), one contiguous run
-    u32 bytes;               // 0: this record parks nothing
-    int task;                // the task that reads them
-};
-constexpr u32 PARK_CHUNK = 32 * 1024;  // bytes per bulk copy
-__shared__ unsigned long long s_park_bar;
-__shared__ int s_park_task;    // the task whose weights the region holds or receives (-1: none)
-__shared__ u32 s_park_parity;  // the barrier phase parity that its copy completes
-__shared__ u32 s_park_phase;   // the parity of the barrier's next phase
-
-__device__ __forceinline__ void park_init() {
-    if (PARK_BYTES > 0 && threadIdx.x == 0) {
-        mbar_init(&s_park_bar, 1);
-        s_park_task = -1;
-        s_park_phase = 0;
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-}
-
-// At the start of a task (every thread has passed the barrier that closed the task before, so no
-// read of the region is pending): one thread issues the record's copy, if any.
-__device__ __forceinline__ void park_issue(const ParkCopy& pc, unsigned char* smem) {
-    if (PARK_BYTES > 0 && threadIdx.x == 32 && pc.bytes) {
-        // the generic proxy's earlier accesses to the region before the async proxy's writes
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        mbar_arrive_expect_tx(&s_park_bar, pc.bytes);
-        const char* src = reinterpret_cast<const char*>(pc.src);
-        for (u32 off = 0; off < pc.bytes; off += PARK_CHUNK)
-            bulk_copy_g2s(smem + PARK_OFF + off, src + off, pc.bytes - off < PARK_CHUNK ? pc.bytes - off : PARK_CHUNK,
-                          &s_park_bar);
-        s_park_task = pc.task;
-        s_park_parity = s_park_phase;
-        s_park_phase ^= 1u;
-    }
-}
-
-// gemv_item of one row set from the parking region (group: this item's 16-row group there)
-template <class Fin>
-__device__ __forceinline__ void gemv_item_parked(const unsigned char* group, bool v0, bool v1, const bf16* xrow,
-                                                 int kb_begin, int kb_step, int kb_end, float (&acc)[1][4],
-                                                 const Fin& finish, bool first) {
-    if (first) finish();
-    // a copy that never lands (a bad address faults instead) would hang: trap after ~2^26 polls
-    const u32 parity = s_park_parity;
-    for (u32 polls = 0; !mbar_try_wait(&s_park_bar, parity);)
-        if (++polls == SPIN_LIMIT) __trap();
-    const unsigned char* sb = group + (threadIdx.x % 32) * 16;
-#pragma unroll 4
-    for (int kb = kb_begin; kb < kb_end; kb += kb_step) {
-        const unsigned char* p = sb + kb * 2048;
-        const int k = kb * 64;
-        const uint4 xa = lds16(xrow + k), xb = lds16(xrow + k + 32);
-        const u32 xw[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
-        const uint4 l0 = v0 ? lds16(p) : zero4(), l1 = v0 ? lds16(p + 512) : zero4();
-        const uint4 h0 = v1 ? lds16(p + 1024) : zero4(), h1 = v1 ? lds16(p + 1536) : zero4();
-        mma_block(acc[0], l0, l1, h0, h1, xw);
-    }
-}
-
 // Accumulate one warp item: rows (g, g + 8) of each of the NACC weight row sets over the blocks
 // kb_begin, kb_begin + kb_step, ... < kb_end (64 elements each). Software-pipelined over two
 // register batches of U blocks: the loads of one batch are in flight while the other is
@@ -446,13 +380,7 @@ template <int NACC, bool NC = true, class Fin>
 __device__ __forceinline__ void gemv_item(const bf16* const (&w0)[NACC],
                                           const bf16* const (&w1)[NACC], bool v0, bool v1, const bf16* xrow,
                                           int kb_begin, int kb_step, int kb_end, float (&acc)[NACC][4],
-                                          const Fin& finish, bool first, const unsigned char* parked = nullptr) {
-    if constexpr (PARK_BYTES > 0 && NACC == 1 && NC) {
-        if (parked) {
-            gemv_item_parked(parked, v0, v1, xrow, kb_begin, kb_step, kb_end, acc, finish, first);
-            return;
-        }
-    }
+                                          const Fin& finish, bool first) {
     if constexpr (use_ring<NC>()) {
         if constexpr (GEMV_RING_BULK)
             gemv_item_bulk<NACC>(w0, v0, v1, xrow, kb_begin, kb_step, kb_end, acc, finish, first);
@@ -486,8 +414,7 @@ struct Staged {
 };
 
 // rows x k tile: w[a] points at element (row 0, k 0) of row set a (row stride w_ld elements); xs
-// is the activation tile in shared memory; `parked` (one row set): the tile's weights in the
-// parking region instead (gemv_item_parked). Each warp issues the loads of its first weight batch,
+// is the activation tile in shared memory. Each warp issues the loads of its first weight batch,
 // then every thread calls `finish` (which completes the caller's staging of xs and publishes it
 // with a barrier: stage_*_async before the call, its finish here), so the weights' round trip
 // overlaps the activations'.
@@ -497,8 +424,7 @@ struct Staged {
 // call this (it synchronises); `red` holds GEMV_RED_FLOATS.
 template <int NACC, class Epi, bool NC = true, class Fin = Staged>
 __device__ __forceinline__ void gemv_tile(const bf16* const (&w)[NACC], int w_ld, int rows, int k, const bf16* xs,
-                                          float* red, Epi epi, Fin finish = Fin{},
-                                          const unsigned char* parked = nullptr) {
+                                          float* red, Epi epi, Fin finish = Fin{}) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
     const int groups = (rows + 15) / 16, blocks = k / 64;
     int ks = 1;
@@ -523,8 +449,7 @@ __device__ __forceinline__ void gemv_tile(const bf16* const (&w)[NACC], int w_ld
             const bf16* u1[NACC];
             group_rows<NACC, NC>(w, w_ld, gi, u0, u1);
             float acc[NACC][4] = {};
-            gemv_item<NACC, NC>(u0, u1, s0 < rows, s1 < rows, xrow, 0, 1, blocks, acc, finish, EARLY && gi == warp,
-                                parked ? parked + (size_t)gi * 32 * k : nullptr);
+            gemv_item<NACC, NC>(u0, u1, s0 < rows, s1 < rows, xrow, 0, 1, blocks, acc, finish, EARLY && gi == warp);
             epi(s0, acc);
         }
         return;
@@ -536,8 +461,7 @@ __device__ __forceinline__ void gemv_tile(const bf16* const (&w)[NACC], int w_ld
         const bf16* w0[NACC];
         const bf16* w1[NACC];
         group_rows<NACC, NC>(w, w_ld, grp, w0, w1);
-        gemv_item<NACC, NC>(w0, w1, r0 < rows, r1 < rows, xrow, part, ks, blocks, acc, finish, EARLY,
-                            parked ? parked + (size_t)grp * 32 * k : nullptr);
+        gemv_item<NACC, NC>(w0, w1, r0 < rows, r1 < rows, xrow, part, ks, blocks, acc, finish, EARLY);
         if (part != 0) {
 #pragma unroll
             for (int a = 0; a < NACC; ++a)

@@ -95,15 +95,16 @@ struct ResidualTerms {
 
 // The epilogue of a tile that ends a layer, for one GEMV fragment (gemv_tile's epi: rows r0 and
 // r0 + 8, tokens n and n + 1 of this lane; c as for_fragment reads it): out[n, r] = (((residual +
-// product) + mlp) + slot 0) + slot 1 ... Out of line, with the fragment by value (an array by
-// reference would go through local memory): code size costs instruction fetches.
+// product) + mlp) + slot 0) + slot 1 ... Inlined into the LINEAR GEMV (CodegenOptions.
+// residual_epilogue): the tile runs with the LINEAR code out of the instruction cache, and a call
+// waited for the function's code. Out of line, the fragment goes by value (an array by reference
+// would go through local memory).
 #if MKC_RESIDUAL_EPILOGUE_INLINE
 __device__ __forceinline__
 #else
 __device__ __noinline__
 #endif
-void store_with_residual(float* out, int out_ld, ResidualTerms res, int r0, float c0,
-                                                 float c1, float c2, float c3) {
+void store_with_residual(float* out, int out_ld, ResidualTerms res, int r0, float c0, float c1, float c2, float c3) {
     const float c[4] = {c0, c1, c2, c3};
     for_fragment(r0, c, res.rows, [&](int r, int n, float v) {
         const float* p = res.staged + n * res.rows + r;
@@ -459,8 +460,6 @@ __device__ __forceinline__ void linear_gemv(const Task& t, unsigned char* smem, 
     u64* const tagged = TAGGED_LOGITS ? t.tagged(O::out) : nullptr;
     const u32 step = s_wait.step;
     const ResidualTerms res = residual_terms(t, smem);  // a tile that ends a layer (f32 out)
-    // PARK_BYTES: an earlier task of this SM copied this tile's weights into the parking region
-    const unsigned char* parked = PARK_BYTES > 0 && t.w[W_ID] == s_park_task ? smem + PARK_OFF : nullptr;
     if constexpr (LINEAR_ONE_GEMV) {  // one instantiation, the output dtype a branch in the epilogue
         const bool f32 = t.dtype(O::out) != DT_BF16;
         float* out32 = t.ptr<float>(O::out) + base;
@@ -476,7 +475,7 @@ __device__ __forceinline__ void linear_gemv(const Task& t, unsigned char* smem, 
                 else store_bf16(out16 + i, v);
                 if (TAGGED_LOGITS && tagged) st_relaxed_gpu_u64(tagged + base + i, tag_value(v, step));
             });
-        }, finish, parked);
+        }, finish);
     } else if (t.dtype(O::out) != DT_BF16) {
         float* out = t.ptr<float>(O::out) + base;
         gemv_tile<1>(w, w_ld, rows, k, xs, gemv_red(smem), [&](int r0, float (&acc)[1][4]) {

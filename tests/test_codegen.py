@@ -16,7 +16,6 @@ from mkc.codegen import CodegenOptions, CompileError, build_kernel, write_kernel
 from mkc.codegen import cvalues as cv
 from mkc.codegen.nvrtc import compile_cubin, parse_resources
 from mkc.codegen.render import (
-    MAX_SMEM_BYTES,
     TEMPLATE_DIR,
     CodegenError,
     environment,
@@ -42,7 +41,6 @@ from mkc.codegen.taskwords import (
     W_ARGS,
     W_OP,
     W_OPERANDS,
-    W_ID,
     W_SIGNAL,
     W_WAIT_CNT,
     W_WAIT_OFF,
@@ -50,8 +48,6 @@ from mkc.codegen.taskwords import (
     EncodeError,
     buffer_table,
     encode,
-    park_copies,
-    park_plan,
     record_descriptors,
     routing_logits,
     tagged_words,
@@ -120,7 +116,6 @@ def test_nmc_kernel_compiles_without_local_memory(cache, batch):
 # register-batch ring and the V-from-global chunks at batch 8 (their batch-1 kernels are).
 CODEGEN_VARIANTS: dict[str, tuple[tuple[int, ...], dict]] = {
     "ring-16k": ((1,), {"gemv_ring_bytes": 16 * 1024}),  # the weight ring (16-byte cp.async copies)
-    "park-2": ((1,), {"park_bytes": 128 * 1024, "park_ahead": 2}),  # weights parked in shared memory
     "ring-bulk-16k": ((1, 8), {"gemv_ring_bytes": 16 * 1024, "gemv_ring_bulk": True}),  # bulk copies, mbarriers
     "attn-cta": ((1, 8), {"attn_warp_stages": 0}),  # attention splits in CTA-wide chunks
     "attn-cta-v-global": ((1,), {"attn_warp_stages": 0, "attn_stage_v": False}),  # ... with V from global
@@ -159,9 +154,6 @@ def test_codegen_variant_compiles_without_local_memory(cache, batch, variant):
     assert not local_memory_ops(sass), options
     if options.gemv_ring_bulk:  # bulk copies into shared memory, completing on mbarriers
         assert "UBLKCP.S.G" in sass and "SYNCS.PHASECHK.TRANS64.TRYWAIT" in sass, options
-    if options.park_bytes:  # the parking region's bulk copies, waited for on its mbarrier
-        assert "UBLKCP.S.G" in sass and "SYNCS.PHASECHK.TRANS64.TRYWAIT" in sass, options
-        assert art.dynamic_smem == art.config.park_offset + options.park_bytes <= MAX_SMEM_BYTES
     if options.routing_argmax == "shuffle":
         assert "REDUX" not in sass, options
     if not options.linear_one_gemv:  # one GEMV per output dtype: more LINEAR code than the default's one
@@ -179,7 +171,8 @@ def test_residual_in_o_proj_kernel_compiles_without_local_memory(cache):
     """North Mini Code at batch 8 with the residual added by the O-projection (LowerOptions.
     residual_in_o_proj): its reduction over every head (4096) sizes the staged activations, its
     residual terms (the stream and all 64 routing slots of its rows) the scratch, and the kernel
-    compiles without local memory, the terms' adds out of line (code size)."""
+    compiles without local memory, the terms' adds inlined into the LINEAR GEMV or, asked for, out
+    of line."""
     spec = load_spec(NMC)
     sc = schedule(lower(spec, 8, 8192, 132, residual_in_o_proj=True), spec.name)
     ends = [t for t in sc.tasks if t.op == Opcode.LINEAR and t.operand("residual") != "-"]
@@ -189,52 +182,18 @@ def test_residual_in_o_proj_kernel_compiles_without_local_memory(cache):
     art = build_kernel(sc, spec, cache_dir=cache)
     assert art.spills == 0, f"ptxas reports {art.spills} bytes of spills\n{art.log}"
     assert not local_memory_ops(disassemble(art.cubin))
-    by_op = instructions_by_op(art.cubin, art.cu_source)
-    assert by_op.get("store_with_residual", 0) > 0, by_op
-
-
-@pytest.mark.parametrize("ahead", [1, 2, 3])
-def test_park_plan_parks_layer_ends_on_their_sm_never_across_a_split(ahead):
-    """CodegenOptions.park_bytes at batch 1 (the O-projection ends each layer): each parked tile is
-    a LINEAR tile that ends a layer, over every column of its weight, within 128 KB; its issuer runs
-    up to `ahead` records before it on the same SM; no attention split (whose rings share the
-    region) runs from the issuer to the tile, and the SM's copies do not overlap. park_copies
-    points each issuer at the tile's rows (tile order: one run from row0 * k)."""
-    spec = load_spec(NMC)
-    sc = schedule(lower(spec, 1, 8192, 132, residual_in_o_proj=True), spec.name)
-    words = encode(sc)
-    plan = park_plan(sc, words, 128 * 1024, ahead)
-    ends = [t.id for t in sc.tasks if t.op == Opcode.LINEAR and t.operand("residual") != "-"]
-    assert len(plan) > 0.9 * len(ends)
-    sm_of = np.searchsorted(words.queue_start, np.arange(len(words.records)), side="right") - 1
-    last = {}
-    for issuer, consumer in sorted(plan.items()):
-        t = sc.tasks[int(words.records[consumer, W_ID])]
-        assert t.op == Opcode.LINEAR and t.operand("residual") != "-" and t.arg("k0") == 0
-        assert t.arg("rows") * t.arg("k") * 2 <= 128 * 1024
-        assert sm_of[issuer] == sm_of[consumer] and 1 <= consumer - issuer <= ahead
-        assert not (words.records[issuer:consumer + 1, W_OP] == int(Opcode.ATTN_SPLIT)).any()
-        assert issuer > last.get(sm_of[issuer], -1)  # the SM's previous parked tile has run
-        last[sm_of[issuer]] = consumer
-    # the copies: the consumer's weight pointer in the per-record descriptors, plus its rows
-    weight = OP_INFO[Opcode.LINEAR].operands.index("weight")
-    table = buffer_table(sc, words.buffer_names, {n: 1 << 20 for n in words.buffer_names},
-                         tiled=frozenset(t.operand("weight") for t in sc.tasks if t.op == Opcode.LINEAR))
-    copies = park_copies(sc, words, record_descriptors(words, table), 128 * 1024, ahead)
-    assert int((copies["bytes"] > 0).sum()) == len(plan)
-    issuer, consumer = next(iter(plan.items()))
-    t = sc.tasks[int(words.records[consumer, W_ID])]
-    assert weight == 2 and copies[issuer]["task"] == t.id
-    assert copies[issuer]["src"] == (1 << 20) + t.arg("row0") * t.arg("k") * 2
-    assert copies[issuer]["bytes"] == t.arg("rows") * t.arg("k") * 2
-    # weights not in tile order cannot be parked: a clear error, and the option is checked
-    rows = buffer_table(sc, words.buffer_names, {n: 1 << 20 for n in words.buffer_names})
-    with pytest.raises(EncodeError, match="tile-ordered"):
-        park_copies(sc, words, record_descriptors(words, rows), 128 * 1024, ahead)
-    with pytest.raises(CodegenError, match="park_bytes"):
-        kernel_config(sc, spec, CodegenOptions(park_bytes=128 * 1024, weight_layout="rows"))
-    with pytest.raises(CodegenError, match="park_bytes"):
-        kernel_config(sc, spec, CodegenOptions(park_bytes=1000))
+    # the epilogue's adds inlined into the LINEAR GEMV ("auto": the schedule has such tiles), or
+    # one out-of-line function
+    assert art.config.residual_epilogue_inline
+    assert "store_with_residual" not in instructions_by_op(art.cubin, art.cu_source)
+    call = build_kernel(sc, spec, CodegenOptions(residual_epilogue="call"), cache_dir=cache)
+    assert call.spills == 0 and not call.config.residual_epilogue_inline
+    assert instructions_by_op(call.cubin, call.cu_source).get("store_with_residual", 0) > 0
+    with pytest.raises(CodegenError, match="residual_epilogue"):
+        kernel_config(sc, spec, CodegenOptions(residual_epilogue="outline"))
+    # without tiles that end a layer "auto" keeps the call (the kernel's code as before)
+    spec8, plain = _nmc_schedule(8)
+    assert not kernel_config(plain, spec8).residual_epilogue_inline
 
 
 def test_a_residual_tile_off_the_copy_grain_is_refused(tiny):

@@ -569,26 +569,6 @@ def test_nmc_tagged_logits_match_default(nmc_weights, num_sms, batch):
         assert torch.equal(lg, ref) and torch.equal(tok, ref_tok), f"step {i}: differs from the default kernel"
 
 
-@pytest.mark.parametrize("ahead", [1, 2])
-def test_nmc_parked_weights_match_default(nmc_weights, num_sms, ahead):
-    """CodegenOptions(park_bytes=128 KB) at batch 1, context 8192: the O-projection tiles that end
-    each layer read their weights from the parking region, copied there by bulk copies that a task
-    up to `ahead` before them issued; the reads and products are the register path's, in the same
-    order, so three steps give bitwise the default kernel's logits and tokens."""
-    from mkc.codegen import CodegenOptions
-
-    spec, weights = nmc_weights
-    tokens = torch.randint(0, spec.vocab_size, (1,), dtype=torch.int32)
-    positions = nmc_positions(1, 8192)
-    ref, ref_tok = nmc_decoder(spec, weights, 1, 8192, num_sms).step(tokens, positions)
-    ref = ref.clone()
-    dec = nmc_decoder(spec, weights, 1, 8192, num_sms, CodegenOptions(park_bytes=128 * 1024, park_ahead=ahead))
-    assert dec._park is not None and int((dec._park.view(-1, 16)[:, 8:12] != 0).any(dim=1).sum()) > 0
-    for i in range(3):
-        lg, tok = dec.step(tokens, positions)
-        assert torch.equal(lg, ref) and torch.equal(tok, ref_tok), f"step {i}: differs from the default kernel"
-
-
 @pytest.mark.parametrize("batch", [1, 8])
 def test_nmc_deterministic(nmc_weights, num_sms, batch):
     """Context 8192, the same inputs 10 times: bitwise the same logits and tokens. Batch 1 leaves

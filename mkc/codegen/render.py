@@ -51,7 +51,7 @@ RING_STAGE_BYTES = 32 * 4 * 16  # one 64-wide block of 16 rows (gemv.cuh: a ring
 ROUTING_CODES = ("unrolled", "loop", "shared")  # CodegenOptions.routing_code, by the kernel's ROUTING_CODE
 TAGGED_LOGITS = ("auto", "on", "off")  # CodegenOptions.tagged_logits
 TAGGED_LOGITS_MAX_BATCH = 4  # "auto": on up to this batch
-PARK_OPS = ("layer_end", "linear")  # CodegenOptions.park_ops
+RESIDUAL_EPILOGUES = ("auto", "inline", "call")  # CodegenOptions.residual_epilogue
 
 
 class CodegenError(ValueError):
@@ -204,18 +204,16 @@ class CodegenOptions:
     # 8700 and 9100 µs). Two earlier runs (2026-11-30 23:48, 23:54 UTC, a scheduler that made
     # later tasks poll the residual stream's counter again) agreed at batch 1, 2 and 4.
     tagged_logits: str = "auto"
-    # Weight parking: a LINEAR tile that ends a layer ("layer_end") or any LINEAR tile ("linear")
-    # whose whole tile (tile-ordered rows, every column) is at most this many bytes has its weights
-    # copied into a region of shared memory of their own by one bulk copy (TMA, completing on an
-    # mbarrier) that an earlier task of the same SM issues when it starts (up to park_ahead tasks
-    # before; never across an attention split, whose rings share that region), so the tile reads
-    # no weights from memory after its wait. 0: off (taskwords.park_plan).
-    park_bytes: int = 0
-    park_ahead: int = 2
-    park_ops: str = "layer_end"
-    # The epilogue of a LINEAR tile that ends a layer (ops.cuh: store_with_residual): "call" (one
-    # out-of-line function) or "inline" (inlined into the GEMV's epilogue).
-    residual_epilogue: str = "call"
+    # The epilogue of a LINEAR tile that ends a layer (ops.cuh: store_with_residual, which adds the
+    # residual terms to the product): "inline" (inlined into the LINEAR GEMV's epilogue), "call"
+    # (one out-of-line function), "auto" (inline where the schedule has such tiles, else call: the
+    # kernels without them keep their code). Those tiles run after an expert-down tile on their SM,
+    # with the LINEAR code out of the instruction cache, and a call there waits for the function's
+    # code to be fetched: ncu's samples on an H200 (2026-12-01 18:06 UTC, batch 1) found 52% of the
+    # warps' samples in the out-of-line function stalled with no instruction. Measured on an H200
+    # (kernel_variants.py, 18:05 UTC, three rounds, batch 1, logits bitwise equal): inline 2402.8 /
+    # 2404.6 / 2401.1 µs against call 2447.5 / 2446.5 / 2464.3 (-2.0%).
+    residual_epilogue: str = "auto"
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,10 +262,7 @@ class KernelConfig:
     # the residual terms of the largest LINEAR tile that ends a layer (ops.cuh: stage_residual_async),
     # staged in the RMSNorm's scratch; 0 without such tiles
     residual_stage_bytes: int = 0
-    park_bytes: int = 0  # CodegenOptions.park_bytes (0: no parking region)
-    park_ahead: int = 2  # CodegenOptions.park_ahead
-    park_ops: str = "layer_end"  # CodegenOptions.park_ops
-    residual_epilogue_inline: bool = False  # CodegenOptions.residual_epilogue == "inline"
+    residual_epilogue_inline: bool = False  # CodegenOptions.residual_epilogue, resolved
 
     @property
     def warps(self) -> int:
@@ -318,20 +313,6 @@ class KernelConfig:
         return stages if stages >= 2 else 0
 
     @property
-    def park_offset(self) -> int:
-        """Where the parked weights start: above every op's shared memory but the attention
-        splits' (whose rings may overlap it: taskwords.park_plan never parks across a split)."""
-        return _round(max(self.gemv_ring_offset + self.warps * self.gemv_ring_bytes, self._combine_rope_bytes), 128)
-
-    @property
-    def _combine_rope_bytes(self) -> int:
-        f = 4
-        combine = _round(self.batch * self.group * self.max_splits * f, 16) + self.threads * 4 * f  # weights, partial sums
-        # ops.cuh: positions, qk-norm factors, then the group's q/k/v rows of every sequence
-        rope = 128 + _round(self.batch * (self.group + 1) * f, 128) + self.batch * (self.group + 2) * self.head_dim * 2
-        return max(combine, rope)
-
-    @property
     def smem_bytes(self) -> int:
         """Dynamic shared memory: the largest need of any op (bytes)."""
         f = 4
@@ -346,8 +327,10 @@ class KernelConfig:
             attn = _round(attn, 16) + max(self.threads * self.head_dim * 2, self.group * kl * self.head_dim * f)
         if self.attn_warp_stages:  # attention.cuh: qx, the own rows, then a ring per warp
             attn = max(attn, self.attn_ring_offset + self.warps * self.attn_warp_stages * self.attn_stage_bytes)
-        park = self.park_offset + self.park_bytes if self.park_bytes else 0
-        return _round(max(gemv, attn, self._combine_rope_bytes, park), 128)
+        combine = _round(self.batch * self.group * self.max_splits * f, 16) + self.threads * 4 * f  # weights, partial sums
+        # ops.cuh: positions, qk-norm factors, then the group's q/k/v rows of every sequence
+        rope = 128 + _round(self.batch * (self.group + 1) * f, 128) + self.batch * (self.group + 2) * self.head_dim * 2
+        return _round(max(gemv, attn, combine, rope), 128)
 
 
 def _round(n: int, a: int) -> int:
@@ -431,6 +414,9 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
     if options.tagged_logits not in TAGGED_LOGITS:
         raise CodegenError(f"tagged_logits = {options.tagged_logits!r}: expected one of "
                            + ", ".join(repr(c) for c in TAGGED_LOGITS))
+    if options.residual_epilogue not in RESIDUAL_EPILOGUES:
+        raise CodegenError(f"residual_epilogue = {options.residual_epilogue!r}: expected one of "
+                           + ", ".join(repr(c) for c in RESIDUAL_EPILOGUES))
     tagged_logits = options.tagged_logits == "on" or (options.tagged_logits == "auto"
                                                       and schedule.batch <= TAGGED_LOGITS_MAX_BATCH)
     problem = tile_order_problem(schedule) if options.weight_layout != "rows" else None
@@ -477,16 +463,9 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         down_weights_before_wait=options.down_weights_before_wait,
         residual_loads_first=options.residual_loads_first, profile_phases=options.profile_phases,
         routing_code=ROUTING_CODES.index(options.routing_code), tagged_logits=tagged_logits,
-        residual_stage_bytes=stage_bytes, park_bytes=options.park_bytes,
-        park_ahead=options.park_ahead, park_ops=options.park_ops,
-        residual_epilogue_inline=options.residual_epilogue == "inline")
-    if options.residual_epilogue not in ("call", "inline"):
-        raise CodegenError(f"residual_epilogue = {options.residual_epilogue!r}: expected 'call' or 'inline'")
-    if options.park_bytes and (options.park_bytes % 2048 or not tiled or options.park_ops not in PARK_OPS
-                               or options.park_ahead < 1 or not options.linear_one_gemv):
-        raise CodegenError(f"park_bytes = {options.park_bytes}, park_ops = {options.park_ops!r}, park_ahead = "
-                           f"{options.park_ahead}: expected a multiple of 2048 bytes, tile-ordered weights, one LINEAR "
-                           f"GEMV (linear_one_gemv), park_ops one of {', '.join(repr(o) for o in PARK_OPS)} and park_ahead >= 1")
+        residual_stage_bytes=stage_bytes,
+        residual_epilogue_inline=options.residual_epilogue == "inline" or (options.residual_epilogue == "auto"
+                                                                           and stage_bytes > 0))
     if cfg.smem_bytes > MAX_SMEM_BYTES:
         raise CodegenError(f"shared memory {cfg.smem_bytes} B (widest GEMV k = {max_k}, batch = {cfg.batch}): "
                            f"expected at most {MAX_SMEM_BYTES} B")
@@ -549,8 +528,6 @@ def template_context(cfg: KernelConfig, banner: str) -> dict[str, Any]:
         "profile_phases": cv.c_bool(cfg.profile_phases),
         "routing_code": cv.c_int(cfg.routing_code),
         "tagged_logits": cv.c_bool(cfg.tagged_logits),
-        "park_bytes": cv.c_int(cfg.park_bytes),
-        "park_off": cv.c_int(cfg.park_offset),
         "residual_epilogue_inline": cv.c_int(int(cfg.residual_epilogue_inline)),  # a preprocessor 0 / 1
         "max_rank": cv.c_int(MAX_RANK),
         "dtypes": [(cv.c_ident(f"DT_{k.upper()}"), cv.c_int(v)) for k, v in DTYPE_CODES.items()],
