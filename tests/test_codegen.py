@@ -5,6 +5,7 @@ the tensor cores; the cache is content-addressed; errors carry what a person nee
 from __future__ import annotations
 
 import re
+from collections import Counter
 from functools import cache as cache_fn
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from mkc.codegen.sass import (
     disassemble,
     find_cuobjdump,
     function_name,
+    instruction_owners,
     instructions_by_op,
     local_memory_ops,
     opcode_counts,
@@ -270,6 +272,43 @@ def test_cache_hit_and_files(tiny, tmp_path, monkeypatch):
     assert set(files) == {"kernel.cu", "kernel.cubin", "kernel.json"}
     assert files["kernel.cubin"].read_bytes() == a.cubin
     assert not list((tmp_path / "c" / "kernels").glob("**/*.tmp"))
+
+
+def test_stalls_by_op_attributes_ncu_samples_to_ops(tiny, tmp_path, monkeypatch, capsys):
+    """benchmarks/stalls_by_op.py: ncu's source page (one row per SASS instruction, in address
+    order) summed by the op each instruction belongs to (sass.instruction_owners); a page of another
+    kernel (another instruction count) is refused with a message, not a wrong table."""
+    import csv
+    import importlib.util
+    import sys
+
+    spec, sc = tiny
+    monkeypatch.setenv("MKC_CACHE_DIR", str(tmp_path / "c"))
+    files = write_kernel(sc, spec, tmp_path / "k")
+    owners = instruction_owners(files["kernel.cubin"].read_bytes(), files["kernel.cu"].read_text())
+    assert Counter(owners) == Counter(instructions_by_op(files["kernel.cubin"].read_bytes(),
+                                                         files["kernel.cu"].read_text()))
+    first_linear = owners.index("LINEAR")
+    page = tmp_path / "page.csv"
+    with page.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["Kernel Name", "mkc_decode"])
+        w.writerow(["Address", "Source", "Warp Stall Sampling (All Samples)", "stall_no_inst"])
+        for i in range(len(owners)):  # 2 samples per instruction, the first LINEAR one stalled on fetch
+            w.writerow([hex(16 * i), "NOP", 2, 2 if i == first_linear else 0])
+    spec_ = importlib.util.spec_from_file_location("stalls_by_op", ROOT / "benchmarks" / "stalls_by_op.py")
+    mod = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(mod)
+    monkeypatch.setattr(sys, "argv", ["stalls_by_op.py", str(tmp_path / "k"), str(page)])
+    mod.main()
+    out = capsys.readouterr().out
+    n_linear = owners.count("LINEAR")
+    assert f"{2 * len(owners)} samples" in out
+    assert re.search(rf"^LINEAR\s+{2 * n_linear}\s+\S+\s+2\s+{100 / n_linear:.1f}%", out, re.MULTILINE), out
+    with page.open("a", newline="") as f:
+        csv.writer(f).writerow(["0xffff", "NOP", 1, 0])
+    with pytest.raises(SystemExit, match="expected the samples of this very kernel"):
+        mod.main()
 
 
 def test_compile_error_carries_log_source_and_options(tmp_path):

@@ -85,15 +85,15 @@ def function_name(symbol: str) -> str:
     return symbol[m.end():m.end() + int(m.group(1))]
 
 
-def instructions_by_op(cubin: bytes, source: str, tool: str | None = None) -> dict[str, int]:
-    """The kernel's SASS instructions by the op they were inlined into (opcode name → count, in
-    descending order), the rest under ``KERNEL_LOOP`` (the task loop, the waits, the weights asked
-    for while waiting). ``source`` is the rendered kernel the cubin was built from with -lineinfo:
-    nvdisasm's line table names, for each instruction, its source line and the line it was inlined
-    at, and an instruction on or inlined at a dispatch ``case OP_<NAME>:`` line of the kernel
-    counts for that op. An out-of-line device function that ops share (``__noinline__``, e.g. the
-    routing: ops.cuh route_tokens_shared) counts under its own name; the kernel loop's wait
-    (``wait_all``) and the compiler's own routines count under ``KERNEL_LOOP``. Raises
+def instruction_owners(cubin: bytes, source: str, tool: str | None = None) -> list[str]:
+    """The op each of the cubin's SASS instructions belongs to, in nvdisasm's order (the kernel,
+    then each out-of-line function: the order of their addresses in the module, which is how
+    ncu's source page lists them). ``source`` is the rendered kernel the cubin was built from with
+    -lineinfo: nvdisasm's line table names, for each instruction, its source line and the line it
+    was inlined at, and an instruction on or inlined at a dispatch ``case OP_<NAME>:`` line of the
+    kernel belongs to that op. An out-of-line device function that ops share (``__noinline__``,
+    e.g. the routing: ops.cuh route_tokens_shared) goes under its own name; the kernel loop's wait
+    (``wait_all``) and the compiler's own routines under ``KERNEL_LOOP``. Raises
     FileNotFoundError without nvdisasm."""
     tool = tool or find_binary_utility("nvdisasm")
     if tool is None:
@@ -103,7 +103,7 @@ def instructions_by_op(cubin: bytes, source: str, tool: str | None = None) -> di
         path = Path(d) / "kernel.cubin"
         path.write_bytes(cubin)
         out = subprocess.run([tool, "-gi", str(path)], capture_output=True, text=True, check=True).stdout
-    counts: Counter[str] = Counter()
+    owners: list[str] = []
     owner = KERNEL_LOOP
     function = None  # the out-of-line function being read, None inside the kernel itself
     for line in out.splitlines():
@@ -124,5 +124,12 @@ def instructions_by_op(cubin: bytes, source: str, tool: str | None = None) -> di
                         owner = cases[int(no)]
             continue
         if _INSTRUCTION.match(line) and ".byte" not in line:
-            counts[owner] += 1
-    return dict(counts.most_common())
+            owners.append(owner)
+    return owners
+
+
+def instructions_by_op(cubin: bytes, source: str, tool: str | None = None) -> dict[str, int]:
+    """The kernel's SASS instructions by the op they belong to (``instruction_owners``): opcode
+    name → count, in descending order, the rest under ``KERNEL_LOOP`` (the task loop, the waits,
+    the weights asked for while waiting)."""
+    return dict(Counter(instruction_owners(cubin, source, tool)).most_common())

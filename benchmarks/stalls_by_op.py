@@ -1,0 +1,72 @@
+"""Where a profiled megakernel step's warps stall, by op: ncu's PC samples attributed to the op each
+SASS instruction belongs to (mkc.codegen.sass.instruction_owners; no GPU needed).
+
+On the GPU machine, sample one step and export ncu's source page:
+
+    ncu --clock-control none --section SourceCounters --section WarpStateStats -k regex:mkc_decode \\
+        -s 2 -c 1 -o b1 python benchmarks/megakernel_step.py --batch 1 --reps 3
+    ncu --import b1.ncu-rep --page source --csv --print-source sass > b1_sass.csv
+
+then, with the kernel's cache folder (kernel.cubin and kernel.cu, under MKC_CACHE_DIR/kernels):
+
+    python benchmarks/stalls_by_op.py KERNEL_DIR b1_sass.csv[.gz] [--reason stall_no_inst]
+
+prints, per op, its share of all samples and how many of its own samples had each stall reason
+named (default: no instruction to issue, i.e. instruction fetch: docs/kernel.md, "Code size").
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import gzip
+from collections import Counter
+from pathlib import Path
+
+from mkc.codegen.sass import instruction_owners
+
+ALL = "Warp Stall Sampling (All Samples)"
+
+
+def read_samples(path: Path) -> tuple[list[str], list[list[str]]]:
+    """ncu's source page as (header, rows), one row per SASS instruction in address order."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", newline="") as f:
+        rows = list(csv.reader(f))
+    start = next((i for i, r in enumerate(rows) if r and r[0] == "Address"), None)
+    if start is None:
+        raise SystemExit(f"{path}: no 'Address' header row: expected ncu --page source --csv --print-source sass")
+    return rows[start], rows[start + 1:]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("kernel_dir", type=Path, help="the kernel's cache folder (kernel.cubin, kernel.cu)")
+    ap.add_argument("samples", type=Path, help="ncu's source page as CSV (optionally .gz)")
+    ap.add_argument("--reason", nargs="+", default=["stall_no_inst"], help="stall reason columns to break out")
+    a = ap.parse_args()
+    owners = instruction_owners((a.kernel_dir / "kernel.cubin").read_bytes(), (a.kernel_dir / "kernel.cu").read_text())
+    header, rows = read_samples(a.samples)
+    if len(rows) != len(owners):
+        raise SystemExit(f"{a.samples} lists {len(rows)} instructions, {a.kernel_dir / 'kernel.cubin'} has "
+                         f"{len(owners)}: expected the samples of this very kernel")
+    missing = [c for c in (ALL, *a.reason) if c not in header]
+    if missing:
+        raise SystemExit(f"{a.samples}: no column {', '.join(missing)}; the columns are {', '.join(header)}")
+    col = {c: header.index(c) for c in (ALL, *a.reason)}
+    total: Counter[str] = Counter()
+    by_reason: dict[str, Counter[str]] = {r: Counter() for r in a.reason}
+    for owner, row in zip(owners, rows):
+        total[owner] += int(row[col[ALL]] or 0)
+        for r in a.reason:
+            by_reason[r][owner] += int(row[col[r]] or 0)
+    n = sum(total.values()) or 1
+    print(f"{n} samples; " + ", ".join(f"{r} {sum(c.values()) / n:.1%}" for r, c in by_reason.items()))
+    print(f"{'op':<22} {'samples':>9} {'share':>7}  " + "  ".join(f"{r + ' (own)':>22}" for r in a.reason))
+    for owner, s in total.most_common():
+        own = "  ".join(f"{by_reason[r][owner]:>13} {by_reason[r][owner] / max(s, 1):>7.1%}" for r in a.reason)
+        print(f"{owner:<22} {s:>9} {s / n:>7.1%}  {own}")
+
+
+if __name__ == "__main__":
+    main()
