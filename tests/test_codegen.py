@@ -5,7 +5,6 @@ the tensor cores; the cache is content-addressed; errors carry what a person nee
 from __future__ import annotations
 
 import re
-from collections import Counter
 from functools import cache as cache_fn
 from pathlib import Path
 
@@ -285,9 +284,9 @@ def test_stalls_by_op_attributes_ncu_samples_to_ops(tiny, tmp_path, monkeypatch,
     spec, sc = tiny
     monkeypatch.setenv("MKC_CACHE_DIR", str(tmp_path / "c"))
     files = write_kernel(sc, spec, tmp_path / "k")
-    owners = instruction_owners(files["kernel.cubin"].read_bytes(), files["kernel.cu"].read_text())
-    assert Counter(owners) == Counter(instructions_by_op(files["kernel.cubin"].read_bytes(),
-                                                         files["kernel.cu"].read_text()))
+    cubin = files["kernel.cubin"].read_bytes()
+    owners = instruction_owners(cubin, files["kernel.cu"].read_text())
+    assert len(owners) == sum(opcode_counts(disassemble(cubin)).values())  # every instruction, per cuobjdump
     first_linear = owners.index("LINEAR")
     page = tmp_path / "page.csv"
     with page.open("w", newline="") as f:
