@@ -34,7 +34,7 @@ from mkc.runtime.bench import (
     write_json,
 )
 from mkc.runtime.cuda_backend import CudaDecoder
-from mkc.schedule.plan import plan
+from mkc.schedule.plan import LOWERING_CHOICES, plan
 from mkc.schedule.profile import format_chain, format_layer, format_phases, format_stage_ends, save_timeline
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,8 +106,17 @@ def main() -> None:
                          "default: the default kernel)")
     ap.add_argument("--options", nargs="*", default=[], metavar="FIELD=VALUE",
                     help="CodegenOptions fields for every run, e.g. descriptors=table gemv_unroll=6")
+    ap.add_argument("--lowering", nargs="*", default=[], metavar="CHOICE=0|1",
+                    help="boolean lowering choices for every run (plan's LOWERING_CHOICES), e.g. fused_experts=1 "
+                         "residual_in_o_proj=1")
     a = ap.parse_args()
     extra = codegen_fields(a.options)
+    lowering = {}
+    for p in a.lowering:
+        name, _, value = p.partition("=")
+        if name not in LOWERING_CHOICES or value not in ("0", "1"):
+            raise SystemExit(f"--lowering {p}: expected CHOICE=0 or CHOICE=1 with CHOICE one of {', '.join(LOWERING_CHOICES)}")
+        lowering[name] = value == "1"
     spec = load_spec(a.config)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     bw = measure_read_bandwidth()
@@ -119,7 +128,7 @@ def main() -> None:
     rows = []
     runs = ((b, c, r, w) for b in a.batch for c in a.context for r in a.rope_in_splits for w in a.warp_stages)
     for batch, context, rope, stages in runs:
-        sc = plan(spec, batch, context, sms, attention_sms=a.attention_sms, rope_in_splits=rope == "yes")
+        sc = plan(spec, batch, context, sms, attention_sms=a.attention_sms, **{"rope_in_splits": rope == "yes", **lowering})
         options = CodegenOptions(**extra) if stages is None else CodegenOptions(**extra, attn_warp_stages=stages)
         with decoder_in_place(sc, spec, weights, options=options) as dec:
             # the inputs mkc bench uses, so runs and trees compare on the same experts

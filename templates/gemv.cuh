@@ -490,3 +490,64 @@ __device__ __forceinline__ void for_fragment(int r0, const float (&c)[4], int ro
         if (r < rows && col < cols) f(r, col, c[i]);
     }
 }
+
+// A GEMV with a short reduction, k = 64 NB (NB a compile-time block count; a fused expert tile's
+// down projection: every hidden row over the tile's own intermediate rows, ops.cuh: op_expert_mlp).
+// gemv_tile would give each 16-row group one short item and drain the stream at every group; here
+// each warp streams its groups (warp, warp + NUM_WARPS, ...) as one run of (group, block) units,
+// U blocks per register batch with two batches in flight across group boundaries. xs holds the
+// activations staged as gemv_tile's (row stride xs_ld(64 NB)); epi(r0, acc) as gemv_tile's, once
+// per group, after its last block. Weights are read with the streaming path (immutable weights).
+// No barrier: every thread of the CTA may call it, each warp alone.
+template <int NB, class Epi>
+__device__ __forceinline__ void gemv_short_k(const bf16* w, int w_ld, int rows, const bf16* xs, Epi epi) {
+    constexpr int U = gemv_batch_blocks<1>();
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+    const int groups = (rows + 15) / 16;
+    const int units = (groups > warp ? (groups - warp + NUM_WARPS - 1) / NUM_WARPS : 0) * NB;
+    const bf16* xrow = xs + g * xs_ld(64 * NB) + q * 8;
+    // unit i: block i % NB of this warp's group i / NB, that is group warp + (i / NB) * NUM_WARPS
+    const auto load = [&](uint4 (&wv)[U][2][2], int i0) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int i = i0 + u, gi = warp + (i / NB) * NUM_WARPS;
+            const bool v0 = i < units && gi * 16 + g < rows, v1 = i < units && gi * 16 + g + 8 < rows;
+            const bf16* const one[1] = {w};
+            const bf16* w0[1];
+            const bf16* w1[1];
+            group_rows<1, true>(one, w_ld, gi, w0, w1);
+            const int k = (i % NB) * block_stride<true>(), h = half_offset<true>();
+            wv[u][0][0] = v0 ? ldg_stream(w0[0] + k) : zero4();
+            wv[u][0][1] = v0 ? ldg_stream(w0[0] + k + h) : zero4();
+            wv[u][1][0] = v1 ? ldg_stream(w1[0] + k) : zero4();
+            wv[u][1][1] = v1 ? ldg_stream(w1[0] + k + h) : zero4();
+        }
+    };
+    float acc[1][4] = {};
+    const auto mma = [&](const uint4 (&wv)[U][2][2], int i0) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int i = i0 + u, kb = i % NB;
+            if (i < units) {
+                if (kb == 0 && i > 0) {  // the group before is done
+                    epi((warp + (i / NB - 1) * NUM_WARPS) * 16 + g, acc);
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) acc[0][j] = 0.f;
+                }
+                const uint4 xa = lds16(xrow + kb * 64), xb = lds16(xrow + kb * 64 + 32);
+                const u32 xw[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+                mma_block(acc[0], wv[u][0][0], wv[u][0][1], wv[u][1][0], wv[u][1][1], xw);
+            }
+        }
+    };
+    uint4 wa[U][2][2], wb[U][2][2];
+    load(wa, 0);
+    for (int i0 = 0; i0 < units; i0 += 2 * U) {
+        load(wb, i0 + U);
+        mma(wa, i0);
+        if (i0 + U >= units) break;
+        load(wa, i0 + 2 * U);
+        mma(wb, i0 + U);
+    }
+    if (units) epi((warp + (units / NB - 1) * NUM_WARPS) * 16 + g, acc);
+}

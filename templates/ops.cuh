@@ -570,6 +570,51 @@ __device__ void op_expert_swiglu(const Task& t, unsigned char* smem) {
     gemv_tile<2>(w, w_ld, rows, k, xs, gemv_red(smem), SwigluStore{out, out_ld, rows}, finish);
 }
 
+// The fused expert tile (LowerOptions.fused_experts): h = silu(x . Wg[e, rows]) * (x . Wu[e, rows])
+// for its intermediate rows [row0, row0 + rows), rounded to bf16 as an expert-up tile stores it but
+// kept in shared memory, then out[slot * parts + part, b, :] = weight(b, e) * (h[b] . Wd[e, :, rows]),
+// the rows' split-K share of the down projection (exact zeros for a token that did not pick e, and
+// for every token of a slot past the live count); the tile that ends the layer sums the parts. The
+// down projection's weights stream right after the gate and up rows, with no hand-off between.
+// FUSED_DOWN_BLOCKS = rows / 64 (the same for every fused tile; 0: the schedule has none, and the
+// op compiles to nothing).
+__device__ void op_expert_mlp(const Task& t, unsigned char* smem) {
+    if constexpr (FUSED_DOWN_BLOCKS > 0) {
+        using O = OPND_EXPERT_MLP;
+        using A = ARG_EXPERT_MLP;
+        constexpr int ROWS = 64 * FUSED_DOWN_BLOCKS;
+        const int slot = t.arg(A::slot), row0 = t.arg(A::row0), part = t.arg(A::part);
+        const int k = t.dim(O::weight, 1), inter2 = t.dim(O::weight, 2), w_ld = k;
+        const int inter = t.dim(O::down, 1), hidden = t.dim(O::down, 2);
+        float* out = t.ptr<float>(O::out) + (size_t)(slot * (inter / ROWS) + part) * BATCH * hidden;
+        stage_input_async<O>(t, smem, 0, k);
+        const Routing& rt = route_tokens(t.ptr<float>(O::logits), TAGGED_LOGITS ? t.tagged(O::logits) : nullptr, t.w);
+        if (TAGGED_LOGITS && s_wait.abort) return;
+        if (slot >= rt.count) {
+            zero_rows(out, hidden, hidden);
+            return;
+        }
+        const int e = rt.experts[slot];
+        const bf16* we = t.ptr<bf16>(O::weight) + (size_t)e * inter2 * w_ld;
+        const bf16* const w[2] = {we + (size_t)row0 * w_ld, we + (size_t)(inter2 / 2 + row0) * w_ld};
+        // h: the down projection's B operand, in the RMSNorm's scratch (normalised into xs by now);
+        // its token rows >= BATCH are never written, and only feed output columns nobody reads
+        bf16* hs = reinterpret_cast<bf16*>(gemv_scratch(smem));
+        const StageFinish<O> finish{t, smem, 0, k};
+        gemv_tile<2>(w, w_ld, ROWS, k, gemv_xs(smem), gemv_red(smem), SwigluStore{hs, xs_ld(ROWS), ROWS}, finish);
+        cta_barrier();
+        const int n0 = 2 * (threadIdx.x % 4);
+        const float wt0 = rt.weight(n0, e), wt1 = rt.weight(n0 + 1, e);
+        const bf16* wd = t.ptr<bf16>(O::down) + (size_t)e * hidden * inter + weight_tile_offset(0, row0, inter);
+        gemv_short_k<FUSED_DOWN_BLOCKS>(wd, inter, hidden, hs, [&](int r0, float (&acc)[1][4]) {
+            for_fragment(r0, acc[0], hidden, [&](int r, int n, float v) {
+                const float wt = (n & 1) ? wt1 : wt0;
+                out[(size_t)n * hidden + r] = wt != 0.f ? wt * v : 0.f;
+            });
+        });
+    }
+}
+
 // out[slot, b, row0 + i] = weight(b, e) * (h[slot, b] . Wd[e, row0 + i]), e = the expert of
 // routing slot `slot`; a no-op when slot >= count. With WEIGHTS_BEFORE_WAIT the task waits itself,
 // in two parts: first the routing (mkc/codegen/taskwords.py lists the router's counter first for

@@ -40,6 +40,7 @@ from mkc.codegen.taskwords import (
     MAX_OPERANDS,
     RECORD_WORDS,
     W_ARGS,
+    W_ID,
     W_OP,
     W_OPERANDS,
     W_SIGNAL,
@@ -195,6 +196,33 @@ def test_residual_in_o_proj_kernel_compiles_without_local_memory(cache):
     # without tiles that end a layer "auto" keeps the call (the kernel's code as before)
     spec8, plain = _nmc_schedule(8)
     assert not kernel_config(plain, spec8).residual_epilogue_inline
+
+
+def test_fused_experts_kernel_compiles_without_local_memory(cache):
+    """North Mini Code at batch 1 and 8 with fused expert tiles (LowerOptions.fused_experts): the
+    kernel compiles the fused op for the tiles' one size (FUSED_DOWN_BLOCKS = rows / 64: 1 at batch
+    1, 64-row tiles; 6 at batch 8) without spills or local memory, the O-projection stages every
+    part of every slot, and the routing's first wait is the router tiles' (tagged at batch 1). A
+    kernel without fused tiles compiles the op to nothing."""
+    spec = load_spec(NMC)
+    for batch, blocks in ((1, 1), (8, 6)):
+        sc = schedule(lower(spec, batch, 8192, 132, attention_sms=32, residual_in_o_proj=True, fused_experts=True),
+                      spec.name)
+        fused = [t for t in sc.tasks if t.op == Opcode.EXPERT_MLP]
+        cfg = kernel_config(sc, spec)
+        assert cfg.fused_down_blocks == blocks and {t.arg("rows") for t in fused} == {64 * blocks}
+        parts = spec.moe.intermediate // (64 * blocks)
+        assert sc.buffers["L1.moe_out"].shape == (min(128, 8 * batch) * parts, batch, spec.hidden_size)
+        art = build_kernel(sc, spec, cache_dir=cache)
+        assert art.spills == 0, f"ptxas reports {art.spills} bytes of spills\n{art.log}"
+        assert not local_memory_ops(disassemble(art.cubin))
+        assert instructions_by_op(art.cubin, art.cu_source).get("EXPERT_MLP", 0) > 500
+        words = encode(sc)
+        t = fused[0]
+        rec = next(r for r in words.records if r[W_ID] == t.id)
+        assert all(routing_edge(sc.tasks[p], t) for p in sc.counters[words.waits[rec[W_WAIT_OFF]][0]].producers)
+    spec1, plain = _nmc_schedule(1)
+    assert kernel_config(plain, spec1).fused_down_blocks == 0
 
 
 def test_a_residual_tile_off_the_copy_grain_is_refused(tiny):

@@ -13,7 +13,7 @@ import torch
 from mkc.ir.graph import Region
 from mkc.ir.lower import lower
 from mkc.ir.ops import Opcode
-from mkc.ir.spec import load_spec
+from mkc.ir.spec import SpecError, load_spec
 from mkc.runtime.generate import greedy_generate, greedy_generate_batch
 from mkc.runtime.reference import DenseReference
 from mkc.runtime.weights import random_weights, weight_shapes
@@ -162,6 +162,47 @@ def test_residual_in_o_proj_matches_reference(config, batch):
                         for i, ls in enumerate(spec.layers) if ls.mlp == "moe")
     if config == "tiny.yaml" and batch == 3:
         assert dead, "no step left a routing slot dead: the zeros of dead slots were not exercised"
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_fused_experts_match_reference(batch):
+    """LowerOptions.fused_experts: each EXPERT_MLP tile computes its expert's intermediate rows and
+    their split-K share of the down projection, and the O-projection tiles sum the parts. The same
+    logits as the dense reference in random interleavings, with an expert intermediate of 256 cut
+    into 2 parts per slot at batch 1 (one at batch 3, 12 slots); at batch 3 some slots are dead in some step and their parts (zeros) are
+    summed too."""
+    spec = load_spec(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
+    spec = dataclasses.replace(spec, moe=dataclasses.replace(spec.moe, intermediate=256))
+    w = random_weights(spec, seed=11, dtype=torch.float32, std=0.1)
+    sc = schedule(lower(spec, batch, 64, 8, residual_in_o_proj=True, fused_experts=True), spec.name)
+    fused = [t for t in sc.tasks if t.op == Opcode.EXPERT_MLP]
+    slots = min(spec.moe.num_experts, batch * spec.moe.top_k)
+    assert fused and not any(t.op in (Opcode.EXPERT_SWIGLU, Opcode.EXPERT_DOWN) for t in sc.tasks)
+    (rows,) = {t.arg("rows") for t in fused}
+    assert sc.buffers["L1.moe_out"].shape == (slots * 256 // rows, batch, 128)
+    assert rows == (128 if batch == 1 else 256)  # batch 1: two parts per slot
+    ex, ref = CpuExecutor(sc, spec, w), DenseReference(spec, w)
+    g = torch.Generator().manual_seed(20 + batch)
+    for step in range(8):
+        tokens = torch.randint(0, spec.vocab_size, (batch,), generator=g)
+        pos = _positions(step, batch)
+        logits, _ = ex.step(tokens, pos, seed=step)
+        _assert_close(logits, ref.step(tokens, pos), f"fused experts batch {batch} step {step}")
+
+
+def test_fused_experts_need_the_o_projection_to_end_the_layer():
+    """The fused tiles' partials are summed only by O-projection tiles that end the layer: asked
+    without residual_in_o_proj, or for a sequential block, or for an intermediate off the 64-wide
+    blocks, lowering says so."""
+    root = Path(__file__).resolve().parents[1] / "configs"
+    tiny = load_spec(root / "tiny.yaml")
+    with pytest.raises(SpecError, match="fused_experts.*residual_in_o_proj"):
+        lower(tiny, 1, 64, 8, fused_experts=True)
+    with pytest.raises(SpecError, match="fused_experts.*sequential block"):
+        lower(load_spec(root / "qwen3_moe_tiny.yaml"), 1, 64, 8, residual_in_o_proj=True, fused_experts=True)
+    odd = dataclasses.replace(tiny, moe=dataclasses.replace(tiny.moe, intermediate=96))
+    with pytest.raises(SpecError, match="intermediate size 96.*multiple of 64"):
+        lower(odd, 1, 64, 8, residual_in_o_proj=True, fused_experts=True)
 
 
 def test_generate_cpu_equals_reference(spec, weights):

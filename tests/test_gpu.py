@@ -486,6 +486,22 @@ def test_nmc_residual_in_o_proj_matches_mirror(nmc_weights, num_sms, batch, cont
     check_rerun_and_mirror(dec, spec, weights, batch, context, f"NMC residual in o_proj b{batch} ctx {context}")
 
 
+@pytest.mark.parametrize("batch, context", [(1, 8192), (1, 100), (2, 4097), (8, 8192)])
+def test_nmc_fused_experts_match_mirror(nmc_weights, num_sms, batch, context):
+    """LowerOptions.fused_experts: EXPERT_MLP tiles compute their expert's intermediate rows and
+    their split-K share of the down projection (gemv_short_k), and the O-projection tiles sum the
+    parts; no EXPERT_SWIGLU or EXPERT_DOWN tile runs. Batch 8 routes to fewer than 64 distinct
+    experts, so dead slots' zeros are summed too. The same checks as the default lowering, and
+    reruns bitwise the same."""
+    from mkc.ir.ops import Opcode
+
+    spec, weights = nmc_weights
+    dec = nmc_decoder(spec, weights, batch, context, num_sms, residual_in_o_proj=True, fused_experts=True)
+    ops = {t.op for t in dec.schedule.tasks}
+    assert Opcode.EXPERT_MLP in ops and not ops & {Opcode.EXPERT_SWIGLU, Opcode.EXPERT_DOWN, Opcode.RESIDUAL}
+    check_rerun_and_mirror(dec, spec, weights, batch, context, f"NMC fused experts b{batch} ctx {context}")
+
+
 def check_rerun_and_mirror(dec, spec, weights, batch: int, context: int, what: str) -> None:
     """One step of random tokens at nmc_positions, rerun bitwise the same, then check_against_mirror."""
     tokens = torch.randint(0, spec.vocab_size, (batch,), dtype=torch.int32)

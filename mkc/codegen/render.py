@@ -263,6 +263,8 @@ class KernelConfig:
     # staged in the RMSNorm's scratch; 0 without such tiles
     residual_stage_bytes: int = 0
     residual_epilogue_inline: bool = False  # CodegenOptions.residual_epilogue, resolved
+    # rows / 64 of the fused expert tiles (EXPERT_MLP, all of one size); 0: the schedule has none
+    fused_down_blocks: int = 0
 
     @property
     def warps(self) -> int:
@@ -372,6 +374,8 @@ def tile_order_problem(schedule: Schedule) -> str | None:
         if t.op in GEMV_OPS:
             offsets = [(a, t.arg(a), TILE_ROWS) for a in ("row0", "up_row0") if a in OP_INFO[t.op].args]
             offsets += [("k0", _gemv_k(schedule, t)[1], TILE_COLS)]
+            if t.op == Opcode.EXPERT_MLP:  # its rows are the down projection's columns
+                offsets += [("row0 (the down projection's k0)", t.arg("row0"), TILE_COLS)]
             for arg, v, m in offsets:
                 if v % m:
                     return f"task {t.id} ({t.name}): {arg} = {v}: tile-ordered weights need tiles starting at multiples of {m}"
@@ -424,6 +428,10 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         raise CodegenError(problem)
     tiled = options.weight_layout != "rows" and problem is None
     max_k, stage_bytes = 64, 0
+    fused_rows = {t.arg("rows") for t in schedule.tasks if t.op == Opcode.EXPERT_MLP}
+    if len(fused_rows) > 1:
+        raise CodegenError(f"fused expert tiles of {sorted(fused_rows)} rows: the kernel compiles one size "
+                           f"(LowerOptions.fused_experts lowers equal parts)")
     for t in schedule.tasks:
         if t.op in GEMV_OPS:
             k, k0, x = _gemv_k(schedule, t)
@@ -440,6 +448,14 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
             max_k = max(max_k, k)
             if t.op == Opcode.LINEAR and t.operand("residual") != "-":
                 stage_bytes = max(stage_bytes, _residual_stage_bytes(schedule, t))
+            if t.op == Opcode.EXPERT_MLP:
+                # ops.cuh: op_expert_mlp stages its hidden rows (the down projection's input, [8][rows +
+                # 32] bf16) in the RMSNorm's scratch, whose rows have been normalised by then
+                rows, scratch = t.arg("rows"), schedule.batch * spec.hidden_size * 4 + spec.hidden_size * 2
+                if rows % 64 or t.arg("row0") % 64 or not normed or 8 * (rows + 32) * 2 > scratch:
+                    raise CodegenError(f"task {t.id} ({t.name}): {rows} rows from row {t.arg('row0')}: a fused expert "
+                                       f"tile's rows are its down projection's reduction: expected a normed input and "
+                                       f"multiples of 64, at most {scratch // 16 - 32} rows")
         elif t.op == Opcode.ATTN_COMBINE and t.arg("splits") > schedule.num_sms:
             raise CodegenError(f"task {t.id} ({t.name}): {t.arg('splits')} splits: expected at most "
                                f"num_sms = {schedule.num_sms}")
@@ -463,7 +479,7 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         down_weights_before_wait=options.down_weights_before_wait,
         residual_loads_first=options.residual_loads_first, profile_phases=options.profile_phases,
         routing_code=ROUTING_CODES.index(options.routing_code), tagged_logits=tagged_logits,
-        residual_stage_bytes=stage_bytes,
+        residual_stage_bytes=stage_bytes, fused_down_blocks=next(iter(fused_rows), 0) // 64,
         residual_epilogue_inline=options.residual_epilogue == "inline" or (options.residual_epilogue == "auto"
                                                                            and stage_bytes > 0))
     if cfg.smem_bytes > MAX_SMEM_BYTES:
@@ -529,6 +545,7 @@ def template_context(cfg: KernelConfig, banner: str) -> dict[str, Any]:
         "routing_code": cv.c_int(cfg.routing_code),
         "tagged_logits": cv.c_bool(cfg.tagged_logits),
         "residual_epilogue_inline": cv.c_int(int(cfg.residual_epilogue_inline)),  # a preprocessor 0 / 1
+        "fused_down_blocks": cv.c_int(cfg.fused_down_blocks),
         "max_rank": cv.c_int(MAX_RANK),
         "dtypes": [(cv.c_ident(f"DT_{k.upper()}"), cv.c_int(v)) for k, v in DTYPE_CODES.items()],
         "record_words": [(cv.c_ident(k), cv.c_int(v)) for k, v in RECORD_LAYOUT],

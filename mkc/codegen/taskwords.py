@@ -13,7 +13,7 @@ The kernel binary depends only on shapes and tiling; the schedule reaches it as 
   EXPERT_DOWN record lists the counter of the router tiles first (implied by its other waits,
   so redundant for the schedule): the kernel may wait for it alone, derive which expert's weights
   it streams and ask L2 for them, then wait for the rest (ops.cuh: op_expert_down). An
-  EXPERT_SWIGLU record lists it first too: a kernel built with ``tagged_logits`` skips that wait
+  EXPERT_SWIGLU (and EXPERT_MLP) record lists it first too: a kernel built with ``tagged_logits`` skips that wait
   and reads the logits' tagged copy instead (ops.cuh: await_tagged_logits), so the counter must
   be the router tiles' alone.
 * the buffer table — ``BUF_DESC`` records ``{ptr, shape (left-padded with 1s), dtype}`` in
@@ -70,9 +70,9 @@ class TaskWords:
 
 
 def routing_wait(schedule: Schedule, tid: int, writers: dict[str, set[int]]) -> tuple[int, int]:
-    """(counter, target) of the tiles that write the router logits an EXPERT_DOWN or EXPERT_SWIGLU
-    task reads; ``writers`` maps each buffer to the counters whose producers write it. For
-    EXPERT_SWIGLU every producer of that counter must write the logits (a kernel that reads the
+    """(counter, target) of the tiles that write the router logits an EXPERT_DOWN, EXPERT_SWIGLU or
+    EXPERT_MLP task reads; ``writers`` maps each buffer to the counters whose producers write it. For
+    EXPERT_SWIGLU and EXPERT_MLP every producer of that counter must write the logits (a kernel that reads the
     tagged logits instead of waiting for the counter waits for nothing else through it)."""
     t = schedule.tasks[tid]
     logits = logits_operand(t)
@@ -81,7 +81,7 @@ def routing_wait(schedule: Schedule, tid: int, writers: dict[str, set[int]]) -> 
         raise EncodeError(f"task {t.id} ({t.name}): the router logits {logits} are written under "
                           f"{len(found)} counters: expected the router tiles to signal exactly one")
     c = schedule.counters[next(iter(found))]
-    if t.op == Opcode.EXPERT_SWIGLU:
+    if t.op in (Opcode.EXPERT_SWIGLU, Opcode.EXPERT_MLP):
         others = [p for p in c.producers if all(r.buffer != logits for r in schedule.tasks[p].writes)]
         if others:
             raise EncodeError(f"task {t.id} ({t.name}): the router tiles' counter {c.id} is also signalled by "
@@ -95,7 +95,7 @@ def routing_logits(schedule: Schedule) -> frozenset[str]:
     the runtime gives each a tagged copy (dtype f32_tagged) and the router tiles fill it."""
     out = set()
     for t in schedule.tasks:
-        if t.op == Opcode.EXPERT_SWIGLU:
+        if t.op in (Opcode.EXPERT_SWIGLU, Opcode.EXPERT_MLP):
             out.add(logits_operand(t))
     return frozenset(out)
 
@@ -129,7 +129,7 @@ def encode(schedule: Schedule) -> TaskWords:
             r = records[row]
             r[W_OP], r[W_ID] = int(t.op), t.id
             task_waits = [tuple(w) for w in schedule.waits[tid]]
-            if t.op in (Opcode.EXPERT_DOWN, Opcode.EXPERT_SWIGLU):  # the routing first (see the module doc)
+            if t.op in (Opcode.EXPERT_DOWN, Opcode.EXPERT_SWIGLU, Opcode.EXPERT_MLP):  # the routing first (see the module doc)
                 first = routing_wait(schedule, tid, writers)
                 task_waits = [first, *(w for w in task_waits if w[0] != first[0])]
             r[W_WAIT_OFF], r[W_WAIT_CNT] = len(waits), len(task_waits)

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-from mkc.ir.ops import Opcode
+from mkc.ir.ops import OP_INFO, Opcode
 
 if TYPE_CHECKING:
     import torch
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 TILE_ROWS = 16  # rows of one block (a tensor-core fragment's m)
 TILE_COLS = 64  # columns of one block (four k-steps of 16)
-GEMV_OPS = (Opcode.LINEAR, Opcode.SWIGLU, Opcode.EXPERT_SWIGLU, Opcode.EXPERT_DOWN, Opcode.LM_HEAD)
+GEMV_OPS = (Opcode.LINEAR, Opcode.SWIGLU, Opcode.EXPERT_SWIGLU, Opcode.EXPERT_DOWN, Opcode.EXPERT_MLP, Opcode.LM_HEAD)
 
 
 class WeightLayoutError(ValueError):
@@ -40,8 +40,10 @@ class WeightLayoutError(ValueError):
 
 
 def tiled_weights(schedule: Schedule) -> frozenset[str]:
-    """Names of the weight buffers stored in tile order: the ``weight`` operands of GEMV tasks."""
-    return frozenset(t.operand("weight") for t in schedule.tasks if t.op in GEMV_OPS)
+    """Names of the weight buffers stored in tile order: the ``weight`` operands of GEMV tasks (and
+    the ``down`` operands of EXPERT_MLP tasks, their second GEMV's weights)."""
+    return frozenset(t.operand(role) for t in schedule.tasks if t.op in GEMV_OPS
+                     for role in ("weight", "down") if role in OP_INFO[t.op].operands)
 
 
 def check_tileable(name: str, shape: tuple[int, ...]) -> None:

@@ -23,13 +23,17 @@ class Opcode(IntEnum):
     RESIDUAL = 11  # x_out[:, cols] = x_in + sum(o_part) + mlp (dense or routed) over a column tile
     LM_HEAD = 12  # logits tile (scaled) of xn and its per-row argmax partial
     ARGMAX = 13  # next_token[b] = argmax over the LM-head partials
+    # EXPERT_SWIGLU of rows [row0, row0 + rows) of the expert in routing slot `slot`, then those rows'
+    # share of its down projection: out[slot * parts + part, b, :] = weight[slot, b] * h[b, rows] .
+    # w_down[expert, :, rows] (split-K partials, summed by the tile that ends the layer; 0: not routed)
+    EXPERT_MLP = 14
 
 
 # Recomputed by consumers where a task of their own would cost a hop on a layer's critical path
 # for a few KB of work:
 # - RMSNorm: a GEMV with a "norm" operand reads the f32 residual stream x and stages
 #   xn = bf16(x * rsqrt(mean(x^2) + eps) * norm) itself (without one, x is its bf16 input);
-# - routing: EXPERT_SWIGLU and EXPERT_DOWN read the router logits and derive their slot's expert
+# - routing: EXPERT_SWIGLU, EXPERT_MLP and EXPERT_DOWN read the router logits and derive their slot's expert
 #   (and weights) themselves, so neither waits for a routing task; the TOPK task writes the same
 #   routing (the same code, so bit for bit) as token slots for RESIDUAL, which starts tens of µs
 #   later, and as the experts of each token for the host.
@@ -69,6 +73,9 @@ OP_INFO: dict[Opcode, OpInfo] = {
     Opcode.TOPK: OpInfo(("logits", "token_slots", "selected"), ()),
     Opcode.EXPERT_SWIGLU: OpInfo(("x", "norm", "weight", "logits", "out"), ("slot", "row0", "rows")),
     Opcode.EXPERT_DOWN: OpInfo(("h", "weight", "logits", "out"), ("slot", "row0", "rows")),
+    # weight: [experts, 2 * inter, hidden] (gate; up), down: [experts, hidden, inter]; out: [slots *
+    # parts, B, hidden], part = row0 / rows of the slot's tiles (LowerOptions.fused_experts)
+    Opcode.EXPERT_MLP: OpInfo(("x", "norm", "weight", "down", "logits", "out"), ("slot", "row0", "rows", "part")),
     Opcode.RESIDUAL: OpInfo(("x", "o_part", "mlp", "routed", "token_slots", "out"), ("col0", "cols", "o_parts")),
     Opcode.LM_HEAD: OpInfo(("x", "norm", "weight", "logits", "best_val", "best_idx"), ("row0", "rows", "tile")),
     Opcode.ARGMAX: OpInfo(("best_val", "best_idx", "out"), ("tiles",)),

@@ -33,6 +33,7 @@ OP_FIXED_US: dict[str, float] = {
     "LINEAR": 2.0,
     "EXPERT_SWIGLU": 6.0,
     "EXPERT_DOWN": 4.0,
+    "EXPERT_MLP": 6.0,  # as EXPERT_SWIGLU's (not yet measured on its own)
     "RESIDUAL": 2.5,
 }
 DEFAULT_FIXED_US = 1.0

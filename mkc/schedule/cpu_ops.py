@@ -339,6 +339,27 @@ def _expert_down(t: Task, bufs: Tensors, w: Tensors, spec: ModelSpec) -> None:
     _store(out, torch.where(wt != 0, wt * (h @ weight.T), 0.0))
 
 
+def _expert_mlp(t: Task, bufs: Tensors, w: Tensors, spec: ModelSpec) -> None:
+    """The SwiGLU rows [row0, row0 + rows) of the slot's expert, rounded as an expert-up tile stores
+    them, then their share of its down projection, weighted per token (split-K
+    partial ``part``; exact zeros for a token that did not pick the expert, or a slot past the
+    live count)."""
+    slot, row0, rows, part = t.arg("slot"), t.arg("row0"), t.arg("rows"), t.arg("part")
+    routing = _routing(t, bufs, w, spec)
+    e = routing.expert_of(slot)
+    down = _operand(t, "down", bufs, w)  # [E, H, I]
+    dst = _operand(t, "out", bufs, w)[slot * (down.shape[-1] // rows) + part]  # [B, H]: the slot's parts in order
+    if e is None:
+        _store(dst, torch.zeros(dst.shape))
+        return
+    weight = _operand(t, "weight", bufs, w)[e]  # [2I, H]
+    inter = weight.shape[0] // 2
+    # rounded as an expert-up tile stores h (the executor's activation dtype, that of its weights)
+    h = _f(_swiglu_rows(gemv_input(t, bufs, w, spec), weight, row0, rows, inter + row0).to(weight.dtype))
+    wt = routing.weight(e)[:, None]
+    _store(dst, torch.where(wt != 0, wt * (h @ _f(down[e, :, row0:row0 + rows]).T), 0.0))
+
+
 def _residual(t: Task, bufs: Tensors, w: Tensors, spec: ModelSpec) -> None:
     """out = x + attention + mlp, summed in the order transformers uses (each part first)."""
     c = slice(t.arg("col0"), t.arg("col0") + t.arg("cols"))
@@ -384,6 +405,7 @@ _HANDLERS: dict[str, Handler] = {
     "TOPK": _topk,
     "EXPERT_SWIGLU": _expert_swiglu,
     "EXPERT_DOWN": _expert_down,
+    "EXPERT_MLP": _expert_mlp,
     "RESIDUAL": _residual,
     "LM_HEAD": _lm_head,
     "ARGMAX": _argmax,

@@ -29,13 +29,14 @@ FORMAT = "mkc-schedule/1"
 
 
 def logits_operand(t: Task) -> str:
-    """The router logits buffer a routing task (expert-up, expert-down) reads."""
+    """The router logits buffer a routing task (expert-up, expert-down, fused expert) reads."""
     return t.operands[OP_INFO[t.op].operands.index("logits")]
 
 
 def routing_edge(a: Task, b: Task) -> bool:
-    """b is an expert-up tile and a writes its router logits (see the module doc)."""
-    if b.op != Opcode.EXPERT_SWIGLU:
+    """b is an expert-up tile (EXPERT_SWIGLU, EXPERT_MLP) and a writes its router logits (see the
+    module doc)."""
+    if b.op not in (Opcode.EXPERT_SWIGLU, Opcode.EXPERT_MLP):
         return False
     logits = logits_operand(b)
     return any(r.buffer == logits for r in a.writes)
