@@ -53,6 +53,11 @@ class LowerOptions:
     # expert's two GEMVs sits on the layer's chain; the down projection's bytes stream on the expert
     # tiles' SMs right after their gate and up rows. Needs residual_in_o_proj and a parallel block.
     fused_experts: bool = False
+    # rows per QKV tile; 0: the tiling rule's (mkc/ir/tiling.py: about one tile per SM, but never
+    # straddling a head, so a split waits only for the tiles of its own heads: North Mini Code's 5120
+    # rows in 80 tiles of 64 on 132 SMs). Smaller tiles (a multiple of 16; the last may be shorter)
+    # spread the QKV projection over more SMs, such as those whose expert tiles wait for the routing.
+    qkv_tile_rows: int = 0
 
     def check(self) -> None:
         if not 1 <= self.batch <= 8:
@@ -69,6 +74,9 @@ class LowerOptions:
                             f"({self.context}) positions per KV page")
         if self.mlp_share not in ("rest", "bytes"):
             raise SpecError(f"mlp_share = {self.mlp_share!r}: expected 'rest' or 'bytes'")
+        if self.qkv_tile_rows < 0 or self.qkv_tile_rows % 16:
+            raise SpecError(f"qkv_tile_rows = {self.qkv_tile_rows}: expected 0 (the tiling rule) or a positive "
+                            f"multiple of 16 (the GEMV's row group)")
         if self.fused_experts and not self.residual_in_o_proj:
             raise SpecError("fused_experts: the expert tiles' split-K partials are summed by the O-projection tiles "
                             "that end the layer: expected residual_in_o_proj as well")
@@ -223,7 +231,8 @@ class _Lowerer:
                                                   "rope_in_splits": opt.rope_in_splits,
                                                   "mlp_share": opt.mlp_share,
                                                   "residual_in_o_proj": opt.residual_in_o_proj,
-                                                  "fused_experts": opt.fused_experts})
+                                                  "fused_experts": opt.fused_experts,
+                                                  "qkv_tile_rows": opt.qkv_tile_rows})
         derive_edges(prog)
         return prog
 
@@ -241,7 +250,7 @@ class _Lowerer:
         nqkv = (QH + 2 * G) * D
         wqkv = self.buf(f"{P}.w_qkv", (nqkv, H), "bf16", "weight", "[(heads + 2 kv_heads) * head_dim, hidden]")
         qkv = self.buf(f"{P}.qkv", (B, nqkv), "bf16", "act", "[B, (heads + 2 kv_heads) * head_dim]")
-        self.linear(layer, "qkv", n, wqkv, qkv, boundary=D)
+        self.linear(layer, "qkv", n, wqkv, qkv, boundary=D, tile=opt.qkv_tile_rows or None)
         fused = opt.rope_in_splits
         q = None if fused else self.buf(f"{P}.q", (B, QH * D), "bf16", "act", "[B, heads * head_dim] after RoPE")
         pt, psz = self.page_table, opt.page_size
