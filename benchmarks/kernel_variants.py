@@ -97,6 +97,8 @@ VARIANTS: dict[str, CodegenOptions] = {
     # out-of-line function (CodegenOptions.residual_epilogue; "auto" inlines it since 2026-12-01)
     "epilogue-inline": CodegenOptions(residual_epilogue="inline"),
     "epilogue-call": CodegenOptions(residual_epilogue="call"),
+    # two-row-set GEMVs (expert-up, SwiGLU) issue their first weight batch before the RMSNorm staging
+    "two-set-first": CodegenOptions(two_set_weights_first=True),
 }
 
 

@@ -437,9 +437,9 @@ __device__ __forceinline__ void gemv_tile(const bf16* const (&w)[NACC], int w_ld
     // warps without an item directly). With two row sets in register batches it finishes first
     // and the op starts its copies early instead: finishing after the first batch measured no
     // faster (H200, 2026-11-30 01:40 UTC: batch 1 +0.1%, batch 8 -0.8%, within the spread) and
-    // spilled at batch 8 once the routing was reused (ops.cuh: routing_known), so that option was
-    // removed. The weight ring holds no batch in registers.
-    constexpr bool EARLY = NACC == 1 || use_ring<NC>();
+    // spilled at batch 8 once the routing was reused (ops.cuh: routing_known); it is
+    // CodegenOptions.two_set_weights_first again (off). The weight ring holds no batch in registers.
+    constexpr bool EARLY = NACC == 1 || use_ring<NC>() || TWO_SET_WEIGHTS_FIRST;
     if (!EARLY) finish();
     if (ks == 1) {
         if (EARLY && warp >= groups) finish();  // warps without a row group

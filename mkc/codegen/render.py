@@ -214,6 +214,12 @@ class CodegenOptions:
     # (kernel_variants.py, 18:05 UTC, three rounds, batch 1, logits bitwise equal): inline 2402.8 /
     # 2404.6 / 2401.1 µs against call 2447.5 / 2446.5 / 2464.3 (-2.0%).
     residual_epilogue: str = "auto"
+    # GEMVs of two row sets (expert-up, dense SwiGLU) issue their first weight batch before they
+    # finish staging their activations (the RMSNorm), as one-row-set GEMVs do: at batch 1 an
+    # expert-up tile that starts first on its SM stages its input 5.1 µs after the router tiles
+    # end, with no weight bytes in flight meanwhile (phase profile, 2026-12-02). False: the staging
+    # first (the default since 2026-11-30 01:40 UTC: no faster then, and it spilled at batch 8).
+    two_set_weights_first: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,6 +269,7 @@ class KernelConfig:
     # staged in the RMSNorm's scratch; 0 without such tiles
     residual_stage_bytes: int = 0
     residual_epilogue_inline: bool = False  # CodegenOptions.residual_epilogue, resolved
+    two_set_weights_first: bool = False
     # rows / 64 of the fused expert tiles (EXPERT_MLP, all of one size); 0: the schedule has none
     fused_down_blocks: int = 0
 
@@ -479,6 +486,7 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         down_weights_before_wait=options.down_weights_before_wait,
         residual_loads_first=options.residual_loads_first, profile_phases=options.profile_phases,
         routing_code=ROUTING_CODES.index(options.routing_code), tagged_logits=tagged_logits,
+        two_set_weights_first=options.two_set_weights_first,
         residual_stage_bytes=stage_bytes, fused_down_blocks=next(iter(fused_rows), 0) // 64,
         residual_epilogue_inline=options.residual_epilogue == "inline" or (options.residual_epilogue == "auto"
                                                                            and stage_bytes > 0))
@@ -546,6 +554,7 @@ def template_context(cfg: KernelConfig, banner: str) -> dict[str, Any]:
         "tagged_logits": cv.c_bool(cfg.tagged_logits),
         "residual_epilogue_inline": cv.c_int(int(cfg.residual_epilogue_inline)),  # a preprocessor 0 / 1
         "fused_down_blocks": cv.c_int(cfg.fused_down_blocks),
+        "two_set_weights_first": cv.c_bool(cfg.two_set_weights_first),
         "max_rank": cv.c_int(MAX_RANK),
         "dtypes": [(cv.c_ident(f"DT_{k.upper()}"), cv.c_int(v)) for k, v in DTYPE_CODES.items()],
         "record_words": [(cv.c_ident(k), cv.c_int(v)) for k, v in RECORD_LAYOUT],
