@@ -39,6 +39,7 @@ VARIANTS: dict[str, CodegenOptions] = {
     "default": CodegenOptions(),
     "unroll-4": CodegenOptions(gemv_unroll=4),
     "unroll-6": CodegenOptions(gemv_unroll=6),
+    "unroll-12": CodegenOptions(gemv_unroll=12),  # 12 KB per warp per batch (batch 1: 255 registers, 8 B of spills)
     "rows": CodegenOptions(weight_layout="rows"),
     "rows-ring-8k": CodegenOptions(weight_layout="rows", gemv_ring_bytes=8 * 1024),
     "ring-8k": CodegenOptions(gemv_ring_bytes=8 * 1024),
