@@ -271,26 +271,28 @@ class CudaDecoder:
     @property
     def _prof_words(self) -> int:
         """%globaltimer values per record of a profiled step (kernel.cu.j2: PROF_WORDS)."""
-        return 5 if self.artifact.config.profile_phases else 3
+        return 6 if self.artifact.config.profile_phases else 3
 
     def timeline(self) -> dict[str, np.ndarray]:
         """Per task of the last profiled step (see launch(profile=True)), in task-id order:
         ``sm``, and ``wait``, ``start``, ``end`` in µs from the earliest wait: the wait for the
         inputs began, the task began running, its counter was signalled. A kernel built with
         CodegenOptions.profile_phases adds ``staged`` (inputs staged; NaN for ops that stage
-        none) and ``done`` (op done, before the counter's release)."""
+        none), ``done`` (op done, before the counter's release) and ``routed`` (the task's routing
+        derived or found known: expert and routing tasks; NaN for the others)."""
         if self._prof is None:
             raise RuntimeError("timeline(): no profiled step yet (launch(..., profile=True))")
         torch.cuda.current_stream(self.device).synchronize()
         words = self._prof_words
         raw = self._prof.view(-1, words).cpu().numpy().astype(np.float64)
-        if words == 5:
-            raw[raw[:, 3] == 0, 3] = np.nan
+        if words == 6:
+            for j in (3, 5):  # not a staging op; routes nothing
+                raw[raw[:, j] == 0, j] = np.nan
         order = np.concatenate([np.asarray(q, dtype=np.int64) for q in self.schedule.queues] or [np.zeros(0)])
         sm = np.concatenate([np.full(len(q), i) for i, q in enumerate(self.schedule.queues)] or [np.zeros(0)])
         t0 = raw[:, 0].min()
         out = {"sm": np.empty(len(order), dtype=np.int64)}
-        for j, name in enumerate(("wait", "start", "end", "staged", "done")[:words]):
+        for j, name in enumerate(("wait", "start", "end", "staged", "done", "routed")[:words]):
             out[name] = np.empty(len(order))
             out[name][order] = (raw[:, j] - t0) / 1e3
         out["sm"][order] = sm

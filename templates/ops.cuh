@@ -322,7 +322,10 @@ __device__ bool await_tagged_logits(const u64* row, float (&v)[ROUTE_WORDS], con
 // instead of the caller waiting for the router tiles' counter before the logits are read.
 __device__ __forceinline__ const Routing& route_tokens_body(const float* logits, const u64* tagged, const int* rec) {
     __shared__ Routing r;
-    if (routing_known(logits)) return r;  // the same value for every thread (set behind barriers)
+    if (routing_known(logits)) {  // the same value for every thread (set behind barriers)
+        prof_routed();
+        return r;
+    }
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     for (int b = warp; b < BATCH; b += NUM_WARPS) {
         float v[ROUTE_WORDS];
@@ -419,6 +422,7 @@ __device__ __forceinline__ const Routing& route_tokens_body(const float* logits,
     }
     __syncthreads();
     if (threadIdx.x == 0) s_routed_logits = logits;  // read by later tasks, behind the kernel loop's barriers
+    prof_routed();
     return r;
 }
 

@@ -128,6 +128,7 @@ CODEGEN_VARIANTS: dict[str, tuple[tuple[int, ...], dict]] = {
     "down-l2-row": ((1,), {"down_weights_before_wait": False}),  # expert-down tiles ask L2 for one row
     "residual-serial": ((1,), {"residual_loads_first": False}),  # residual tiles load one term at a time
     "profile-phases": ((1,), {"profile_phases": True}),  # the phase-marking profile kernel
+    "two-set-first": ((8,), {"two_set_weights_first": True}),  # expert-up weights before staging (spilled once)
     "routing-unrolled": ((1,), {"routing_code": "unrolled"}),  # the routing unrolled into each op
     "counter-logits": ((1,), {"tagged_logits": "off"}),  # expert-up tiles wait for the router's counter
     "tagged-logits": ((8,), {"tagged_logits": "on"}),  # ... or read tagged logits (off by default at 8)

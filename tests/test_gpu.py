@@ -261,14 +261,17 @@ def test_tiny_deterministic(tiny, num_sms):
         assert torch.equal(first, again) and torch.equal(tok, tok2), "the same inputs gave different logits"
 
 
-STAGING_OPS = ("LINEAR", "SWIGLU", "EXPERT_SWIGLU", "EXPERT_DOWN", "LM_HEAD", "ATTN_SPLIT")
+STAGING_OPS = ("LINEAR", "SWIGLU", "EXPERT_SWIGLU", "EXPERT_DOWN", "EXPERT_MLP", "LM_HEAD", "ATTN_SPLIT")
+ROUTING_OPS = ("EXPERT_SWIGLU", "EXPERT_DOWN", "EXPERT_MLP", "TOPK")
 
 
 @pytest.mark.parametrize("batch", [1, 8])
 def test_tiny_profile_phases_are_ordered(tiny, num_sms, batch):
     """A profiled step of the phase-marking kernel (CodegenOptions.profile_phases): per task, began
     waiting <= inputs ready <= (inputs staged: GEMV tiles and warp attention splits) <= op done <=
-    signalled, and the profiled step computes bitwise what the default kernel does."""
+    signalled; the tasks that route have their routing between their wait's begin and their op's
+    end (an expert-down tile may have it before its data's wait ends), the others none; and the
+    profiled step computes bitwise what the default kernel does."""
     from mkc.codegen import CodegenOptions
     from mkc.runtime.cuda_backend import CudaDecoder
 
@@ -297,6 +300,11 @@ def test_tiny_profile_phases_are_ordered(tiny, num_sms, batch):
             assert s <= st <= d, (t.name, s, st, d)
         elif t.op.name not in STAGING_OPS:
             assert math.isnan(st), (t.name, st)  # the op stages nothing
+        r = float(tl["routed"][i])
+        if t.op.name in ROUTING_OPS:
+            assert w <= r <= d, (t.name, w, r, d)
+        else:
+            assert math.isnan(r), (t.name, r)
 
 
 def ancestors(sc, tid: int) -> set[int]:

@@ -65,7 +65,8 @@ def test_shares_and_report(sc_tl):
 
 def test_phases_split_each_task_at_its_marks(sc_tl):
     """A timeline of the phase-marking kernel (CodegenOptions.profile_phases): each op's mean wait,
-    staging (tasks that stage only), op and release are the differences of its tasks' marks."""
+    staging (tasks that stage only), op, release and routed (tasks that route only) are the
+    differences of its tasks' marks."""
     sc, tl = sc_tl
     start, end = tl["start"], tl["end"]
     stages = np.array([t.op.name in ("LINEAR", "SWIGLU", "EXPERT_SWIGLU", "EXPERT_DOWN") for t in sc.tasks])
@@ -82,6 +83,16 @@ def test_phases_split_each_task_at_its_marks(sc_tl):
             assert v["staging"] == pytest.approx(0.25 * r.mean()) and v["op"] == pytest.approx(0.625 * r.mean())
         else:
             assert np.isnan(v["staging"]) and v["op"] == pytest.approx(0.875 * r.mean())
+        assert np.isnan(v["routed"])  # this timeline has no routed marks
+    routes = np.array([t.op.name in ("EXPERT_SWIGLU", "EXPERT_DOWN", "TOPK") for t in sc.tasks])
+    assert routes.any()
+    routed = np.where(routes, start + 0.125 * run, np.nan)
+    for op, v in phases(sc, {**tl, "staged": staged, "done": done, "routed": routed}).items():
+        idx = [t.id for t in sc.tasks if t.op.name == op]
+        if routes[idx[0]]:
+            assert v["routed"] == pytest.approx(0.125 * run[idx].mean())
+        else:
+            assert np.isnan(v["routed"])
     chain = critical_chain(sc, start, end).tasks
     assert sum(v["tasks"] for v in phases(sc, {**tl, "staged": staged, "done": done}, chain).values()) == len(chain)
     text = format_profile(sc, {**tl, "staged": staged, "done": done})

@@ -213,11 +213,14 @@ def format_profile(sc: Schedule, timeline: Mapping[str, np.ndarray]) -> str:
 def phases(sc: Schedule, timeline: Mapping[str, np.ndarray], ids=None) -> dict[str, dict[str, float]]:
     """Per op, the mean µs of each phase of its tasks (all, or those in ``ids``): ``wait`` (began
     waiting → inputs ready), ``staging`` (→ inputs staged; tasks that stage), ``op`` (→ op done,
-    from the staging where there is one), ``release`` (→ counter signalled). Needs a timeline
-    with ``staged`` and ``done`` (CodegenOptions.profile_phases)."""
+    from the staging where there is one), ``release`` (→ counter signalled), and ``routed`` (inputs
+    ready → the routing available, for tasks that route; before the inputs for a tile that waits
+    for the routing first). Needs a timeline with ``staged`` and ``done`` (CodegenOptions.
+    profile_phases); ``routed`` is NaN where the timeline has no ``routed``."""
     start, end = np.asarray(timeline["start"], np.float64), np.asarray(timeline["end"], np.float64)
     wait = np.asarray(timeline.get("wait", start), np.float64)
     staged, done = np.asarray(timeline["staged"], np.float64), np.asarray(timeline["done"], np.float64)
+    routed = np.asarray(timeline.get("routed", np.full(len(start), np.nan)), np.float64)
     by_op: dict[str, list[int]] = {}
     for i in (range(len(sc.tasks)) if ids is None else ids):
         by_op.setdefault(sc.tasks[i].op.name, []).append(i)
@@ -228,23 +231,26 @@ def phases(sc: Schedule, timeline: Mapping[str, np.ndarray], ids=None) -> dict[s
         op_from = np.where(has, staged[ix], start[ix])
         out[op] = {"tasks": float(len(ix)), "wait": float(np.mean(start[ix] - wait[ix])),
                    "staging": float(np.mean(staged[ix][has] - start[ix][has])) if has.any() else float("nan"),
-                   "op": float(np.mean(done[ix] - op_from)), "release": float(np.mean(end[ix] - done[ix]))}
+                   "op": float(np.mean(done[ix] - op_from)), "release": float(np.mean(end[ix] - done[ix])),
+                   "routed": (float(np.mean(routed[ix][~np.isnan(routed[ix])] - start[ix][~np.isnan(routed[ix])]))
+                              if (~np.isnan(routed[ix])).any() else float("nan"))}
     return out
 
 
 def format_phases(sc: Schedule, timeline: Mapping[str, np.ndarray]) -> str:
     """Per op, the mean phases of its tasks (phases()), for every task and for the critical chain's."""
-    head = f"  {'op':<14} {'tasks':>6} {'wait':>7} {'staging':>8} {'op':>7} {'release':>8}  (mean µs)"
+    head = f"  {'op':<14} {'tasks':>6} {'wait':>7} {'staging':>8} {'op':>7} {'release':>8} {'routed':>7}  (mean µs)"
 
     def table(ph: dict[str, dict[str, float]]) -> list[str]:
         rows = sorted(ph.items(), key=lambda kv: -kv[1]["tasks"] * (kv[1]["op"] + kv[1]["release"]))
         return [f"  {op:<14} {int(v['tasks']):>6} {v['wait']:>7.2f} "
                 + (f"{v['staging']:>8.2f}" if not np.isnan(v["staging"]) else f"{'-':>8}")
-                + f" {v['op']:>7.2f} {v['release']:>8.2f}" for op, v in rows]
+                + f" {v['op']:>7.2f} {v['release']:>8.2f}"
+                + (f" {v['routed']:>7.2f}" if not np.isnan(v["routed"]) else f" {'-':>7}") for op, v in rows]
 
     chain = critical_chain(sc, timeline["start"], timeline["end"]).tasks
     title = ("phases per task (wait: began waiting → inputs ready; staging: → inputs staged; op: → op done; "
-             "release: → counter signalled):")
+             "release: → counter signalled; routed: inputs ready → routing available):")
     return "\n".join([title, head, *table(phases(sc, timeline)),
                       "the critical chain's tasks:", head, *table(phases(sc, timeline, chain))])
 
