@@ -35,7 +35,14 @@ from mkc.runtime.bench import (
 )
 from mkc.runtime.cuda_backend import CudaDecoder
 from mkc.schedule.plan import LOWERING_CHOICES, plan
-from mkc.schedule.profile import format_chain, format_layer, format_phases, format_stage_ends, save_timeline
+from mkc.schedule.profile import (
+    format_chain,
+    format_last_tasks,
+    format_layer,
+    format_phases,
+    format_stage_ends,
+    save_timeline,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -65,6 +72,7 @@ def profile_summary(dec: CudaDecoder, path: str) -> str:
                      f"{run[idx].max():>8.2f} {wait[idx].sum():>10.0f} {bw:>10.1f}")
     lines.append(format_chain(dec.schedule, tl["start"], tl["end"]))
     lines.append(format_stage_ends(dec.schedule, tl))
+    lines.append(format_last_tasks(dec.schedule, tl))
     if "done" in tl:  # a kernel built with profile_phases
         lines.append(format_phases(dec.schedule, tl))
     per_layer = [tl["end"][[i for i, t in enumerate(tasks) if t.layer == L]].max() for L in range(-1, max(t.layer for t in tasks) + 1)]

@@ -16,9 +16,11 @@ from mkc.runtime.bench import write_profile
 from mkc.schedule.profile import (
     Gaps,
     critical_chain,
+    format_last_tasks,
     format_layer,
     format_phases,
     format_profile,
+    last_tasks,
     measured_gaps,
     op_shares,
     phases,
@@ -228,3 +230,41 @@ def test_replay_names_a_cycle(sc_tl):
     bad = dataclasses.replace(sc, queues=queues)
     with pytest.raises(ValueError, match="never became ready"):
         replay(bad, tl["end"] - tl["start"], Gaps({}, {}))
+
+
+def test_last_tasks_name_what_held_each_stage(sc_tl):
+    """Each stage's last task per layer, with its last producer's signal and its SM's previous
+    task's end, counted as bound by whichever came later. Held back on purpose (the task before
+    each layer's last combine task ends 1 µs after that task's inputs and start), the combine
+    stage is queue-bound in every layer where that task is neither a producer nor a combine tile,
+    and its SM-free time is the one set."""
+    sc, tl = sc_tl
+    report = last_tasks(sc, tl)
+    assert list(report) == list(stage_ends(sc, tl))
+    layers: dict[str, set[int]] = {}
+    for t in sc.tasks:
+        layers.setdefault(stage(t), set()).add(t.layer)
+    for name, v in report.items():
+        assert v.by_inputs + v.by_queue == len(layers[name]) and v.end == pytest.approx(stage_ends(sc, tl)[name])
+    start, end = tl["start"], tl["end"].copy()
+    before = {q[i]: q[i - 1] for q in sc.queues for i in range(1, len(q))}
+    name = "combine"
+    first = {L: min(start[t.id] for t in sc.tasks if t.layer == L) for L in layers[name]}
+    held, frees = 0, []
+    for L in sorted(layers[name]):
+        tid = max((t.id for t in sc.tasks if t.layer == L and stage(t) == name), key=lambda i: tl["end"][i])
+        producers = {p for c, _ in sc.waits[tid] for p in sc.counters[c].producers}
+        inputs = max(tl["end"][p] for p in producers)
+        prev = before.get(tid)
+        if prev is not None and prev not in producers and stage(sc.tasks[prev]) != name:
+            end[prev] = max(start[tid], inputs) + 1.0
+            held += 1
+            frees.append(end[prev] - first[L])
+        else:
+            frees.append((tl["end"][prev] if prev is not None else first[L]) - first[L])
+    assert held
+    v = last_tasks(sc, {**tl, "end": end})[name]
+    assert v.by_queue >= held and v.by_queue + v.by_inputs == len(layers[name])
+    assert v.sm_free == pytest.approx(np.mean(frees))
+    text = format_last_tasks(sc, tl)
+    assert "each stage's last task" in text and "residual" in text and text in format_profile(sc, tl)

@@ -12,6 +12,7 @@ schedule's ``predicted`` start / end) for comparison.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -205,6 +206,7 @@ def format_profile(sc: Schedule, timeline: Mapping[str, np.ndarray]) -> str:
     lines += [f"  {op:<14} {share:6.1%}" for op, share in op_shares(sc, start, end).items()]
     lines.append(format_chain(sc, start, end))
     lines.append(format_stage_ends(sc, timeline))
+    lines.append(format_last_tasks(sc, timeline))
     if "done" in timeline:
         lines.append(format_phases(sc, timeline))
     return "\n".join(lines)
@@ -300,6 +302,74 @@ def format_stage_ends(sc: Schedule, timeline: Mapping[str, np.ndarray]) -> str:
     rows = [(name, us) for name, us in stage_ends(sc, timeline).items() if len(counts[name]) > 1]
     return "\n".join(["each stage's last end, µs from its layer's first start (mean over the layers that have it):",
                       *(f"  {name:<14} {us:8.1f}  ({len(counts[name])} layers)" for name, us in rows)])
+
+
+@dataclass(frozen=True, slots=True)
+class LastTask:
+    """What held a stage's last task in its layers (means over the layers that have the stage, µs
+    from each layer's first start): when it ended and when its inputs were ready (``ready``), when
+    its last producer signalled (``inputs``) and when the task before it on its SM ended (``sm_free``;
+    the layer's first start where it is first in its queue); ``by_inputs`` / ``by_queue``: in how
+    many layers the later of the two was the producers' signal, or its SM; ``after``: the stage
+    of the task before it on its SM, most often."""
+
+    end: float
+    ready: float
+    inputs: float
+    sm_free: float
+    by_inputs: int
+    by_queue: int
+    after: str
+
+
+def last_tasks(sc: Schedule, timeline: Mapping[str, np.ndarray]) -> dict[str, LastTask]:
+    """Per stage (``stage``), the layers' last-ending task of that stage and what it waited for
+    (LastTask); in the order of ``stage_ends``. A stage whose last task is usually bound by its
+    inputs moves only with its producers; one bound by its queue moves with its placement."""
+    start, end = np.asarray(timeline["start"], dtype=np.float64), np.asarray(timeline["end"], dtype=np.float64)
+    before = {q[i]: q[i - 1] for q in sc.queues for i in range(1, len(q))}
+    first: dict[int, float] = {}
+    last: dict[tuple[int, str], int] = {}
+    for t in sc.tasks:
+        first[t.layer] = min(first.get(t.layer, np.inf), float(start[t.id]))
+        key = (t.layer, stage(t))
+        if key not in last or end[t.id] > end[last[key]]:
+            last[key] = t.id
+    rows: dict[str, list[tuple[float, float, float, float, str]]] = {}
+    for (layer, name), tid in last.items():
+        t0 = first[layer]
+        producers = [p for c, _ in sc.waits[tid] for p in sc.counters[c].producers]
+        inputs = max((float(end[p]) for p in producers), default=t0)
+        prev = before.get(tid)
+        free = float(end[prev]) if prev is not None else t0
+        rows.setdefault(name, []).append((float(end[tid]) - t0, float(start[tid]) - t0, inputs - t0, free - t0,
+                                          stage(sc.tasks[prev]) if prev is not None else "-"))
+    out = {}
+    for name in stage_ends(sc, timeline):
+        v = rows[name]
+        after = Counter(r[4] for r in v).most_common(1)[0][0]
+        out[name] = LastTask(end=float(np.mean([r[0] for r in v])), ready=float(np.mean([r[1] for r in v])),
+                             inputs=float(np.mean([r[2] for r in v])), sm_free=float(np.mean([r[3] for r in v])),
+                             by_inputs=sum(r[2] >= r[3] for r in v), by_queue=sum(r[2] < r[3] for r in v),
+                             after=after)
+    return out
+
+
+def format_last_tasks(sc: Schedule, timeline: Mapping[str, np.ndarray]) -> str:
+    """last_tasks as one line per stage (stages of at least two layers)."""
+    counts: dict[str, set[int]] = {}
+    for t in sc.tasks:
+        counts.setdefault(stage(t), set()).add(t.layer)
+    head = (f"  {'stage':<14} {'end':>7} {'ready':>7} {'inputs':>7} {'SM free':>8}  bound by inputs / queue, "
+            f"runs after")
+    title = ("each stage's last task (mean µs from its layer's first start: its end, its inputs ready, its last "
+             "producer's signal, its SM free):")
+    lines = [title, head]
+    for name, v in last_tasks(sc, timeline).items():
+        if len(counts[name]) > 1:
+            lines.append(f"  {name:<14} {v.end:>7.1f} {v.ready:>7.1f} {v.inputs:>7.1f} {v.sm_free:>8.1f}  "
+                         f"{v.by_inputs} / {v.by_queue}, {v.after}")
+    return "\n".join(lines)
 
 
 def format_layer(sc: Schedule, timeline: Mapping[str, np.ndarray], layer: int) -> str:
