@@ -34,7 +34,7 @@ from mkc.runtime.bench import (
     write_json,
 )
 from mkc.runtime.cuda_backend import CudaDecoder
-from mkc.schedule.plan import LOWERING_CHOICES, plan
+from mkc.schedule.plan import DEFAULT_LOWERING, LOWERING_CHOICES, plan
 from mkc.schedule.profile import (
     format_chain,
     format_last_tasks,
@@ -114,17 +114,19 @@ def main() -> None:
                          "default: the default kernel)")
     ap.add_argument("--options", nargs="*", default=[], metavar="FIELD=VALUE",
                     help="CodegenOptions fields for every run, e.g. descriptors=table gemv_unroll=6")
-    ap.add_argument("--lowering", nargs="*", default=[], metavar="CHOICE=0|1",
-                    help="boolean lowering choices for every run (plan's LOWERING_CHOICES), e.g. fused_experts=1 "
-                         "residual_in_o_proj=1")
+    ap.add_argument("--lowering", nargs="*", default=[], metavar="CHOICE=VALUE",
+                    help="lowering choices for every run (plan's LOWERING_CHOICES; booleans as 0 / 1), e.g. "
+                         "fused_experts=1 residual_in_o_proj=1 qkv_tile_rows=48")
     a = ap.parse_args()
     extra = codegen_fields(a.options)
-    lowering = {}
+    lowering: dict[str, bool | int | str] = {}
     for p in a.lowering:
         name, _, value = p.partition("=")
-        if name not in LOWERING_CHOICES or value not in ("0", "1"):
-            raise SystemExit(f"--lowering {p}: expected CHOICE=0 or CHOICE=1 with CHOICE one of {', '.join(LOWERING_CHOICES)}")
-        lowering[name] = value == "1"
+        kind = type(DEFAULT_LOWERING.get(name))
+        if name not in LOWERING_CHOICES or (kind is bool and value not in ("0", "1")) or (kind is int and not value.isdigit()):
+            raise SystemExit(f"--lowering {p}: expected CHOICE=VALUE (0 / 1 for booleans, an integer for integers) "
+                             f"with CHOICE one of {', '.join(LOWERING_CHOICES)}")
+        lowering[name] = value == "1" if kind is bool else int(value) if kind is int else value
     spec = load_spec(a.config)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     bw = measure_read_bandwidth()

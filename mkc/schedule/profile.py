@@ -229,13 +229,12 @@ def phases(sc: Schedule, timeline: Mapping[str, np.ndarray], ids=None) -> dict[s
     out = {}
     for op, idx in by_op.items():
         ix = np.asarray(idx)
-        has = ~np.isnan(staged[ix])
+        has, routes = ~np.isnan(staged[ix]), ~np.isnan(routed[ix])
         op_from = np.where(has, staged[ix], start[ix])
         out[op] = {"tasks": float(len(ix)), "wait": float(np.mean(start[ix] - wait[ix])),
                    "staging": float(np.mean(staged[ix][has] - start[ix][has])) if has.any() else float("nan"),
                    "op": float(np.mean(done[ix] - op_from)), "release": float(np.mean(end[ix] - done[ix])),
-                   "routed": (float(np.mean(routed[ix][~np.isnan(routed[ix])] - start[ix][~np.isnan(routed[ix])]))
-                              if (~np.isnan(routed[ix])).any() else float("nan"))}
+                   "routed": float(np.mean(routed[ix][routes] - start[ix][routes])) if routes.any() else float("nan")}
     return out
 
 
@@ -327,7 +326,7 @@ def last_tasks(sc: Schedule, timeline: Mapping[str, np.ndarray]) -> dict[str, La
     (LastTask); in the order of ``stage_ends``. A stage whose last task is usually bound by its
     inputs moves only with its producers; one bound by its queue moves with its placement."""
     start, end = np.asarray(timeline["start"], dtype=np.float64), np.asarray(timeline["end"], dtype=np.float64)
-    before = {q[i]: q[i - 1] for q in sc.queues for i in range(1, len(q))}
+    producers, before = _blockers(sc)
     first: dict[int, float] = {}
     last: dict[tuple[int, str], int] = {}
     for t in sc.tasks:
@@ -338,12 +337,11 @@ def last_tasks(sc: Schedule, timeline: Mapping[str, np.ndarray]) -> dict[str, La
     rows: dict[str, list[tuple[float, float, float, float, str]]] = {}
     for (layer, name), tid in last.items():
         t0 = first[layer]
-        producers = [p for c, _ in sc.waits[tid] for p in sc.counters[c].producers]
-        inputs = max((float(end[p]) for p in producers), default=t0)
-        prev = before.get(tid)
-        free = float(end[prev]) if prev is not None else t0
+        inputs = max((float(end[p]) for p in producers[tid]), default=t0)
+        prev = before[tid]
+        free = float(end[prev]) if prev >= 0 else t0
         rows.setdefault(name, []).append((float(end[tid]) - t0, float(start[tid]) - t0, inputs - t0, free - t0,
-                                          stage(sc.tasks[prev]) if prev is not None else "-"))
+                                          stage(sc.tasks[prev]) if prev >= 0 else "-"))
     out = {}
     for name in stage_ends(sc, timeline):
         v = rows[name]
