@@ -2,7 +2,7 @@
 
     python benchmarks/schedule_variants.py --batch 1 8 --context 8192 [--reps 20] [--variants NAME ...] \
         [--attention-sms 0 32 ...] [--rope-in-splits yes no] [--mlp-share rest bytes] \
-        [--residual-in-o-proj yes no] [--fused-experts yes no] [--qkv-tile-rows 0 48]
+        [--residual-in-o-proj yes no] [--fused-experts yes no] [--qkv-tile-rows 0 48] [--residual-as-terms no yes]
         [--rounds 2] [--build-only]
 
 Every variant runs the default kernel over the same weights and KV cache; only the scheduler's
@@ -99,6 +99,9 @@ def main() -> None:
                          "up and share of the down projection; needs --residual-in-o-proj yes)")
     ap.add_argument("--qkv-tile-rows", type=int, nargs="+", default=[0],
                     help="LowerOptions.qkv_tile_rows values to lower with (0: the tiling rule's head-aligned tiles)")
+    ap.add_argument("--residual-as-terms", nargs="+", default=["no"], choices=["yes", "no"],
+                    help="LowerOptions.residual_as_terms values to lower with (yes: the MLP's outputs stay terms of "
+                         "the residual stream, summed by the next layer's readers; needs --residual-in-o-proj yes)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time every variant this many times, in turn (drift between variants shows)")
     ap.add_argument("--build-only", action="store_true", help="compile every variant's kernel (no GPU) and exit")
@@ -107,10 +110,10 @@ def main() -> None:
     a.attention_sms = [None if v == "auto" else int(v) for v in a.attention_sms]
     spec = load_spec(a.config)
     variants = [(att, {"rope_in_splits": rope == "yes", "mlp_share": share, "residual_in_o_proj": fold == "yes",
-                       "fused_experts": fx == "yes", "qkv_tile_rows": qr}, name)
+                       "fused_experts": fx == "yes", "qkv_tile_rows": qr, "residual_as_terms": rt == "yes"}, name)
                 for att in a.attention_sms for rope in a.rope_in_splits for share in a.mlp_share
                 for fold in a.residual_in_o_proj for fx in a.fused_experts for qr in a.qkv_tile_rows
-                for name in a.variants]
+                for rt in a.residual_as_terms for name in a.variants]
     if a.build_only:
         for batch in a.batch:
             for att, lowering, name in variants:
@@ -135,6 +138,7 @@ def main() -> None:
             label += f", residual in o_proj {'yes' if lowering['residual_in_o_proj'] else 'no'}"
             label += f", fused experts {'yes' if lowering['fused_experts'] else 'no'}"
             label += f", qkv tile rows {lowering['qkv_tile_rows'] or 'rule'}"
+            label += f", residual as terms {'yes' if lowering['residual_as_terms'] else 'no'}"
             with decoder_in_place(sc, spec, weights) as dec:
                 fill_bench_kv(dec, spec)
                 logits, _ = dec.step(tokens, positions)

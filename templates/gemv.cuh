@@ -75,25 +75,35 @@ __device__ __forceinline__ void stage_x(bf16* xs, const bf16* x, int x_ld, int k
 
 // Stage the RMSNorm of the f32 residual stream x [BATCH, HIDDEN] with weight w, columns
 // [k0, k0 + k), as stage_x would stage the normed activations: xn = bf16(x * r * w) with
-// r = rsqrt(mean(x^2) + eps). stage_norm_async copies the rows and the weight columns into
-// `scratch` (NORM_SCRATCH_BYTES of shared memory) with cp.async. Once every thread has waited for
-// its own copies (StageFinish does), stage_norm_finish publishes them with a barrier; then one warp
-// per token sums the squares quad by quad per lane and across the warp in a fixed order (every
-// consumer of a norm stages the same values) and scales its columns into xs (rows >= BATCH zero).
-// A barrier must follow before xs is read.
+// r = rsqrt(mean(x^2) + eps). Where the layer before left the stream as terms
+// (LowerOptions.residual_as_terms), x lacks `nterms` terms [nterms, BATCH, HIDDEN], added to it
+// in ascending order first. stage_norm_async copies the rows, the terms and the weight columns into
+// `scratch` (NORM_SCRATCH_BYTES of shared memory: x, the weight, then the terms) with cp.async.
+// Once every thread has waited for its own copies (StageFinish does), stage_norm_finish publishes
+// them with a barrier; then one warp per token sums the terms into x and the squares quad by quad
+// per lane and across the warp in a fixed order (every consumer of a norm stages the same values)
+// and scales its columns into xs (rows >= BATCH zero). A barrier must follow before xs is read.
 constexpr int NORM_QUADS = HIDDEN / 4;
-constexpr int NORM_SCRATCH_BYTES = BATCH * HIDDEN * 4 + HIDDEN * 2;
+constexpr int NORM_TERMS_OFF = BATCH * HIDDEN * 4 + HIDDEN * 2;  // the terms' place in the scratch
+constexpr int NORM_SCRATCH_BYTES = NORM_TERMS_OFF + NORM_TERMS * BATCH * HIDDEN * 4;
 static_assert(HIDDEN % 8 == 0, "RMSNorm staging copies 16-byte pieces of the weight");
-__device__ __forceinline__ void stage_norm_async(const float* x, const bf16* w, int k0, int k, unsigned char* scratch) {
+__device__ __forceinline__ void stage_norm_async(const float* x, const float* terms, int nterms, const bf16* w, int k0,
+                                                 int k, unsigned char* scratch) {
     float4* xq = reinterpret_cast<float4*>(scratch);                    // [BATCH][NORM_QUADS]
     bf16* ws = reinterpret_cast<bf16*>(scratch + BATCH * HIDDEN * 4);  // [HIDDEN], columns [k0, k0 + k)
     for (int i = threadIdx.x; i < BATCH * NORM_QUADS; i += NUM_THREADS) cp_async16(xq + i, reinterpret_cast<const float4*>(x) + i);
     for (int c = threadIdx.x; c < k / 8; c += NUM_THREADS) cp_async16(ws + k0 + 8 * c, w + k0 + 8 * c);
+    if (NORM_TERMS > 0 && nterms > 0) {
+        float4* tq = reinterpret_cast<float4*>(scratch + NORM_TERMS_OFF);  // [nterms][BATCH][NORM_QUADS]
+        for (int i = threadIdx.x; i < nterms * BATCH * NORM_QUADS; i += NUM_THREADS)
+            cp_async16(tq + i, reinterpret_cast<const float4*>(terms) + i);
+    }
 }
 
-__device__ __forceinline__ void stage_norm_finish(bf16* xs, int k0, int k, const unsigned char* scratch) {
-    const float4* xq = reinterpret_cast<const float4*>(scratch);
+__device__ __forceinline__ void stage_norm_finish(bf16* xs, int k0, int k, int nterms, unsigned char* scratch) {
+    float4* xq = reinterpret_cast<float4*>(scratch);
     const uint2* wq = reinterpret_cast<const uint2*>(scratch + BATCH * HIDDEN * 4);
+    const float4* tq = reinterpret_cast<const float4*>(scratch + NORM_TERMS_OFF);
     cta_barrier();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, ld = xs_ld(k), q0 = k0 / 4, nq = k / 4;
 #pragma unroll 1
@@ -103,13 +113,22 @@ __device__ __forceinline__ void stage_norm_finish(bf16* xs, int k0, int k, const
             for (int c = lane; c < k / 8; c += 32) *reinterpret_cast<uint4*>(row + c * 8) = zero4();
             continue;
         }
-        const float4* xr = xq + n * NORM_QUADS;
+        float4* xr = xq + n * NORM_QUADS;
         float ss = 0.f;
 #pragma unroll 1
         for (int c = lane; c < NORM_QUADS; c += 32) {
-            const float4 u = xr[c];
+            float4 u = xr[c];
+            if (NORM_TERMS > 0 && nterms > 0) {  // x + term 0 + term 1 ..., kept for the scaling below
+#pragma unroll 1
+                for (int i = 0; i < nterms; ++i) {
+                    const float4 v = tq[((size_t)i * BATCH + n) * NORM_QUADS + c];
+                    u.x += v.x, u.y += v.y, u.z += v.z, u.w += v.w;
+                }
+                xr[c] = u;
+            }
             ss += u.x * u.x + u.y * u.y + u.z * u.z + u.w * u.w;
         }
+        if (NORM_TERMS > 0 && nterms > 0) __syncwarp();  // the sums above, read by other lanes below
         const float r = rsqrtf(warp_sum(ss) / (float)HIDDEN + NORM_EPS);
 #pragma unroll 1
         for (int c = q0 + lane; c < q0 + nq; c += 32) {

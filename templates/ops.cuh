@@ -50,10 +50,17 @@ __device__ __forceinline__ unsigned char* gemv_scratch(unsigned char* smem) {
 
 // Stage a GEMV's input columns [k0, k0 + k) in two halves around the issue of its first weight
 // loads (gemv_tile's `finish`): the bf16 activations x [BATCH, x_ld], or, when the task has a norm
-// operand, the RMSNorm of the f32 residual stream x (stage_norm_*).
+// operand, the RMSNorm of the f32 residual stream x and its terms (stage_norm_*).
+template <class O>
+__device__ __forceinline__ int norm_terms(const Task& t) {
+    return NORM_TERMS > 0 && t.has(O::terms) ? t.dim(O::terms, 3) : 0;
+}
+
 template <class O>
 __device__ __forceinline__ void stage_input_async(const Task& t, unsigned char* smem, int k0, int k) {
-    if (t.has(O::norm)) stage_norm_async(t.ptr<float>(O::x), t.ptr<bf16>(O::norm), k0, k, gemv_scratch(smem));
+    if (t.has(O::norm))
+        stage_norm_async(t.ptr<float>(O::x), t.ptr<float>(O::terms), norm_terms<O>(t), t.ptr<bf16>(O::norm), k0, k,
+                         gemv_scratch(smem));
     else stage_x_async(gemv_xs(smem), t.ptr<bf16>(O::x), t.dim(O::x, 1), k0, k);
 }
 
@@ -68,7 +75,7 @@ struct StageFinish {
     unsigned char* smem;
     int k0, k;
     __device__ void landed() const {
-        if (t.has(O::norm)) stage_norm_finish(gemv_xs(smem), k0, k, gemv_scratch(smem));
+        if (t.has(O::norm)) stage_norm_finish(gemv_xs(smem), k0, k, norm_terms<O>(t), gemv_scratch(smem));
         prof_staged();
         cta_barrier();
     }

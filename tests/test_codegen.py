@@ -226,6 +226,24 @@ def test_fused_experts_kernel_compiles_without_local_memory(cache):
     assert kernel_config(plain, spec1).fused_down_blocks == 0
 
 
+def test_residual_as_terms_kernel_compiles_without_local_memory(cache):
+    """North Mini Code at batch 1 with the residual stream left as terms (LowerOptions.
+    residual_as_terms): every normed reader stages the 8 routing slots' outputs beside the stream
+    (NORM_TERMS = 8, the scratch sized for them), and the kernel compiles without spills or local
+    memory."""
+    spec = load_spec(NMC)
+    sc = schedule(lower(spec, 1, 8192, 132, attention_sms=32, residual_in_o_proj=True, residual_as_terms=True),
+                  spec.name)
+    cfg = kernel_config(sc, spec)
+    assert cfg.norm_terms == 8
+    assert cfg.gemv_ring_offset >= cfg.gemv_xs_bytes + (1 + 8) * spec.hidden_size * 4
+    art = build_kernel(sc, spec, cache_dir=cache)
+    assert art.spills == 0, f"ptxas reports {art.spills} bytes of spills\n{art.log}"
+    assert not local_memory_ops(disassemble(art.cubin))
+    spec1, plain = _nmc_schedule(1)
+    assert kernel_config(plain, spec1).norm_terms == 0
+
+
 def test_a_residual_tile_off_the_copy_grain_is_refused(tiny):
     """The residual terms are copied 16 bytes at a time: a tile whose columns do not start on 4
     floats gets a CodegenError naming it, not a misaligned copy."""

@@ -205,6 +205,42 @@ def test_fused_experts_need_the_o_projection_to_end_the_layer():
         lower(odd, 1, 64, 8, residual_in_o_proj=True, fused_experts=True)
 
 
+@pytest.mark.parametrize("batch", [1, 2])
+def test_residual_as_terms_matches_reference(batch):
+    """LowerOptions.residual_as_terms: the O-projection adds the residual stream into its layer and
+    each MLP's output stays a term that the next layer's readers sum (RMSNorm staging, the next
+    O-projection's residual, the LM head's norm). The same logits as the dense reference in random
+    interleavings, over a dense layer (one term) and MoE layers (every routing slot a term); at
+    batch 2 the tiny model's 8 slots are not all live in some step, and a dead slot's zeros are
+    terms too."""
+    spec = load_spec(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
+    w = random_weights(spec, seed=13, dtype=torch.float32, std=0.1)
+    sc = schedule(lower(spec, batch, 64, 8, residual_in_o_proj=True, residual_as_terms=True), spec.name)
+    assert any(t.operand("terms") == "L1.moe_out" for t in sc.tasks if t.op == Opcode.LINEAR)
+    ex, ref = CpuExecutor(sc, spec, w), DenseReference(spec, w)
+    g = torch.Generator().manual_seed(30 + batch)
+    for step in range(8):
+        tokens = torch.randint(0, spec.vocab_size, (batch,), generator=g)
+        pos = _positions(step, batch)
+        logits, _ = ex.step(tokens, pos, seed=step)
+        _assert_close(logits, ref.step(tokens, pos), f"residual as terms batch {batch} step {step}")
+
+
+def test_residual_as_terms_needs_its_conditions():
+    """Residual terms need the O-projection to add the residual, a parallel block, no fused expert
+    tiles and few enough term rows to stage: lowering says which is missing."""
+    root = Path(__file__).resolve().parents[1] / "configs"
+    tiny = load_spec(root / "tiny.yaml")
+    with pytest.raises(SpecError, match="residual_as_terms.*residual_in_o_proj"):
+        lower(tiny, 1, 64, 8, residual_as_terms=True)
+    with pytest.raises(SpecError, match="residual_as_terms with fused_experts"):
+        lower(tiny, 1, 64, 8, residual_in_o_proj=True, residual_as_terms=True, fused_experts=True)
+    with pytest.raises(SpecError, match="residual_as_terms.*sequential block"):
+        lower(load_spec(root / "qwen3_moe_tiny.yaml"), 1, 64, 8, residual_in_o_proj=True, residual_as_terms=True)
+    with pytest.raises(SpecError, match="residual_as_terms at batch 3.*at most 16 rows"):
+        lower(tiny, 3, 64, 8, residual_in_o_proj=True, residual_as_terms=True)
+
+
 def test_generate_cpu_equals_reference(spec, weights):
     prompt = [int(t) for t in torch.randint(0, spec.vocab_size, (11,))]  # longer than the window
     cpu = greedy_generate(spec, weights, prompt, 6, seed=5)

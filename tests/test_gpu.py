@@ -513,6 +513,19 @@ def test_nmc_fused_experts_match_mirror(nmc_weights, num_sms, batch, context):
     check_rerun_and_mirror(dec, spec, weights, batch, context, f"NMC fused experts b{batch} ctx {context}")
 
 
+@pytest.mark.parametrize("batch, context", [(1, 8192), (1, 100)])
+def test_nmc_residual_as_terms_match_mirror(nmc_weights, num_sms, batch, context):
+    """LowerOptions.residual_as_terms: the O-projection adds the residual stream into its layer and
+    the routing slots' outputs stay terms, which every normed reader of the next layer (and the LM
+    head) stages and sums before its RMSNorm (batch 1 only: 8 terms of one row; batch 2 would stage
+    32 rows). The same checks as the default lowering, with the stream into each layer taken as the
+    readers sum it, and reruns bitwise the same."""
+    spec, weights = nmc_weights
+    dec = nmc_decoder(spec, weights, batch, context, num_sms, residual_in_o_proj=True, residual_as_terms=True)
+    assert any(t.operand("terms") != "-" for t in dec.schedule.tasks if t.op.name == "LM_HEAD")
+    check_rerun_and_mirror(dec, spec, weights, batch, context, f"NMC residual as terms b{batch} ctx {context}")
+
+
 def check_rerun_and_mirror(dec, spec, weights, batch: int, context: int, what: str) -> None:
     """One step of random tokens at nmc_positions, rerun bitwise the same, then check_against_mirror."""
     tokens = torch.randint(0, spec.vocab_size, (batch,), dtype=torch.int32)
@@ -523,6 +536,21 @@ def check_rerun_and_mirror(dec, spec, weights, batch: int, context: int, what: s
     check_against_mirror(dec, spec, weights, tokens, positions, lg, nt, what)
 
 
+def residual_stream(dec, layer: int) -> torch.Tensor:
+    """The residual stream into ``layer`` (the LM head's: the number of layers) as the kernel left
+    it: L<layer>.x, plus its terms in ascending order where the layer before left them
+    (LowerOptions.residual_as_terms: the normed readers' "terms" operand), summed as the readers
+    sum them."""
+    x = dec.buffers[f"L{layer}.x"]
+    readers = [t for t in dec.schedule.tasks if t.layer == layer and t.op.name in ("LINEAR", "LM_HEAD")
+               and t.operand("norm") != "-" and t.operand("terms") != "-"]
+    if not readers:
+        return x
+    for term in dec.buffers[readers[0].operand("terms")]:
+        x = x + term
+    return x
+
+
 def check_against_mirror(dec, spec, weights, tokens, positions, lg, nt, what: str) -> None:
     """Layer by layer with the kernel's residual stream as input (tight), and end to end with
     only the routing teacher-forced (looser: bf16 noise compounds over the layers)."""
@@ -531,7 +559,7 @@ def check_against_mirror(dec, spec, weights, tokens, positions, lg, nt, what: st
     L = spec.num_layers
     kv = [dec.kv_cache(i) for i in range(L)]  # rows below each position are not written by a step
     forced = {i: routing(dec, spec, i) for i, ls in enumerate(spec.layers) if ls.mlp == "moe"}
-    xs = [dec.buffers[f"L{i}.x"] for i in range(L + 1)]
+    xs = [residual_stream(dec, i) for i in range(L + 1)]
     res = mirror_step(spec, weights, kv, tokens.cuda(), positions.cuda(), forced=forced, layer_inputs=xs)
     flips = check_routing_flips(res.route_flips, res, what)
     upd = [rel_err(xs[i + 1] - xs[i], res.x[i] - xs[i]) for i in range(L)]

@@ -272,6 +272,9 @@ class KernelConfig:
     two_set_weights_first: bool = False
     # rows / 64 of the fused expert tiles (EXPERT_MLP, all of one size); 0: the schedule has none
     fused_down_blocks: int = 0
+    # the most terms a normed input adds to its residual stream (LowerOptions.residual_as_terms; gemv.cuh:
+    # stage_norm_async stages them all in the RMSNorm's scratch); 0 without such inputs
+    norm_terms: int = 0
 
     @property
     def warps(self) -> int:
@@ -287,7 +290,7 @@ class KernelConfig:
         staging's scratch (gemv.cuh: NORM_SCRATCH_BYTES)."""
         f = 4
         red = self.warps * 2 * 4 * 32 * f  # gemv.cuh: GEMV_RED_FLOATS
-        scratch = max(self.batch * self.hidden * f + self.hidden * 2, self.residual_stage_bytes)
+        scratch = max((1 + self.norm_terms) * self.batch * self.hidden * f + self.hidden * 2, self.residual_stage_bytes)
         gemv = self.gemv_xs_bytes + red + scratch
         return _round(gemv, 128)
 
@@ -434,7 +437,7 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
     if options.weight_layout == "tiles" and problem:
         raise CodegenError(problem)
     tiled = options.weight_layout != "rows" and problem is None
-    max_k, stage_bytes = 64, 0
+    max_k, stage_bytes, norm_terms = 64, 0, 0
     fused_rows = {t.arg("rows") for t in schedule.tasks if t.op == Opcode.EXPERT_MLP}
     if len(fused_rows) > 1:
         raise CodegenError(f"fused expert tiles of {sorted(fused_rows)} rows: the kernel compiles one size "
@@ -452,6 +455,12 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
                 raise CodegenError(f"task {t.id} ({t.name}): GEMV input {x} is {xb.dtype} {xb.shape}: expected "
                                    + ("the f32 residual stream [batch, hidden] (the task normalises it)" if normed
                                       else "bf16"))
+            if normed and t.operand("terms") != "-":
+                tb = schedule.buffers[t.operand("terms")]
+                if tb.dtype != "f32" or len(tb.shape) != 3 or tb.shape[1:] != (schedule.batch, spec.hidden_size):
+                    raise CodegenError(f"task {t.id} ({t.name}): residual terms {tb.name} are {tb.dtype} {tb.shape}: "
+                                       f"expected f32 [terms, {schedule.batch}, {spec.hidden_size}]")
+                norm_terms = max(norm_terms, tb.shape[0])
             max_k = max(max_k, k)
             if t.op == Opcode.LINEAR and t.operand("residual") != "-":
                 stage_bytes = max(stage_bytes, _residual_stage_bytes(schedule, t))
@@ -487,7 +496,7 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         residual_loads_first=options.residual_loads_first, profile_phases=options.profile_phases,
         routing_code=ROUTING_CODES.index(options.routing_code), tagged_logits=tagged_logits,
         two_set_weights_first=options.two_set_weights_first,
-        residual_stage_bytes=stage_bytes, fused_down_blocks=next(iter(fused_rows), 0) // 64,
+        residual_stage_bytes=stage_bytes, fused_down_blocks=next(iter(fused_rows), 0) // 64, norm_terms=norm_terms,
         residual_epilogue_inline=options.residual_epilogue == "inline" or (options.residual_epilogue == "auto"
                                                                            and stage_bytes > 0))
     if cfg.smem_bytes > MAX_SMEM_BYTES:
@@ -554,6 +563,7 @@ def template_context(cfg: KernelConfig, banner: str) -> dict[str, Any]:
         "tagged_logits": cv.c_bool(cfg.tagged_logits),
         "residual_epilogue_inline": cv.c_int(int(cfg.residual_epilogue_inline)),  # a preprocessor 0 / 1
         "fused_down_blocks": cv.c_int(cfg.fused_down_blocks),
+        "norm_terms": cv.c_int(cfg.norm_terms),
         "two_set_weights_first": cv.c_bool(cfg.two_set_weights_first),
         "max_rank": cv.c_int(MAX_RANK),
         "dtypes": [(cv.c_ident(f"DT_{k.upper()}"), cv.c_int(v)) for k, v in DTYPE_CODES.items()],

@@ -58,6 +58,14 @@ class LowerOptions:
     # rows in 80 tiles of 64 on 132 SMs). Smaller tiles (a multiple of 16; the last may be shorter)
     # spread the QKV projection over more SMs, such as those whose expert tiles wait for the routing.
     qkv_tile_rows: int = 0
+    # the residual stream into each layer is left as terms: the O-projection's output (which adds
+    # the residual stream into its own layer) and the MLP's outputs (every routing slot's expert
+    # output, or a dense MLP's), which every reader sums in ascending order while it stages its
+    # RMSNorm (the next layer's tiles, the LM head) or its residual (the next O-projection). So the
+    # O-projection waits for the attention only and runs beside the MLP's down projection, and no
+    # tile waits for both branches to add them up. Needs residual_in_o_proj and a parallel block;
+    # the readers stage every term, so it is for small batches (at most MAX_TERM_ROWS term rows).
+    residual_as_terms: bool = False
 
     def check(self) -> None:
         if not 1 <= self.batch <= 8:
@@ -80,24 +88,39 @@ class LowerOptions:
         if self.fused_experts and not self.residual_in_o_proj:
             raise SpecError("fused_experts: the expert tiles' split-K partials are summed by the O-projection tiles "
                             "that end the layer: expected residual_in_o_proj as well")
+        if self.residual_as_terms and not self.residual_in_o_proj:
+            raise SpecError("residual_as_terms: the O-projection adds the residual stream into its layer: expected "
+                            "residual_in_o_proj as well")
+        if self.residual_as_terms and self.fused_experts:
+            raise SpecError("residual_as_terms with fused_experts: the fused tiles' split-K partials are summed by "
+                            "the O-projection of their own layer: expected one of the two")
         if self.kv_pages < 0 or (self.kv_pages and not self.page_size):
             raise SpecError(f"kv_pages = {self.kv_pages}: expected 0, or a pool size with a page size")
 
 
+# LowerOptions.residual_as_terms: at most this many f32 rows of terms (batch x terms) per reader,
+# which stages them all in shared memory (North Mini Code at batch 1: 8 routing slots)
+MAX_TERM_ROWS = 16
+
+
 @dataclass(frozen=True, slots=True)
 class Normed:
-    """The RMSNorm of the f32 residual stream ``x`` with ``weight``, as a GEMV input: never
+    """The RMSNorm of the f32 residual stream ``x`` (plus ``terms`` [n, B, hidden], where the layer
+    before left it as terms: LowerOptions.residual_as_terms) with ``weight``, as a GEMV input: never
     materialised, each consumer task stages it itself (mkc/ir/ops.py)."""
 
     x: Buffer
     weight: Buffer
+    terms: Buffer | None = None
 
 
 def gemv_input(x: Buffer | Normed, k0: int = 0, k: int | None = None) -> tuple[dict[str, Buffer | None], list[Region]]:
-    """Operands ("x", "norm") and read regions of a GEMV's input columns [k0, k0 + k): a normed
-    input reads whole rows of x (the norm's mean is over the row) and the norm weight."""
+    """Operands ("x", "norm", "terms") and read regions of a GEMV's input columns [k0, k0 + k): a
+    normed input reads whole rows of x and of its terms (the norm's mean is over the row) and the
+    norm weight."""
     if isinstance(x, Normed):
-        return {"x": x.x, "norm": x.weight}, [full(x.x), full(x.weight)]
+        return ({"x": x.x, "norm": x.weight, "terms": x.terms},
+                [full(x.x), full(x.weight), *([full(x.terms)] if x.terms is not None else [])])
     k = x.shape[-1] if k is None else k
     return {"x": x, "norm": None}, [box(x, None, (k0, k0 + k))]
 
@@ -116,6 +139,16 @@ class _Lowerer:
         if opt.fused_experts and spec.block != "parallel":
             raise SpecError(f"fused_experts: {spec.name} has a sequential block, whose MLP output goes to "
                             f"RESIDUAL tiles, not to the O-projection: expected fused_experts off")
+        if opt.residual_as_terms:
+            if spec.block != "parallel":
+                raise SpecError(f"residual_as_terms: {spec.name} has a sequential block, whose attention output is "
+                                f"added before its MLP: expected residual_as_terms off")
+            terms = max([1] + [min(spec.moe.num_experts, opt.batch * spec.moe.top_k)
+                               for ls in spec.layers if ls.mlp == "moe"])
+            if opt.batch * terms > MAX_TERM_ROWS:
+                raise SpecError(f"residual_as_terms at batch {opt.batch}: every reader would stage {terms} terms of "
+                                f"{opt.batch} rows; expected at most {MAX_TERM_ROWS} rows (a smaller batch, or "
+                                f"residual_as_terms off)")
         if opt.attention_sms and spec.block != "parallel":
             raise SpecError(f"--attention-sms {opt.attention_sms}: {spec.name} has a sequential block, whose "
                             f"attention and MLP do not run side by side: expected 0")
@@ -140,8 +173,11 @@ class _Lowerer:
         assert set(args) == set(info.args), (op, set(args) ^ set(info.args))
         wbytes = weight_bytes if weight_bytes is not None else sum(r.numel * DTYPE_BYTES[self.buffers[r.buffer].dtype] for r in reads
                      if self.buffers[r.buffer].kind == "weight")
+        # a normed input's terms (LowerOptions.residual_as_terms) were just written, so they come from
+        # L2, copied beside the stream x: not charged as streamed bytes
+        terms = operands["terms"].name if operands.get("terms") is not None else None
         abytes = act_bytes if act_bytes is not None else sum(r.numel * DTYPE_BYTES[self.buffers[r.buffer].dtype] for r in (*reads, *writes)
-                     if self.buffers[r.buffer].kind != "weight")
+                     if self.buffers[r.buffer].kind != "weight" and r.buffer != terms)
         t = Task(id=len(self.tasks), op=op, layer=layer, name=name, operands=ops,
                  args=tuple(int(args[a]) for a in info.args), reads=tuple(reads), writes=tuple(writes),
                  weight_bytes=wbytes, act_bytes=abytes, flops=flops)
@@ -204,11 +240,12 @@ class _Lowerer:
         x = self.buf("L0.x", (B, H), "f32", "act", "[B, hidden] residual stream into layer 0")
         self.emit(Opcode.EMBED, -1, "embed", {"tokens": tokens, "embed": embed, "out": x}, {},
                   [full(tokens), full(embed)], [full(x)], weight_bytes=B * H * 2)
+        terms: tuple[Buffer | None, Buffer | None] = (None, None)  # the residual stream's terms x lacks
         for layer in range(s.num_layers):
-            x = self.layer(layer, x, tokens, positions)
+            x, terms = self.layer(layer, x, terms, tokens, positions)
         L = s.num_layers
         fnw = self.buf("final_norm", (H,), "bf16", "weight", "[hidden]")
-        xin, xreads = gemv_input(Normed(x, fnw))
+        xin, xreads = gemv_input(Normed(x, fnw, terms[0] or terms[1]))
         head = embed if s.tie_word_embeddings else self.buf("lm_head", (s.vocab_size, H), "bf16", "weight",
                                                              "[vocab, hidden]")
         V = s.vocab_size
@@ -232,11 +269,16 @@ class _Lowerer:
                                                   "mlp_share": opt.mlp_share,
                                                   "residual_in_o_proj": opt.residual_in_o_proj,
                                                   "fused_experts": opt.fused_experts,
-                                                  "qkv_tile_rows": opt.qkv_tile_rows})
+                                                  "qkv_tile_rows": opt.qkv_tile_rows,
+                                                  "residual_as_terms": opt.residual_as_terms})
         derive_edges(prog)
         return prog
 
-    def layer(self, layer: int, x: Buffer, tokens: Buffer, positions: Buffer) -> Buffer:
+    def layer(self, layer: int, x: Buffer, terms: tuple[Buffer | None, Buffer | None], tokens: Buffer,
+              positions: Buffer) -> tuple[Buffer, tuple[Buffer | None, Buffer | None]]:
+        """Lower one layer; returns the residual stream into the next one: x and the terms x lacks
+        (the MLP's output as (dense, routed); both None unless LowerOptions.residual_as_terms).
+        ``terms``: those of the stream into this layer."""
         s, opt = self.spec, self.opt
         ls = s.layers[layer]
         B, H, C = opt.batch, s.hidden_size, opt.context
@@ -245,7 +287,7 @@ class _Lowerer:
         GS = QH // G
         P = f"L{layer}"
         nw = self.buf(f"{P}.attn_norm", (H,), "bf16", "weight", "[hidden]")
-        n = Normed(x, nw)
+        n = Normed(x, nw, terms[0] or terms[1])
         # --- attention: QKV rows are [q heads..., k heads..., v heads...], D rows per head
         nqkv = (QH + 2 * G) * D
         wqkv = self.buf(f"{P}.w_qkv", (nqkv, H), "bf16", "weight", "[(heads + 2 kv_heads) * head_dim, hidden]")
@@ -360,7 +402,9 @@ class _Lowerer:
             nw2 = self.buf(f"{P}.mlp_norm", (H,), "bf16", "weight", "[hidden]")
             mlp_in = Normed(x_mid, nw2)
             x, o_part = x_mid, None
-        x_out = self.buf(f"L{layer + 1}.x", (B, H), "f32", "act", f"[B, hidden] residual stream into layer {layer + 1}")
+        x_out = self.buf(f"L{layer + 1}.x", (B, H), "f32", "act",
+                         f"[B, hidden] residual stream into layer {layer + 1}"
+                         + (f", less layer {layer}'s MLP output (its terms)" if opt.residual_as_terms else ""))
         mo = routed = tslots = None
         if ls.mlp == "dense":
             inter = s.dense_intermediate
@@ -372,16 +416,20 @@ class _Lowerer:
             self.linear(layer, "down", h, wd, mo)
         else:
             routed, tslots = self.moe(layer, mlp_in)
+        if opt.residual_as_terms:  # the O-projection adds the stream into this layer; the MLP's output stays a term
+            self.o_proj_residual(layer, attn, wo, x, x_out, *terms)
+            return x_out, (mo, routed)
         if o_ends and s.block == "parallel":  # the O-projection ends the layer, after the MLP in program order
             self.o_proj_residual(layer, attn, wo, x, x_out, mo, routed)
         else:
             self.residual(layer, x, o_part, mo, routed, None if routed is None else tslots, x_out, "residual")
-        return x_out
+        return x_out, (None, None)
 
     def o_proj_residual(self, layer: int, attn: Buffer, wo: Buffer, x: Buffer, out: Buffer,
                         mlp: Buffer | None = None, routed: Buffer | None = None) -> None:
         """out[:, rows] = x + attn @ wo[rows]^T (+ mlp) (+ every routing slot's output), tiled by
-        rows (LowerOptions.residual_in_o_proj)."""
+        rows (LowerOptions.residual_in_o_proj; with residual_as_terms, mlp and routed are the layer
+        before's, the terms of x)."""
         H, k = wo.shape
         tile = row_tile(H, k * DTYPE_BYTES[wo.dtype], 1, self.opt.num_sms)
         B = self.opt.batch
