@@ -103,7 +103,7 @@ def test_tune_times_every_candidate_and_records_the_fastest(tiny, tuning_file, m
     assert rec["attention_sms"] == 4 and rec["gpu"] == "NVIDIA H200" and rec["reps"] == 3
     # what the counts were timed with
     assert rec["lowering"] == {"rope_in_splits": True, "mlp_share": "bytes", "residual_in_o_proj": False,
-                               "fused_experts": False, "qkv_tile_rows": 0}
+                               "fused_experts": False, "qkv_tile_rows": 0, "residual_as_terms": False}
     assert set(rec["measured_us"]) == {str(a) for a in candidates}
     assert any("fastest with 4 attention SMs" in ln for ln in logs)
     t4 = rec["measured_us"]["4"]
