@@ -237,6 +237,7 @@ struct Task {
     const int* w;            // this task's record (shared-memory copy)
     const BufDesc* d;        // its operands' buffer descriptors by role (shared-memory copy; absent: zeros)
     const BufDesc* bufs;     // the global buffer table (read where !DESC_WITH_RECORD)
+    int qi;                  // the record's index in the queues (tasks of one SM are consecutive)
 
     __device__ __forceinline__ int op() const { return w[W_OP]; }
     __device__ __forceinline__ int arg(int i) const { return w[W_ARGS + i]; }

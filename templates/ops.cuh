@@ -56,12 +56,37 @@ __device__ __forceinline__ int norm_terms(const Task& t) {
     return NORM_TERMS > 0 && t.has(O::terms) ? t.dim(O::terms, 3) : 0;
 }
 
+// REUSE_STAGED_NORM: which normed input xs holds, every column of it: the residual stream x and the
+// norm weight (without terms) that the task at queue index qi staged last; qi = -2: none. Set by
+// thread 0 after the staging barrier of a normed GEMV over every column; read by the next task of
+// the SM (ordered by the kernel loop's barriers). A task of any other kind leaves it, but its own
+// queue index breaks the chain: only the very next task may use it, and no normed GEMV writes xs
+// after its staging.
+struct StagedNorm {
+    const float* x;
+    const bf16* w;
+    int qi;
+};
+__shared__ StagedNorm s_staged_norm;
+
+// Whether this task's normed input over columns [k0, k0 + k) is already in xs (the same for every
+// thread until the task's staging barrier).
+template <class O>
+__device__ __forceinline__ bool norm_is_staged(const Task& t, int k0, int k) {
+    return REUSE_STAGED_NORM && k0 == 0 && k == HIDDEN && !(NORM_TERMS > 0 && t.has(O::terms)) &&
+           s_staged_norm.qi == t.qi - 1 && s_staged_norm.x == t.ptr<float>(O::x) &&
+           s_staged_norm.w == t.ptr<bf16>(O::norm);
+}
+
 template <class O>
 __device__ __forceinline__ void stage_input_async(const Task& t, unsigned char* smem, int k0, int k) {
-    if (t.has(O::norm))
-        stage_norm_async(t.ptr<float>(O::x), t.ptr<float>(O::terms), norm_terms<O>(t), t.ptr<bf16>(O::norm), k0, k,
-                         gemv_scratch(smem));
-    else stage_x_async(gemv_xs(smem), t.ptr<bf16>(O::x), t.dim(O::x, 1), k0, k);
+    if (t.has(O::norm)) {
+        if (!norm_is_staged<O>(t, k0, k))
+            stage_norm_async(t.ptr<float>(O::x), t.ptr<float>(O::terms), norm_terms<O>(t), t.ptr<bf16>(O::norm), k0, k,
+                             gemv_scratch(smem));
+    } else {
+        stage_x_async(gemv_xs(smem), t.ptr<bf16>(O::x), t.dim(O::x, 1), k0, k);
+    }
 }
 
 // The end of a GEMV's staging (gemv_tile's `finish`), called by every thread from a warp-dependent
@@ -75,9 +100,15 @@ struct StageFinish {
     unsigned char* smem;
     int k0, k;
     __device__ void landed() const {
-        if (t.has(O::norm)) stage_norm_finish(gemv_xs(smem), k0, k, norm_terms<O>(t), gemv_scratch(smem));
+        const bool normed = t.has(O::norm);
+        const bool reused = normed && norm_is_staged<O>(t, k0, k);
+        if (normed && !reused) stage_norm_finish(gemv_xs(smem), k0, k, norm_terms<O>(t), gemv_scratch(smem));
         prof_staged();
         cta_barrier();
+        // every thread has checked norm_is_staged before the barrier; the next task reads this
+        if (REUSE_STAGED_NORM && threadIdx.x == 0 && normed && k0 == 0 && k == HIDDEN &&
+            !(NORM_TERMS > 0 && t.has(O::terms)))
+            s_staged_norm = {t.ptr<float>(O::x), t.ptr<bf16>(O::norm), t.qi};
     }
     __device__ void operator()() const {
         cp_async_wait_all();

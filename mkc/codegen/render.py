@@ -220,6 +220,12 @@ class CodegenOptions:
     # end, with no weight bytes in flight meanwhile (phase profile, 2026-12-02). False: the staging
     # first (the default since 2026-11-30 01:40 UTC: no faster then, and it spilled at batch 8).
     two_set_weights_first: bool = False
+    # A GEMV tile whose normed input (the RMSNorm of the same residual stream with the same weight,
+    # every column) the task just before it on its SM staged finds it still in shared memory and
+    # skips its own staging: at batch 1 an expert-up tile after a QKV or router tile of its layer
+    # (a parallel block normalises once per layer) stages nothing, where a phase profile measured
+    # 2.5 µs from its routing to its input staged (2026-12-02). Bitwise the same activations.
+    reuse_staged_norm: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,6 +276,7 @@ class KernelConfig:
     residual_stage_bytes: int = 0
     residual_epilogue_inline: bool = False  # CodegenOptions.residual_epilogue, resolved
     two_set_weights_first: bool = False
+    reuse_staged_norm: bool = True
     # rows / 64 of the fused expert tiles (EXPERT_MLP, all of one size); 0: the schedule has none
     fused_down_blocks: int = 0
     # the most terms a normed input adds to its residual stream (LowerOptions.residual_as_terms; gemv.cuh:
@@ -495,7 +502,7 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         down_weights_before_wait=options.down_weights_before_wait,
         residual_loads_first=options.residual_loads_first, profile_phases=options.profile_phases,
         routing_code=ROUTING_CODES.index(options.routing_code), tagged_logits=tagged_logits,
-        two_set_weights_first=options.two_set_weights_first,
+        two_set_weights_first=options.two_set_weights_first, reuse_staged_norm=options.reuse_staged_norm,
         residual_stage_bytes=stage_bytes, fused_down_blocks=next(iter(fused_rows), 0) // 64, norm_terms=norm_terms,
         residual_epilogue_inline=options.residual_epilogue == "inline" or (options.residual_epilogue == "auto"
                                                                            and stage_bytes > 0))
@@ -565,6 +572,7 @@ def template_context(cfg: KernelConfig, banner: str) -> dict[str, Any]:
         "fused_down_blocks": cv.c_int(cfg.fused_down_blocks),
         "norm_terms": cv.c_int(cfg.norm_terms),
         "two_set_weights_first": cv.c_bool(cfg.two_set_weights_first),
+        "reuse_staged_norm": cv.c_bool(cfg.reuse_staged_norm),
         "max_rank": cv.c_int(MAX_RANK),
         "dtypes": [(cv.c_ident(f"DT_{k.upper()}"), cv.c_int(v)) for k, v in DTYPE_CODES.items()],
         "record_words": [(cv.c_ident(k), cv.c_int(v)) for k, v in RECORD_LAYOUT],
