@@ -132,7 +132,7 @@ CODEGEN_VARIANTS: dict[str, tuple[tuple[int, ...], dict]] = {
     "routing-unrolled": ((1,), {"routing_code": "unrolled"}),  # the routing unrolled into each op
     "counter-logits": ((1,), {"tagged_logits": "off"}),  # expert-up tiles wait for the router's counter
     "tagged-logits": ((8,), {"tagged_logits": "on"}),  # ... or read tagged logits (off by default at 8)
-    "no-norm-reuse": ((1,), {"reuse_staged_norm": False}),  # every normed GEMV stages its own input
+    "norm-reuse": ((1,), {"reuse_staged_norm": True}),  # a normed GEMV reuses the input staged before it
 }
 
 

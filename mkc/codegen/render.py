@@ -223,9 +223,13 @@ class CodegenOptions:
     # A GEMV tile whose normed input (the RMSNorm of the same residual stream with the same weight,
     # every column) the task just before it on its SM staged finds it still in shared memory and
     # skips its own staging: at batch 1 an expert-up tile after a QKV or router tile of its layer
-    # (a parallel block normalises once per layer) stages nothing, where a phase profile measured
-    # 2.5 µs from its routing to its input staged (2026-12-02). Bitwise the same activations.
-    reuse_staged_norm: bool = True
+    # (a parallel block normalises once per layer; 52 of the 96 per layer) stages nothing, where a
+    # phase profile measured 2.5 µs from its routing to its input staged. Bitwise the same logits,
+    # but slower on an H200 (kernel_variants.py, 2026-12-02 03:35 UTC, three rounds, µs on / off):
+    # batch 1 2480.5 / 2469.3, 2509.2 / 2477.6, 2500.9 / 2441.4; batch 4 5450.6 / 5385.3, 5451.0 /
+    # 5372.3, 5475.3 / 5391.0. The expert tiles' streams start 1.6 µs sooner and take the bandwidth
+    # of the attention splits beside them (split op 13.6 → 14.5 µs; BENCHMARKS.md). Off.
+    reuse_staged_norm: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,7 +280,7 @@ class KernelConfig:
     residual_stage_bytes: int = 0
     residual_epilogue_inline: bool = False  # CodegenOptions.residual_epilogue, resolved
     two_set_weights_first: bool = False
-    reuse_staged_norm: bool = True
+    reuse_staged_norm: bool = False
     # rows / 64 of the fused expert tiles (EXPERT_MLP, all of one size); 0: the schedule has none
     fused_down_blocks: int = 0
     # the most terms a normed input adds to its residual stream (LowerOptions.residual_as_terms; gemv.cuh:
