@@ -17,6 +17,7 @@ import statistics
 import time
 from pathlib import Path
 
+import profiled
 import torch
 
 from mkc.codegen import CodegenOptions
@@ -34,7 +35,7 @@ from mkc.runtime.bench import (
     write_json,
 )
 from mkc.runtime.cuda_backend import CudaDecoder
-from mkc.schedule.plan import DEFAULT_LOWERING, LOWERING_CHOICES, plan
+from mkc.schedule.plan import plan
 from mkc.schedule.profile import (
     format_chain,
     format_last_tasks,
@@ -119,14 +120,7 @@ def main() -> None:
                          "fused_experts=1 residual_in_o_proj=1 qkv_tile_rows=48")
     a = ap.parse_args()
     extra = codegen_fields(a.options)
-    lowering: dict[str, bool | int | str] = {}
-    for p in a.lowering:
-        name, _, value = p.partition("=")
-        kind = type(DEFAULT_LOWERING.get(name))
-        if name not in LOWERING_CHOICES or (kind is bool and value not in ("0", "1")) or (kind is int and not value.isdigit()):
-            raise SystemExit(f"--lowering {p}: expected CHOICE=VALUE (0 / 1 for booleans, an integer for integers) "
-                             f"with CHOICE one of {', '.join(LOWERING_CHOICES)}")
-        lowering[name] = value == "1" if kind is bool else int(value) if kind is int else value
+    lowering = profiled.lowering_of(a)
     spec = load_spec(a.config)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     bw = measure_read_bandwidth()

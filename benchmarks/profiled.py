@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from mkc.ir.spec import load_spec
-from mkc.schedule.plan import plan
+from mkc.schedule.plan import DEFAULT_LOWERING, LOWERING_CHOICES, plan
 from mkc.schedule.schedule import Schedule
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,6 +28,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--num-sms", type=int, default=132)
     ap.add_argument("--page-size", type=int, default=0)
     ap.add_argument("--attention-sms", type=int, default=None, help="as profiled (default: the compiler's choice)")
+    ap.add_argument("--lowering", nargs="*", default=[], metavar="CHOICE=VALUE",
+                    help="lowering choices as profiled (megakernel_step.py --lowering), e.g. residual_as_terms=1")
 
 
 def spec_of(a: argparse.Namespace):
@@ -35,10 +37,25 @@ def spec_of(a: argparse.Namespace):
     return load_spec(a.config)
 
 
+def lowering_of(a: argparse.Namespace) -> dict[str, bool | int | str]:
+    """``--lowering CHOICE=VALUE`` pairs as plan's keyword arguments (booleans as 0 / 1); SystemExit
+    names a bad one."""
+    out: dict[str, bool | int | str] = {}
+    for p in a.lowering:
+        name, _, value = p.partition("=")
+        kind = type(DEFAULT_LOWERING.get(name))
+        if name not in LOWERING_CHOICES or (kind is bool and value not in ("0", "1")) or (kind is int and not value.isdigit()):
+            raise SystemExit(f"--lowering {p}: expected CHOICE=VALUE (0 / 1 for booleans, an integer for integers) "
+                             f"with CHOICE one of {', '.join(LOWERING_CHOICES)}")
+        out[name] = value == "1" if kind is bool else int(value) if kind is int else value
+    return out
+
+
 def load(a: argparse.Namespace) -> tuple[Schedule, np.lib.npyio.NpzFile]:
     """The schedule planned from ``a`` and the timeline; SystemExit if they do not match."""
     spec = load_spec(a.config)
-    sc = plan(spec, a.batch, a.context, a.num_sms, page_size=a.page_size, attention_sms=a.attention_sms)
+    sc = plan(spec, a.batch, a.context, a.num_sms, page_size=a.page_size, attention_sms=a.attention_sms,
+              **lowering_of(a))
     tl = np.load(a.timeline)
     if len(tl["end"]) != len(sc.tasks) or not np.array_equal(tl["op"], [int(t.op) for t in sc.tasks]):
         raise SystemExit(f"{a.timeline}: its tasks are not this tree's schedule for batch {a.batch}, "

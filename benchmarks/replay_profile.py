@@ -2,11 +2,12 @@
 
     python benchmarks/replay_profile.py TIMELINE.npz --batch 1 [--context 8192] \
         [--scale router=0.5 EXPERT_DOWN=0.75 ...] [--queue-gap LINEAR=1.0 ...] \
-        [--place-greedily o_proj expert_down]
+        [--place-greedily o_proj expert_down] [--lowering residual_as_terms=1 ...]
 
 TIMELINE.npz is written by ``benchmarks/megakernel_step.py --profile DIR`` or ``mkc bench --profile``
 (``trace-b1-c8192.npz``); the schedule is planned again with the same options, so run this on the
-tree the profile was taken with. Each task runs for its measured time and the gaps between tasks
+tree the profile was taken with (``--lowering``: the lowering choices it was profiled with, as
+``megakernel_step.py --lowering`` takes them). Each task runs for its measured time and the gaps between tasks
 are the step's own medians per opcode (mkc.schedule.profile: measured_gaps, replay). The replay of
 the unchanged step comes first, beside the measured span, as a check of the model. Each ``--scale NAME=F`` multiplies the run time of the
 tasks of one opcode (EXPERT_DOWN) or one label (router: the tasks named ``L<i>.router[...]``) by F;
@@ -26,6 +27,7 @@ import numpy as np
 import profiled
 
 from mkc.ir.lower import lower
+from mkc.schedule.plan import LOWERING_CHOICES
 from mkc.schedule.profile import Gaps, measured_gaps, replay
 
 
@@ -104,8 +106,9 @@ def main() -> None:
         unknown = sorted(set(a.place_greedily) - set(labels))
         if unknown:
             raise SystemExit(f"--place-greedily {', '.join(unknown)}: expected task labels ({', '.join(sorted(set(labels)))})")
+        lowering = {k: sc.meta[k] for k in LOWERING_CHOICES}  # as plan() lowered it (a measured entry's too)
         g = lower(profiled.spec_of(a), a.batch, a.context, a.num_sms, page_size=a.page_size,
-                  attention_sms=sc.meta["attention_sms"]["chosen"]).graph
+                  attention_sms=sc.meta["attention_sms"]["chosen"], **lowering).graph
         preds = [list(g.predecessors(t)) for t in range(len(sc.tasks))]
         base = float(np.max(replay(sc, run, gaps, sc.queues, preds)[1]))
         queues = greedy_tail(sc, preds, run, gaps, set(a.place_greedily))

@@ -268,3 +268,35 @@ def test_last_tasks_name_what_held_each_stage(sc_tl):
     assert v.sm_free == pytest.approx(np.mean(frees))
     text = format_last_tasks(sc, tl)
     assert "each stage's last task" in text and "residual" in text and text in format_profile(sc, tl)
+
+
+def test_replay_profile_replays_the_lowering_it_was_profiled_with(tmp_path, capsys, monkeypatch):
+    """benchmarks/replay_profile.py on a timeline of a non-default lowering (--lowering
+    residual_in_o_proj=1, as megakernel_step.py takes it): the schedule is planned again with it,
+    and the oracle placement (--place-greedily) walks that lowering's DAG, not the default's (whose
+    RESIDUAL tiles the schedule does not have). The timeline here is the schedule's own prediction."""
+    import sys
+    from pathlib import Path
+
+    from mkc.schedule.plan import plan
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.syspath_prepend(str(root / "benchmarks"))
+    import replay_profile
+
+    config = root / "configs" / "tiny.yaml"
+    sc = plan(load_spec(config), 1, 64, 8, residual_in_o_proj=True)
+    start, end = (np.asarray(sc.predicted[k], dtype=np.float64) for k in ("start_us", "end_us"))
+    path = tmp_path / "timeline.npz"
+    np.savez(path, op=np.array([int(t.op) for t in sc.tasks]), layer=np.array([t.layer for t in sc.tasks]),
+             wait=start, start=start, end=end, sm=np.array(sc.sm_of()))
+    monkeypatch.setattr(sys, "argv", ["replay_profile.py", str(path), "--batch", "1", "--context", "64",
+                                      "--num-sms", "8", "--config", str(config),
+                                      "--lowering", "residual_in_o_proj=1", "--place-greedily", "o_proj"])
+    replay_profile.main()
+    out = capsys.readouterr().out
+    assert "measured span" in out and "o_proj placed greedily, layer by layer" in out, out
+    monkeypatch.setattr(sys, "argv", ["replay_profile.py", str(path), "--batch", "1", "--context", "64",
+                                      "--num-sms", "8", "--config", str(config)])
+    with pytest.raises(SystemExit, match="not this tree's schedule"):  # planned without the lowering
+        replay_profile.main()
