@@ -441,13 +441,18 @@ struct Staged {
 // epi(r0, acc) with acc[a] = {(r0, n), (r0, n + 1), (r0 + 8, n), (r0 + 8, n + 1)} where
 // n = 2 * (lane % 4); r0 may be past `rows` (the epilogue checks). Every thread of the CTA must
 // call this (it synchronises); `red` holds GEMV_RED_FLOATS.
-template <int NACC, class Epi, bool NC = true, class Fin = Staged>
+// KS > 0: the k split every tile of the calling op has (render.py: gemv_k_split, from the schedule;
+// CodegenOptions.gemv_split_compiled), so only that path is compiled; 0: chosen at run time.
+template <int NACC, int KS = 0, class Epi, bool NC = true, class Fin = Staged>
 __device__ __forceinline__ void gemv_tile(const bf16* const (&w)[NACC], int w_ld, int rows, int k, const bf16* xs,
                                           float* red, Epi epi, Fin finish = Fin{}) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
     const int groups = (rows + 15) / 16, blocks = k / 64;
-    int ks = 1;
-    while (ks * 2 * groups <= NUM_WARPS && ks * 2 <= blocks) ks *= 2;
+    int ks = KS;
+    if constexpr (KS == 0) {
+        ks = 1;
+        while (ks * 2 * groups <= NUM_WARPS && ks * 2 <= blocks) ks *= 2;
+    }
     const bf16* xrow = xs + g * xs_ld(k) + q * 8;
     // this warp's first item: group warp / ks, blocks part, part + ks, ...
     const int grp = warp / ks, part = warp % ks;

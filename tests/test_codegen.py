@@ -133,6 +133,7 @@ CODEGEN_VARIANTS: dict[str, tuple[tuple[int, ...], dict]] = {
     "counter-logits": ((1,), {"tagged_logits": "off"}),  # expert-up tiles wait for the router's counter
     "tagged-logits": ((8,), {"tagged_logits": "on"}),  # ... or read tagged logits (off by default at 8)
     "norm-reuse": ((1,), {"reuse_staged_norm": True}),  # a normed GEMV reuses the input staged before it
+    "split-run-time": ((1,), {"gemv_split_compiled": False}),  # every GEMV's k split chosen at run time
 }
 
 

@@ -230,6 +230,12 @@ class CodegenOptions:
     # 5372.3, 5475.3 / 5391.0. The expert tiles' streams start 1.6 µs sooner and take the bandwidth
     # of the attention splits beside them (split op 13.6 → 14.5 µs; BENCHMARKS.md). Off.
     reuse_staged_norm: bool = False
+    # Where every tile of a GEMV op (expert-up, expert-down, LM head, SwiGLU; LINEAR when its tiles
+    # agree) splits its reduction over the same number of warps, that split is compiled in and the
+    # other path of gemv_tile is not: North Mini Code at batch 1 loses the k-split path of its
+    # expert-down and LM-head tiles and the one-warp-per-group path of its expert-up tiles (code
+    # the SM's instruction cache does not have to hold). False: every split chosen at run time.
+    gemv_split_compiled: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,6 +287,8 @@ class KernelConfig:
     residual_epilogue_inline: bool = False  # CodegenOptions.residual_epilogue, resolved
     two_set_weights_first: bool = False
     reuse_staged_norm: bool = False
+    # per op of SPLIT_OPS, the k split compiled in (gemv_splits; 0: chosen at run time)
+    gemv_ks: tuple[tuple[str, int], ...] = ()
     # rows / 64 of the fused expert tiles (EXPERT_MLP, all of one size); 0: the schedule has none
     fused_down_blocks: int = 0
     # the most terms a normed input adds to its residual stream (LowerOptions.residual_as_terms; gemv.cuh:
@@ -358,6 +366,29 @@ class KernelConfig:
 
 def _round(n: int, a: int) -> int:
     return (n + a - 1) // a * a
+
+
+# The GEMV ops whose k split may be compiled in (gemv.cuh: gemv_tile's KS; EXPERT_MLP keeps its own)
+SPLIT_OPS = (Opcode.LINEAR, Opcode.SWIGLU, Opcode.EXPERT_SWIGLU, Opcode.EXPERT_DOWN, Opcode.LM_HEAD)
+
+
+def gemv_k_split(rows: int, k: int, warps: int) -> int:
+    """Warps a GEMV tile of ``rows`` x ``k`` splits k over (gemv.cuh: gemv_tile, the same rule):
+    the largest power of two with two row groups per warp pair and two 64-wide blocks per part."""
+    groups, blocks, ks = -(-rows // 16), k // 64, 1
+    while ks * 2 * groups <= warps and ks * 2 <= blocks:
+        ks *= 2
+    return ks
+
+
+def gemv_splits(schedule: Schedule, warps: int) -> dict[str, int]:
+    """Per op of SPLIT_OPS, the k split all its tiles in ``schedule`` share, or 0 where they differ
+    (or the op has none): gemv_tile then compiles that split's path alone."""
+    seen: dict[Opcode, set[int]] = {op: set() for op in SPLIT_OPS}
+    for t in schedule.tasks:
+        if t.op in seen:
+            seen[t.op].add(gemv_k_split(t.arg("rows"), _gemv_k(schedule, t)[0], warps))
+    return {op.name: next(iter(v)) if len(v) == 1 else 0 for op, v in seen.items()}
 
 
 def _gemv_k(schedule: Schedule, t) -> tuple[int, int, str]:
@@ -507,6 +538,8 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         residual_loads_first=options.residual_loads_first, profile_phases=options.profile_phases,
         routing_code=ROUTING_CODES.index(options.routing_code), tagged_logits=tagged_logits,
         two_set_weights_first=options.two_set_weights_first, reuse_staged_norm=options.reuse_staged_norm,
+        gemv_ks=tuple(sorted(gemv_splits(schedule, options.threads // 32).items())) if options.gemv_split_compiled
+        else tuple((op.name, 0) for op in SPLIT_OPS),
         residual_stage_bytes=stage_bytes, fused_down_blocks=next(iter(fused_rows), 0) // 64, norm_terms=norm_terms,
         residual_epilogue_inline=options.residual_epilogue == "inline" or (options.residual_epilogue == "auto"
                                                                            and stage_bytes > 0))
@@ -577,6 +610,7 @@ def template_context(cfg: KernelConfig, banner: str) -> dict[str, Any]:
         "norm_terms": cv.c_int(cfg.norm_terms),
         "two_set_weights_first": cv.c_bool(cfg.two_set_weights_first),
         "reuse_staged_norm": cv.c_bool(cfg.reuse_staged_norm),
+        "gemv_ks": [(name, cv.c_int(ks)) for name, ks in cfg.gemv_ks],
         "max_rank": cv.c_int(MAX_RANK),
         "dtypes": [(cv.c_ident(f"DT_{k.upper()}"), cv.c_int(v)) for k, v in DTYPE_CODES.items()],
         "record_words": [(cv.c_ident(k), cv.c_int(v)) for k, v in RECORD_LAYOUT],
