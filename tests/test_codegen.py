@@ -133,7 +133,7 @@ CODEGEN_VARIANTS: dict[str, tuple[tuple[int, ...], dict]] = {
     "counter-logits": ((1,), {"tagged_logits": "off"}),  # expert-up tiles wait for the router's counter
     "tagged-logits": ((8,), {"tagged_logits": "on"}),  # ... or read tagged logits (off by default at 8)
     "norm-reuse": ((1,), {"reuse_staged_norm": True}),  # a normed GEMV reuses the input staged before it
-    "split-run-time": ((1,), {"gemv_split_compiled": False}),  # every GEMV's k split chosen at run time
+    "split-compiled": ((1, 8), {"gemv_split_compiled": True}),  # a GEMV op's shared k split compiled in
 }
 
 
@@ -165,11 +165,34 @@ def test_codegen_variant_compiles_without_local_memory(cache, batch, variant):
         default = build_kernel(sc, spec, cache_dir=cache)
         per_dtype = instructions_by_op(art.cubin, art.cu_source)["LINEAR"]
         assert per_dtype > 1.5 * instructions_by_op(default.cubin, default.cu_source)["LINEAR"], options
+    if options.gemv_split_compiled:  # the ops whose tiles share a k split compile that path alone
+        ks = dict(art.config.gemv_ks)
+        assert ks["EXPERT_DOWN"] == 1 and ks["LM_HEAD"] == 1 and ks["LINEAR"] == 0  # LINEAR: 16 to 64 rows
+        assert ks["EXPERT_SWIGLU"] == (2 if batch == 1 else 1)  # 64-row tiles at batch 1: 4 groups, 2 parts
+        default = build_kernel(sc, spec, cache_dir=cache)
+        split, run_time = (instructions_by_op(a.cubin, a.cu_source) for a in (art, default))
+        assert split["EXPERT_DOWN"] < 0.7 * run_time["EXPERT_DOWN"], (split, run_time)
     if options.attn_warp_stages == 3:  # 8 warps x 3 blocks x (16 keys x 128 dims of K and V) in flight
         assert art.dynamic_smem == kernel_config(sc, spec, options).smem_bytes
         assert art.dynamic_smem >= 8 * 3 * 16 * 128 * 2 * 2
     assert art.config.tagged_logits == (options.tagged_logits == "on" or (options.tagged_logits == "auto"
                                                                           and batch <= 4))
+
+
+def test_gemv_k_split_is_the_kernels_rule():
+    """render.gemv_k_split mirrors gemv_tile's choice (two row groups per warp pair at most, two
+    blocks per part at least): the O-projection's 16-row tiles split k over all 8 warps, a 64-row
+    QKV tile over 2, 128-row expert-down tiles not at all, a short k caps the split; an op whose
+    tiles disagree gets no compiled split."""
+    from mkc.codegen.render import gemv_k_split, gemv_splits
+
+    assert [gemv_k_split(r, k, 8) for r, k in ((16, 4096), (64, 2048), (128, 768), (20, 2048), (16, 128))] == \
+        [8, 2, 1, 4, 2]
+    _, sc = _nmc_schedule(1)
+    splits = gemv_splits(sc, 8)
+    rows = {t.arg("rows") for t in sc.tasks if t.op == Opcode.LINEAR}
+    assert len(rows) > 1 and splits["LINEAR"] == 0
+    assert splits["EXPERT_DOWN"] == 1 and splits["EXPERT_SWIGLU"] == 2
 
 
 def test_residual_in_o_proj_kernel_compiles_without_local_memory(cache):

@@ -234,8 +234,11 @@ class CodegenOptions:
     # agree) splits its reduction over the same number of warps, that split is compiled in and the
     # other path of gemv_tile is not: North Mini Code at batch 1 loses the k-split path of its
     # expert-down and LM-head tiles and the one-warp-per-group path of its expert-up tiles (code
-    # the SM's instruction cache does not have to hold). False: every split chosen at run time.
-    gemv_split_compiled: bool = True
+    # the SM's instruction cache does not have to hold): 22,576 SASS instructions instead of 27,592,
+    # 242 registers instead of 246. Bitwise the same logits, and a tie on an H200 (kernel_variants.py,
+    # 2026-12-02 04:08 UTC, µs compiled / at run time): batch 1 2418.3 / 2441.7, 2446.5 / 2433.4,
+    # 2444.2 / 2412.9; batch 4 5392.4 / 5383.0, 5352.5 / 5416.6. Off: the kernels the GPU tests ran.
+    gemv_split_compiled: bool = False
 
 
 @dataclass(frozen=True, slots=True)
