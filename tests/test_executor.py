@@ -181,13 +181,19 @@ def test_fused_experts_match_reference(batch):
     (rows,) = {t.arg("rows") for t in fused}
     assert sc.buffers["L1.moe_out"].shape == (slots * 256 // rows, batch, 128)
     assert rows == (128 if batch == 1 else 256)  # batch 1: two parts per slot
+    _matches_reference(sc, spec, w, batch, 20 + batch, "fused experts")
+
+
+def _matches_reference(sc, spec, w, batch: int, seed: int, what: str, steps: int = 8) -> None:
+    """``steps`` steps of random tokens on the executor of ``sc`` (random interleavings), each
+    with the dense reference's logits."""
     ex, ref = CpuExecutor(sc, spec, w), DenseReference(spec, w)
-    g = torch.Generator().manual_seed(20 + batch)
-    for step in range(8):
+    g = torch.Generator().manual_seed(seed)
+    for step in range(steps):
         tokens = torch.randint(0, spec.vocab_size, (batch,), generator=g)
         pos = _positions(step, batch)
         logits, _ = ex.step(tokens, pos, seed=step)
-        _assert_close(logits, ref.step(tokens, pos), f"fused experts batch {batch} step {step}")
+        _assert_close(logits, ref.step(tokens, pos), f"{what} batch {batch} step {step}")
 
 
 def test_fused_experts_need_the_o_projection_to_end_the_layer():
@@ -217,13 +223,7 @@ def test_residual_as_terms_matches_reference(batch):
     w = random_weights(spec, seed=13, dtype=torch.float32, std=0.1)
     sc = schedule(lower(spec, batch, 64, 8, residual_in_o_proj=True, residual_as_terms=True), spec.name)
     assert any(t.operand("terms") == "L1.moe_out" for t in sc.tasks if t.op == Opcode.LINEAR)
-    ex, ref = CpuExecutor(sc, spec, w), DenseReference(spec, w)
-    g = torch.Generator().manual_seed(30 + batch)
-    for step in range(8):
-        tokens = torch.randint(0, spec.vocab_size, (batch,), generator=g)
-        pos = _positions(step, batch)
-        logits, _ = ex.step(tokens, pos, seed=step)
-        _assert_close(logits, ref.step(tokens, pos), f"residual as terms batch {batch} step {step}")
+    _matches_reference(sc, spec, w, batch, 30 + batch, "residual as terms")
 
 
 def test_residual_as_terms_needs_its_conditions():
