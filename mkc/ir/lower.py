@@ -62,9 +62,10 @@ class LowerOptions:
     # the residual stream into its own layer) and the MLP's outputs (every routing slot's expert
     # output, or a dense MLP's), which every reader sums in ascending order while it stages its
     # RMSNorm (the next layer's tiles, the LM head) or its residual (the next O-projection). So the
-    # O-projection waits for the attention only and runs beside the MLP's down projection, and no
-    # tile waits for both branches to add them up. Needs residual_in_o_proj and a parallel block;
+    # O-projection waits for the attention only and may run beside the MLP's down projection, and
+    # no tile waits for both branches to add them up. Needs residual_in_o_proj and a parallel block;
     # the readers stage every term, so it is for small batches (at most MAX_TERM_ROWS term rows).
+    # Measured 20% slower at batch 1 on an H200 (docs/tiling.md): off.
     residual_as_terms: bool = False
 
     def check(self) -> None:
