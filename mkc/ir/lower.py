@@ -174,11 +174,8 @@ class _Lowerer:
         assert set(args) == set(info.args), (op, set(args) ^ set(info.args))
         wbytes = weight_bytes if weight_bytes is not None else sum(r.numel * DTYPE_BYTES[self.buffers[r.buffer].dtype] for r in reads
                      if self.buffers[r.buffer].kind == "weight")
-        # a normed input's terms (LowerOptions.residual_as_terms) were just written, so they come from
-        # L2, copied beside the stream x: not charged as streamed bytes
-        terms = operands["terms"].name if operands.get("terms") is not None else None
         abytes = act_bytes if act_bytes is not None else sum(r.numel * DTYPE_BYTES[self.buffers[r.buffer].dtype] for r in (*reads, *writes)
-                     if self.buffers[r.buffer].kind != "weight" and r.buffer != terms)
+                     if self.buffers[r.buffer].kind != "weight")
         t = Task(id=len(self.tasks), op=op, layer=layer, name=name, operands=ops,
                  args=tuple(int(args[a]) for a in info.args), reads=tuple(reads), writes=tuple(writes),
                  weight_bytes=wbytes, act_bytes=abytes, flops=flops)
