@@ -528,7 +528,7 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         router_sigmoid=(moe.scoring == "sigmoid") if moe else True,
         normalize_top_k=moe.normalize_top_k if moe else False, gemv_unroll=options.gemv_unroll,
         gemv_max_k=max_k, max_splits=schedule.num_sms, num_experts=moe.num_experts if moe else 1,
-        moe_slots=min(moe.num_experts, schedule.batch * moe.top_k) if moe else 1, spin_limit=options.spin_limit,
+        moe_slots=moe.slots(schedule.batch) if moe else 1, spin_limit=options.spin_limit,
         prefetch_bytes=options.prefetch_bytes, run_prefetch_bytes=options.run_prefetch_bytes,
         gemv_pf_batches=options.gemv_pf_batches, descriptors_with_record=options.descriptors == "record",
         gemv_ring_request=options.gemv_ring_bytes, gemv_ring_bulk=options.gemv_ring_bulk and tiled,

@@ -144,8 +144,7 @@ class _Lowerer:
             if spec.block != "parallel":
                 raise SpecError(f"residual_as_terms: {spec.name} has a sequential block, whose attention output is "
                                 f"added before its MLP: expected residual_as_terms off")
-            terms = max([1] + [min(spec.moe.num_experts, opt.batch * spec.moe.top_k)
-                               for ls in spec.layers if ls.mlp == "moe"])
+            terms = max([1] + [spec.moe.slots(opt.batch) for ls in spec.layers if ls.mlp == "moe"])
             if opt.batch * terms > MAX_TERM_ROWS:
                 raise SpecError(f"residual_as_terms at batch {opt.batch}: every reader would stage {terms} terms of "
                                 f"{opt.batch} rows; expected at most {MAX_TERM_ROWS} rows (a smaller batch, or "
@@ -448,7 +447,7 @@ class _Lowerer:
         assert m is not None
         B, H, E, K, I = opt.batch, s.hidden_size, m.num_experts, m.top_k, m.intermediate
         P = f"L{layer}"
-        slots = min(E, B * K)  # distinct experts one step can route to
+        slots = m.slots(B)
         wr = self.buf(f"{P}.w_router", (E, H), "bf16", "weight", "[experts, hidden]")
         rl = self.buf(f"{P}.router_logits", (B, E), "f32", "act", "[B, experts]")
         self.linear(layer, "router", n, wr, rl)

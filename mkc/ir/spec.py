@@ -55,6 +55,10 @@ class MoESpec:
     scoring: str  # "sigmoid": w = sigmoid(logit) | "softmax": w = softmax(logits over all experts)
     normalize_top_k: bool  # divide the selected top-k weights by their sum
 
+    def slots(self, batch: int) -> int:
+        """Distinct experts one step of ``batch`` tokens can route to (the routing slots)."""
+        return min(self.num_experts, batch * self.top_k)
+
 
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
