@@ -106,6 +106,13 @@ VARIANTS: dict[str, CodegenOptions] = {
     # a GEMV op whose tiles share their k split has it compiled in (CodegenOptions.gemv_split_compiled,
     # off: chosen at run time)
     "split-compiled": CodegenOptions(gemv_split_compiled=True),
+    # attention-combine tasks copy their partial outputs into shared memory before deriving their
+    # weights (CodegenOptions.combine_loads_first, off: loaded after them, a second round trip)
+    "combine-first": CodegenOptions(combine_loads_first=True),
+    # LINEAR or expert-down tiles issue their second register batch of weights before their wait
+    # ends too (CodegenOptions.second_batch_before_wait)
+    "linear-2-early": CodegenOptions(second_batch_before_wait="linear"),
+    "down-2-early": CodegenOptions(second_batch_before_wait="expert_down"),
 }
 
 

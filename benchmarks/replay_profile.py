@@ -120,17 +120,28 @@ def main() -> None:
 def greedy_tail(sc, preds: list[list[int]], run_us, gaps: Gaps, tail: set[str]) -> list[list[int]]:
     """An oracle's placement: layer by layer, the tasks with a label in ``tail`` taken off their
     queues and, in the order their producers end (replayed), each put on the SM that frees first
-    (the end of its tasks of this layer or earlier before its first residual tile or next-layer
-    task), where it goes. Run times stay the measured ones, so this bounds what a placement rule
+    (the end of its tasks of this layer or earlier before its first residual tile, next-layer task
+    or task that waits for a moved one), where it goes. Run times stay the measured ones, so this bounds what a placement rule
     could gain, not what it would."""
     queues = [list(q) for q in sc.queues]
+    succs: list[list[int]] = [[] for _ in sc.tasks]
+    for t, ps in enumerate(preds):
+        for p in ps:
+            succs[p].append(t)
     for layer in range(1, max(t.layer for t in sc.tasks)):
         _, end = replay(sc, run_us, gaps, queues, preds)
         moved = {t.id for t in sc.tasks if t.layer == layer and label(t.name) in tail}
+        # the layer's tasks that wait (through others) for a moved one stay after it on every SM
+        after, todo = set(), [u for t in moved for u in succs[t]]
+        while todo:
+            u = todo.pop()
+            if u not in after and u not in moved and sc.tasks[u].layer == layer:
+                after.add(u)
+                todo.extend(succs[u])
         kept, cut, free = [], [], []
         for q in queues:
             k = [t for t in q if t not in moved]
-            i = next((j for j, t in enumerate(k) if sc.tasks[t].layer > layer
+            i = next((j for j, t in enumerate(k) if sc.tasks[t].layer > layer or t in after
                       or (sc.tasks[t].layer == layer and label(sc.tasks[t].name) == "residual")), len(k))
             kept.append(k)
             cut.append(i)

@@ -1,7 +1,7 @@
 """Step time of schedules made with different cost-model assumptions or lowerings, side by side in one run.
 
     python benchmarks/schedule_variants.py --batch 1 8 --context 8192 [--reps 20] [--variants NAME ...] \
-        [--attention-sms 0 32 ...] [--rope-in-splits yes no] [--mlp-share rest bytes] \
+        [--attention-sms 0 32 ...] [--rope-in-splits yes no] [--mlp-share rest bytes] [--mlp-waves 1 2] \
         [--residual-in-o-proj yes no] [--fused-experts yes no] [--qkv-tile-rows 0 48] [--residual-as-terms no yes]
         [--rounds 2] [--build-only]
 
@@ -91,6 +91,9 @@ def main() -> None:
     ap.add_argument("--mlp-share", nargs="+", default=["bytes"], choices=["rest", "bytes"],
                     help="LowerOptions.mlp_share values to lower with (bytes: the MLP's first GEMV and the QKV "
                          "projection share the SMs by bytes)")
+    ap.add_argument("--mlp-waves", type=int, nargs="+", default=[1],
+                    help="LowerOptions.mlp_waves values to lower with (waves of the MLP's SM share its first GEMV "
+                         "is tiled into)")
     ap.add_argument("--residual-in-o-proj", nargs="+", default=["no"], choices=["yes", "no"],
                     help="LowerOptions.residual_in_o_proj values to lower with (yes: the O-projection tiles add "
                          "the residual and the MLP's output, no RESIDUAL tiles)")
@@ -109,9 +112,10 @@ def main() -> None:
     a = ap.parse_args()
     a.attention_sms = [None if v == "auto" else int(v) for v in a.attention_sms]
     spec = load_spec(a.config)
-    variants = [(att, {"rope_in_splits": rope == "yes", "mlp_share": share, "residual_in_o_proj": fold == "yes",
+    variants = [(att, {"rope_in_splits": rope == "yes", "mlp_share": share, "mlp_waves": waves,
+                       "residual_in_o_proj": fold == "yes",
                        "fused_experts": fx == "yes", "qkv_tile_rows": qr, "residual_as_terms": rt == "yes"}, name)
-                for att in a.attention_sms for rope in a.rope_in_splits for share in a.mlp_share
+                for att in a.attention_sms for rope in a.rope_in_splits for share in a.mlp_share for waves in a.mlp_waves
                 for fold in a.residual_in_o_proj for fx in a.fused_experts for qr in a.qkv_tile_rows
                 for rt in a.residual_as_terms for name in a.variants]
     if a.build_only:
@@ -135,6 +139,7 @@ def main() -> None:
             sc = plan(spec, batch, a.context, sms, attention_sms=att, ceilings=VARIANTS[name], **lowering)
             label = f"{sc.meta['attention_sms']['chosen']}" + (" (auto)" if att is None else "")
             label += f", rope in splits {'yes' if lowering['rope_in_splits'] else 'no'}, mlp share {lowering['mlp_share']}"
+            label += f" x {lowering['mlp_waves']}"
             label += f", residual in o_proj {'yes' if lowering['residual_in_o_proj'] else 'no'}"
             label += f", fused experts {'yes' if lowering['fused_experts'] else 'no'}"
             label += f", qkv tile rows {lowering['qkv_tile_rows'] or 'rule'}"

@@ -677,9 +677,11 @@ __device__ void op_attn_split(const Task& t, unsigned char* smem) {
 }
 
 // attn[b, heads h0 .. h0 + nh of group g] = the splits' partials merged: o = sum_s c_s o_s with
-// c_s = exp(m_s - m) / sum_s' exp(m_s' - m) l_s'. Phase 1: one warp per (token, head) turns the
-// split statistics into the weights c_s. Phase 2: every thread sums a subset of the splits of one
-// 16-byte output piece (all its loads in flight); the subsets are then added in a fixed order.
+// c_s = exp(m_s - m) / sum_s' exp(m_s' - m) l_s'. Phase 0 (when they fit COMBINE_STAGE_BYTES): the
+// partial outputs are copied into shared memory (cp.async), in flight while phase 1 reads the
+// statistics. Phase 1: one warp per (token, head) turns the split statistics into the weights c_s.
+// Phase 2: every thread sums a subset of the splits of one 16-byte output piece (from shared
+// memory, or with all its loads in flight); the subsets are then added in a fixed order.
 __device__ void op_attn_combine(const Task& t, unsigned char* smem) {
     using O = OPND_ATTN_COMBINE;
     using A = ARG_ATTN_COMBINE;
@@ -689,6 +691,18 @@ __device__ void op_attn_combine(const Task& t, unsigned char* smem) {
     const float* pml = t.ptr<float>(O::part_ml);
     float* coef = reinterpret_cast<float*>(smem);  // [BATCH][nh][splits]: m_s, then the weights c_s
     float4* red = reinterpret_cast<float4*>(smem + (BATCH * nh * splits * 4 + 15) / 16 * 16);  // [parts][items]
+    constexpr int HQ = HEAD_DIM / 4;  // 16-byte pieces of one head's output
+    // [BATCH][nh][splits][HQ]: the partial outputs, copied while the weights are derived
+    float4* staged = red + NUM_THREADS;
+    const int pieces = BATCH * nh * splits * HQ;
+    const bool early = COMBINE_STAGE_BYTES > 0 && pieces * 16 <= COMBINE_STAGE_BYTES;
+    if (early) {
+        for (int i = threadIdx.x; i < pieces; i += NUM_THREADS) {
+            const int quad = i % HQ, s = (i / HQ) % splits, bh = i / (HQ * splits), b = bh / nh, hh = bh % nh;
+            cp_async16(staged + i, reinterpret_cast<const float4*>(
+                po + ((((size_t)b * kv_heads + g) * splits + s) * GROUP + h0 + hh) * HEAD_DIM) + quad);
+        }
+    }
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     for (int i = warp; i < BATCH * nh; i += NUM_WARPS) {
         const int b = i / nh, h = h0 + i % nh;
@@ -713,8 +727,8 @@ __device__ void op_attn_combine(const Task& t, unsigned char* smem) {
             coef[i * splits + s] = ms == -INFINITY ? 0.f : __expf(ms - m) * inv;
         }
     }
+    if (early) cp_async_wait_all();
     __syncthreads();
-    constexpr int HQ = HEAD_DIM / 4;  // 16-byte pieces of one head's output
     const int items = BATCH * nh * HQ, parts = max(1, NUM_THREADS / items);
     bf16* out = t.ptr<bf16>(O::out);
     const int out_ld = t.dim(O::out, 1);
@@ -730,11 +744,12 @@ __device__ void op_attn_combine(const Task& t, unsigned char* smem) {
         const int b = item / (nh * HQ), hh = (item / HQ) % nh, quad = item % HQ;
         const float4* src = reinterpret_cast<const float4*>(
             po + (((size_t)b * kv_heads + g) * splits * GROUP + h0 + hh) * HEAD_DIM) + quad;
+        const float4* own = staged + (b * nh + hh) * splits * HQ + quad;
         const float* cf = coef + (b * nh + hh) * splits;
         float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 4
         for (int s = part; s < splits; s += parts) {
-            const float4 v = __ldcg(src + (size_t)s * (GROUP * HEAD_DIM / 4));
+            const float4 v = early ? own[s * HQ] : __ldcg(src + (size_t)s * (GROUP * HEAD_DIM / 4));
             const float cs = cf[s];
             acc.x += cs * v.x;
             acc.y += cs * v.y;

@@ -387,14 +387,25 @@ __device__ __forceinline__ void gemv_item_bulk(const bf16* const (&w0)[NACC], bo
     __syncwarp();
 }
 
+// Register batches a GEMV warp issues before its tile's `finish` (gemv_item): Fin::EARLY_BATCHES
+// where the type has it (a finish that waits and copies only: holding a second batch there costs no
+// spills), else 1.
+template <class F, class = void>
+struct EarlyBatchesOf { static constexpr int value = 1; };
+template <class F>
+struct EarlyBatchesOf<F, decltype((void)F::EARLY_BATCHES)> { static constexpr int value = F::EARLY_BATCHES; };
+template <class F>
+__host__ __device__ constexpr int early_batches() { return EarlyBatchesOf<F>::value; }
+
 // Accumulate one warp item: rows (g, g + 8) of each of the NACC weight row sets over the blocks
 // kb_begin, kb_begin + kb_step, ... < kb_end (64 elements each). Software-pipelined over two
 // register batches of U blocks: the loads of one batch are in flight while the other is
 // multiplied, so the stream never drains between batches; for weights (NC), L2 prefetches run
 // GEMV_PF_BATCHES batches further ahead. With a weight ring (GEMV_RING_BYTES), weights stream
 // through shared memory instead (gemv_item_ring).
-// With `first`, the tile's `finish` (the end of the activations' staging, see gemv_tile) runs
-// once the first batch's loads are issued, so their round trips overlap.
+// With `first`, the tile's `finish` (the end of the activations' staging, see gemv_tile; for tiles
+// that issue their weights before their wait, the wait too) runs once the first batch's loads are
+// issued (GEMV_EARLY_BATCHES = 2: both batches'), so their round trips overlap.
 template <int NACC, bool NC = true, class Fin>
 __device__ __forceinline__ void gemv_item(const bf16* const (&w0)[NACC],
                                           const bf16* const (&w1)[NACC], bool v0, bool v1, const bf16* xrow,
@@ -411,9 +422,13 @@ __device__ __forceinline__ void gemv_item(const bf16* const (&w0)[NACC],
     const int batch = U * kb_step;
     uint4 wa[U][NACC][2][2], wb[U][NACC][2][2];
     gemv_load<U, NACC, NC>(wa, w0, w1, v0, v1, kb_begin, kb_step, kb_end);
+    // a `finish` whose type asks for two early batches (EARLY_BATCHES): the second batch flies with
+    // the first before it too
+    const bool both = early_batches<Fin>() >= 2 && first;
+    if (both) gemv_load<U, NACC, NC>(wb, w0, w1, v0, v1, kb_begin + batch, kb_step, kb_end);
     if (first) finish();
     for (int kb = kb_begin; kb < kb_end; kb += 2 * batch) {
-        gemv_load<U, NACC, NC>(wb, w0, w1, v0, v1, kb + batch, kb_step, kb_end);
+        if (!(both && kb == kb_begin)) gemv_load<U, NACC, NC>(wb, w0, w1, v0, v1, kb + batch, kb_step, kb_end);
         if constexpr (NC && GEMV_PF_BATCHES >= 0)
             gemv_prefetch<U, NACC>(w0, w1, v0, v1, kb + (2 + GEMV_PF_BATCHES) * batch, kb_step, kb_end);
         gemv_mma<U, NACC>(wa, xrow, kb, kb_step, kb_end, acc);

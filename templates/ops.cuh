@@ -190,6 +190,7 @@ __device__ __noinline__ void zero_rows(float* out, int ld, int rows) {
 // which its counter loads need not wait for.
 template <class O>
 struct WaitStageFinish : StageFinish<O> {
+    static constexpr int EARLY_BATCHES = EARLY_BATCHES_LINEAR;
     __device__ void operator()() const {
         const StageFinish<O>& s = *this;
         task_wait(s.t.w);
@@ -204,6 +205,7 @@ struct WaitStageFinish : StageFinish<O> {
 // loads before its wait (from its record's wait `first` on: the routing's part may be behind it):
 // the wait, then the hidden states' copies, then the barrier that publishes them.
 struct WaitCopyFinish {
+    static constexpr int EARLY_BATCHES = EARLY_BATCHES_DOWN;
     const Task& t;
     bf16* xs;
     const bf16* h;

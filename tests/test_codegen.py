@@ -134,6 +134,9 @@ CODEGEN_VARIANTS: dict[str, tuple[tuple[int, ...], dict]] = {
     "tagged-logits": ((8,), {"tagged_logits": "on"}),  # ... or read tagged logits (off by default at 8)
     "norm-reuse": ((1,), {"reuse_staged_norm": True}),  # a normed GEMV reuses the input staged before it
     "split-compiled": ((1, 8), {"gemv_split_compiled": True}),  # a GEMV op's shared k split compiled in
+    "combine-first": ((1,), {"combine_loads_first": True}),  # combine: partial outputs copied first
+    "linear-2-early": ((1, 8), {"second_batch_before_wait": "linear"}),  # two weight batches before the wait
+    "down-2-early": ((1, 8), {"second_batch_before_wait": "expert_down"}),
 }
 
 

@@ -73,6 +73,21 @@ def test_mlp_tiles_share_the_sms_by_bytes_against_qkv(nmc):
         lower(nmc, 1, 8192, 132, attention_sms=64, mlp_share="half")
 
 
+def test_mlp_waves_tile_the_mlp_share_finer(nmc):
+    """LowerOptions.mlp_waves: at batch 4 with 64 attention SMs the expert gate/up tiles fill the
+    MLP's share of the SMs once (32 slots x 4 tiles of 192 rows); two waves halve their rows (32 x 8
+    of 96), and nothing else of the layer changes. Out of range: an error naming the range."""
+    one = lower(nmc, 4, 8192, 132, attention_sms=64)
+    two = lower(nmc, 4, 8192, 132, attention_sms=64, mlp_waves=2)
+    up = [[t.arg("rows") for t in p.tasks if t.layer == 1 and t.op.name == "EXPERT_SWIGLU"] for p in (one, two)]
+    assert up[0] == [192] * 128 and up[1] == [96] * 256
+    assert {op: n for op, n in layer_ops(one, 1).items() if op != "EXPERT_SWIGLU"} == \
+        {op: n for op, n in layer_ops(two, 1).items() if op != "EXPERT_SWIGLU"}
+    assert validate(schedule(two, nmc.name)) == []
+    with pytest.raises(SpecError, match="mlp_waves = 0: expected 1 to 8"):
+        lower(nmc, 4, 8192, 132, attention_sms=64, mlp_waves=0)
+
+
 @pytest.mark.parametrize("batch, attention_sms", [(1, 32), (8, 64)])
 def test_split_schedules_are_safe(nmc, batch, attention_sms):
     sc = schedule(lower(nmc, batch, 8192, 132, attention_sms=attention_sms), nmc.name)

@@ -102,7 +102,7 @@ def test_tune_times_every_candidate_and_records_the_fastest(tiny, tuning_file, m
     rec = json.loads(tuning_file.read_text())[tuning.tuning_key(tiny, 2, 40, 16)]
     assert rec["attention_sms"] == 4 and rec["gpu"] == "NVIDIA H200" and rec["reps"] == 3
     # what the counts were timed with
-    assert rec["lowering"] == {"rope_in_splits": True, "mlp_share": "bytes", "residual_in_o_proj": False,
+    assert rec["lowering"] == {"rope_in_splits": True, "mlp_share": "bytes", "mlp_waves": 1, "residual_in_o_proj": False,
                                "fused_experts": False, "qkv_tile_rows": 0, "residual_as_terms": False}
     assert set(rec["measured_us"]) == {str(a) for a in candidates}
     assert any("fastest with 4 attention SMs" in ln for ln in logs)

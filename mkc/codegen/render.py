@@ -8,6 +8,7 @@ travels as data (``taskwords``), so one binary serves every context bucket of a 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,7 @@ RING_STAGE_BYTES = 32 * 4 * 16  # one 64-wide block of 16 rows (gemv.cuh: a ring
 ROUTING_CODES = ("unrolled", "loop", "shared")  # CodegenOptions.routing_code, by the kernel's ROUTING_CODE
 TAGGED_LOGITS = ("auto", "on", "off")  # CodegenOptions.tagged_logits
 TAGGED_LOGITS_MAX_BATCH = 4  # "auto": on up to this batch
+SECOND_BATCH_OPS = ("none", "linear", "expert_down")  # CodegenOptions.second_batch_before_wait
 RESIDUAL_EPILOGUES = ("auto", "inline", "call")  # CodegenOptions.residual_epilogue
 
 
@@ -239,6 +241,21 @@ class CodegenOptions:
     # 2026-12-02 04:08 UTC, µs compiled / at run time): batch 1 2418.3 / 2441.7, 2446.5 / 2433.4,
     # 2444.2 / 2412.9; batch 4 5392.4 / 5383.0, 5352.5 / 5416.6. Off: the kernels the GPU tests ran.
     gemv_split_compiled: bool = False
+    # Attention-combine tasks copy their splits' partial outputs into shared memory (cp.async) before
+    # they turn the splits' softmax statistics into weights, so both round trips fly together;
+    # False: the partial outputs are loaded after the weights, a second round trip. The same adds in
+    # the same order (bitwise the same logits). At batch 1 a combine sits between an expert-down and
+    # an O-projection tile on its SM, on the layer's tail (phase profile, 2026-12-02: 3.5 µs op for
+    # a few KB). But slower on an H200 (kernel_variants.py, 2026-12-02 09:45 UTC, three rounds, µs
+    # first / after): batch 1 2485.2 / 2459.8, 2516.9 / 2479.2, 2502.2 / 2438.2; batch 4 5477.8 /
+    # 5455.4, 5521.3 / 5456.3, 5473.1 / 5426.0. Off.
+    combine_loads_first: bool = False
+    # With weights_before_wait, the tiles whose GEMV warps issue their second register batch of
+    # weights before their wait and staging end too, not only the first: "linear" (LINEAR tiles:
+    # at batch 1 an O-projection tile of 16 rows x 4096 then has its whole 128 KB in flight while
+    # it waits), "expert_down" or "none". The loop holds both batches anyway; with both ops, the
+    # kernel spilled (1.5 KB at batch 1, NVRTC 13.0), so one op at most.
+    second_batch_before_wait: str = "none"
 
 
 @dataclass(frozen=True, slots=True)
@@ -297,6 +314,13 @@ class KernelConfig:
     # the most terms a normed input adds to its residual stream (LowerOptions.residual_as_terms; gemv.cuh:
     # stage_norm_async stages them all in the RMSNorm's scratch); 0 without such inputs
     norm_terms: int = 0
+    # bytes of partial outputs the largest attention-combine task copies into shared memory first
+    # (attention.cuh: op_attn_combine, CodegenOptions.combine_loads_first); 0: loaded after the weights
+    combine_stage_bytes: int = 0
+    # register batches issued before the wait by LINEAR / expert-down GEMV warps (CodegenOptions.
+    # second_batch_before_wait)
+    early_batches_linear: int = 1
+    early_batches_down: int = 1
 
     @property
     def warps(self) -> int:
@@ -361,7 +385,9 @@ class KernelConfig:
             attn = _round(attn, 16) + max(self.threads * self.head_dim * 2, self.group * kl * self.head_dim * f)
         if self.attn_warp_stages:  # attention.cuh: qx, the own rows, then a ring per warp
             attn = max(attn, self.attn_ring_offset + self.warps * self.attn_warp_stages * self.attn_stage_bytes)
-        combine = _round(self.batch * self.group * self.max_splits * f, 16) + self.threads * 4 * f  # weights, partial sums
+        # weights, partial sums, then the partial outputs copied first
+        combine = (_round(self.batch * self.group * self.max_splits * f, 16) + self.threads * 4 * f
+                   + self.combine_stage_bytes)
         # ops.cuh: positions, qk-norm factors, then the group's q/k/v rows of every sequence
         rope = 128 + _round(self.batch * (self.group + 1) * f, 128) + self.batch * (self.group + 2) * self.head_dim * 2
         return _round(max(gemv, attn, combine, rope), 128)
@@ -473,6 +499,9 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
     if options.tagged_logits not in TAGGED_LOGITS:
         raise CodegenError(f"tagged_logits = {options.tagged_logits!r}: expected one of "
                            + ", ".join(repr(c) for c in TAGGED_LOGITS))
+    if options.second_batch_before_wait not in SECOND_BATCH_OPS:
+        raise CodegenError(f"second_batch_before_wait = {options.second_batch_before_wait!r}: expected one of "
+                           + ", ".join(repr(c) for c in SECOND_BATCH_OPS))
     if options.residual_epilogue not in RESIDUAL_EPILOGUES:
         raise CodegenError(f"residual_epilogue = {options.residual_epilogue!r}: expected one of "
                            + ", ".join(repr(c) for c in RESIDUAL_EPILOGUES))
@@ -482,7 +511,7 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
     if options.weight_layout == "tiles" and problem:
         raise CodegenError(problem)
     tiled = options.weight_layout != "rows" and problem is None
-    max_k, stage_bytes, norm_terms = 64, 0, 0
+    max_k, stage_bytes, norm_terms, combine_bytes = 64, 0, 0, 0
     fused_rows = {t.arg("rows") for t in schedule.tasks if t.op == Opcode.EXPERT_MLP}
     if len(fused_rows) > 1:
         raise CodegenError(f"fused expert tiles of {sorted(fused_rows)} rows: the kernel compiles one size "
@@ -517,9 +546,12 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
                     raise CodegenError(f"task {t.id} ({t.name}): {rows} rows from row {t.arg('row0')}: a fused expert "
                                        f"tile's rows are its down projection's reduction: expected a normed input and "
                                        f"multiples of 64, at most {scratch // 16 - 32} rows")
-        elif t.op == Opcode.ATTN_COMBINE and t.arg("splits") > schedule.num_sms:
-            raise CodegenError(f"task {t.id} ({t.name}): {t.arg('splits')} splits: expected at most "
-                               f"num_sms = {schedule.num_sms}")
+        elif t.op == Opcode.ATTN_COMBINE:
+            if t.arg("splits") > schedule.num_sms:
+                raise CodegenError(f"task {t.id} ({t.name}): {t.arg('splits')} splits: expected at most "
+                                   f"num_sms = {schedule.num_sms}")
+            if options.combine_loads_first:  # attention.cuh: [BATCH][heads][splits][HEAD_DIM] floats
+                combine_bytes = max(combine_bytes, schedule.batch * t.arg("heads") * t.arg("splits") * a.head_dim * 4)
     cfg = KernelConfig(
         threads=options.threads, batch=schedule.batch, hidden=spec.hidden_size, head_dim=a.head_dim,
         page_size=page_size_of(schedule.buffers), group=group, top_k=top_k,
@@ -543,9 +575,14 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         two_set_weights_first=options.two_set_weights_first, reuse_staged_norm=options.reuse_staged_norm,
         gemv_ks=tuple(sorted(gemv_splits(schedule, options.threads // 32).items())) if options.gemv_split_compiled
         else tuple((op.name, 0) for op in SPLIT_OPS),
-        residual_stage_bytes=stage_bytes, fused_down_blocks=next(iter(fused_rows), 0) // 64, norm_terms=norm_terms,
+        residual_stage_bytes=stage_bytes, combine_stage_bytes=combine_bytes,
+        early_batches_linear=2 if options.second_batch_before_wait == "linear" else 1,
+        early_batches_down=2 if options.second_batch_before_wait == "expert_down" else 1,
+        fused_down_blocks=next(iter(fused_rows), 0) // 64, norm_terms=norm_terms,
         residual_epilogue_inline=options.residual_epilogue == "inline" or (options.residual_epilogue == "auto"
                                                                            and stage_bytes > 0))
+    if cfg.smem_bytes > MAX_SMEM_BYTES and cfg.combine_stage_bytes:  # the combine loads its partials after its weights
+        cfg = dataclasses.replace(cfg, combine_stage_bytes=0)
     if cfg.smem_bytes > MAX_SMEM_BYTES:
         raise CodegenError(f"shared memory {cfg.smem_bytes} B (widest GEMV k = {max_k}, batch = {cfg.batch}): "
                            f"expected at most {MAX_SMEM_BYTES} B")
@@ -611,6 +648,9 @@ def template_context(cfg: KernelConfig, banner: str) -> dict[str, Any]:
         "residual_epilogue_inline": cv.c_int(int(cfg.residual_epilogue_inline)),  # a preprocessor 0 / 1
         "fused_down_blocks": cv.c_int(cfg.fused_down_blocks),
         "norm_terms": cv.c_int(cfg.norm_terms),
+        "combine_stage_bytes": cv.c_int(cfg.combine_stage_bytes),
+        "early_batches_linear": cv.c_int(cfg.early_batches_linear),
+        "early_batches_down": cv.c_int(cfg.early_batches_down),
         "two_set_weights_first": cv.c_bool(cfg.two_set_weights_first),
         "reuse_staged_norm": cv.c_bool(cfg.reuse_staged_norm),
         "gemv_ks": [(name, cv.c_int(ks)) for name, ks in cfg.gemv_ks],

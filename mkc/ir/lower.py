@@ -41,6 +41,10 @@ class LowerOptions:
     # step µs bytes / rest at the tuned attention SMs): batch 1 3072 / 3190, batch 2 4066 / 4119,
     # batch 4 6112 / 6120; batch 8 lowers the same either way.
     mlp_share: str = "bytes"
+    # waves of that share the MLP's first GEMV is tiled into: 2 halves its tiles' rows, so the tiles
+    # that would hold an SM for the whole branch pack beside the attention splits (at batch 4, one
+    # wave of expert-up tiles ran 46 µs each and the splits queued behind them; BENCHMARKS.md)
+    mlp_waves: int = 1
     # the O-projection ends the layer: one GEMV over every head (no split-K partials by KV group)
     # whose tiles add the residual stream and the MLP's output (a dense MLP's, or every routing
     # slot's expert output) and write the next layer's residual stream, so no RESIDUAL task (and
@@ -81,6 +85,8 @@ class LowerOptions:
         if self.page_size < 0 or self.page_size > self.context:
             raise SpecError(f"--page-size {self.page_size}: expected 0 (contiguous) or 1 to the context "
                             f"({self.context}) positions per KV page")
+        if not 1 <= self.mlp_waves <= 8:
+            raise SpecError(f"mlp_waves = {self.mlp_waves}: expected 1 to 8 waves of MLP tiles")
         if self.mlp_share not in ("rest", "bytes"):
             raise SpecError(f"mlp_share = {self.mlp_share!r}: expected 'rest' or 'bytes'")
         if self.qkv_tile_rows < 0 or self.qkv_tile_rows % 16:
@@ -186,14 +192,15 @@ class _Lowerer:
         return self.opt.attention_sms or self.opt.num_sms
 
     def mlp_sms(self, mlp_bytes: int) -> int:
-        """SMs the MLP's first GEMV (dense SwiGLU or expert gate/up, ``mlp_bytes`` of weights in one
-        layer) fills beside the attention (LowerOptions.mlp_share)."""
+        """Tiles of the MLP's first GEMV (dense SwiGLU or expert gate/up, ``mlp_bytes`` of weights in
+        one layer): the SMs it fills beside the attention (LowerOptions.mlp_share), times
+        LowerOptions.mlp_waves."""
         opt = self.opt
         if opt.mlp_share == "rest" or not opt.attention_sms:
-            return opt.num_sms - opt.attention_sms
+            return (opt.num_sms - opt.attention_sms) * opt.mlp_waves
         a = self.spec.attention
         qkv_bytes = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim * self.spec.hidden_size * 2
-        return max(1, min(opt.num_sms, round(opt.num_sms * mlp_bytes / (mlp_bytes + qkv_bytes))))
+        return max(1, min(opt.num_sms, round(opt.num_sms * mlp_bytes / (mlp_bytes + qkv_bytes)))) * opt.mlp_waves
 
     # -- ops -----------------------------------------------------------------------------------
     def linear(self, layer: int, label: str, x: Buffer | Normed, w: Buffer, out: Buffer, *, k0: int = 0,
@@ -263,7 +270,7 @@ class _Lowerer:
         prog = Program(self.buffers, self.tasks, {"batch": B, "context": C, "num_sms": opt.num_sms,
                                                   "page_size": opt.page_size, "attention_sms": opt.attention_sms,
                                                   "rope_in_splits": opt.rope_in_splits,
-                                                  "mlp_share": opt.mlp_share,
+                                                  "mlp_share": opt.mlp_share, "mlp_waves": opt.mlp_waves,
                                                   "residual_in_o_proj": opt.residual_in_o_proj,
                                                   "fused_experts": opt.fused_experts,
                                                   "qkv_tile_rows": opt.qkv_tile_rows,
@@ -544,7 +551,7 @@ class _Lowerer:
 def lower(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int = 0, kv_pages: int = 0,
           attention_sms: int = 0, **choices) -> Program:
     """Lower a model into a Program (buffers, tasks in program order, derived DAG). ``choices``: the
-    other LowerOptions fields (rope_in_splits, mlp_share, residual_in_o_proj)."""
+    other LowerOptions fields (rope_in_splits, mlp_share, mlp_waves, residual_in_o_proj, ...)."""
     opt = LowerOptions(batch=batch, context=context, num_sms=num_sms, page_size=page_size, kv_pages=kv_pages,
                        attention_sms=attention_sms, **choices)
     opt.check()
