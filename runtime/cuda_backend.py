@@ -80,6 +80,9 @@ class LaunchConfig:
     grid: int  # CTAs = the schedule's SM count (one per SM)
     threads: int  # per CTA
     dynamic_smem: int  # bytes
+    # as the driver reports the loaded kernel (the artifact's own come from the compile log)
+    regs: int = -1  # registers per thread
+    static_smem: int = -1  # bytes per CTA
 
 
 class LogicalWeights(Mapping):
@@ -180,8 +183,12 @@ class CudaDecoder:
         if sc.num_sms > sms:
             raise CudaError(f"the schedule has {sc.num_sms} persistent CTAs but the GPU has {sms} SMs: "
                             f"compile with --num-sms {sms} or fewer")
-        if art.dynamic_smem + art.smem > smem_max:
-            raise CudaError(f"kernel {art.name} needs {art.dynamic_smem + art.smem} B of shared memory per CTA; "
+        fattr = driver.CUfunction_attribute
+        regs = _check(driver.cuFuncGetAttribute(fattr.CU_FUNC_ATTRIBUTE_NUM_REGS, self._func), "cuFuncGetAttribute")
+        static = _check(driver.cuFuncGetAttribute(fattr.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, self._func),
+                        "cuFuncGetAttribute")
+        if art.dynamic_smem + static > smem_max:
+            raise CudaError(f"kernel {art.name} needs {art.dynamic_smem + static} B of shared memory per CTA; "
                             f"the GPU allows {smem_max}")
         _check(driver.cuFuncSetAttribute(
             self._func, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -189,10 +196,11 @@ class CudaDecoder:
         per_sm = _check(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(self._func, art.threads, art.dynamic_smem),
                         "cuOccupancyMaxActiveBlocksPerMultiprocessor")
         if per_sm < 1:
-            raise CudaError(f"kernel {art.name} cannot be resident on an SM ({art.threads} threads, {art.regs} "
+            raise CudaError(f"kernel {art.name} cannot be resident on an SM ({art.threads} threads, {regs} "
                             f"registers, {art.dynamic_smem} B dynamic shared memory): the persistent CTAs "
                             f"would deadlock")
-        return LaunchConfig(grid=sc.num_sms, threads=art.threads, dynamic_smem=art.dynamic_smem)
+        return LaunchConfig(grid=sc.num_sms, threads=art.threads, dynamic_smem=art.dynamic_smem, regs=regs,
+                            static_smem=static)
 
     def _allocate(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}

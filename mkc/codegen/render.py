@@ -254,7 +254,12 @@ class CodegenOptions:
     # weights before their wait and staging end too, not only the first: "linear" (LINEAR tiles:
     # at batch 1 an O-projection tile of 16 rows x 4096 then has its whole 128 KB in flight while
     # it waits), "expert_down" or "none". The loop holds both batches anyway; with both ops, the
-    # kernel spilled (1.5 KB at batch 1, NVRTC 13.0), so one op at most.
+    # kernel spilled (1.5 KB at batch 1, NVRTC 13.0), so one op at most. Bitwise the same logits,
+    # but slower at batch 1 on an H200 (kernel_variants.py, 2026-12-02 10:22 UTC, three rounds, µs
+    # none / linear / expert_down): 2435.5 / 2492.0 / 2488.3, 2434.0 / 2513.1 / 2509.8, 2429.5 /
+    # 2474.3 / 2495.5 (+1.8% to +3.3%); batch 4 a tie (5488.7 / 5482.2 / 5451.6, 5425.0 / 5429.1 /
+    # 5391.5, 5403.7 / 5435.3 / 5428.5). A second batch in flight early takes its bytes from the
+    # streams beside it, as the expert tiles' earlier starts did (reuse_staged_norm). "none".
     second_batch_before_wait: str = "none"
 
 

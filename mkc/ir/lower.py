@@ -43,7 +43,11 @@ class LowerOptions:
     mlp_share: str = "bytes"
     # waves of that share the MLP's first GEMV is tiled into: 2 halves its tiles' rows, so the tiles
     # that would hold an SM for the whole branch pack beside the attention splits (at batch 4, one
-    # wave of expert-up tiles ran 46 µs each and the splits queued behind them; BENCHMARKS.md)
+    # wave of expert-up tiles ran 46 µs each and the splits queued behind them). Measured on an
+    # H200 (schedule_variants.py, 2026-12-02 09:55-09:59 UTC, two rounds, µs for 1 / 2 / 3 waves):
+    # batch 4 5440 / 5544 / 5770 and 5394 / 5492 / 5843, with the splits ranked first and spread
+    # 5722 / 5396 / 5556 and 5568 / 5397 / 5568 (no better than one wave's default); batch 8 8536 /
+    # 8781 / 8597 and 8694 / 8819 / 8601; batch 2 3452 / 3696 and 3438 / 3757. One wave.
     mlp_waves: int = 1
     # the O-projection ends the layer: one GEMV over every head (no split-K partials by KV group)
     # whose tiles add the residual stream and the MLP's output (a dense MLP's, or every routing
