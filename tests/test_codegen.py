@@ -135,8 +135,8 @@ CODEGEN_VARIANTS: dict[str, tuple[tuple[int, ...], dict]] = {
     "norm-reuse": ((1,), {"reuse_staged_norm": True}),  # a normed GEMV reuses the input staged before it
     "split-compiled": ((1, 8), {"gemv_split_compiled": True}),  # a GEMV op's shared k split compiled in
     "combine-first": ((1,), {"combine_loads_first": True}),  # combine: partial outputs copied first
-    "linear-2-early": ((1, 8), {"second_batch_before_wait": "linear"}),  # two weight batches before the wait
-    "down-2-early": ((1, 8), {"second_batch_before_wait": "expert_down"}),
+    "linear-2-early": ((1,), {"second_batch_before_wait": "linear"}),  # two weight batches before the wait
+    "down-2-early": ((1,), {"second_batch_before_wait": "expert_down"}),
 }
 
 
@@ -168,6 +168,13 @@ def test_codegen_variant_compiles_without_local_memory(cache, batch, variant):
         default = build_kernel(sc, spec, cache_dir=cache)
         per_dtype = instructions_by_op(art.cubin, art.cu_source)["LINEAR"]
         assert per_dtype > 1.5 * instructions_by_op(default.cubin, default.cu_source)["LINEAR"], options
+    if options.combine_loads_first:  # the largest combine's partial outputs fit in shared memory
+        combines = [t for t in sc.tasks if t.op == Opcode.ATTN_COMBINE]
+        assert {(t.arg("heads"), t.arg("splits")) for t in combines} == {(2, 32)}  # every SM splits at batch 1
+        assert art.config.combine_stage_bytes == 2 * 32 * 128 * 4, art.config
+    if options.second_batch_before_wait != "none":  # two batches before the wait for the op asked, one for the other
+        early = (art.config.early_batches_linear, art.config.early_batches_down)
+        assert early == ((2, 1) if options.second_batch_before_wait == "linear" else (1, 2)), early
     if options.gemv_split_compiled:  # the ops whose tiles share a k split compile that path alone
         ks = dict(art.config.gemv_ks)
         assert ks["EXPERT_DOWN"] == 1 and ks["LM_HEAD"] == 1 and ks["LINEAR"] == 0  # LINEAR: 16 to 64 rows
