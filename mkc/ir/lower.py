@@ -201,10 +201,12 @@ class _Lowerer:
         LowerOptions.mlp_waves."""
         opt = self.opt
         if opt.mlp_share == "rest" or not opt.attention_sms:
-            return (opt.num_sms - opt.attention_sms) * opt.mlp_waves
-        a = self.spec.attention
-        qkv_bytes = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim * self.spec.hidden_size * 2
-        return max(1, min(opt.num_sms, round(opt.num_sms * mlp_bytes / (mlp_bytes + qkv_bytes)))) * opt.mlp_waves
+            share = opt.num_sms - opt.attention_sms
+        else:
+            a = self.spec.attention
+            qkv_bytes = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim * self.spec.hidden_size * 2
+            share = max(1, min(opt.num_sms, round(opt.num_sms * mlp_bytes / (mlp_bytes + qkv_bytes))))
+        return share * opt.mlp_waves
 
     # -- ops -----------------------------------------------------------------------------------
     def linear(self, layer: int, label: str, x: Buffer | Normed, w: Buffer, out: Buffer, *, k0: int = 0,
