@@ -113,6 +113,18 @@ VARIANTS: dict[str, CodegenOptions] = {
     # ends too (CodegenOptions.second_batch_before_wait)
     "linear-2-early": CodegenOptions(second_batch_before_wait="linear"),
     "down-2-early": CodegenOptions(second_batch_before_wait="expert_down"),
+    # L2 warm-up (CodegenOptions.l2_warm): waiting tasks ask L2 for weights a later tile of the
+    # layer's chain streams; with or without the weight and KV streams marked evict-first
+    # (CodegenOptions.weights_evict_first; both "auto": on at batch 2-4)
+    "no-warm": CodegenOptions(l2_warm="off", weights_evict_first="off"),
+    "evict-first": CodegenOptions(l2_warm="off", weights_evict_first="on"),
+    "warm-o-splits": CodegenOptions(l2_warm="o_proj:splits", weights_evict_first="off"),
+    "warm-o-splits-ef": CodegenOptions(l2_warm="o_proj:splits", weights_evict_first="on"),
+    "warm-o-up-ef": CodegenOptions(l2_warm="o_proj:expert_up", weights_evict_first="on"),
+    "warm-router-ef": CodegenOptions(l2_warm="next_router:combine", weights_evict_first="on"),
+    "warm-o-router-ef": CodegenOptions(l2_warm="o_proj:splits,next_router:combine", weights_evict_first="on"),
+    "warm-qkv-o-ef": CodegenOptions(l2_warm="o_proj:splits,next_qkv:combine", weights_evict_first="on"),
+    "warm-o-up-router-ef": CodegenOptions(l2_warm="o_proj:expert_up,next_router:combine", weights_evict_first="on"),
 }
 
 

@@ -77,8 +77,9 @@ def _contexts(v: str) -> list[int]:
 
 def _kernel_line(kernel_json: Path, schedule) -> str:
     """One summary line for the compiled kernel: its name, resources and weight layout (and, when
-    the GEMV weights stay row-major, why tile order was not possible), and whether the expert-up
-    tiles read tagged router logits (CodegenOptions.tagged_logits)."""
+    the GEMV weights stay row-major, why tile order was not possible), whether the expert-up
+    tiles read tagged router logits (CodegenOptions.tagged_logits), and the L2 warm-up and
+    evict-first streams (CodegenOptions.l2_warm, weights_evict_first) where they are on."""
     import json
 
     from mkc.codegen.render import tile_order_problem
@@ -90,6 +91,10 @@ def _kernel_line(kernel_json: Path, schedule) -> str:
         layout = f"weights row-major ({tile_order_problem(schedule) or 'asked for'})"
     if k["config"].get("tagged_logits") and routing_logits(schedule):
         layout += ", tagged router logits"
+    if k["config"].get("l2_warm", "off") != "off":
+        layout += f", L2 warm-up {k['config']['l2_warm']}"
+    if k["config"].get("weights_evict_first"):
+        layout += ", evict-first streams"
     line = (f"kernel          {k['name']}: {k['regs']} registers, {k['dynamic_smem']} + {k['static_smem']} B "
             f"shared memory, {layout}")
     by_op = k.get("sass_by_op")

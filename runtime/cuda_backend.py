@@ -153,7 +153,7 @@ class CudaDecoder:
             if self.page_size:  # sequence b's pages are b * pages_per_seq + j until someone remaps them
                 self.buffers["page_table"].copy_(identity_page_table(schedule.batch, schedule.context, self.page_size,
                                                     schedule.buffers["L0.k_cache"].shape[1]))
-            words = encode(schedule)
+            words = encode(schedule, self.artifact.config.l2_warm)
             dev = self.device
             self._records = torch.from_numpy(words.records.reshape(-1)).to(dev)
             self._queue_start = torch.from_numpy(words.queue_start).to(dev)

@@ -265,7 +265,7 @@ __device__ __forceinline__ void attw_issue(uint4* ring, int st, const AttnRows& 
             if (key < hi) {
                 const bf16* row = r.krow(key) + 8 * q;
 #pragma unroll
-                for (int p = 0; p < ATTW_KP; ++p) cp_async16(s + (kt * ATTW_KP + p) * 32, row + 32 * p);
+                for (int p = 0; p < ATTW_KP; ++p) cp_async16_stream(s + (kt * ATTW_KP + p) * 32, row + 32 * p);
             }
         }
 #pragma unroll
@@ -274,7 +274,7 @@ __device__ __forceinline__ void attw_issue(uint4* ring, int st, const AttnRows& 
             if (key < hi) {
                 const bf16* row = r.vrow(key) + 8 * g;
 #pragma unroll
-                for (int h = 0; h < ATTW_VP; ++h) cp_async16(s + (2 * ATTW_KP + vk * ATTW_VP + h) * 32, row + 64 * h);
+                for (int h = 0; h < ATTW_VP; ++h) cp_async16_stream(s + (2 * ATTW_KP + vk * ATTW_VP + h) * 32, row + 64 * h);
             }
         }
     }

@@ -19,11 +19,23 @@ typedef unsigned long long u64;
 
 // ---- loads and stores --------------------------------------------------------------------------
 
+// An L2 cache policy that marks the lines a load brings in as the first to evict
+// (WEIGHTS_EVICT_FIRST: bytes read once per step, so the lines warmed for later tiles stay).
+__device__ __forceinline__ u64 l2_evict_first_policy() {
+    u64 pol;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+    return pol;
+}
+
 // 16 bytes of immutable weights, streamed: non-coherent path, no L1 allocation.
 __device__ __forceinline__ uint4 ldg_stream(const void* p) {
     uint4 v;
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    if constexpr (WEIGHTS_EVICT_FIRST)
+        asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+            : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(l2_evict_first_policy()));
+    else
+        asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+            : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
     return v;
 }
 
@@ -92,6 +104,17 @@ __device__ __forceinline__ void prefetch_line_l2(const void* p) {
 __device__ __forceinline__ void cp_async16(void* smem_dst, const void* gsrc) {
     const u32 d = (u32)__cvta_generic_to_shared(smem_dst);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(gsrc) : "memory");
+}
+
+// The same for bytes read once per step (the KV cache's rows): with WEIGHTS_EVICT_FIRST their L2
+// lines are the first to evict.
+__device__ __forceinline__ void cp_async16_stream(void* smem_dst, const void* gsrc) {
+    const u32 d = (u32)__cvta_generic_to_shared(smem_dst);
+    if constexpr (WEIGHTS_EVICT_FIRST)
+        asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(d), "l"(gsrc),
+                     "l"(l2_evict_first_policy()) : "memory");
+    else
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(gsrc) : "memory");
 }
 
 // mbarriers and bulk copies (TMA) into this CTA's shared memory

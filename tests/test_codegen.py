@@ -47,9 +47,11 @@ from mkc.codegen.taskwords import (
     W_WAIT_CNT,
     W_WAIT_OFF,
     W_WAITS,
+    W_WARM,
     EncodeError,
     buffer_table,
     encode,
+    l2_warm_hints,
     record_descriptors,
     routing_logits,
     tagged_words,
@@ -486,7 +488,55 @@ def test_task_words_encode_the_schedule(tiny):
             names = [w.buffer_names[i] if i >= 0 else "-" for i in r[W_OPERANDS:W_OPERANDS + len(t.operands)]]
             assert names == list(t.operands)
             assert list(r[W_ARGS:W_ARGS + len(t.args)]) == list(t.args)
+            assert list(r[W_WARM:W_WARM + 3]) == [-1, 0, 0]  # no L2 warm-up hints unless asked
             row += 1
+
+
+@pytest.mark.parametrize(("rule", "carrier", "target", "shift"), [
+    ("o_proj:splits", Opcode.ATTN_SPLIT, "w_o", 0),
+    ("o_proj:expert_up", Opcode.EXPERT_SWIGLU, "w_o", 0),
+    ("next_router:combine", Opcode.ATTN_COMBINE, "w_router", 1),
+    ("next_qkv:combine", Opcode.ATTN_COMBINE, "w_qkv", 1),
+])
+def test_l2_warm_hints_split_the_targets_weights_over_the_carriers(rule, carrier, target, shift):
+    """CodegenOptions.l2_warm at North Mini Code's batch 4: each carrier of layer L carries one hint, on
+    its target's weight buffer (layer L or L + 1), and the hints of a layer tile that buffer exactly,
+    without overlap; the records carry them in task order, the other records none."""
+    _, sc = _nmc_schedule(4)
+    hints = l2_warm_hints(sc, rule)
+    carriers = [t for t in sc.tasks if t.op == carrier and f"L{t.layer + shift}.{target}" in sc.buffers]
+    assert carriers and set(hints) == {t.id for t in carriers}
+    for layer in {t.layer for t in carriers}:
+        name = f"L{layer + shift}.{target}"
+        ranges = sorted((off, n) for tid, (b, off, n) in hints.items() if sc.tasks[tid].layer == layer and b == name)
+        assert len(ranges) == sum(t.layer == layer for t in carriers)
+        ends = [off + n for off, n in ranges]
+        assert ranges[0][0] == 0 and all(e == o for e, (o, _) in zip(ends, ranges[1:]))
+        assert 16 * ends[-1] == int(np.prod(sc.buffers[name].shape)) * 2
+    w = encode(sc, rule)
+    by_id = {int(r[W_ID]): r for r in w.records}
+    for tid, r in by_id.items():
+        want = (w.buffer_names.index(hints[tid][0]), *hints[tid][1:]) if tid in hints else (-1, 0, 0)
+        assert tuple(r[W_WARM:W_WARM + 3]) == want
+
+
+def test_l2_warm_rules_are_checked(tiny):
+    spec, sc = tiny
+    with pytest.raises(CodegenError, match="l2_warm rule 'o_proj:lm_head': expected TARGET:CARRIER"):
+        kernel_config(sc, spec, CodegenOptions(l2_warm="o_proj:lm_head"))
+    with pytest.raises(EncodeError, match="a carrier takes one rule"):
+        encode(sc, "o_proj:splits,next_router:splits")
+    with pytest.raises(CodegenError, match="weights_evict_first = 'yes': expected one of 'auto', 'on', 'off'"):
+        kernel_config(sc, spec, CodegenOptions(weights_evict_first="yes"))
+    assert kernel_config(sc, spec, CodegenOptions(l2_warm="off")).l2_warm == "off"
+    auto = kernel_config(sc, spec)  # batch 2: the O-projection warmed by the expert gate/up tiles, evict-first streams
+    assert sc.batch == 2 and auto.l2_warm == "o_proj:expert_up" and auto.weights_evict_first
+    assert "constexpr bool WEIGHTS_EVICT_FIRST = true;" in render_source(auto, "t")
+    b1, b8 = (schedule(lower(spec, b, 16, 8), spec.name) for b in (1, 8))
+    for other in (kernel_config(b1, spec), kernel_config(b8, spec)):
+        assert other.l2_warm == "off" and not other.weights_evict_first
+    cfg = kernel_config(sc, spec, CodegenOptions(l2_warm="o_proj:expert_up"))
+    assert cfg.l2_warm == "o_proj:expert_up" and "constexpr bool L2_WARM = true;" in render_source(cfg, "t")
 
 
 def test_record_descriptors_are_the_table_rows_of_each_operand(tiny):

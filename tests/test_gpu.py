@@ -27,6 +27,7 @@ element). Through the layers such flips average out to ~1e-3 relative in L2, so:
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import re
@@ -622,6 +623,33 @@ def test_nmc_tagged_logits_match_default(nmc_weights, num_sms, batch):
     for i in range(3):
         lg, tok = dec.step(tokens, positions)
         assert torch.equal(lg, ref) and torch.equal(tok, ref_tok), f"step {i}: differs from the default kernel"
+
+
+@pytest.mark.parametrize("batch", [2, 4])
+def test_nmc_l2_warm_up_matches_without(nmc_weights, num_sms, batch):
+    """At batch 2-4 the default kernel warms L2 with the O-projection's weights (the expert gate/up
+    tiles ask for them while they wait) and streams weights and KV rows evict-first
+    (CodegenOptions.l2_warm, weights_evict_first "auto"). Hints and cache policies change no
+    arithmetic: three steps give bitwise the logits and tokens of the kernel without them, and so
+    do other carriers and targets (the attention splits and combines warming the O-projection and
+    the next layer's QKV weights)."""
+    from mkc.codegen import CodegenOptions
+
+    spec, weights = nmc_weights
+    tokens = torch.randint(0, spec.vocab_size, (batch,), dtype=torch.int32)
+    positions = nmc_positions(batch, 8192)
+    off = CodegenOptions(l2_warm="off", weights_evict_first="off")
+    ref, ref_tok = nmc_decoder(spec, weights, batch, 8192, num_sms, off).step(tokens, positions)
+    ref = ref.clone()
+    for options in (None, CodegenOptions(l2_warm="o_proj:splits,next_qkv:combine", weights_evict_first="on")):
+        dec = nmc_decoder(spec, weights, batch, 8192, num_sms, options)
+        assert dec.artifact.config.l2_warm != "off" and dec.artifact.config.weights_evict_first
+        for i in range(3):
+            lg, tok = dec.step(tokens, positions)
+            assert torch.equal(lg, ref) and torch.equal(tok, ref_tok), f"{options}, step {i}: differs without the warm-up"
+        del dec  # one decoder's KV cache and tiled weights at a time (61 GB of weights beside them)
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 @pytest.mark.parametrize("batch", [1, 8])

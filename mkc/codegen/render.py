@@ -16,7 +16,7 @@ from typing import Any
 import jinja2
 
 from mkc.codegen import cvalues as cv
-from mkc.codegen.taskwords import DTYPE_CODES, MAX_RANK, RECORD_LAYOUT
+from mkc.codegen.taskwords import DTYPE_CODES, MAX_RANK, RECORD_LAYOUT, parse_l2_warm
 from mkc.codegen.weight_tiles import (
     GEMV_OPS,
     TILE_COLS,
@@ -52,6 +52,9 @@ RING_STAGE_BYTES = 32 * 4 * 16  # one 64-wide block of 16 rows (gemv.cuh: a ring
 ROUTING_CODES = ("unrolled", "loop", "shared")  # CodegenOptions.routing_code, by the kernel's ROUTING_CODE
 TAGGED_LOGITS = ("auto", "on", "off")  # CodegenOptions.tagged_logits
 TAGGED_LOGITS_MAX_BATCH = 4  # "auto": on up to this batch
+L2_WARM_AUTO = "o_proj:expert_up"  # CodegenOptions.l2_warm = "auto" at L2_WARM_BATCHES
+L2_WARM_BATCHES = (2, 3, 4)  # "auto" warm-up and evict-first streams (measured: no gain at 1, slower at 8)
+EVICT_FIRST = ("auto", "on", "off")  # CodegenOptions.weights_evict_first
 SECOND_BATCH_OPS = ("none", "linear", "expert_down")  # CodegenOptions.second_batch_before_wait
 RESIDUAL_EPILOGUES = ("auto", "inline", "call")  # CodegenOptions.residual_epilogue
 
@@ -232,6 +235,25 @@ class CodegenOptions:
     # 5372.3, 5475.3 / 5391.0. The expert tiles' streams start 1.6 µs sooner and take the bandwidth
     # of the attention splits beside them (split op 13.6 → 14.5 µs; BENCHMARKS.md). Off.
     reuse_staged_norm: bool = False
+    # L2 warm-up: "TARGET:CARRIER" rules, comma-separated ("off": none; taskwords.L2_WARM_TARGETS).
+    # While a carrier task (an attention split, expert gate/up tile or combine of layer L) waits for
+    # its inputs, its warps 1.. ask L2 for one share of a target's weights (layer L's O-projection,
+    # layer L + 1's router or QKV tiles), so those tiles, on the layer's chain later, stream from L2
+    # what was fetched while the memory had bandwidth to spare. The hints are task words, so the
+    # kernel compiles the warm-up in (L2_WARM) and the runtime encodes the rules. "auto":
+    # L2_WARM_AUTO at batches L2_WARM_BATCHES, else off.
+    # Weight streams and the attention splits' KV rows load with an L2 evict-first policy (bytes
+    # read once per step), so activations and the lines warmed for later tiles are not the ones
+    # evicted: "on", "off", "auto" (on at L2_WARM_BATCHES).
+    # Measured on an H200 (kernel_variants.py, 2026-12-02 13:26 and 13:33 UTC, logits bitwise equal,
+    # µs default / evict-first / evict-first + O-projection warmed by the expert gate/up tiles):
+    # batch 1 2436 / 2435 / 2492, 2455 / 2401 / 2443, 2473 / 2445 / 2481, 2455 / 2478 / 2486, 2452 /
+    # 2471 / 2524 (no gain; by the splits 2548-2640, slower); batch 2 3441 / 3378 / 3352, 3431 /
+    # 3395 / 3391 (-1.8%); batch 4 5366 / 5302 / 5249, 5387 / 5283 / 5245, 5409 / 5289 / 5234, 5355 /
+    # 5298 / 5253 (-2.4%); batch 8 8480 / 8753 / 8864, 8531 / 8798 / 8660, 8612 / 8744 / 8701
+    # (+1.5% to +3%: off there).
+    l2_warm: str = "auto"
+    weights_evict_first: str = "auto"
     # Where every tile of a GEMV op (expert-up, expert-down, LM head, SwiGLU; LINEAR when its tiles
     # agree) splits its reduction over the same number of warps, that split is compiled in and the
     # other path of gemv_tile is not: North Mini Code at batch 1 loses the k-split path of its
@@ -326,6 +348,8 @@ class KernelConfig:
     # second_batch_before_wait)
     early_batches_linear: int = 1
     early_batches_down: int = 1
+    l2_warm: str = "off"  # CodegenOptions.l2_warm, resolved: the rules the runtime encodes (taskwords.encode)
+    weights_evict_first: bool = False  # CodegenOptions.weights_evict_first, resolved
 
     @property
     def warps(self) -> int:
@@ -510,6 +534,18 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
     if options.residual_epilogue not in RESIDUAL_EPILOGUES:
         raise CodegenError(f"residual_epilogue = {options.residual_epilogue!r}: expected one of "
                            + ", ".join(repr(c) for c in RESIDUAL_EPILOGUES))
+    l2_warm = options.l2_warm
+    if l2_warm == "auto":
+        l2_warm = L2_WARM_AUTO if schedule.batch in L2_WARM_BATCHES else "off"
+    try:
+        l2_warm = l2_warm if parse_l2_warm(l2_warm) else "off"
+    except ValueError as e:
+        raise CodegenError(str(e)) from None
+    if options.weights_evict_first not in EVICT_FIRST:
+        raise CodegenError(f"weights_evict_first = {options.weights_evict_first!r}: expected one of "
+                           + ", ".join(repr(c) for c in EVICT_FIRST))
+    evict_first = options.weights_evict_first == "on" or (options.weights_evict_first == "auto"
+                                                          and schedule.batch in L2_WARM_BATCHES)
     tagged_logits = options.tagged_logits == "on" or (options.tagged_logits == "auto"
                                                       and schedule.batch <= TAGGED_LOGITS_MAX_BATCH)
     problem = tile_order_problem(schedule) if options.weight_layout != "rows" else None
@@ -584,6 +620,7 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         early_batches_linear=2 if options.second_batch_before_wait == "linear" else 1,
         early_batches_down=2 if options.second_batch_before_wait == "expert_down" else 1,
         fused_down_blocks=next(iter(fused_rows), 0) // 64, norm_terms=norm_terms,
+        l2_warm=l2_warm, weights_evict_first=evict_first,
         residual_epilogue_inline=options.residual_epilogue == "inline" or (options.residual_epilogue == "auto"
                                                                            and stage_bytes > 0))
     if cfg.smem_bytes > MAX_SMEM_BYTES and cfg.combine_stage_bytes:  # the combine loads its partials after its weights
@@ -658,6 +695,8 @@ def template_context(cfg: KernelConfig, banner: str) -> dict[str, Any]:
         "early_batches_down": cv.c_int(cfg.early_batches_down),
         "two_set_weights_first": cv.c_bool(cfg.two_set_weights_first),
         "reuse_staged_norm": cv.c_bool(cfg.reuse_staged_norm),
+        "l2_warm": cv.c_bool(cfg.l2_warm != "off"),
+        "weights_evict_first": cv.c_bool(cfg.weights_evict_first),
         "gemv_ks": [(name, cv.c_int(ks)) for name, ks in cfg.gemv_ks],
         "max_rank": cv.c_int(MAX_RANK),
         "dtypes": [(cv.c_ident(f"DT_{k.upper()}"), cv.c_int(v)) for k, v in DTYPE_CODES.items()],

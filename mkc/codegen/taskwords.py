@@ -5,8 +5,9 @@ The kernel binary depends only on shapes and tiling; the schedule reaches it as 
 * ``records`` — int32 ``[tasks, RECORD_WORDS]`` in queue order (SM 0's queue, then SM 1's, ...).
   Words: opcode, task id, wait offset, wait count, signal counter (-1 = none), one buffer-table
   index per operand role of ``OP_INFO`` (-1 = absent), the integer arguments, a copy of the
-  first ``INLINE_WAITS`` waits (counter, target; zeros past the count), zero padding. The kernel
-  copies the next record into shared memory while a task runs, so a task reads those waits
+  first ``INLINE_WAITS`` waits (counter, target; zeros past the count), an L2 warm-up hint
+  (buffer-table index or -1, first 16-byte piece, pieces: ``l2_warm_hints``), zero padding. The
+  kernel copies the next record into shared memory while a task runs, so a task reads those waits
   without a round trip to device memory.
 * ``queue_start`` — int32 ``[num_sms + 1]``: SM ``i`` runs records ``queue_start[i]:queue_start[i+1]``.
 * ``waits`` — int32 ``[n, 2]``: ``(counter id, target per step)``, indexed by the wait offset. An
@@ -41,12 +42,13 @@ W_OPERANDS = 5
 W_ARGS = W_OPERANDS + MAX_OPERANDS
 W_WAITS = W_ARGS + MAX_ARGS
 INLINE_WAITS = 4  # (counter, target) pairs copied into the record itself (every task of North Mini Code has <= 3)
-RECORD_WORDS = (W_WAITS + 2 * INLINE_WAITS + 3) // 4 * 4  # 16-byte records
+W_WARM = W_WAITS + 2 * INLINE_WAITS  # buffer index (-1: none), first 16-byte piece, pieces
+RECORD_WORDS = (W_WARM + 3 + 3) // 4 * 4  # 16-byte records
 
 RECORD_LAYOUT: tuple[tuple[str, int], ...] = (
     ("W_OP", W_OP), ("W_ID", W_ID), ("W_WAIT_OFF", W_WAIT_OFF), ("W_WAIT_CNT", W_WAIT_CNT),
     ("W_SIGNAL", W_SIGNAL), ("W_OPERANDS", W_OPERANDS), ("W_ARGS", W_ARGS), ("W_WAITS", W_WAITS),
-    ("INLINE_WAITS", INLINE_WAITS), ("RECORD_WORDS", RECORD_WORDS),
+    ("INLINE_WAITS", INLINE_WAITS), ("W_WARM", W_WARM), ("RECORD_WORDS", RECORD_WORDS),
 )
 # bf16_tiles: weight_tiles.py; f32_tagged: an f32 buffer followed by its tagged copy (routing_logits)
 DTYPE_CODES: dict[str, int] = {"bf16": 0, "f32": 1, "i32": 2, "bf16_tiles": 3, "f32_tagged": 4}
@@ -100,10 +102,101 @@ def routing_logits(schedule: Schedule) -> frozenset[str]:
     return frozenset(out)
 
 
-def encode(schedule: Schedule) -> TaskWords:
-    """Encode the schedule's queues, waits and signals (raises EncodeError on bad indices)."""
+# L2 warm-up (CodegenOptions.l2_warm): "TARGET:CARRIER" rules, comma-separated. While a carrier
+# task waits for its inputs its warps 1.. ask L2 for one share of a target's weights (the layer's
+# carriers split the target's bytes evenly), so the target's tiles later stream them from L2.
+# Targets, per layer L: the weights of the LINEAR tiles that read layer L's attention output (the
+# O-projection), or of layer L + 1's router tiles or its QKV tiles; carriers: layer L's attention
+# splits, expert gate/up tiles or attention-combine tasks.
+L2_WARM_TARGETS = ("o_proj", "next_router", "next_qkv")
+L2_WARM_CARRIERS = {"splits": Opcode.ATTN_SPLIT, "expert_up": Opcode.EXPERT_SWIGLU,
+                    "combine": Opcode.ATTN_COMBINE}
+_DTYPE_BYTES = {"bf16": 2, "f32": 4, "i32": 4}
+
+
+def parse_l2_warm(rules: str) -> tuple[tuple[str, str], ...]:
+    """(target, carrier) pairs of an l2_warm string ("off" or "": none); raises ValueError naming
+    the bad rule."""
+    if rules in ("", "off"):
+        return ()
+    out = []
+    for rule in rules.split(","):
+        target, _, carrier = rule.strip().partition(":")
+        if target not in L2_WARM_TARGETS or carrier not in L2_WARM_CARRIERS:
+            raise ValueError(f"l2_warm rule {rule.strip()!r}: expected TARGET:CARRIER with TARGET one of "
+                             f"{', '.join(L2_WARM_TARGETS)} and CARRIER one of {', '.join(L2_WARM_CARRIERS)}")
+        out.append((target, carrier))
+    carriers = [c for _, c in out]
+    if len(set(carriers)) != len(carriers):
+        raise ValueError(f"l2_warm = {rules!r}: a carrier takes one rule (each task carries one hint)")
+    return tuple(out)
+
+
+def _target_weights(schedule: Schedule, target: str) -> dict[int, list[str]]:
+    """Per layer L, the weight buffers of the target's LINEAR tiles that rule L's carriers warm."""
+    tasks = schedule.tasks
+    if target == "o_proj":
+        reads = {t.operands[OP_INFO[t.op].operands.index("out")] for t in tasks if t.op == Opcode.ATTN_COMBINE}
+        pick, shift = (lambda t: t.operands[0] in reads), 0  # operand 0 of LINEAR is x
+    elif target == "next_router":
+        reads = {logits_operand(t) for t in tasks
+                 if t.op in (Opcode.EXPERT_SWIGLU, Opcode.EXPERT_DOWN, Opcode.EXPERT_MLP, Opcode.TOPK)
+                 and "logits" in OP_INFO[t.op].operands}
+        pick, shift = (lambda t: t.operands[3] in reads), 1  # operand 3 of LINEAR is out
+    else:
+        reads = {t.operands[OP_INFO[t.op].operands.index("qkv")] for t in tasks
+                 if t.op in (Opcode.ATTN_SPLIT, Opcode.ROPE_APPEND)} - {"-"}
+        pick, shift = (lambda t: t.operands[3] in reads), 1
+    out: dict[int, list[str]] = {}
+    for t in tasks:
+        if t.op == Opcode.LINEAR and pick(t):
+            w = t.operands[OP_INFO[Opcode.LINEAR].operands.index("weight")]
+            layer_buffers = out.setdefault(t.layer - shift, [])
+            if w not in layer_buffers:
+                layer_buffers.append(w)
+    return out
+
+
+def l2_warm_hints(schedule: Schedule, rules: str) -> dict[int, tuple[str, int, int]]:
+    """Task id -> (buffer, first 16-byte piece, pieces) of its L2 warm-up (see L2_WARM_TARGETS).
+    A layer's carriers split the concatenated bytes of its target buffers evenly; a share that
+    spans two buffers warms its part in the first."""
+    hints: dict[int, tuple[str, int, int]] = {}
+    for target, carrier in parse_l2_warm(rules):
+        weights = _target_weights(schedule, target)
+        carriers: dict[int, list[int]] = {}
+        for t in schedule.tasks:
+            if t.op == L2_WARM_CARRIERS[carrier]:
+                carriers.setdefault(t.layer, []).append(t.id)
+        for layer, ids in carriers.items():
+            segments = []  # (buffer, first piece, end piece) in the concatenation's order
+            total = 0
+            for name in weights.get(layer, []):
+                b = schedule.buffers[name]
+                pieces = int(np.prod(b.shape)) * _DTYPE_BYTES[b.dtype] // 16
+                segments.append((name, total, total + pieces))
+                total += pieces
+            if not total:
+                continue
+            share = -(-total // len(ids))
+            for i, tid in enumerate(ids):
+                lo, hi = i * share, min(total, (i + 1) * share)
+                for name, s0, s1 in segments:
+                    if s0 <= lo < s1:
+                        hints[tid] = (name, lo - s0, min(hi, s1) - lo)
+                        break
+    return hints
+
+
+def encode(schedule: Schedule, l2_warm: str = "off") -> TaskWords:
+    """Encode the schedule's queues, waits and signals, and the L2 warm-up hints of ``l2_warm``
+    (CodegenOptions.l2_warm; raises EncodeError on bad indices)."""
     names = tuple(schedule.buffers)
     index = {n: i for i, n in enumerate(names)}
+    try:
+        hints = l2_warm_hints(schedule, l2_warm)
+    except ValueError as e:
+        raise EncodeError(str(e)) from None
     for n, b in schedule.buffers.items():
         if len(b.shape) > MAX_RANK:
             raise EncodeError(f"buffer {n} has rank {len(b.shape)}: the kernel's table holds at most {MAX_RANK}")
@@ -147,6 +240,8 @@ def encode(schedule: Schedule) -> TaskWords:
             for i in range(len(t.operands), MAX_OPERANDS):
                 r[W_OPERANDS + i] = -1
             r[W_ARGS:W_ARGS + len(t.args)] = t.args
+            warm = hints.get(tid)
+            r[W_WARM:W_WARM + 3] = (index[warm[0]], warm[1], warm[2]) if warm else (-1, 0, 0)
             row += 1
     queue_start[schedule.num_sms] = row
     w = np.array(waits if waits else [(0, 0)], dtype=np.int32).reshape(-1, 2)
