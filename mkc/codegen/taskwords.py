@@ -135,22 +135,20 @@ def parse_l2_warm(rules: str) -> tuple[tuple[str, str], ...]:
 def _target_weights(schedule: Schedule, target: str) -> dict[int, list[str]]:
     """Per layer L, the weight buffers of the target's LINEAR tiles that rule L's carriers warm."""
     tasks = schedule.tasks
-    if target == "o_proj":
-        reads = {t.operands[OP_INFO[t.op].operands.index("out")] for t in tasks if t.op == Opcode.ATTN_COMBINE}
-        pick, shift = (lambda t: t.operands[0] in reads), 0  # operand 0 of LINEAR is x
-    elif target == "next_router":
-        reads = {logits_operand(t) for t in tasks
-                 if t.op in (Opcode.EXPERT_SWIGLU, Opcode.EXPERT_DOWN, Opcode.EXPERT_MLP, Opcode.TOPK)
-                 and "logits" in OP_INFO[t.op].operands}
-        pick, shift = (lambda t: t.operands[3] in reads), 1  # operand 3 of LINEAR is out
-    else:
-        reads = {t.operands[OP_INFO[t.op].operands.index("qkv")] for t in tasks
-                 if t.op in (Opcode.ATTN_SPLIT, Opcode.ROPE_APPEND)} - {"-"}
-        pick, shift = (lambda t: t.operands[3] in reads), 1
+    if target == "o_proj":  # LINEAR tiles whose input is the attention output, of the carriers' layer
+        found = {t.operand("out") for t in tasks if t.op == Opcode.ATTN_COMBINE}
+        role, shift = "x", 0
+    elif target == "next_router":  # LINEAR tiles that write the router logits, of the layer after
+        found = {logits_operand(t) for t in tasks if t.op in (Opcode.EXPERT_SWIGLU, Opcode.EXPERT_DOWN,
+                                                              Opcode.EXPERT_MLP, Opcode.TOPK)}
+        role, shift = "out", 1
+    else:  # LINEAR tiles that write the QKV projection the attention reads, of the layer after
+        found = {t.operand("qkv") for t in tasks if t.op in (Opcode.ATTN_SPLIT, Opcode.ROPE_APPEND)} - {"-"}
+        role, shift = "out", 1
     out: dict[int, list[str]] = {}
     for t in tasks:
-        if t.op == Opcode.LINEAR and pick(t):
-            w = t.operands[OP_INFO[Opcode.LINEAR].operands.index("weight")]
+        if t.op == Opcode.LINEAR and t.operand(role) in found:
+            w = t.operand("weight")
             layer_buffers = out.setdefault(t.layer - shift, [])
             if w not in layer_buffers:
                 layer_buffers.append(w)
