@@ -586,6 +586,17 @@ __device__ void op_swiglu(const Task& t, unsigned char* smem) {
     gemv_tile<2, GEMV_KS_SWIGLU>(w, w_ld, rows, k, xs, gemv_red(smem), SwigluStore{out, out_ld, rows}, finish);
 }
 
+// The opening of an expert gate/up tile (EXPERT_SWIGLU, EXPERT_MLP): its input's copies fly
+// while the routing is derived (a no-op slot leaves them to the kernel loop's cp.async wait). With
+// TAGGED_LOGITS the kernel loop did not wait for the router tiles (the record's first wait): the
+// routing reads the logits' tagged copy until it holds this step's (the caller checks
+// s_wait.abort).
+template <class O>
+__device__ __forceinline__ const Routing& open_expert_up(const Task& t, unsigned char* smem, int k) {
+    stage_input_async<O>(t, smem, 0, k);
+    return route_tokens(t.ptr<float>(O::logits), TAGGED_LOGITS ? t.tagged(O::logits) : nullptr, t.w);
+}
+
 // h[slot, b, row0 + i] = silu(x . Wg[e, row0 + i]) * (x . Wu[e, row0 + i]), e = the expert of
 // routing slot `slot`; a no-op when slot >= count (this step routed to fewer distinct experts).
 __device__ void op_expert_swiglu(const Task& t, unsigned char* smem) {
@@ -593,12 +604,7 @@ __device__ void op_expert_swiglu(const Task& t, unsigned char* smem) {
     using A = ARG_EXPERT_SWIGLU;
     const int slot = t.arg(A::slot), row0 = t.arg(A::row0), rows = t.arg(A::rows);
     const int k = t.dim(O::weight, 1), inter2 = t.dim(O::weight, 2), w_ld = t.dim(O::weight, 1);
-    // the activations' copies fly while the routing is derived (a no-op slot leaves them to the
-    // kernel loop's cp.async wait)
-    stage_input_async<O>(t, smem, 0, k);
-    // TAGGED_LOGITS: the kernel loop did not wait for the router tiles (the record's first wait);
-    // the routing reads the logits' tagged copy until it holds this step's
-    const Routing& rt = route_tokens(t.ptr<float>(O::logits), TAGGED_LOGITS ? t.tagged(O::logits) : nullptr, t.w);
+    const Routing& rt = open_expert_up<O>(t, smem, k);
     if (TAGGED_LOGITS && s_wait.abort) return;
     if (slot >= rt.count) return;
     const int e = rt.experts[slot];
@@ -631,8 +637,7 @@ __device__ void op_expert_mlp(const Task& t, unsigned char* smem) {
         const int k = t.dim(O::weight, 1), inter2 = t.dim(O::weight, 2), w_ld = k;
         const int inter = t.dim(O::down, 1), hidden = t.dim(O::down, 2);
         float* out = t.ptr<float>(O::out) + (size_t)(slot * (inter / ROWS) + part) * BATCH * hidden;
-        stage_input_async<O>(t, smem, 0, k);
-        const Routing& rt = route_tokens(t.ptr<float>(O::logits), TAGGED_LOGITS ? t.tagged(O::logits) : nullptr, t.w);
+        const Routing& rt = open_expert_up<O>(t, smem, k);
         if (TAGGED_LOGITS && s_wait.abort) return;
         if (slot >= rt.count) {
             zero_rows(out, hidden, hidden);
