@@ -8,6 +8,12 @@ megakernel_step.py: one warm-up, then ``reps`` steps timed one by one with CUDA 
 Variants that differ only in prefetch hints or in how weights reach the registers (register batches
 or the shared-memory ring) compute bitwise the same step: each variant's logits are compared with
 the first variant's, and the same step is rerun (--repeat) to check it is deterministic.
+
+The kernels need no GPU to build: ``--build-only`` compiles them on any machine with NVRTC into
+the kernel cache (``MKC_CACHE_DIR``), and a GPU machine with the same NVRTC version finds them
+there (the cache key leaves out include paths). Building into ``$PWD/.mkc-cache/h`` before a lent
+GPU's call carries them with the working tree (untracked files travel), so the call spends its time
+measuring: 16 variant runs at batch 1 and 4 took 47 s on an H200 that way (2026-12-02).
 """
 
 from __future__ import annotations
