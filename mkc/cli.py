@@ -83,7 +83,7 @@ def _kernel_line(kernel_json: Path, schedule) -> str:
     import json
 
     from mkc.codegen.render import tile_order_problem
-    from mkc.codegen.taskwords import routing_logits
+    from mkc.codegen.taskwords import l2_warm_hints, routing_logits
 
     k = json.loads(kernel_json.read_text())
     layout = "weights in tile order"
@@ -91,7 +91,7 @@ def _kernel_line(kernel_json: Path, schedule) -> str:
         layout = f"weights row-major ({tile_order_problem(schedule) or 'asked for'})"
     if k["config"].get("tagged_logits") and routing_logits(schedule):
         layout += ", tagged router logits"
-    if k["config"].get("l2_warm", "off") != "off":
+    if k["config"].get("l2_warm", "off") != "off" and l2_warm_hints(schedule, k["config"]["l2_warm"]):
         layout += f", L2 warm-up {k['config']['l2_warm']}"
     if k["config"].get("weights_evict_first"):
         layout += ", evict-first streams"

@@ -126,17 +126,21 @@ def test_bad_input_is_one_clear_line(args, needle):
     assert needle in r.stderr and "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize(("config", "layout"), [
-    ("configs/tiny.yaml", "weights in tile order, tagged router logits"),
-    ("configs/mixtral_tiny.yaml", "weights row-major (weight L0.w_router (8, 128)"),  # an 8-row router
+@pytest.mark.parametrize(("config", "batch", "layout"), [
+    ("configs/tiny.yaml", 1, "weights in tile order, tagged router logits"),
+    ("configs/mixtral_tiny.yaml", 2, "weights row-major (weight L0.w_router (8, 128)"),  # an 8-row router
 ])
-def test_compile_names_the_kernel_and_its_weight_layout(config, layout, tmp_path):
+def test_compile_names_the_kernel_and_its_weight_layout(config, batch, layout, tmp_path):
     pytest.importorskip("cuda.bindings.nvrtc", reason="NVRTC (cuda-bindings) is not installed")
-    r = mkc("compile", config, "-o", tmp_path, "--batch", 1, "--context", 64, "--num-sms", 8)
+    r = mkc("compile", config, "-o", tmp_path, "--batch", batch, "--context", 64, "--num-sms", 8)
     assert r.returncode == 0, r.stderr
     line = next(ln for ln in r.stdout.splitlines() if ln.startswith("kernel "))
     assert "registers" in line and layout in line, line
-    assert line.endswith(", tagged router logits")  # batch 1: on (CodegenOptions.tagged_logits "auto")
+    # tagged logits: on up to batch 4 (CodegenOptions.tagged_logits "auto"); at batch 2-4 the
+    # expert gate/up tiles warm the O-projection in L2, with evict-first streams (l2_warm and
+    # weights_evict_first "auto")
+    warm = ", L2 warm-up o_proj:expert_up, evict-first streams" if batch == 2 else ""
+    assert line.endswith(", tagged router logits" + warm), line
     code = next(ln for ln in r.stdout.splitlines() if ln.startswith("code "))  # nvdisasm: the cuda extra
     assert "SASS instructions; the largest: " in code, code
     by_op = json.loads((tmp_path / "kernel.json").read_text())["sass_by_op"]
