@@ -111,7 +111,6 @@ def routing_logits(schedule: Schedule) -> frozenset[str]:
 L2_WARM_TARGETS = ("o_proj", "next_router", "next_qkv")
 L2_WARM_CARRIERS = {"splits": Opcode.ATTN_SPLIT, "expert_up": Opcode.EXPERT_SWIGLU,
                     "combine": Opcode.ATTN_COMBINE}
-_DTYPE_BYTES = {"bf16": 2, "f32": 4, "i32": 4}
 
 
 def parse_l2_warm(rules: str) -> tuple[tuple[str, str], ...]:
@@ -170,8 +169,7 @@ def l2_warm_hints(schedule: Schedule, rules: str) -> dict[int, tuple[str, int, i
             segments = []  # (buffer, first piece, end piece) in the concatenation's order
             total = 0
             for name in weights.get(layer, []):
-                b = schedule.buffers[name]
-                pieces = int(np.prod(b.shape)) * _DTYPE_BYTES[b.dtype] // 16
+                pieces = schedule.buffers[name].nbytes // 16
                 segments.append((name, total, total + pieces))
                 total += pieces
             if not total:
