@@ -39,7 +39,10 @@ class LowerOptions:
     # tiles of 64 rows instead of 64 of 96). "rest": the SMs the attention splits leave (num_sms -
     # attention_sms). Measured on an H200 (benchmarks/schedule_variants.py, 2026-11-30 06:18 UTC,
     # step µs bytes / rest at the tuned attention SMs): batch 1 3072 / 3190, batch 2 4066 / 4119,
-    # batch 4 6112 / 6120; batch 8 lowers the same either way.
+    # batch 4 6112 / 6120; batch 8 lowers the same either way. Again on 2026-12-02 (15:45-15:49 UTC,
+    # two rounds, with each batch's raise and spread variants): "rest" at its best tied the shipped
+    # schedules (batch 4 5270-5419 against 5311-5373 µs, batch 8 8549 / 8602 against 8536-8634,
+    # batch 2 3343 / 3374 against 3372 / 3392); at 32 attention SMs it was 5-17% slower.
     mlp_share: str = "bytes"
     # waves of that share the MLP's first GEMV is tiled into: 2 halves its tiles' rows, so the tiles
     # that would hold an SM for the whole branch pack beside the attention splits (at batch 4, one

@@ -19,7 +19,10 @@ the splits' measured 16 GB/s that placement uses. Against the counts measured on
 128K at 03:29) the share picks the fastest at batch 1, 2 and 4 (8K) and at 128K, and misses by
 11.7% at batch 8, 8.5% at batch 1 / 32K and 4.9% at batch 8 / 32K; at 16 GB/s it picks 0 at batch
 1, 2 and 4 (10-12% slower than the best) and is right only at batch 8 (8K) and 128K. Hence the
-measurement wins where there is one.
+measurement wins where there is one. More than half the SMs was measured too (H200, 2026-12-02
+15:55-15:59 UTC, benchmarks/schedule_variants.py, BENCHMARKS.md): the cost model predicts 96 and
+128 faster at batch 4 and 128 at batch 8, but 96 at best tied the shipped 64 and 128 was 3-5%
+slower at both, so the candidates stop at half.
 
 A measured entry may also carry the priority raise of the attention splits' inputs
 (``Ceilings.attention_inputs_first_us``, and ``Ceilings.splits_first``: of the splits too) and
