@@ -38,6 +38,7 @@ from mkc.runtime.cuda_backend import CudaDecoder
 from mkc.schedule.plan import plan
 from mkc.schedule.profile import (
     format_chain,
+    format_handoffs,
     format_last_tasks,
     format_layer,
     format_phases,
@@ -74,6 +75,7 @@ def profile_summary(dec: CudaDecoder, path: str) -> str:
     lines.append(format_chain(dec.schedule, tl["start"], tl["end"]))
     lines.append(format_stage_ends(dec.schedule, tl))
     lines.append(format_last_tasks(dec.schedule, tl))
+    lines.append(format_handoffs(dec.schedule, tl))
     if "done" in tl:  # a kernel built with profile_phases
         lines.append(format_phases(dec.schedule, tl))
     per_layer = [tl["end"][[i for i, t in enumerate(tasks) if t.layer == L]].max() for L in range(-1, max(t.layer for t in tasks) + 1)]

@@ -551,8 +551,9 @@ def write_profile(sc, tl: dict, path: Path) -> None:
     """A step's per-task timeline as a Perfetto trace (same layout as mkc compile's trace.json, whose
     predicted step is written beside it as ``*.predicted.json``), with the critical chain on a track
     of its own and the read rate over the step (profile.read_rate, 1 µs bins) as a counter track;
-    ``*.txt``: the per-op share of SM time, the critical chain, and the middle layer's phases, read
-    rate and chain tasks (profile.py); and ``*.npz``: the timeline itself by task id (op, layer,
+    ``*.txt``: the per-op share of SM time, the critical chain, each stage's last task, the
+    hand-offs between the stages that share an SM, and the middle layer's phases, read rate and
+    chain tasks (profile.py); and ``*.npz``: the timeline itself by task id (op, layer,
     wait, start, end, sm), which benchmarks/replay_profile.py replays."""
     from mkc.schedule import visualize
     from mkc.schedule.profile import critical_chain, format_layer, format_profile, read_rate, save_timeline

@@ -16,10 +16,12 @@ from mkc.runtime.bench import write_profile
 from mkc.schedule.profile import (
     Gaps,
     critical_chain,
+    format_handoffs,
     format_last_tasks,
     format_layer,
     format_phases,
     format_profile,
+    handoffs,
     last_tasks,
     measured_gaps,
     op_shares,
@@ -300,3 +302,38 @@ def test_replay_profile_replays_the_lowering_it_was_profiled_with(tmp_path, caps
                                       "--num-sms", "8", "--config", str(config)])
     with pytest.raises(SystemExit, match="not this tree's schedule"):  # planned without the lowering
         replay_profile.main()
+
+
+def test_handoffs_split_each_take_over_into_dispatch_and_poll(sc_tl):
+    """handoffs on a timeline made to order: each task's wait begins a per-stage delay after the task
+    before it on its SM signalled, and ends a per-stage poll after the later of that and its last
+    producer's signal. The medians come back per (stage, stage before it); the total is measured
+    from the later of its SM going free and its inputs; every task with a task before it counts."""
+    sc, tl = sc_tl
+    end = tl["end"]
+    stages = sorted({stage(t) for t in sc.tasks})
+    delay = {name: 0.25 * (i + 1) for i, name in enumerate(stages)}
+    poll = {name: 0.1 * (i + 1) for i, name in enumerate(stages)}
+    producers = [[p for c, _ in sc.waits[t] for p in sc.counters[c].producers] for t in range(len(sc.tasks))]
+    before = {q[i]: q[i - 1] for q in sc.queues for i in range(1, len(q))}
+    wait, start = tl["start"].copy(), tl["start"].copy()
+    totals: dict[tuple[str, str], list[float]] = {}
+    for t in sc.tasks:
+        if t.id not in before:
+            continue
+        free = end[before[t.id]]
+        inputs = max((end[p] for p in producers[t.id]), default=free)
+        wait[t.id] = free + delay[stage(t)]
+        start[t.id] = max(inputs, wait[t.id]) + poll[stage(t)]
+        totals.setdefault((stage(t), stage(sc.tasks[before[t.id]])), []).append(start[t.id] - max(inputs, free))
+    made = {**tl, "wait": wait, "start": start}
+    report = handoffs(sc, made)
+    assert set(report) == set(totals) and sum(h.tasks for h in report.values()) == len(before)
+    for (name, after), h in report.items():
+        assert h.dispatch == pytest.approx(delay[name]) and h.poll == pytest.approx(poll[name])
+        assert h.total == pytest.approx(float(np.median(totals[name, after])))
+        assert h.total >= h.poll - 1e-9  # the wait ends a poll after the later of its inputs and its wait
+    costs = [h.tasks * h.total for h in report.values()]
+    assert costs == sorted(costs, reverse=True)
+    text = format_handoffs(sc, made, rows=3)
+    assert text.count("\n") == 4 and text in format_profile(sc, made)

@@ -207,6 +207,8 @@ def format_profile(sc: Schedule, timeline: Mapping[str, np.ndarray]) -> str:
     lines.append(format_chain(sc, start, end))
     lines.append(format_stage_ends(sc, timeline))
     lines.append(format_last_tasks(sc, timeline))
+    if "wait" in timeline:
+        lines.append(format_handoffs(sc, timeline))
     if "done" in timeline:
         lines.append(format_phases(sc, timeline))
     return "\n".join(lines)
@@ -301,6 +303,59 @@ def format_stage_ends(sc: Schedule, timeline: Mapping[str, np.ndarray]) -> str:
     rows = [(name, us) for name, us in stage_ends(sc, timeline).items() if len(counts[name]) > 1]
     return "\n".join(["each stage's last end, µs from its layer's first start (mean over the layers that have it):",
                       *(f"  {name:<14} {us:8.1f}  ({len(counts[name])} layers)" for name, us in rows)])
+
+
+@dataclass(frozen=True, slots=True)
+class Handoff:
+    """How tasks of one stage took over their SM from a task of another stage (medians over those
+    tasks, µs): ``dispatch``, from the task before on the SM signalling to this task's wait
+    beginning (the record's dispatch, the op's opening, and for a GEMV tile that issues its first
+    weights before its wait, that batch); ``poll``, from the later of its wait beginning and its
+    last producer's signal to its wait ending (the round trip that sees the counter; more where the
+    signal came later than one poll); ``total``, from the later of its SM going free and its last
+    producer's signal to its wait ending: the hand-off a task on the critical chain pays."""
+
+    tasks: int
+    dispatch: float
+    poll: float
+    total: float
+
+
+def handoffs(sc: Schedule, timeline: Mapping[str, np.ndarray]) -> dict[tuple[str, str], Handoff]:
+    """Per (stage, stage of the task before it on its SM), the Handoff of the tasks that have a
+    task before them, from a timeline with ``wait`` times; the pairs that cost the most SM time
+    (tasks x total) first. A task whose counters were all covered by its queue (no producer waited
+    on) counts its SM's signal as its inputs."""
+    start, end = np.asarray(timeline["start"], dtype=np.float64), np.asarray(timeline["end"], dtype=np.float64)
+    wait = np.asarray(timeline["wait"], dtype=np.float64)
+    producers, before = _blockers(sc)
+    rows: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+    for t in sc.tasks:
+        prev = before[t.id]
+        if prev < 0:
+            continue
+        free = end[prev]
+        inputs = max((end[p] for p in producers[t.id]), default=free)
+        rows.setdefault((stage(t), stage(sc.tasks[prev])), []).append(
+            (wait[t.id] - free, start[t.id] - max(inputs, wait[t.id]), start[t.id] - max(inputs, free)))
+    out = {}
+    for key, v in rows.items():
+        a = np.asarray(v)
+        out[key] = Handoff(tasks=len(v), dispatch=float(np.median(a[:, 0])), poll=float(np.median(a[:, 1])),
+                           total=float(np.median(a[:, 2])))
+    return dict(sorted(out.items(), key=lambda kv: -kv[1].tasks * kv[1].total))
+
+
+def format_handoffs(sc: Schedule, timeline: Mapping[str, np.ndarray], rows: int = 12) -> str:
+    """handoffs as one line per pair of stages, the costliest ``rows``."""
+    title = ("hand-offs, by a task's stage and the stage before it on its SM (median µs: its SM free → its "
+             "wait begins; the later of that and its inputs → its wait ends; the later of its SM free and "
+             "its inputs → its wait ends):")
+    lines = [title,
+             f"  {'stage':<14} {'after':<14} {'tasks':>6} {'dispatch':>9} {'poll':>7} {'total':>7}"]
+    for (name, after), h in list(handoffs(sc, timeline).items())[:rows]:
+        lines.append(f"  {name:<14} {after:<14} {h.tasks:>6} {h.dispatch:>9.2f} {h.poll:>7.2f} {h.total:>7.2f}")
+    return "\n".join(lines)
 
 
 @dataclass(frozen=True, slots=True)
