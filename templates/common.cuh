@@ -109,12 +109,13 @@ __device__ __forceinline__ void cp_async16(void* smem_dst, const void* gsrc) {
 // The same for bytes read once per step (the KV cache's rows): with WEIGHTS_EVICT_FIRST their L2
 // lines are the first to evict.
 __device__ __forceinline__ void cp_async16_stream(void* smem_dst, const void* gsrc) {
-    const u32 d = (u32)__cvta_generic_to_shared(smem_dst);
-    if constexpr (WEIGHTS_EVICT_FIRST)
+    if constexpr (WEIGHTS_EVICT_FIRST) {
+        const u32 d = (u32)__cvta_generic_to_shared(smem_dst);
         asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(d), "l"(gsrc),
                      "l"(l2_evict_first_policy()) : "memory");
-    else
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(gsrc) : "memory");
+    } else {
+        cp_async16(smem_dst, gsrc);
+    }
 }
 
 // mbarriers and bulk copies (TMA) into this CTA's shared memory
