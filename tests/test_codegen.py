@@ -426,6 +426,8 @@ def test_codegen_rejects_shapes_it_cannot_take(tiny):
     spec, sc = tiny
     with pytest.raises(CodegenError, match="threads"):
         kernel_config(sc, spec, CodegenOptions(threads=100))
+    with pytest.raises(CodegenError, match="threads = 128: expected 256"):  # wrong logits on an H200
+        kernel_config(sc, spec, CodegenOptions(threads=128))
     wide = dataclasses.replace(spec, attention=dataclasses.replace(spec.attention, num_heads=64, num_kv_heads=2))
     with pytest.raises(CodegenError, match="query heads per KV head"):
         kernel_config(sc, wide)

@@ -63,9 +63,14 @@ class CodegenError(ValueError):
     """The schedule or spec cannot be compiled; the message names the task or key and the limit."""
 
 
+VERIFIED_THREADS = 256  # CodegenOptions.threads: the CTA size the GPU tests run
+
+
 @dataclass(frozen=True, slots=True)
 class CodegenOptions:
-    threads: int = 256  # threads per CTA (8 warps); at most 255 registers each at 1 CTA / SM
+    # threads per CTA: 256 (8 warps; at most 255 registers each at 1 CTA / SM), the only count the
+    # kernel is verified at on a GPU (kernel_config rejects others: 128 computed wrong logits)
+    threads: int = 256
     gemv_unroll: int = 8  # 64-wide k blocks in flight per warp (halved for two row sets)
     spin_limit: int = 1 << 26  # polls of one counter wait before the device watchdog fires
     # Weights a task asks L2 for while it waits (0: one row). Measured on an H200 with tile-ordered
@@ -496,8 +501,12 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
     """Derive and check the kernel constants (raises CodegenError naming what does not fit)."""
     options = options or CodegenOptions()
     a = spec.attention
-    if options.threads % 32 or not 64 <= options.threads <= 1024:
-        raise CodegenError(f"threads = {options.threads}: expected a multiple of 32 in [64, 1024]")
+    if options.threads != VERIFIED_THREADS:
+        # the templates take NUM_THREADS as a parameter, but only 256 has run on a GPU: 128 threads
+        # (one or two CTAs per SM) computed wrong logits for North Mini Code on an H200 (BENCHMARKS.md,
+        # 2026-12-02), so another count must pass the GPU tests before it is accepted
+        raise CodegenError(f"threads = {options.threads}: expected {VERIFIED_THREADS} threads per CTA, the only count "
+                           f"the kernel is verified at on a GPU")
     if not 1 <= schedule.batch <= 8:
         raise CodegenError(f"batch = {schedule.batch}: the GEMV tiles hold 1 to 8 tokens")
     if a.head_dim % 8 or options.threads % (a.head_dim // 8):
