@@ -68,9 +68,7 @@ VERIFIED_THREADS = 256  # CodegenOptions.threads: the CTA size the GPU tests run
 
 @dataclass(frozen=True, slots=True)
 class CodegenOptions:
-    # threads per CTA: 256 (8 warps; at most 255 registers each at 1 CTA / SM), the only count the
-    # kernel is verified at on a GPU (kernel_config rejects others: 128 computed wrong logits)
-    threads: int = 256
+    threads: int = VERIFIED_THREADS  # threads per CTA (8 warps); kernel_config rejects other counts
     gemv_unroll: int = 8  # 64-wide k blocks in flight per warp (halved for two row sets)
     spin_limit: int = 1 << 26  # polls of one counter wait before the device watchdog fires
     # Weights a task asks L2 for while it waits (0: one row). Measured on an H200 with tile-ordered
