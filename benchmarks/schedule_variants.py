@@ -3,6 +3,7 @@
     python benchmarks/schedule_variants.py --batch 1 8 --context 8192 [--reps 20] [--variants NAME ...] \
         [--attention-sms 0 32 ...] [--rope-in-splits yes no] [--mlp-share rest bytes] [--mlp-waves 1 2] \
         [--residual-in-o-proj yes no] [--fused-experts yes no] [--qkv-tile-rows 0 48] [--residual-as-terms no yes]
+        [--global-attention-sms 0 128 256]
         [--rounds 2] [--build-only]
 
 Every variant runs the default kernel over the same weights and KV cache; only the scheduler's
@@ -105,6 +106,9 @@ def main() -> None:
     ap.add_argument("--residual-as-terms", nargs="+", default=["no"], choices=["yes", "no"],
                     help="LowerOptions.residual_as_terms values to lower with (yes: the MLP's outputs stay terms of "
                          "the residual stream, summed by the next layer's readers; needs --residual-in-o-proj yes)")
+    ap.add_argument("--global-attention-sms", type=int, nargs="+", default=[0],
+                    help="LowerOptions.global_attention_sms values to lower with (the SMs' worth of splits of the "
+                         "layers of global attention; 0: as --attention-sms)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time every variant this many times, in turn (drift between variants shows)")
     ap.add_argument("--build-only", action="store_true", help="compile every variant's kernel (no GPU) and exit")
@@ -114,10 +118,11 @@ def main() -> None:
     spec = load_spec(a.config)
     variants = [(att, {"rope_in_splits": rope == "yes", "mlp_share": share, "mlp_waves": waves,
                        "residual_in_o_proj": fold == "yes",
-                       "fused_experts": fx == "yes", "qkv_tile_rows": qr, "residual_as_terms": rt == "yes"}, name)
+                       "fused_experts": fx == "yes", "qkv_tile_rows": qr, "residual_as_terms": rt == "yes",
+                       "global_attention_sms": ga}, name)
                 for att in a.attention_sms for rope in a.rope_in_splits for share in a.mlp_share for waves in a.mlp_waves
                 for fold in a.residual_in_o_proj for fx in a.fused_experts for qr in a.qkv_tile_rows
-                for rt in a.residual_as_terms for name in a.variants]
+                for rt in a.residual_as_terms for ga in a.global_attention_sms for name in a.variants]
     if a.build_only:
         for batch in a.batch:
             for att, lowering, name in variants:
@@ -144,6 +149,7 @@ def main() -> None:
             label += f", fused experts {'yes' if lowering['fused_experts'] else 'no'}"
             label += f", qkv tile rows {lowering['qkv_tile_rows'] or 'rule'}"
             label += f", residual as terms {'yes' if lowering['residual_as_terms'] else 'no'}"
+            label += f", global attention SMs {lowering['global_attention_sms'] or 'same'}"
             with decoder_in_place(sc, spec, weights) as dec:
                 fill_bench_kv(dec, spec)
                 logits, _ = dec.step(tokens, positions)
@@ -157,7 +163,7 @@ def main() -> None:
                         + ("equal" if torch.equal(ref.argmax(-1), logits.argmax(-1)) else "DIFFERS")
                         + ", rerun " + ("bitwise the same" if repeat else "DIFFERS (a race)"))
                 med, sol, _ = time_step(dec, spec, batch, a.context, bw, a.reps)
-                print(f"batch {batch} attention_sms {label:<85} {name:<20} measured {med * 1e6:8.1f} µs ({sol:.1%} SOL), "
+                print(f"batch {batch} attention_sms {label:<110} {name:<20} measured {med * 1e6:8.1f} µs ({sol:.1%} SOL), "
                       f"predicted {sc.predicted['step_us']:8.1f} µs; {same}", flush=True)
 
 

@@ -111,6 +111,8 @@ def cmd_compile(a: argparse.Namespace) -> int:
     out = Path(a.output or f"build/{Path(a.config).stem}-b{a.batch}-c{a.context}")
     t0 = time.perf_counter()
     lowering = {} if a.residual_in_o_proj == "auto" else {"residual_in_o_proj": a.residual_in_o_proj == "on"}
+    if a.global_attention_sms is not None:
+        lowering["global_attention_sms"] = a.global_attention_sms
     res = compile_to_folder(a.config, out, batch=a.batch, context=a.context, num_sms=a.num_sms,
                             page_size=a.page_size, attention_sms=a.attention_sms, kernel=not a.no_kernel, **lowering)
     wall = time.perf_counter() - t0
@@ -229,6 +231,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="SMs set apart for the attention splits of a parallel block, the MLP tiles filling the "
                         "rest (default auto: the count mkc bench --tune measured fastest at this point, else the "
                         "one the cost model predicts fastest; 0: every op fills all SMs)")
+    c.add_argument("--global-attention-sms", type=_attention_sms, default=None, metavar="auto|N",
+                   help="SMs' worth of attention splits in the layers of global attention, which at a long "
+                        "context attend more keys than the sliding windows (default auto: what mkc bench --tune "
+                        "measured fastest at this point, else 0; 0: as many as the other layers; at most 4 "
+                        "times --num-sms)")
     c.add_argument("--residual-in-o-proj", choices=["auto", "on", "off"], default="auto",
                    help="on: the O-projection tiles add the residual stream and the MLP's output and end the "
                         "layer, no residual tiles; off: residual tiles sum them (default auto: what mkc bench "

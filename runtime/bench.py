@@ -365,7 +365,9 @@ def tune_attention_sms(spec: ModelSpec, weights: dict[str, torch.Tensor], batch:
     and with the splits ranked first too (Ceilings.splits_first), each where that places anything
     differently, and the fastest of these is recorded with it; then the same with a layer's sibling
     tiles spread over SMs (Ceilings.spread_siblings); last, the chosen schedule lowered with the
-    residual added by the O-projection (LowerOptions.residual_in_o_proj). With ``rounds`` > 1 each
+    residual added by the O-projection (LowerOptions.residual_in_o_proj), then with more splits in
+    the layers of global attention (LowerOptions.global_attention_sms) where they attend more keys
+    than the sliding windows. With ``rounds`` > 1 each
     decision times its options in turn that many times, the option chosen before included, and
     compares medians (the entry's measured times are those medians)."""
     best = _tune(spec, weights, batch, context, sms=sms, bw=bw, reps=reps, page_size=page_size, log=log,
@@ -382,6 +384,7 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
     from mkc.schedule import tuning
     from mkc.schedule.plan import (
         DEFAULT_LOWERING,
+        GLOBAL_ATTENTION_SMS,
         INPUTS_FIRST,
         INPUTS_FIRST_CANDIDATES,
         RESIDUAL_IN_O_PROJ,
@@ -389,13 +392,15 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
         SPLITS_FIRST_KEY,
         SPREAD,
         attention_sms_candidates,
+        global_attention_sms_candidates,
         plan,
     )
 
     candidates = attention_sms_candidates(spec, batch, sms)
     if len(candidates) == 1:
         return None
-    # A schedule is (count, raise µs, splits raised too, sibling spread, residual in the O-projection).
+    # A schedule is (count, raise µs, splits raised too, sibling spread, residual in the O-projection,
+    # the global-attention layers' count).
     # Every decision below compares some of them: with one round each is timed once (a schedule timed
     # before is not timed again); with more, every option of the decision, the one chosen before
     # included, is timed once per round in turn, and the medians decide (drift between rounds falls
@@ -408,11 +413,12 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
                                    spread_siblings=spread_on)
 
     def time_once(key: tuple, what: str) -> None:
-        a, raise_us, splits, spread_on, fold = key
+        a, raise_us, splits, spread_on, fold, wide = key
         lines: list[str] = []
+        lowering = {**({RESIDUAL_IN_O_PROJ: True} if fold else {}), **({GLOBAL_ATTENTION_SMS: wide} if wide else {})}
         r = _megakernel_row(spec, weights, batch, context, sms=sms, bw=bw, reps=reps, page_size=page_size,
                             profile_dir=None, log=lines.append, attention_sms=a,
-                            ceilings=ceilings_of(raise_us, splits, spread_on), **({RESIDUAL_IN_O_PROJ: True} if fold else {}))
+                            ceilings=ceilings_of(raise_us, splits, spread_on), **lowering)
         times.setdefault(key, []).append(r.step_us)
         runs[key] = (r, lines)
         log(f"batch {batch} context {context}: {what}: {r.step_us:.1f} µs ({r.sol_fraction:.1%} SOL)")
@@ -427,8 +433,8 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
                 if again or key not in times:
                     time_once(key, what)
 
-    decide({(a, 0.0, False, False, False): f"{a} attention SMs" for a in candidates})
-    best = min(candidates, key=lambda a: (median((a, 0.0, False, False, False)), a))
+    decide({(a, 0.0, False, False, False, 0): f"{a} attention SMs" for a in candidates})
+    best = min(candidates, key=lambda a: (median((a, 0.0, False, False, False, 0)), a))
     # then the fastest count with each priority raise of the attention splits' inputs (and of the
     # splits too), and then with the chosen raise and a layer's sibling tiles spread over SMs
     # (Ceilings.attention_inputs_first_us, splits_first, spread_siblings): each timed only where it
@@ -446,22 +452,22 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
     for us, splits in raises[1:]:
         if not any(queues(us, splits, False) == queues(*r, False) for r in kept):
             kept.append((us, splits))
-    decide({(best, us, splits, False, False): (f"{best} attention SMs" if not us else
+    decide({(best, us, splits, False, False, 0): (f"{best} attention SMs" if not us else
                                                f"{best} attention SMs, the splits' inputs"
                                                + (" and the splits" if splits else "") + f" ranked {us:g} µs higher")
             for us, splits in kept})
-    first = {r: median((best, *r, False, False)) for r in kept}
+    first = {r: median((best, *r, False, False, 0)) for r in kept}
     raise_us, splits_first = min(first, key=lambda r: (first[r], r))
-    spread_keys = {False: (best, raise_us, splits_first, False, False)}
+    spread_keys = {False: (best, raise_us, splits_first, False, False, 0)}
     if queues(raise_us, splits_first, True) != queues(raise_us, splits_first, False):
-        spread_keys[True] = (best, raise_us, splits_first, True, False)
+        spread_keys[True] = (best, raise_us, splits_first, True, False, 0)
     decide({k: ("the same with sibling tiles spread over SMs" if on else "the same, sibling tiles not spread")
             for on, k in spread_keys.items()})
     spread = {on: median(k) for on, k in spread_keys.items()}
     spread_on = min(spread, key=lambda on: (spread[on], on))
     # last, the O-projection ending the layer (LowerOptions.residual_in_o_proj): another lowering,
     # so another placement, always timed
-    tiles, folded = ((best, raise_us, splits_first, spread_on, on) for on in (False, True))
+    tiles, folded = ((best, raise_us, splits_first, spread_on, on, 0) for on in (False, True))
     fold_keys = {False: tiles}
     try:
         decide({tiles: "the same, residual tiles", folded: "the same with the residual added by the O-projection"})
@@ -471,7 +477,15 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
         fold_keys[True] = folded
     fold = {on: median(k) for on, k in fold_keys.items()}
     fold_on = min(fold, key=lambda on: (fold[on], on))
-    measured = {a: median((a, 0.0, False, False, False)) for a in candidates}
+    # then the splits of the layers of global attention (LowerOptions.global_attention_sms), where
+    # they attend more keys than the sliding windows: another lowering, always timed
+    wide_keys = {w: (best, raise_us, splits_first, spread_on, fold_on, w)
+                 for w in global_attention_sms_candidates(spec, batch, context, sms, best)}
+    decide({k: (f"the same with {w} SMs' worth of splits in the layers of global attention" if w else
+                "the same, as many splits in the layers of global attention") for w, k in wide_keys.items()})
+    wide = {w: median(k) for w, k in wide_keys.items()}
+    wide_sms = min(wide, key=lambda w: (wide[w], w))
+    measured = {a: median((a, 0.0, False, False, False, 0)) for a in candidates}
     path = tuning.record(tuning.tuning_key(spec, batch, context, sms, page_size), {
         "attention_sms": best, "measured_us": {str(a): round(t, 1) for a, t in measured.items()},
         INPUTS_FIRST: raise_us, SPLITS_FIRST: splits_first,
@@ -480,14 +494,18 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
         SPREAD: spread_on, SPREAD + "_measured_us": {("on" if on else "off"): round(t, 1) for on, t in spread.items()},
         RESIDUAL_IN_O_PROJ: fold_on,
         RESIDUAL_IN_O_PROJ + "_measured_us": {("on" if on else "off"): round(t, 1) for on, t in fold.items()},
+        GLOBAL_ATTENTION_SMS: wide_sms,
+        GLOBAL_ATTENTION_SMS + "_measured_us": {str(w): round(t, 1) for w, t in wide.items()},
         "gpu": torch.cuda.get_device_name(0), "reps": reps, "rounds": rounds, "lowering": dict(DEFAULT_LOWERING),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")})
     log(f"batch {batch} context {context}: fastest with {best} attention SMs"
         + (f" and the splits' inputs{' and the splits' if splits_first else ''} ranked {raise_us:g} µs higher"
            if raise_us else "")
         + (" and sibling tiles spread over SMs" if spread_on else "")
-        + (" and the residual added by the O-projection" if fold_on else "") + f"; recorded in {path}")
-    return best, *runs[fold_keys[fold_on]]
+        + (" and the residual added by the O-projection" if fold_on else "")
+        + (f" and {wide_sms} SMs' worth of splits in the layers of global attention" if wide_sms else "")
+        + f"; recorded in {path}")
+    return best, *runs[wide_keys[wide_sms]]
 
 
 def _megakernel_row(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context: int, *, sms: int,

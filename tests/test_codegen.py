@@ -319,6 +319,19 @@ def test_warp_split_rings_fit_the_shared_memory(nmc, tiny):
     assert kernel_config(tsc, spec, CodegenOptions(attn_warp_stages=2)).attn_warp_stages == 0
 
 
+def test_combine_shared_memory_holds_more_splits_than_sms():
+    """LowerOptions.global_attention_sms beyond one wave: a global layer's combine merges more
+    splits than there are SMs (the tiny model's 2 KV heads at 4 waves of 16 SMs: 32 per KV head),
+    and the kernel's shared memory is sized for them, not for num_sms."""
+    spec = load_spec(ROOT / "configs" / "tiny.yaml")
+    sc = schedule(lower(spec, 1, 16384, 16, global_attention_sms=64), spec.name)
+    most = max(t.arg("splits") for t in sc.tasks if t.op == Opcode.ATTN_COMBINE)
+    assert most == 32
+    cfg = kernel_config(sc, spec)
+    assert cfg.max_splits == most
+    assert cfg.smem_bytes >= cfg.batch * cfg.group * most * 4
+
+
 def test_rendered_enum_and_dispatch_match_opcode(tiny):
     spec, sc = tiny
     src = render_source(kernel_config(sc, spec), "test")

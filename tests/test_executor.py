@@ -136,6 +136,23 @@ def test_rope_in_splits_computes_what_the_rope_task_computes(config, dtype):
         assert torch.equal(x, y), f"step {step}: max difference {(x - y).abs().max().item():.3g}"
 
 
+@pytest.mark.parametrize("batch", [1, 2])
+def test_global_attention_sms_matches_reference(spec, weights, batch):
+    """LowerOptions.global_attention_sms: the global layers' keys cut into twice as many splits
+    (most of them past every sequence's position, so empty) merge to the same logits as the dense
+    reference, in random interleavings, before and past the sliding window."""
+    sc = schedule(lower(spec, batch, 1024, 8, attention_sms=4, global_attention_sms=32), spec.name)
+    n = {ls.attention: sum(t.op == Opcode.ATTN_SPLIT and t.layer == i for t in sc.tasks)
+         for i, ls in reversed(list(enumerate(spec.layers)))}
+    assert n["global"] > n["sliding"]
+    ex, ref = CpuExecutor(sc, spec, weights), DenseReference(spec, weights)
+    for step in range(14):
+        tokens = torch.randint(0, spec.vocab_size, (batch,), generator=torch.Generator().manual_seed(step))
+        pos = _positions(step, batch)
+        logits, _ = ex.step(tokens, pos, seed=31 * batch + step)
+        _assert_close(logits, ref.step(tokens, pos), f"batch {batch} step {step}")
+
+
 @pytest.mark.parametrize("config, batch", [("tiny.yaml", 1), ("tiny.yaml", 3), ("qwen3_moe_tiny.yaml", 2),
                                            ("llama_tiny.yaml", 2)])
 def test_residual_in_o_proj_matches_reference(config, batch):

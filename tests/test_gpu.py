@@ -498,6 +498,23 @@ def test_nmc_residual_in_o_proj_matches_mirror(nmc_weights, num_sms, batch, cont
     check_rerun_and_mirror(dec, spec, weights, batch, context, f"NMC residual in o_proj b{batch} ctx {context}")
 
 
+@pytest.mark.parametrize("batch, context, count", [(1, 131072, None), (1, 8192, 128), (2, 4097, 512), (8, 8192, 256)])
+def test_nmc_global_attention_sms_match_mirror(nmc_weights, num_sms, batch, context, count):
+    """LowerOptions.global_attention_sms: the layers of global attention cut into more splits than
+    the sliding-window ones (None: the shipped table's choice, 256 SMs' worth at batch 1 and 128K;
+    4097 puts the position past the window, and at 512 many of its splits past every position).
+    The same checks as the default lowering, and reruns bitwise the same."""
+    spec, weights = nmc_weights
+    lowering = {} if count is None else {"global_attention_sms": count}
+    dec = nmc_decoder(spec, weights, batch, context, num_sms, **lowering)
+    sc = dec.schedule
+    assert sc.meta["global_attention_sms"] == (count or 256)
+    n = {ls.attention: sum(t.op.name == "ATTN_SPLIT" and t.layer == i for t in sc.tasks)
+         for i, ls in enumerate(spec.layers)}
+    assert n["global"] > n["sliding"]
+    check_rerun_and_mirror(dec, spec, weights, batch, context, f"NMC global attention SMs {count} b{batch} ctx {context}")
+
+
 @pytest.mark.parametrize("batch, context", [(1, 8192), (1, 100), (2, 4097), (8, 8192)])
 def test_nmc_fused_experts_match_mirror(nmc_weights, num_sms, batch, context):
     """LowerOptions.fused_experts: EXPERT_MLP tiles compute their expert's intermediate rows and

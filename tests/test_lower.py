@@ -188,6 +188,33 @@ def test_attention_splits_fill_one_wave_then_grow_in_keys(tiny):
     assert k1 == k2 < k3 < k4
 
 
+def test_global_attention_sms_splits_only_the_global_layers_more(tiny):
+    """LowerOptions.global_attention_sms: the layers of global attention get that many SMs' worth
+    of splits (here 4 waves of 16 SMs: 32 per KV head instead of 4), the sliding-window layers keep
+    attention_sms's; each global layer's splits still cover the context, and its combine tasks
+    merge them all."""
+    def splits(prog, layer):
+        ts = [t for t in prog.tasks if t.op == Opcode.ATTN_SPLIT and t.layer == layer]
+        assert len({t.arg("split") for t in ts}) * ts[0].arg("split_keys") >= min(16384, ts[0].arg("window") or 16384)
+        return len(ts)
+
+    same = lower(tiny, batch=1, context=16384, num_sms=16, attention_sms=8)
+    wide = lower(tiny, batch=1, context=16384, num_sms=16, attention_sms=8, global_attention_sms=64)
+    assert [tiny.layers[i].attention for i in (0, 1)] == ["global", "sliding"]
+    assert splits(same, 0) == 8 and splits(wide, 0) == 64
+    assert splits(same, 1) == splits(wide, 1)
+    assert {t.arg("splits") for t in wide.tasks if t.op == Opcode.ATTN_COMBINE and t.layer == 0} == {32}
+    # 0: as attention_sms
+    assert [t.args for t in lower(tiny, 1, 16384, 16, attention_sms=8, global_attention_sms=0).tasks] == \
+        [t.args for t in same.tasks]
+
+
+@pytest.mark.parametrize("count", [-1, 4 * 16 + 1])
+def test_global_attention_sms_out_of_range_is_refused(tiny, count):
+    with pytest.raises(SpecError, match=r"--global-attention-sms .*expected 0 \(as --attention-sms\) or up to 4 waves"):
+        lower(tiny, batch=1, context=64, num_sms=16, global_attention_sms=count)
+
+
 def test_moe_slots_cover_batch_times_top_k(tiny):
     for b, slots in [(1, 4), (2, 8), (8, 16)]:
         prog = lower(tiny, batch=b, context=16, num_sms=8)

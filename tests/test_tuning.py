@@ -17,7 +17,7 @@ from mkc.ir.ops import Opcode
 from mkc.ir.spec import load_spec
 from mkc.runtime import bench
 from mkc.schedule import tuning
-from mkc.schedule.plan import attention_sms_candidates, plan, plan_choices
+from mkc.schedule.plan import attention_sms_candidates, global_attention_sms_candidates, plan, plan_choices
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -80,15 +80,17 @@ def test_record_keeps_the_other_entries(tiny, tuning_file):
 
 
 def test_tune_times_every_candidate_and_records_the_fastest(tiny, tuning_file, monkeypatch):
-    """Fake timings (fastest at 4 attention SMs, and 10% faster with the residual added by the
-    O-projection): every candidate is timed once, the fastest is recorded with every timing, and
-    the planner then picks it, and lowers with the residual in the O-projection."""
+    """Fake timings (fastest at 4 attention SMs, 10% faster with the residual added by the
+    O-projection, and 5% faster still with 16 SMs' worth of splits in the layers of global
+    attention): every candidate is timed once, the fastest is recorded with every timing, and the
+    planner then picks it, and lowers with the residual in the O-projection and those splits."""
     timed = []
 
     def fake_row(spec, w, b, c, *, attention_sms, **kw):
         timed.append(attention_sms)
         fold = 0.9 if kw.get("residual_in_o_proj") else 1.0
-        return bench.row("mkc", b, c, [1e-4 * (1 + abs(attention_sms - 4)) * fold], 10**6, 4e12)
+        wide = 0.95 if kw.get("global_attention_sms") == 16 else 1.0
+        return bench.row("mkc", b, c, [1e-4 * (1 + abs(attention_sms - 4)) * fold * wide], 10**6, 4e12)
 
     monkeypatch.setattr(bench, "_megakernel_row", fake_row)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
@@ -96,14 +98,18 @@ def test_tune_times_every_candidate_and_records_the_fastest(tiny, tuning_file, m
     best = bench.tune_attention_sms(tiny, {}, 2, 40, sms=16, bw=4e12, reps=3, log=logs.append)
     # the tiny model's placement is the same with its splits' inputs ranked first and with its
     # sibling tiles spread (neither is timed), not with its splits ranked first too (timed once
-    # more; as fast here, so the plain ranking is kept), then the O-projection ending the layer
+    # more; as fast here, so the plain ranking is kept), then the O-projection ending the layer,
+    # then the global layers' splits (the tiny model's window, 8 keys, is shorter than the context)
     candidates = attention_sms_candidates(tiny, 2, 16)
-    assert best == 4 and timed == [*candidates, 4, 4]
+    wide = global_attention_sms_candidates(tiny, 2, 40, 16, 4)
+    assert wide == [0, 8, 16, 32]
+    assert best == 4 and timed == [*candidates, 4, 4, 4, 4, 4]
     rec = json.loads(tuning_file.read_text())[tuning.tuning_key(tiny, 2, 40, 16)]
     assert rec["attention_sms"] == 4 and rec["gpu"] == "NVIDIA H200" and rec["reps"] == 3
     # what the counts were timed with
     assert rec["lowering"] == {"rope_in_splits": True, "mlp_share": "bytes", "mlp_waves": 1, "residual_in_o_proj": False,
-                               "fused_experts": False, "qkv_tile_rows": 0, "residual_as_terms": False}
+                               "fused_experts": False, "qkv_tile_rows": 0, "residual_as_terms": False,
+                               "global_attention_sms": 0}
     assert set(rec["measured_us"]) == {str(a) for a in candidates}
     assert any("fastest with 4 attention SMs" in ln for ln in logs)
     t4 = rec["measured_us"]["4"]
@@ -112,16 +118,24 @@ def test_tune_times_every_candidate_and_records_the_fastest(tiny, tuning_file, m
     assert rec["spread_siblings"] is False and rec["spread_siblings_measured_us"] == {"off": t4}
     assert rec["residual_in_o_proj"] is True
     assert rec["residual_in_o_proj_measured_us"] == {"off": t4, "on": round(0.9 * t4, 1)}
+    assert rec["global_attention_sms"] == 16
+    folded = round(0.9 * t4, 1)
+    assert rec["global_attention_sms_measured_us"] == {"0": folded, "8": folded, "16": round(0.95 * folded, 1),
+                                                       "32": folded}
+    assert any("and 16 SMs' worth of splits in the layers of global attention" in ln for ln in logs)
     sc = plan(tiny, 2, 40, 16)
     assert sc.meta["attention_sms"] == {
         "chosen": 4, "chosen_by": "measured", "measured_us": rec["measured_us"], "measured_on": "NVIDIA H200",
         "measured_at": rec["date"], "measured_lowering": rec["lowering"], "measured_by": None,
         "attention_inputs_first_us": 0.0, "attention_inputs_first_us_measured_us": {"0": t4, "100+splits": t4},
         "spread_siblings": False, "spread_siblings_measured_us": {"off": t4},
-        "residual_in_o_proj": True, "residual_in_o_proj_measured_us": rec["residual_in_o_proj_measured_us"]}
+        "residual_in_o_proj": True, "residual_in_o_proj_measured_us": rec["residual_in_o_proj_measured_us"],
+        "global_attention_sms": 16, "global_attention_sms_measured_us": rec["global_attention_sms_measured_us"]}
     assert sc.meta["residual_in_o_proj"] is True and not any(t.op == Opcode.RESIDUAL for t in sc.tasks)
+    assert sc.meta["global_attention_sms"] == 16
     # the caller's lowering wins over the measured one
     assert plan(tiny, 2, 40, 16, residual_in_o_proj=False).meta["residual_in_o_proj"] is False
+    assert plan(tiny, 2, 40, 16, global_attention_sms=0).meta["global_attention_sms"] == 0
 
 
 def test_tune_rounds_time_each_decisions_options_in_turn(tiny, tuning_file, monkeypatch):
@@ -133,7 +147,7 @@ def test_tune_rounds_time_each_decisions_options_in_turn(tiny, tuning_file, monk
     def fake_row(spec, w, b, c, *, attention_sms, ceilings, **kw):
         fold = bool(kw.get("residual_in_o_proj"))
         timed.append((attention_sms, ceilings.attention_inputs_first_us > 0, ceilings.splits_first,
-                      ceilings.spread_siblings, fold))
+                      ceilings.spread_siblings, fold, kw.get("global_attention_sms", 0)))
         us = 100 * (1 + abs(attention_sms - 4) / 4) * (0.9 if fold else 1.0)
         if len(timed) == 1:  # the first sample of 0 attention SMs: far too fast (noise)
             us = 50.0
@@ -143,11 +157,13 @@ def test_tune_rounds_time_each_decisions_options_in_turn(tiny, tuning_file, monk
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
     assert bench.tune_attention_sms(tiny, {}, 2, 40, sms=16, bw=4e12, reps=3, log=print, rounds=2) == 4
     candidates = attention_sms_candidates(tiny, 2, 16)
-    plain = (4, False, False, False, False)
-    splits = (4, True, True, False, False)  # the tiny model places only this raise otherwise
-    assert timed == ([(a, False, False, False, False) for a in candidates] * 2
+    plain = (4, False, False, False, False, 0)
+    splits = (4, True, True, False, False, 0)  # the tiny model places only this raise otherwise
+    folded = (4, False, False, False, True, 0)
+    assert timed == ([(a, False, False, False, False, 0) for a in candidates] * 2
                      + [plain, splits] * 2  # the raises (the spread places nothing otherwise: not timed)
-                     + [plain, (4, False, False, False, True)] * 2)  # the residual in the O-projection
+                     + [plain, folded] * 2  # the residual in the O-projection
+                     + [(*folded[:5], w) for w in (0, 8, 16, 32)] * 2)  # the global layers' splits
     rec = json.loads(tuning_file.read_text())[tuning.tuning_key(tiny, 2, 40, 16)]
     assert rec["rounds"] == 2 and rec["attention_sms"] == 4
     assert rec["measured_us"]["0"] == pytest.approx((50.0 + 200.0) / 2, abs=0.1)  # the median of its two
@@ -201,12 +217,16 @@ def test_tune_times_the_splits_inputs_first_where_it_places_differently(nmc, tun
     candidates = attention_sms_candidates(nmc, 8, 132)
     assert timed == ([(a, False, False, False) for a in candidates]
                      + [(64, True, False, False), (64, True, True, False), (64, True, True, True)]
-                     + [(64, True, True, False)])  # the chosen schedule with the residual in the O-projection
+                     + [(64, True, True, False)]  # the chosen schedule with the residual in the O-projection
+                     + [(64, True, True, False)] * 3)  # and with 128, 256 and 512 SMs' worth of global splits
     rec = json.loads(tuning_file.read_text())[tuning.tuning_key(nmc, 8, 8192, 132)]
     assert rec["attention_inputs_first_us"] == 100.0 and rec["splits_first"] is True
     assert rec["attention_inputs_first_us_measured_us"] == {"0": 100.0, "100": 95.0, "100+splits": 93.0}
     assert rec["spread_siblings"] is False and rec["spread_siblings_measured_us"] == {"off": 93.0, "on": 96.0}
     assert rec["residual_in_o_proj"] is False and rec["residual_in_o_proj_measured_us"] == {"off": 93.0, "on": 93.0}
+    # as fast here: as many splits in the global layers as in the others
+    assert rec["global_attention_sms"] == 0
+    assert rec["global_attention_sms_measured_us"] == {"0": 93.0, "128": 93.0, "256": 93.0, "512": 93.0}
     assert any("and the splits' inputs and the splits ranked 100 µs higher" in ln for ln in logs)
     # what plan() then schedules with (each raise placed differently, or the tuner had not timed it)
     count, ceilings, how = plan_choices(nmc, 8, 8192, 132)
@@ -245,8 +265,9 @@ def test_run_bench_tunes_then_reports_the_fastest_run(tiny, tuning_file, monkeyp
     rows = bench.run_bench(tiny, {}, [2], [40], reps=3, tune=True, log=logs.append,
                            profile_dir=tmp_path if profiled else None)
     candidates = attention_sms_candidates(tiny, 2, 16)
-    # the splits ranked first too: another placement; then the residual in the O-projection
-    timed = [(a, False) for a in candidates] + [(4, False), (4, False)]
+    # the splits ranked first too: another placement; then the residual in the O-projection, and
+    # 8, 16 and 32 SMs' worth of splits in the global layers
+    timed = [(a, False) for a in candidates] + [(4, False)] * 5
     assert runs == timed + ([(None, True)] if profiled else []) + [("torch", False)]
     assert rows[0].step_us == pytest.approx(100.0)  # the 4-SM run, the fastest
     assert ("kernel line of the run with 4 attention SMs" in logs) != profiled
@@ -301,6 +322,13 @@ def test_the_shipped_h200_table_matches_north_mini_code(nmc, monkeypatch):
         if "residual_in_o_proj" in rec:
             times = meta["residual_in_o_proj_measured_us"]
             assert (times["on"] < times["off"]) == fold, times
+        # more splits in the layers of global attention where that measured faster (batch 1 at
+        # 128K; slower at batch 1 at 8K and 32K); an entry measured before it was timed has none
+        wide = meta.get("global_attention_sms", 0)
+        assert wide == (256 if (batch, context) == (1, 131072) else 0), (batch, context, meta)
+        if "global_attention_sms" in rec:
+            times = rec["global_attention_sms_measured_us"]
+            assert min(times, key=times.get) == str(wide), times
 
 
 def test_without_a_named_file_the_shipped_tables_apply_under_the_cache(nmc, monkeypatch, tmp_path):
@@ -338,3 +366,17 @@ def test_a_measured_count_names_its_tool_and_lowering(nmc, tuning_file):
     # compiled under the lowering it was measured with: no remark
     sc = plan(nmc, 2, 8192, 132, mlp_share="rest")
     assert "measured under" not in format_summary(summary(sc, nmc))
+
+
+def test_compile_names_the_global_layers_measured_splits(nmc, monkeypatch):
+    """mkc compile's summary at a point where the shipped table chose more splits for the layers of
+    global attention (batch 1 at 128K) says how many, who measured them and every time; at a point
+    where it chose none (batch 1 at 32K) it has no such line."""
+    from mkc.schedule.visualize import format_summary, summary
+
+    monkeypatch.setenv("MKC_TUNING_FILE", str(ROOT / "configs" / "tuning" / "h200.json"))
+    text = format_summary(summary(plan(nmc, 1, 131072, 132), nmc))
+    line = next(ln for ln in text.splitlines() if ln.startswith("global layers"))
+    assert "256 SMs' worth of attention splits; measured fastest by benchmarks/schedule_variants.py" in line
+    assert "0: 4019.1, 128: 3747.6, 256: 3675.3, 512: 3750.4" in line
+    assert "global layers" not in format_summary(summary(plan(nmc, 1, 32768, 132), nmc))

@@ -27,6 +27,12 @@ class LowerOptions:
     # parallel block: SMs whose one wave the attention splits fill, while the MLP tiles fill the
     # other SMs, so the two branches run side by side; 0: every op fills all SMs (mkc/schedule/plan.py)
     attention_sms: int = 0
+    # the same for the layers whose attention spans the whole context (global attention): SMs'
+    # worth of splits (batch x KV heads streams, each cut into global_attention_sms // streams
+    # splits), up to MAX_ATTENTION_WAVES waves of the GPU, since at a long context their keys
+    # outweigh the rest of the layer (North Mini Code at 128K, batch 1: 268 MB of KV against 75 MB
+    # of routed experts); 0: as attention_sms. The sliding-window layers keep attention_sms.
+    global_attention_sms: int = 0
     # each attention split rotates (and qk-norms) its query heads from the QKV output itself and
     # takes this step's key and value from there, so the splits wait for the QKV tiles only: one
     # task and one hop fewer on the attention chain. The ROPE_APPEND task then only appends k and v
@@ -86,6 +92,10 @@ class LowerOptions:
             raise SpecError(f"--context {self.context}: expected a positive number of positions")
         if self.num_sms < 1:
             raise SpecError(f"--num-sms {self.num_sms}: expected at least 1")
+        if not 0 <= self.global_attention_sms <= MAX_ATTENTION_WAVES * self.num_sms:
+            raise SpecError(f"--global-attention-sms {self.global_attention_sms}: expected 0 (as --attention-sms) or up "
+                            f"to {MAX_ATTENTION_WAVES} waves of the {self.num_sms} SMs "
+                            f"({MAX_ATTENTION_WAVES * self.num_sms}) worth of attention splits")
         if not 0 <= self.attention_sms < self.num_sms:
             raise SpecError(f"--attention-sms {self.attention_sms}: expected 0 (every op fills all SMs) or fewer "
                             f"than the {self.num_sms} SMs, so the MLP tiles keep some")
@@ -111,6 +121,9 @@ class LowerOptions:
         if self.kv_pages < 0 or (self.kv_pages and not self.page_size):
             raise SpecError(f"kv_pages = {self.kv_pages}: expected 0, or a pool size with a page size")
 
+
+# LowerOptions.global_attention_sms: at most this many waves of the SMs' worth of attention splits
+MAX_ATTENTION_WAVES = 4
 
 # LowerOptions.residual_as_terms: at most this many f32 rows of terms (batch x terms) per reader,
 # which stages them all in shared memory (North Mini Code at batch 1: 8 routing slots)
@@ -194,8 +207,11 @@ class _Lowerer:
         self.tasks.append(t)
         return t
 
-    def attention_sms(self) -> int:
-        """SMs the attention splits of one layer fill in one wave (a parallel block only: __init__)."""
+    def attention_sms(self, global_attention: bool = False) -> int:
+        """SMs' worth of attention splits in one layer (a parallel block only: __init__); a layer
+        of global attention may have its own count (LowerOptions.global_attention_sms)."""
+        if global_attention and self.opt.global_attention_sms:
+            return self.opt.global_attention_sms
         return self.opt.attention_sms or self.opt.num_sms
 
     def mlp_sms(self, mlp_bytes: int) -> int:
@@ -351,7 +367,7 @@ class _Lowerer:
         window = a.sliding_window if ls.attention == "sliding" else 0
         keys = min(C, window) if window else C
         # a sliding window may straddle the bucket start, so it can touch one extra split's worth
-        split_keys = attention_split_keys(keys, 2 * D * 2, B * G, self.attention_sms())
+        split_keys = attention_split_keys(keys, 2 * D * 2, B * G, self.attention_sms(global_attention=not window))
         nsplit = math.ceil(keys / split_keys)
         part_o = self.buf(f"{P}.attn_part_o", (B, G, nsplit, GS, D), "f32", "act",
                           "[B, kv_heads, splits, group, head_dim] unnormalised partial outputs")

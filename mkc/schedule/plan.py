@@ -29,7 +29,8 @@ A measured entry may also carry the priority raise of the attention splits' inpu
 the spread of a layer's sibling tiles over SMs (``Ceilings.spread_siblings``) that ran faster at
 its point; the planner schedules with them unless the caller passes its own ceilings. It may also
 say that the layer ran faster ended by the O-projection (``LowerOptions.residual_in_o_proj``);
-the planner then lowers so unless the caller says otherwise.
+the planner then lowers so unless the caller says otherwise; and how many splits the layers of
+global attention have (``LowerOptions.global_attention_sms``, 0 where nothing was measured).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from mkc.ir.lower import LowerOptions, lower
+from mkc.ir.lower import MAX_ATTENTION_WAVES, LowerOptions, lower
 from mkc.ir.spec import ModelSpec
 from mkc.schedule import tuning
 from mkc.schedule.cost import H200, Ceilings
@@ -48,7 +49,7 @@ from mkc.schedule.scheduler import schedule
 # defaults. mkc bench --tune records them beside each measured count, since the count was fastest
 # for them.
 LOWERING_CHOICES = ("rope_in_splits", "mlp_share", "mlp_waves", "residual_in_o_proj", "fused_experts",
-                    "qkv_tile_rows", "residual_as_terms")
+                    "qkv_tile_rows", "residual_as_terms", "global_attention_sms")
 # A tuning entry's measured Ceilings.attention_inputs_first_us for its point (mkc bench --tune times
 # the fastest attention-SM count with and without the raise and records the faster), and the times
 # under INPUTS_FIRST + "_measured_us".
@@ -70,6 +71,14 @@ SPREAD = "spread_siblings"
 # O-projection's weights are in flight while it waits; batch 2, 4 and 8 5-17% slower, where its
 # tiles hold their SMs until the longer MoE branch ends).
 RESIDUAL_IN_O_PROJ = "residual_in_o_proj"
+# ... and the splits of the layers of global attention (LowerOptions.global_attention_sms: timed
+# after the residual's choice, where the model has such layers and they attend more keys than its
+# sliding windows; the times under GLOBAL_ATTENTION_SMS + "_measured_us", "0" for as many as the
+# other layers). An entry without it was measured without it: 0. Where nothing was measured it is
+# 0: the cost model predicted more splits faster at North Mini Code batch 1 at 8K and 32K, where
+# they measured 3-8% slower, and at 128K, where they measured 7-9% faster (H200, 2026-12-03 07:31
+# UTC, BENCHMARKS.md).
+GLOBAL_ATTENTION_SMS = "global_attention_sms"
 DEFAULT_LOWERING = {f.name: f.default for f in dataclasses.fields(LowerOptions) if f.name in LOWERING_CHOICES}
 
 
@@ -91,6 +100,20 @@ def attention_sms_candidates(spec: ModelSpec, batch: int, num_sms: int) -> list[
         out.append(a)
         a *= 2
     return out
+
+
+def global_attention_sms_candidates(spec: ModelSpec, batch: int, context: int, num_sms: int,
+                                    attention_sms: int) -> list[int]:
+    """0 (as many splits as the other layers), then twice, four and eight times ``attention_sms``
+    (0: num_sms) within LowerOptions' bound; only 0 unless the model has layers of sliding-window
+    attention and layers of global attention, and the context is longer than the windows (the
+    global layers then attend more keys)."""
+    kinds = {ls.attention for ls in spec.layers}
+    window = spec.attention.sliding_window or 0
+    if not {"global", "sliding"} <= kinds or context <= window:
+        return [0]
+    base = attention_sms or num_sms
+    return [0] + [base * m for m in (2, 4, 8) if base * m <= MAX_ATTENTION_WAVES * num_sms]
 
 
 def probe_spec(spec: ModelSpec) -> ModelSpec:
@@ -128,6 +151,7 @@ def plan_choices(spec: ModelSpec, batch: int, context: int, num_sms: int, page_s
     without the count (see plan). Unless the caller gives the count or ``residual_in_o_proj``, a
     measured entry's choice of it is ``how[RESIDUAL_IN_O_PROJ]`` (absent from the entry: False)."""
     given_fold = RESIDUAL_IN_O_PROJ in lowering
+    given_global = GLOBAL_ATTENTION_SMS in lowering
     lowering = lowering_choices(lowering)
     how: dict[str, Any] = {"chosen_by": "asked", "probe_predicted_us": {}}
     if attention_sms is not None:
@@ -160,6 +184,13 @@ def plan_choices(spec: ModelSpec, batch: int, context: int, num_sms: int, page_s
     if not given_fold:
         how[RESIDUAL_IN_O_PROJ] = measured.get(RESIDUAL_IN_O_PROJ) is True
         how[RESIDUAL_IN_O_PROJ + "_measured_us"] = measured.get(RESIDUAL_IN_O_PROJ + "_measured_us", {})
+    count = measured.get(GLOBAL_ATTENTION_SMS)
+    if not given_global and isinstance(count, int) and count in global_attention_sms_candidates(
+            spec, batch, context, num_sms, int(measured["attention_sms"])):
+        how[GLOBAL_ATTENTION_SMS] = count
+        how[GLOBAL_ATTENTION_SMS + "_measured_us"] = measured.get(GLOBAL_ATTENTION_SMS + "_measured_us", {})
+        if measured.get(GLOBAL_ATTENTION_SMS + "_by"):  # another tool than mkc bench --tune measured it
+            how[GLOBAL_ATTENTION_SMS + "_by"] = measured[GLOBAL_ATTENTION_SMS + "_by"]
     return int(measured["attention_sms"]), ceilings, how
 
 
@@ -176,8 +207,9 @@ def plan(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int
     attention_sms, ceilings, how = plan_choices(spec, batch, context, num_sms, page_size, kv_pages, attention_sms,
                                                 ceilings, **lowering)
     lowering = lowering_choices(lowering)
-    if RESIDUAL_IN_O_PROJ in how:  # measured at this point (plan_choices)
-        lowering[RESIDUAL_IN_O_PROJ] = how[RESIDUAL_IN_O_PROJ]
+    for choice in (RESIDUAL_IN_O_PROJ, GLOBAL_ATTENTION_SMS):
+        if choice in how:  # measured at this point (plan_choices)
+            lowering[choice] = how[choice]
     program = lower(spec, batch, context, num_sms, page_size, kv_pages, attention_sms=attention_sms, **lowering)
     sc = schedule(program, spec.name, ceilings)
     sc.meta["attention_sms"] = {"chosen": attention_sms, **how}

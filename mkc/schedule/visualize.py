@@ -167,6 +167,7 @@ def _summary_rows(d: dict[str, Any]) -> list[tuple[str, str]]:
         ("busy / SM", (f"{up['min']:.1f} / {up['mean']:.1f} / {up['max']:.1f} µs  "
                       f"(utilisation {d['utilisation']:.1%})")),
         *([("attention SMs", _attention_sms_row(d))] if d.get("attention_sms") else []),
+        *([("global layers", _global_attention_row(d))] if d.get("lowering", {}).get("global_attention_sms") else []),
         ("layer end", _layer_end_row(d)),
         ("critical path", f"{d['critical_path_tasks']} tasks, {d['critical_path_us']:.1f} µs"),
         ("bytes read", (f"{_fmt_bytes(d['bytes'])}  (weights {_fmt_bytes(d['weight_bytes'])}, "
@@ -186,6 +187,18 @@ def _layer_end_row(d: dict[str, Any]) -> str:
     if "residual_in_o_proj" in a:  # the entry of mkc bench --tune chose it
         timed = ", ".join(f"{k}: {v:.1f}" for k, v in a.get("residual_in_o_proj_measured_us", {}).items())
         return row + f"; measured faster (step µs: {timed})"
+    return row + ", as asked"
+
+
+def _global_attention_row(d: dict[str, Any]) -> str:
+    """The splits of the layers of global attention (LowerOptions.global_attention_sms), and who
+    chose them (plan.py)."""
+    a = d.get("attention_sms") or {}
+    row = f"{d['lowering']['global_attention_sms']} SMs' worth of attention splits"
+    if "global_attention_sms" in a:  # the entry of mkc bench --tune chose it
+        timed = ", ".join(f"{k}: {v:.1f}" for k, v in a.get("global_attention_sms_measured_us", {}).items())
+        by = a.get("global_attention_sms_by") or "mkc bench --tune"
+        return row + f"; measured fastest by {by} (step µs by SMs' worth, 0: as the other layers: {timed})"
     return row + ", as asked"
 
 
