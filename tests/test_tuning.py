@@ -218,7 +218,8 @@ def test_tune_times_the_splits_inputs_first_where_it_places_differently(nmc, tun
     assert timed == ([(a, False, False, False) for a in candidates]
                      + [(64, True, False, False), (64, True, True, False), (64, True, True, True)]
                      + [(64, True, True, False)]  # the chosen schedule with the residual in the O-projection
-                     + [(64, True, True, False)] * 3)  # and with 128, 256 and 512 SMs' worth of global splits
+                     + [(64, True, True, False)] * 3  # and with 128, 256 and 512 SMs' worth of global splits
+                     + [(32, True, True, False)] * 3)  # and 64, 128, 256 over 32 attention SMs
     rec = json.loads(tuning_file.read_text())[tuning.tuning_key(nmc, 8, 8192, 132)]
     assert rec["attention_inputs_first_us"] == 100.0 and rec["splits_first"] is True
     assert rec["attention_inputs_first_us_measured_us"] == {"0": 100.0, "100": 95.0, "100+splits": 93.0}
@@ -226,12 +227,46 @@ def test_tune_times_the_splits_inputs_first_where_it_places_differently(nmc, tun
     assert rec["residual_in_o_proj"] is False and rec["residual_in_o_proj_measured_us"] == {"off": 93.0, "on": 93.0}
     # as fast here: as many splits in the global layers as in the others
     assert rec["global_attention_sms"] == 0
-    assert rec["global_attention_sms_measured_us"] == {"0": 93.0, "128": 93.0, "256": 93.0, "512": 93.0}
+    assert rec["global_attention_sms_measured_us"] == {"0": 93.0, "128": 93.0, "256": 93.0, "512": 93.0,
+                                                       "64@32": 143.0, "128@32": 143.0, "256@32": 143.0}
     assert any("and the splits' inputs and the splits ranked 100 µs higher" in ln for ln in logs)
     # what plan() then schedules with (each raise placed differently, or the tuner had not timed it)
     count, ceilings, how = plan_choices(nmc, 8, 8192, 132)
     assert count == 64 and ceilings == dataclasses.replace(H200, attention_inputs_first_us=100.0, splits_first=True)
     assert how["attention_inputs_first_us"] == 100.0 and how["splits_first"] is True
+
+
+def test_tune_times_the_sliding_layers_on_fewer_sms_beneath_the_global_layers(nmc, tuning_file, monkeypatch):
+    """North Mini Code at batch 1 and 32K: the whole model runs fastest on 64 attention SMs (its
+    global layers decide), but with the global layers on 64 SMs' worth of splits the sliding ones
+    run faster on 32 (fake timings, as measured on an H200 on 2026-12-03: -1.5%). The tuner times
+    those pairs last and records 32 attention SMs with 64 for the global layers; the planner
+    lowers with both, and mkc compile's summary says why 32 is not the fastest of the first times."""
+    from mkc.schedule.visualize import format_summary, summary
+
+    def fake_row(spec, w, b, c, *, attention_sms, ceilings=None, **kw):
+        wide = kw.get("global_attention_sms", 0)
+        us = 100 * (1 + abs(attention_sms - 64) / 64)
+        if (attention_sms, wide) == (32, 64):
+            us = 98.0
+        return bench.row("mkc", b, c, [us * 1e-6], 10**6, 4e12)
+
+    monkeypatch.setattr(bench, "_megakernel_row", fake_row)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    logs = []
+    assert bench.tune_attention_sms(nmc, {}, 1, 32768, sms=132, bw=4e12, reps=3, log=logs.append) == 32
+    rec = json.loads(tuning_file.read_text())[tuning.tuning_key(nmc, 1, 32768, 132)]
+    assert rec["attention_sms"] == 32 and rec["global_attention_sms"] == 64
+    assert min(rec["measured_us"], key=rec["measured_us"].get) == "64"
+    assert rec["global_attention_sms_measured_us"] == {"0": 100.0, "128": 100.0, "256": 100.0, "512": 100.0,
+                                                       "64@32": 98.0, "128@32": 150.0, "256@32": 150.0}
+    assert any("fastest with 32 attention SMs and 64 SMs' worth of splits in the layers of global attention" in ln
+               for ln in logs)
+    sc = plan(nmc, 1, 32768, 132)
+    assert sc.meta["attention_sms"]["chosen"] == 32 and sc.meta["global_attention_sms"] == 64
+    text = format_summary(summary(sc, nmc))
+    assert "then with the layers of global attention on 64's splits or more, 32 measured faster" in text
+    assert "64 SMs' worth of attention splits; measured fastest by mkc bench --tune" in text
 
 
 def test_tune_skips_a_point_with_one_candidate(monkeypatch, tuning_file):

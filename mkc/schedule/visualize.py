@@ -198,7 +198,8 @@ def _global_attention_row(d: dict[str, Any]) -> str:
     if "global_attention_sms" in a:  # the entry of mkc bench --tune chose it
         timed = ", ".join(f"{k}: {v:.1f}" for k, v in a.get("global_attention_sms_measured_us", {}).items())
         by = a.get("global_attention_sms_by") or "mkc bench --tune"
-        return row + f"; measured fastest by {by} (step µs by SMs' worth, 0: as the other layers: {timed})"
+        return row + (f"; measured fastest by {by} (step µs by SMs' worth, 0: as the other layers, W@A: with A "
+                      f"attention SMs: {timed})")
     return row + ", as asked"
 
 
@@ -213,6 +214,10 @@ def _attention_sms_row(d: dict[str, Any]) -> str:
         row = (f"{head}; measured fastest by {a.get('measured_by') or 'mkc bench --tune'} on {a['measured_on']}, "
                f"{a['measured_at']} "
                f"(step µs by attention SMs: {timed})")
+        fastest = min(a["measured_us"], key=a["measured_us"].get, default=None)
+        if "global_attention_sms" in a and fastest is not None and fastest != str(n):
+            row += (f", then with the layers of global attention on {fastest}'s splits or more, {n} measured faster "
+                    f"(global layers, below)")
         # what the counts were timed with; the residual in the O-projection, when the entry chose it,
         # was timed with the chosen count (it is named below)
         was_for = {k: v for k, v in (a.get("measured_lowering") or {}).items()
