@@ -41,6 +41,7 @@ from mkc.schedule.profile import (
     format_handoffs,
     format_last_tasks,
     format_layer,
+    format_layer_times,
     format_phases,
     format_stage_ends,
     save_timeline,
@@ -73,6 +74,7 @@ def profile_summary(dec: CudaDecoder, path: str) -> str:
         lines.append(f"{op.name:<14} {len(idx):>6} {run[idx].sum():>10.0f} {run[idx].mean():>8.2f} "
                      f"{run[idx].max():>8.2f} {wait[idx].sum():>10.0f} {bw:>10.1f}")
     lines.append(format_chain(dec.schedule, tl["start"], tl["end"]))
+    lines.append(format_layer_times(dec.schedule, tl))
     lines.append(format_stage_ends(dec.schedule, tl))
     lines.append(format_last_tasks(dec.schedule, tl))
     lines.append(format_handoffs(dec.schedule, tl))

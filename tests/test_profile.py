@@ -19,10 +19,13 @@ from mkc.schedule.profile import (
     format_handoffs,
     format_last_tasks,
     format_layer,
+    format_layer_times,
     format_phases,
     format_profile,
     handoffs,
     last_tasks,
+    layer_kind,
+    layer_times,
     measured_gaps,
     op_shares,
     phases,
@@ -337,3 +340,26 @@ def test_handoffs_split_each_take_over_into_dispatch_and_poll(sc_tl):
     assert costs == sorted(costs, reverse=True)
     text = format_handoffs(sc, made, rows=3)
     assert text.count("\n") == 4 and text in format_profile(sc, made)
+
+
+def test_layer_times_by_kind():
+    """Each layer's time from its first task's start to the next layer's, grouped by what its tasks
+    say it is (the tiny model: layer 0 global attention and a dense MLP, 1-3 sliding over 8 keys
+    and MoE, 4 global and MoE; the LM head's tasks close the last layer, the embedding's are not a
+    layer)."""
+    spec = load_spec("configs/tiny.yaml")
+    sc = schedule(lower(spec, 1, 32, 8), spec.name)
+    assert [layer_kind(sc, L) for L in range(5)] == [
+        "global attention + dense", *["sliding attention (8 keys) + MoE"] * 3, "global attention + MoE"]
+    assert max(t.layer for t in sc.tasks) == 5  # the LM head
+    first = {0: 0.0, 1: 50.0, 2: 70.0, 3: 100.0, 4: 140.0, 5: 150.0}
+    start = np.array([first.get(t.layer, -5.0) + 1.0 for t in sc.tasks])
+    for L, t0 in first.items():  # each layer's first task starts at its mark, the rest 1 µs later
+        start[next(t.id for t in sc.tasks if t.layer == L)] = t0
+    tl = {"start": start, "end": start + 1.0}
+    assert layer_times(sc, tl) == {"global attention + dense": (1, 50.0, 50.0, 50.0),
+                                   "sliding attention (8 keys) + MoE": (3, 30.0, 20.0, 40.0),
+                                   "global attention + MoE": (1, 10.0, 10.0, 10.0)}
+    text = format_layer_times(sc, tl)
+    assert "global attention + dense" in text and "(1 layer)" in text and "(3 layers)" in text
+    assert text in format_profile(sc, tl)

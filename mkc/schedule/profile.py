@@ -12,6 +12,7 @@ schedule's ``predicted`` start / end) for comparison.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -205,6 +206,7 @@ def format_profile(sc: Schedule, timeline: Mapping[str, np.ndarray]) -> str:
     lines.append("share of SM-busy time per op:")
     lines += [f"  {op:<14} {share:6.1%}" for op, share in op_shares(sc, start, end).items()]
     lines.append(format_chain(sc, start, end))
+    lines.append(format_layer_times(sc, timeline))
     lines.append(format_stage_ends(sc, timeline))
     lines.append(format_last_tasks(sc, timeline))
     if "wait" in timeline:
@@ -422,6 +424,39 @@ def format_last_tasks(sc: Schedule, timeline: Mapping[str, np.ndarray]) -> str:
         if len(counts[name]) > 1:
             lines.append(f"  {name:<14} {v.end:>7.1f} {v.ready:>7.1f} {v.inputs:>7.1f} {v.sm_free:>8.1f}  "
                          f"{v.by_inputs} / {v.by_queue}, {v.after}")
+    return "\n".join(lines)
+
+
+def layer_kind(sc: Schedule, layer: int) -> str:
+    """What a layer's tasks say it is: its attention (global, or sliding over W keys: the splits'
+    window) and its MLP (MoE: expert tiles; dense: a SwiGLU), e.g. "global attention + MoE"."""
+    ts = [t for t in sc.tasks if t.layer == layer]
+    windows = {t.arg("window") for t in ts if t.op.name == "ATTN_SPLIT"}
+    attention = ("no attention" if not windows else "global attention" if windows == {0}
+                 else f"sliding attention ({max(windows)} keys)")
+    ops = {t.op.name for t in ts}
+    mlp = "MoE" if ops & {"EXPERT_SWIGLU", "EXPERT_MLP"} else "dense" if "SWIGLU" in ops else "no MLP"
+    return f"{attention} + {mlp}"
+
+
+def layer_times(sc: Schedule, timeline: Mapping[str, np.ndarray]) -> dict[str, tuple[int, float, float, float]]:
+    """Per kind of layer (layer_kind): how many layers, and the mean, least and most µs from a
+    layer's first task start to the next layer's (the LM head's tasks, a layer past the last, close
+    the last one), in order of the first layer of each kind. At a long context the layers of global
+    attention take several times a sliding one's (LowerOptions.global_attention_sms)."""
+    start = np.asarray(timeline["start"], dtype=np.float64)
+    layers = sorted({t.layer for t in sc.tasks if t.layer >= 0})
+    first = {L: float(start[[t.id for t in sc.tasks if t.layer == L]].min()) for L in layers}
+    spans: dict[str, list[float]] = {}
+    for a, b in itertools.pairwise(layers):
+        spans.setdefault(layer_kind(sc, a), []).append(first[b] - first[a])
+    return {k: (len(v), float(np.mean(v)), float(np.min(v)), float(np.max(v))) for k, v in spans.items()}
+
+
+def format_layer_times(sc: Schedule, timeline: Mapping[str, np.ndarray]) -> str:
+    rows = layer_times(sc, timeline)
+    lines = ["layer time by kind (µs from a layer's first start to the next's: mean, least, most):"]
+    lines += [f"  {k:<40} {m:8.1f} {lo:8.1f} {hi:8.1f}  ({n} layer{'s' if n > 1 else ''})" for k, (n, m, lo, hi) in rows.items()]
     return "\n".join(lines)
 
 
