@@ -483,9 +483,9 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
     # layers decide; so the sliding layers are also timed on the next smaller count, beneath 2, 4
     # and 8 times that in the global layers (a pair (attention SMs, global layers' SMs' worth)).
     pairs = [(best, w) for w in global_attention_sms_candidates(spec, batch, context, sms, best)]
-    lower = max((a for a in candidates if 0 < a < best), default=0)
-    if len(pairs) > 1 and lower:
-        pairs += [(lower, w) for w in global_attention_sms_candidates(spec, batch, context, sms, lower) if w]
+    smaller = max((a for a in candidates if 0 < a < best), default=0)
+    if len(pairs) > 1 and smaller:
+        pairs += [(smaller, w) for w in global_attention_sms_candidates(spec, batch, context, sms, smaller) if w]
     wide_keys = {(a, w): (a, raise_us, splits_first, spread_on, fold_on, w) for a, w in pairs}
     decide({k: ("the same, as many splits in the layers of global attention" if not w else
                 f"the same with {w} SMs' worth of splits in the layers of global attention"

@@ -427,10 +427,11 @@ def format_last_tasks(sc: Schedule, timeline: Mapping[str, np.ndarray]) -> str:
     return "\n".join(lines)
 
 
-def layer_kind(sc: Schedule, layer: int) -> str:
+def layer_kind(sc: Schedule, layer: int, tasks=None) -> str:
     """What a layer's tasks say it is: its attention (global, or sliding over W keys: the splits'
-    window) and its MLP (MoE: expert tiles; dense: a SwiGLU), e.g. "global attention + MoE"."""
-    ts = [t for t in sc.tasks if t.layer == layer]
+    window) and its MLP (MoE: expert tiles; dense: a SwiGLU), e.g. "global attention + MoE".
+    ``tasks``: the layer's tasks, where the caller has them already."""
+    ts = tasks if tasks is not None else [t for t in sc.tasks if t.layer == layer]
     windows = {t.arg("window") for t in ts if t.op.name == "ATTN_SPLIT"}
     attention = ("no attention" if not windows else "global attention" if windows == {0}
                  else f"sliding attention ({max(windows)} keys)")
@@ -445,11 +446,15 @@ def layer_times(sc: Schedule, timeline: Mapping[str, np.ndarray]) -> dict[str, t
     the last one), in order of the first layer of each kind. At a long context the layers of global
     attention take several times a sliding one's (LowerOptions.global_attention_sms)."""
     start = np.asarray(timeline["start"], dtype=np.float64)
-    layers = sorted({t.layer for t in sc.tasks if t.layer >= 0})
-    first = {L: float(start[[t.id for t in sc.tasks if t.layer == L]].min()) for L in layers}
+    by_layer: dict[int, list] = {}
+    for t in sc.tasks:
+        if t.layer >= 0:
+            by_layer.setdefault(t.layer, []).append(t)
+    layers = sorted(by_layer)
+    first = {L: float(start[[t.id for t in by_layer[L]]].min()) for L in layers}
     spans: dict[str, list[float]] = {}
     for a, b in itertools.pairwise(layers):
-        spans.setdefault(layer_kind(sc, a), []).append(first[b] - first[a])
+        spans.setdefault(layer_kind(sc, a, by_layer[a]), []).append(first[b] - first[a])
     return {k: (len(v), float(np.mean(v)), float(np.min(v)), float(np.max(v))) for k, v in spans.items()}
 
 
