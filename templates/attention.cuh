@@ -56,8 +56,9 @@ __device__ __forceinline__ float head_rinv(const bf16* row, int lane) {
 // splits both compute it, rounded alike everywhere (explicit roundings, no contraction left to
 // the compiler): qk-norm with weight w (nullptr: none) and factor r, rounded to bf16, times the
 // bf16 weight, rounded again (as transformers), then RoPE at pos in float (rope: else unrotated).
+// sc: the angle's sine and cosine for pair p where already known (rope_table), else nullptr.
 __device__ __forceinline__ void rope_pair(const bf16* row, int p, int pos, bool rope, const bf16* w, float r,
-                                          float& oa, float& ob, int& ia, int& ib) {
+                                          float& oa, float& ob, int& ia, int& ib, const float2* sc = nullptr) {
     ia = ROPE_INTERLEAVED ? 2 * p : p;
     ib = ROPE_INTERLEAVED ? 2 * p + 1 : p + HEAD_DIM / 2;
     float a = __bfloat162float(row[ia]), c = __bfloat162float(row[ib]);
@@ -67,7 +68,8 @@ __device__ __forceinline__ void rope_pair(const bf16* row, int p, int pos, bool 
     }
     if (rope) {
         float sn, cs;
-        rope_sincos(pos, p, sn, cs);
+        if (sc) sn = sc[p].x, cs = sc[p].y;
+        else rope_sincos(pos, p, sn, cs);
         oa = __fmaf_rn(a, cs, -__fmul_rn(c, sn));
         ob = __fmaf_rn(c, cs, __fmul_rn(a, sn));
     } else {
@@ -106,6 +108,22 @@ __device__ __forceinline__ KvRows kv_rows(const Task& t, int cache, int b, int g
 // round trip (positions are an input: the host writes them before the launch).
 __shared__ int s_split_pos;
 static_assert(NUM_THREADS > 32, "a split's position is read by warp 1 (prefetch_weights)");
+
+// ROPE_BEFORE_WAIT: the sine and cosine of every pair's RoPE angle at the split's position,
+// computed by warps 1.. while warp 0 waits for the split's query (prefetch_weights: rope_table),
+// so the query's staging after the wait only looks them up. The same rope_sincos, so the same bits.
+__shared__ float2 s_rope_sc[HEAD_DIM / 2];
+static_assert(!ROPE_BEFORE_WAIT || NUM_THREADS - 32 >= HEAD_DIM / 2, "rope_table: one thread of warps 1.. per pair");
+
+// Called by warps 1.. before the split's wait (published by the kernel loop's barrier).
+__device__ __forceinline__ void rope_table(int pos) {
+    const int p = (int)threadIdx.x - 32;
+    if (p >= 0 && p < HEAD_DIM / 2) {
+        float sn, cs;
+        rope_sincos(pos, p, sn, cs);
+        s_rope_sc[p] = make_float2(sn, cs);
+    }
+}
 
 // The split's sequence position, read from global memory (positions: an input of the step)
 __device__ __forceinline__ int split_position(const Task& t) {
@@ -167,7 +185,7 @@ __device__ void stage_own_query(const Task& t, int b, int g, int pos, bool own, 
         float a, c;
         int ia, ib;
         rope_pair(rows + j * HEAD_DIM, p, pos, rope, qk_norm ? (j < GROUP ? qn : kn) : nullptr,
-                  qk_norm ? rinv[j] : 1.f, a, c, ia, ib);
+                  qk_norm ? rinv[j] : 1.f, a, c, ia, ib, ROPE_BEFORE_WAIT ? s_rope_sc : nullptr);
         if (j == GROUP) {  // the key, in place: this thread alone reads and writes elements ia and ib
             store_bf16(rows + j * HEAD_DIM + ia, a);
             store_bf16(rows + j * HEAD_DIM + ib, c);
@@ -281,12 +299,17 @@ __device__ __forceinline__ void attw_issue(uint4* ring, int st, const AttnRows& 
     cp_async_commit();
 }
 
-// The first ATTW_STAGES - 1 blocks of this warp (after committing the thread's earlier copies as
-// their own group).
+// Blocks per warp issued before the key loop: ATTW_STAGES - 1, so that the loop's first pass issues
+// the next into the last stage; with ATTN_RING_BEFORE_WAIT every stage, and the first pass issues
+// none (the ring is full: the loop's later passes refill the stage the pass before consumed).
+constexpr int ATTW_EARLY = ATTN_RING_BEFORE_WAIT ? ATTW_STAGES : ATTW_STAGES - 1;
+
+// The first ATTW_EARLY blocks of this warp (after committing the thread's earlier copies as their
+// own group).
 __device__ __forceinline__ void attw_prologue(uint4* ring, const AttnRows& r, int lo, int hi) {
     cp_async_commit();
 #pragma unroll
-    for (int i = 0; i < ATTW_STAGES - 1; ++i)
+    for (int i = 0; i < ATTW_EARLY; ++i)
         attw_issue(ring, i, r, lo + 16 * ((int)threadIdx.x / 32 + i * NUM_WARPS), hi);
 }
 
@@ -339,7 +362,8 @@ __device__ void attn_split_warps(const Task& t, unsigned char* smem) {
 #pragma unroll 1
     for (int i = 0; warp + i * NUM_WARPS < nblk; ++i) {
         const int k0 = lo + 16 * (warp + i * NUM_WARPS);
-        attw_issue(ring, st == 0 ? ATTW_STAGES - 1 : st - 1, rows, k0 + 16 * NUM_WARPS * (ATTW_STAGES - 1), hi);
+        if (!ATTN_RING_BEFORE_WAIT || i > 0)  // block i + STAGES - 1 into the stage block i - 1 used
+            attw_issue(ring, st == 0 ? ATTW_STAGES - 1 : st - 1, rows, k0 + 16 * NUM_WARPS * (ATTW_STAGES - 1), hi);
         cp_async_wait_group<ATTW_STAGES - 1>();  // this block's pieces have landed
         const uint4* s = ring + st * ATTW_PIECES * 32;
         // S^T of the two 8-key tiles: c0, c1 = head lg, keys k0 + 8 kt + 2 lq (+1)

@@ -973,8 +973,10 @@ __device__ void prefetch_weights(const Task& t) {
             attn_key_range(t, pos, lo, hi);
             if (ATT_WARP && t.has(O::qkv)) {  // each warp's first blocks into its ring (attention.cuh)
                 attw_prologue(attw_ring_lane(gemv_dyn_smem), attn_rows(t), lo, hi);
+                if (ROPE_BEFORE_WAIT && t.arg(A::rope)) rope_table(pos);  // once the copies are on their way
                 break;
             }
+            if (ROPE_BEFORE_WAIT && t.has(O::qkv) && t.arg(A::rope)) rope_table(pos);
             const int budget = ATTN_PREFETCH_BYTES / 2;  // per cache; 0: one row of each
 #if MKC_PAGED
             const KvRows krows = kv_rows<O>(t, O::k_cache, t.arg(A::seq), t.arg(A::kv_head));

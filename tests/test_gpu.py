@@ -642,6 +642,28 @@ def test_nmc_tagged_logits_match_default(nmc_weights, num_sms, batch):
         assert torch.equal(lg, ref) and torch.equal(tok, ref_tok), f"step {i}: differs from the default kernel"
 
 
+@pytest.mark.parametrize("batch, context", [(1, 1), (1, 300), (1, 8192), (2, 4097), (8, 8192), (1, 131072)])
+def test_nmc_split_work_before_wait_matches_default(nmc_weights, num_sms, batch, context):
+    """CodegenOptions(attn_ring_before_wait=True, rope_before_wait=True): the warp splits issue
+    every stage of their rings, and make their query's RoPE table, while they wait for the QKV tiles.
+    The same bytes and the same rope_sincos: three steps give bitwise the default kernel's logits
+    and tokens. Context 1 attends the step's own key only (the ring's second block is past it); 300
+    puts it past a warp's first block; 4097 is past the sliding window; 131072 runs the shipped
+    plan with 2,048-key splits in the global layers."""
+    from mkc.codegen import CodegenOptions
+
+    spec, weights = nmc_weights
+    tokens = torch.randint(0, spec.vocab_size, (batch,), dtype=torch.int32)
+    positions = nmc_positions(batch, context)
+    ref, ref_tok = nmc_decoder(spec, weights, batch, context, num_sms).step(tokens, positions)
+    ref = ref.clone()
+    dec = nmc_decoder(spec, weights, batch, context, num_sms,
+                      CodegenOptions(attn_ring_before_wait=True, rope_before_wait=True))
+    for i in range(3):
+        lg, tok = dec.step(tokens, positions)
+        assert torch.equal(lg, ref) and torch.equal(tok, ref_tok), f"step {i}: differs from the default kernel"
+
+
 @pytest.mark.parametrize("batch", [2, 4])
 def test_nmc_l2_warm_up_matches_without(nmc_weights, num_sms, batch):
     """At batch 2-4 the default kernel warms L2 with the O-projection's weights (the expert gate/up

@@ -127,6 +127,15 @@ class CodegenOptions:
     # µs for 0 / 2 / 3 stages): batch 1 3256 / 3220 / 3369, batch 2 4431 / 4176 / 4359, batch 4
     # 6790 / 6309 / 6766, batch 8 10756 / 9876 / 10160.
     attn_warp_stages: int = 2
+    # Warp attention splits issue every stage of their warps' rings while they wait for their
+    # query (warps 1..; warp 0 after the wait), not all but one: at 128K a sliding split's warps
+    # hold all their keys (two blocks each) before the QKV tiles end. False: the first pass of the
+    # key loop issues the last stage.
+    attn_ring_before_wait: bool = False
+    # Attention splits that rotate their own query compute its RoPE sines and cosines while they
+    # wait (warps 1.., one pair each, the same rope_sincos), so the query's staging only looks them
+    # up. False: computed per element after the wait.
+    rope_before_wait: bool = False
     # LINEAR tiles (QKV, O-projection, router, dense MLP: weights that do not depend on the step)
     # issue their first weight batch into registers before waiting for their inputs, then stage
     # the activations; expert-down tiles wait for the routing first, read which expert they
@@ -337,6 +346,8 @@ class KernelConfig:
     residual_epilogue_inline: bool = False  # CodegenOptions.residual_epilogue, resolved
     two_set_weights_first: bool = False
     reuse_staged_norm: bool = False
+    attn_ring_before_wait: bool = False  # CodegenOptions.attn_ring_before_wait
+    rope_before_wait: bool = False  # CodegenOptions.rope_before_wait
     # per op of SPLIT_OPS, the k split compiled in (gemv_splits; 0: chosen at run time)
     gemv_ks: tuple[tuple[str, int], ...] = ()
     # rows / 64 of the fused expert tiles (EXPERT_MLP, all of one size); 0: the schedule has none
@@ -619,6 +630,7 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         residual_loads_first=options.residual_loads_first, profile_phases=options.profile_phases,
         routing_code=ROUTING_CODES.index(options.routing_code), tagged_logits=tagged_logits,
         two_set_weights_first=options.two_set_weights_first, reuse_staged_norm=options.reuse_staged_norm,
+        attn_ring_before_wait=options.attn_ring_before_wait, rope_before_wait=options.rope_before_wait,
         gemv_ks=tuple(sorted(gemv_splits(schedule, options.threads // 32).items())) if options.gemv_split_compiled
         else tuple((op.name, 0) for op in SPLIT_OPS),
         residual_stage_bytes=stage_bytes, combine_stage_bytes=combine_bytes,
@@ -683,6 +695,8 @@ def template_context(cfg: KernelConfig, banner: str) -> dict[str, Any]:
         "attn_stage_v": cv.c_bool(cfg.attn_stage_v),
         "attn_prefetch_bytes": cv.c_int(cfg.attn_prefetch_bytes),
         "attn_warp_stages": cv.c_int(cfg.attn_warp_stages),
+        "attn_ring_before_wait": cv.c_bool(cfg.attn_ring_before_wait),
+        "rope_before_wait": cv.c_bool(cfg.rope_before_wait),
         "weights_before_wait": cv.c_bool(cfg.weights_before_wait),
         "signal_last_warp": cv.c_bool(cfg.signal_last_warp),
         "routing_redux": cv.c_bool(cfg.routing_redux),
