@@ -141,8 +141,9 @@ CODEGEN_VARIANTS: dict[str, tuple[tuple[int, ...], dict]] = {
                            "residual_loads_first": False, "down_weights_before_wait": False}),
     "record-code": ((1,), {"routing_code": "unrolled", "linear_one_gemv": False}),
     "down-2-early": ((1,), {"second_batch_before_wait": "expert_down"}),  # two weight batches before the wait
-    # every ring stage of a warp split issued, and its query's RoPE table made, while it waits
-    "split-before-wait": ((1,), {"attn_ring_before_wait": True, "rope_before_wait": True}),
+    # every ring stage of a warp split issued while it waits; its query's RoPE after the wait
+    "ring-before-wait": ((1,), {"attn_ring_before_wait": True}),
+    "rope-after-wait": ((1,), {"rope_before_wait": False}),
     # the default at batch 4: the O-projection warmed in L2 by the expert gate/up tiles, evict-first
     # streams (l2_warm and weights_evict_first "auto", on at batch 2-4)
     "default": ((4,), {}),

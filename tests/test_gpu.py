@@ -643,11 +643,11 @@ def test_nmc_tagged_logits_match_default(nmc_weights, num_sms, batch):
 
 
 @pytest.mark.parametrize("batch, context", [(1, 1), (1, 300), (1, 8192), (2, 4097), (8, 8192), (1, 131072)])
-def test_nmc_split_work_before_wait_matches_default(nmc_weights, num_sms, batch, context):
-    """CodegenOptions(attn_ring_before_wait=True, rope_before_wait=True): the warp splits issue
-    every stage of their rings, and make their query's RoPE table, while they wait for the QKV tiles.
-    The same bytes and the same rope_sincos: three steps give bitwise the default kernel's logits
-    and tokens. Context 1 attends the step's own key only (the ring's second block is past it); 300
+def test_nmc_split_work_before_wait_matches_without(nmc_weights, num_sms, batch, context):
+    """The default kernel's warp splits make their query's RoPE table while they wait for the QKV
+    tiles (CodegenOptions.rope_before_wait); with attn_ring_before_wait they also issue every stage
+    of their rings. The same bytes and the same rope_sincos: three steps of either give bitwise the
+    logits and tokens of the kernel that does neither (rope_before_wait=False). Context 1 attends the step's own key only (the ring's second block is past it); 300
     puts it past a warp's first block; 4097 is past the sliding window; 131072 runs the shipped
     plan with 2,048-key splits in the global layers."""
     from mkc.codegen import CodegenOptions
@@ -655,13 +655,15 @@ def test_nmc_split_work_before_wait_matches_default(nmc_weights, num_sms, batch,
     spec, weights = nmc_weights
     tokens = torch.randint(0, spec.vocab_size, (batch,), dtype=torch.int32)
     positions = nmc_positions(batch, context)
-    ref, ref_tok = nmc_decoder(spec, weights, batch, context, num_sms).step(tokens, positions)
+    without = CodegenOptions(rope_before_wait=False)
+    ref, ref_tok = nmc_decoder(spec, weights, batch, context, num_sms, without).step(tokens, positions)
     ref = ref.clone()
-    dec = nmc_decoder(spec, weights, batch, context, num_sms,
-                      CodegenOptions(attn_ring_before_wait=True, rope_before_wait=True))
-    for i in range(3):
-        lg, tok = dec.step(tokens, positions)
-        assert torch.equal(lg, ref) and torch.equal(tok, ref_tok), f"step {i}: differs from the default kernel"
+    for options in (None, CodegenOptions(attn_ring_before_wait=True)):
+        dec = nmc_decoder(spec, weights, batch, context, num_sms, options)
+        for i in range(3):
+            lg, tok = dec.step(tokens, positions)
+            assert torch.equal(lg, ref) and torch.equal(tok, ref_tok), f"{options}, step {i}: differs"
+        del dec
 
 
 @pytest.mark.parametrize("batch", [2, 4])

@@ -130,12 +130,20 @@ class CodegenOptions:
     # Warp attention splits issue every stage of their warps' rings while they wait for their
     # query (warps 1..; warp 0 after the wait), not all but one: at 128K a sliding split's warps
     # hold all their keys (two blocks each) before the QKV tiles end. False: the first pass of the
-    # key loop issues the last stage.
+    # key loop issues the last stage. Bitwise the same logits, but no faster on an H200
+    # (kernel_variants.py, 2026-12-03 10:48-10:51 UTC, two rounds, µs on / off): batch 1 at 8K
+    # 2447.0 / 2497.9, 2450.5 / 2466.1; at 32K 2883.2 / 2882.6, 2871.4 / 2820.7; at 128K 3688.3 /
+    # 3690.1, 3700.0 / 3681.4; batch 4 at 8K 5362.5 / 5281.1, 5383.5 / 5278.9 (+1.9%). Off.
     attn_ring_before_wait: bool = False
     # Attention splits that rotate their own query compute its RoPE sines and cosines while they
-    # wait (warps 1.., one pair each, the same rope_sincos), so the query's staging only looks them
-    # up. False: computed per element after the wait.
-    rope_before_wait: bool = False
+    # wait (warps 1.., one pair each, the same rope_sincos), so the query's staging after the wait
+    # only looks them up (a phase profile measured 3.8 µs from a split's inputs ready to its query
+    # staged, 2026-12-01). False: computed per element after the wait. Bitwise the same logits;
+    # measured on an H200 (kernel_variants.py, 2026-12-03 10:48-10:51 UTC, two rounds, µs on /
+    # off): batch 1 at 8K 2450.3 / 2497.9, 2424.9 / 2466.1 (-1.7%); at 32K 2810.8 / 2882.6,
+    # 2830.2 / 2820.7 (-1.1%); at 128K 3624.5 / 3690.1, 3630.5 / 3681.4 (-1.6%); batch 4 at 8K
+    # 5319.2 / 5281.1, 5281.2 / 5278.9 (a tie).
+    rope_before_wait: bool = True
     # LINEAR tiles (QKV, O-projection, router, dense MLP: weights that do not depend on the step)
     # issue their first weight batch into registers before waiting for their inputs, then stage
     # the activations; expert-down tiles wait for the routing first, read which expert they
@@ -347,7 +355,7 @@ class KernelConfig:
     two_set_weights_first: bool = False
     reuse_staged_norm: bool = False
     attn_ring_before_wait: bool = False  # CodegenOptions.attn_ring_before_wait
-    rope_before_wait: bool = False  # CodegenOptions.rope_before_wait
+    rope_before_wait: bool = True  # CodegenOptions.rope_before_wait
     # per op of SPLIT_OPS, the k split compiled in (gemv_splits; 0: chosen at run time)
     gemv_ks: tuple[tuple[str, int], ...] = ()
     # rows / 64 of the fused expert tiles (EXPERT_MLP, all of one size); 0: the schedule has none
