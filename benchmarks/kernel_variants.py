@@ -67,10 +67,9 @@ VARIANTS: dict[str, CodegenOptions] = {
     "attn-warps-3": CodegenOptions(attn_warp_stages=3),
     # every ring stage of a warp split issued while it waits (CodegenOptions.attn_ring_before_wait);
     # its query's RoPE sines and cosines computed after the wait (rope_before_wait off: the default
-    # until 2026-12-03), and both
+    # until 2026-12-03)
     "ring-before-wait": CodegenOptions(attn_ring_before_wait=True),
     "rope-after-wait": CodegenOptions(rope_before_wait=False),
-    "split-before-wait": CodegenOptions(attn_ring_before_wait=True),
     # LINEAR tiles wait for their inputs after issuing their first weight batch, expert-down tiles
     # after reading the routing (the default since 2026-11-30); off: the kernel loop waits first
     "weights-after-wait": CodegenOptions(weights_before_wait=False),

@@ -971,12 +971,12 @@ __device__ void prefetch_weights(const Task& t) {
             if (threadIdx.x == 32) s_split_pos = pos;  // for the split (published by the loop's barrier)
             int lo, hi;
             attn_key_range(t, pos, lo, hi);
-            if (ATT_WARP && t.has(O::qkv)) {  // each warp's first blocks into its ring (attention.cuh)
+            const bool ring = ATT_WARP && t.has(O::qkv);
+            if (ring)  // each warp's first blocks into its ring (attention.cuh)
                 attw_prologue(attw_ring_lane(gemv_dyn_smem), attn_rows(t), lo, hi);
-                if (ROPE_BEFORE_WAIT && t.arg(A::rope)) rope_table(pos);  // once the copies are on their way
-                break;
-            }
+            // the query's RoPE table, once the copies are on their way
             if (ROPE_BEFORE_WAIT && t.has(O::qkv) && t.arg(A::rope)) rope_table(pos);
+            if (ring) break;
             const int budget = ATTN_PREFETCH_BYTES / 2;  // per cache; 0: one row of each
 #if MKC_PAGED
             const KvRows krows = kv_rows<O>(t, O::k_cache, t.arg(A::seq), t.arg(A::kv_head));

@@ -647,9 +647,10 @@ def test_nmc_split_work_before_wait_matches_without(nmc_weights, num_sms, batch,
     """The default kernel's warp splits make their query's RoPE table while they wait for the QKV
     tiles (CodegenOptions.rope_before_wait); with attn_ring_before_wait they also issue every stage
     of their rings. The same bytes and the same rope_sincos: three steps of either give bitwise the
-    logits and tokens of the kernel that does neither (rope_before_wait=False). Context 1 attends the step's own key only (the ring's second block is past it); 300
-    puts it past a warp's first block; 4097 is past the sliding window; 131072 runs the shipped
-    plan with 2,048-key splits in the global layers."""
+    logits and tokens of the kernel that does neither (rope_before_wait=False). Context 1 attends
+    the step's own key only (the ring's second block is past it); 300 puts it past a warp's first
+    block; 4097 is past the sliding window; 131072 runs the shipped plan with 2,048-key splits in
+    the global layers."""
     from mkc.codegen import CodegenOptions
 
     spec, weights = nmc_weights
