@@ -70,9 +70,6 @@ VARIANTS: dict[str, CodegenOptions] = {
     # until 2026-12-03)
     "ring-before-wait": CodegenOptions(attn_ring_before_wait=True),
     "rope-after-wait": CodegenOptions(rope_before_wait=False),
-    # tiles that end a layer wait for every input before their staging, on the same schedule (its
-    # late waits met early; CodegenOptions.late_waits, on since 2026-12-03)
-    "late-waits-early": CodegenOptions(late_waits=False),
     # LINEAR tiles wait for their inputs after issuing their first weight batch, expert-down tiles
     # after reading the routing (the default since 2026-11-30); off: the kernel loop waits first
     "weights-after-wait": CodegenOptions(weights_before_wait=False),

@@ -73,10 +73,6 @@ VARIANTS = {
     "splits-first": dataclasses.replace(H200, attention_inputs_first_us=100.0, splits_first=True),
     "splits-first-spread": dataclasses.replace(H200, attention_inputs_first_us=100.0, splits_first=True,
                                                spread_siblings=True),
-    # every input of a tile that ends a layer waited for before its staging (Ceilings.late_residual_waits
-    # off: the default until 2026-12-03; on, the O-projection waits for the expert outputs just
-    # before its epilogue)
-    "no-late-waits": dataclasses.replace(H200, late_residual_waits=False),
 }
 
 

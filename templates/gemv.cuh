@@ -445,27 +445,13 @@ __device__ __forceinline__ void gemv_item(const bf16* const (&w0)[NACC],
 struct Staged {
     __device__ void landed() const {}
     __device__ void operator()() const { cp_async_wait_all(); }
-    __device__ void late() const {}
 };
-
-// The k split of a GEMV tile of `rows` rows over k columns: warps per 16-row group (a power of two;
-// KS > 0: the op's compiled split, see gemv_tile).
-template <int KS>
-__device__ __forceinline__ int gemv_k_split(int rows, int k) {
-    if constexpr (KS > 0) return KS;
-    const int groups = (rows + 15) / 16, blocks = k / 64;
-    int ks = 1;
-    while (ks * 2 * groups <= NUM_WARPS && ks * 2 <= blocks) ks *= 2;
-    return ks;
-}
 
 // rows x k tile: w[a] points at element (row 0, k 0) of row set a (row stride w_ld elements); xs
 // is the activation tile in shared memory. Each warp issues the loads of its first weight batch,
 // then every thread calls `finish` (which completes the caller's staging of xs and publishes it
 // with a barrier: stage_*_async before the call, its finish here), so the weights' round trip
 // overlaps the activations'.
-// With a k split (fewer 16-row groups than warps) every thread calls finish.late() once its part of
-// the stream is done, before the barrier that ends the split's reduction.
 // For every finished 16-row group the epilogue is called by all 32 lanes of one warp as
 // epi(r0, acc) with acc[a] = {(r0, n), (r0, n + 1), (r0 + 8, n), (r0 + 8, n + 1)} where
 // n = 2 * (lane % 4); r0 may be past `rows` (the epilogue checks). Every thread of the CTA must
@@ -477,7 +463,11 @@ __device__ __forceinline__ void gemv_tile(const bf16* const (&w)[NACC], int w_ld
                                           float* red, Epi epi, Fin finish = Fin{}) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
     const int groups = (rows + 15) / 16, blocks = k / 64;
-    const int ks = gemv_k_split<KS>(rows, k);
+    int ks = KS;
+    if constexpr (KS == 0) {
+        ks = 1;
+        while (ks * 2 * groups <= NUM_WARPS && ks * 2 <= blocks) ks *= 2;
+    }
     const bf16* xrow = xs + g * xs_ld(k) + q * 8;
     // this warp's first item: group warp / ks, blocks part, part + ks, ...
     const int grp = warp / ks, part = warp % ks;
@@ -518,9 +508,6 @@ __device__ __forceinline__ void gemv_tile(const bf16* const (&w)[NACC], int w_ld
                 for (int i = 0; i < 4; ++i) red[((warp * NACC + a) * 4 + i) * 32 + lane] = acc[a][i];
         }
     }
-    // the inputs only the epilogue reads, where the tile waits for them late (ops.cuh:
-    // WaitStageFinish); the barrier below publishes them
-    finish.late();
     __syncthreads();
     if (grp < groups && part == 0) {
         for (int p = 1; p < ks; ++p)

@@ -114,7 +114,6 @@ struct StageFinish {
         cp_async_wait_all();
         landed();
     }
-    __device__ void late() const {}
 };
 
 // A LINEAR tile that ends a layer (LowerOptions.residual_in_o_proj: a residual operand) adds its
@@ -125,7 +124,7 @@ struct StageFinish {
 // (KernelConfig.residual_stage_bytes: render.py sized the scratch for the largest such tile and
 // checked that rows and col0 are multiples of 4).
 template <class O>
-__device__ __forceinline__ void stage_residual_async(const Task&, unsigned char*, int = 0, int = -1) {}
+__device__ __forceinline__ void stage_residual_async(const Task&, unsigned char*) {}
 
 struct ResidualTerms {
     const float* staged;  // [terms][BATCH][rows]; null: the tile does not end a layer
@@ -161,20 +160,16 @@ __device__ __forceinline__ ResidualTerms residual_terms(const Task& t, unsigned 
 }
 
 // Inline (a call would wait for the weight loads in flight in registers first: the staging
-// would no longer overlap them); a warp per (term, token), a lane per 16 bytes of its rows. Terms
-// [first, last) (last < 0: every term): a tile that waits late copies the residual stream with its
-// activations and the rest once its late waits are met (WaitStageFinish).
+// would no longer overlap them); a warp per (term, token), a lane per 16 bytes of its rows.
 template <>
-__device__ __forceinline__ void stage_residual_async<OPND_LINEAR>(const Task& t, unsigned char* smem, int first,
-                                                                  int last) {
+__device__ __forceinline__ void stage_residual_async<OPND_LINEAR>(const Task& t, unsigned char* smem) {
     using O = OPND_LINEAR;
     if (!t.has(O::residual)) return;
     const ResidualTerms rt = residual_terms(t, smem);
     const int col0 = t.arg(ARG_LINEAR::col0), hidden = t.dim(O::residual, 1), quads = rt.rows / 4;
     const int mlp = t.has(O::mlp) ? 1 : 0;
-    if (last < 0) last = rt.terms;
     float* dst = reinterpret_cast<float*>(gemv_scratch(smem));
-    for (int tb = first * BATCH + threadIdx.x / 32; tb < last * BATCH; tb += NUM_WARPS) {
+    for (int tb = threadIdx.x / 32; tb < rt.terms * BATCH; tb += NUM_WARPS) {
         const int b = tb % BATCH, term = tb / BATCH;
         const float* src = term == 0 ? t.ptr<float>(O::residual)
                            : term < 1 + mlp ? t.ptr<float>(O::mlp)
@@ -193,31 +188,17 @@ __device__ __noinline__ void zero_rows(float* out, int ld, int rows) {
 // waiting for its inputs: the wait (every thread), then the activations' copies, then StageFinish.
 // The wait comes first: warp 0 may still have the next task's record in flight (the kernel loop),
 // which its counter loads need not wait for.
-//
-// LATE_WAITS, `defer` (a tile that ends a layer, with late waits in its record, W_LATE, and a k split:
-// gemv_tile calls late() after the stream): the wait stops at the late waits, and the residual
-// stream is the only term copied with the activations; late() waits for the rest (the expert and
-// dense MLP outputs: schedule.late_operands) and copies those terms, which the barrier that ends
-// the k split's reduction publishes to the epilogue.
 template <class O>
 struct WaitStageFinish : StageFinish<O> {
     static constexpr int EARLY_BATCHES = EARLY_BATCHES_LINEAR;
-    bool defer = false;
     __device__ void operator()() const {
         const StageFinish<O>& s = *this;
-        task_wait(s.t.w, 0, defer ? s.t.w[W_LATE] : -1);
+        task_wait(s.t.w);
         stage_input_async<O>(s.t, s.smem, s.k0, s.k);
-        stage_residual_async<O>(s.t, s.smem, 0, defer ? 1 : -1);
+        stage_residual_async<O>(s.t, s.smem);
         s();
     }
     __device__ void landed() const { (*this)(); }
-    __device__ void late() const {
-        if (!defer) return;
-        const StageFinish<O>& s = *this;
-        task_wait(s.t.w, s.t.w[W_LATE]);
-        stage_residual_async<O>(s.t, s.smem, 1);
-        cp_async_wait_all();
-    }
 };
 
 // DOWN_WEIGHTS_BEFORE_WAIT: the end of staging for an expert-down tile that issued its first weight
@@ -237,7 +218,6 @@ struct WaitCopyFinish {
         cta_barrier();
     }
     __device__ void landed() const { (*this)(); }
-    __device__ void late() const {}
 };
 
 struct CopyFinish {  // the end of a plain stage_x_async
@@ -249,7 +229,6 @@ struct CopyFinish {  // the end of a plain stage_x_async
         cp_async_wait_all();
         landed();
     }
-    __device__ void late() const {}
 };
 
 // Element offset of the tile starting at (row0, k0) of a weight with k columns: row-major, or in
@@ -567,10 +546,7 @@ __device__ void op_linear(const Task& t, unsigned char* smem) {
     using A = ARG_LINEAR;
     const int k0 = t.arg(A::k0), k = t.arg(A::k);
     if constexpr (WEIGHTS_BEFORE_WAIT) {  // the kernel loop has not waited: the first weights fly first
-        WaitStageFinish<O> finish{{t, smem, k0, k}};
-        finish.defer = LATE_WAITS && t.has(O::residual) && t.w[W_LATE] < t.w[W_WAIT_CNT] &&
-                       gemv_k_split<GEMV_KS_LINEAR>(t.arg(A::rows), k) > 1;
-        linear_gemv(t, smem, finish);
+        linear_gemv(t, smem, WaitStageFinish<O>{{t, smem, k0, k}});
     } else {
         stage_input_async<O>(t, smem, k0, k);
         stage_residual_async<O>(t, smem);

@@ -667,45 +667,6 @@ def test_nmc_split_work_before_wait_matches_without(nmc_weights, num_sms, batch,
         del dec
 
 
-@pytest.mark.parametrize("batch, context", [(1, 8192), (1, 100), (2, 4097), (4, 8192), (8, 1)])
-def test_nmc_late_waits_match_early(nmc_weights, num_sms, batch, context):
-    """With the residual in the O-projection, its tiles wait for the expert (and layer 0's dense
-    MLP) outputs only before their epilogue (Schedule.late, CodegenOptions.late_waits). The same
-    adds in the same order: three steps give bitwise the logits and tokens of the same schedule
-    with every wait met before the staging, and of the schedule made without late waits
-    (Ceilings.late_residual_waits=False), whose tiles may sit elsewhere in the queues."""
-    import dataclasses
-
-    from mkc.codegen import CodegenOptions
-    from mkc.schedule.cost import H200
-
-    spec, weights = nmc_weights
-    tokens = torch.randint(0, spec.vocab_size, (batch,), dtype=torch.int32)
-    positions = nmc_positions(batch, context)
-    dec = nmc_decoder(spec, weights, batch, context, num_sms, residual_in_o_proj=True)
-    sc = dec.schedule
-    assert sc.late is not None and any(sc.late_from(t) < len(sc.waits[t]) for t in range(len(sc.tasks)))
-    assert dec.artifact.config.late_waits
-    ref, ref_tok = dec.step(tokens, positions)
-    ref = ref.clone()
-    for i in range(2):
-        lg, tok = dec.step(tokens, positions)
-        assert torch.equal(lg, ref) and torch.equal(tok, ref_tok), f"late waits, step {i + 1}: differs from step 0"
-    del dec
-    early = nmc_decoder(spec, weights, batch, context, num_sms, CodegenOptions(late_waits=False),
-                        residual_in_o_proj=True)
-    without = nmc_decoder(spec, weights, batch, context, num_sms, residual_in_o_proj=True,
-                          ceilings=dataclasses.replace(H200, late_residual_waits=False))
-    assert without.schedule.late is None
-    for name, other in (("late waits met early", early), ("no late waits", without)):
-        for i in range(3):
-            lg, tok = other.step(tokens, positions)
-            assert torch.equal(lg, ref) and torch.equal(tok, ref_tok), f"{name}, step {i}: differs"
-    del early, without
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
 @pytest.mark.parametrize("batch", [2, 4])
 def test_nmc_l2_warm_up_matches_without(nmc_weights, num_sms, batch):
     """At batch 2-4 the default kernel warms L2 with the O-projection's weights (the expert gate/up

@@ -22,8 +22,7 @@ from mkc.ir.graph import Buffer, Region, Task
 from mkc.ir.lower import lower
 from mkc.ir.ops import OP_INFO, Opcode
 from mkc.ir.spec import load_spec
-from mkc.schedule.cost import H200
-from mkc.schedule.schedule import Counter, Schedule, late_operands, routing_edge
+from mkc.schedule.schedule import Counter, Schedule, routing_edge
 from mkc.schedule.scheduler import schedule
 from mkc.schedule.validator import Problem, ScheduleError, check, validate
 
@@ -248,58 +247,6 @@ def test_routing_wait_orders_only_the_logits():
     # without the routing wait, the logits' read is the race
     sc.waits[t.id] = []
     assert any(t.operands[3] in p.buffers for p in of_kind(validate(sc), "race"))
-
-
-@cache
-def _late_tiny() -> Schedule:
-    spec = load_spec(CONFIGS / "tiny.yaml")
-    return schedule(lower(spec, 2, 64, 8, residual_in_o_proj=True), spec.name)
-
-
-def late_tiny() -> Schedule:
-    """A fresh copy of a real tiny schedule whose O-projection tiles end the layer (late waits)."""
-    sc = _late_tiny()
-    return dataclasses.replace(sc, queues=[list(q) for q in sc.queues], waits=[list(w) for w in sc.waits],
-                               signals=list(sc.signals), counters=list(sc.counters), late=list(sc.late))
-
-
-def test_late_waits_order_only_the_epilogue_terms():
-    """A late wait (Schedule.late: an O-projection tile that ends the layer meets it before its
-    epilogue) orders the expert outputs the epilogue adds, and nothing the tile read before: with
-    every wait of a tile made late, its reads of the attention output (or the residual stream) are
-    races; a late index past the waits, or late waits on a tile without epilogue terms, are
-    structure problems."""
-    sc = late_tiny()
-    assert sc.late is not None and validate(sc) == []
-    late = [t for t in range(len(sc.tasks)) if sc.late_from(t) < len(sc.waits[t])]
-    assert late and all(late_operands(sc.tasks[t]) for t in late)
-    for t in late:  # the late waits' producers all write epilogue terms only
-        for c, _ in sc.waits[t][sc.late_from(t):]:
-            for p in sc.counters[c].producers:
-                assert {w.buffer for w in sc.tasks[p].writes} <= late_operands(sc.tasks[t])
-    t = next(t for t in late if sc.late_from(t) > 0)
-    sc.late[t] = 0
-    races = of_kind(validate(sc), "race")
-    assert all(p.tasks[1] == t for p in races)
-    assert not {b for p in races for b in p.buffers} & late_operands(sc.tasks[t])  # never the terms
-    sc.late[t] = len(sc.waits[t]) + 1
-    assert any("late waits from index" in p.message for p in of_kind(validate(sc), "structure"))
-    sc = late_tiny()
-    other = next(i for i, task in enumerate(sc.tasks) if task.op == Opcode.ATTN_SPLIT and sc.waits[i])
-    sc.late[other] = 0
-    assert any("may wait late" in p.message for p in of_kind(validate(sc), "structure"))
-
-
-def test_late_waits_round_trip_and_can_be_turned_off():
-    sc = _late_tiny()
-    back = Schedule.from_json(sc.to_json())
-    assert back.late == sc.late and validate(back) == []
-    spec = load_spec(CONFIGS / "tiny.yaml")
-    off = schedule(lower(spec, 2, 64, 8, residual_in_o_proj=True), spec.name,
-                   dataclasses.replace(H200, late_residual_waits=False))
-    assert off.late is None and validate(off) == []
-    assert "late" not in Schedule.from_json(off.to_json()).to_json()["tasks"][0]
-    assert Schedule.from_json(off.to_json()).late is None
 
 
 def _synthetic(writes: list[tuple[int, int]], queues: list[list[int]], waits=None, signals=None) -> Schedule:

@@ -187,13 +187,6 @@ class CodegenOptions:
     # batch 4 5868 / 5812 / 5830 against 5988 / 5815 / 5747, batch 8 8979 / 9008 / 8818 against
     # 8861 / 9033 / 8983 (both within the noise).
     down_weights_before_wait: bool = True
-    # A LINEAR tile that ends a layer (the O-projection with the residual in its epilogue) meets its
-    # late waits (Schedule.late: the expert and dense MLP outputs it adds) only after its weights
-    # have streamed, just before its epilogue, so it may start once the attention is merged
-    # (ops.cuh: WaitStageFinish). Only tiles with a k split (at most 4 row groups) defer; the same
-    # adds in the same order. False: every wait before the staging. A schedule made with
-    # Ceilings.late_residual_waits=False has no late waits, and the option changes nothing.
-    late_waits: bool = True
     # Residual tiles load their tokens' expert slots first (into shared memory), then every term of
     # an element before adding them in order, so an element costs two round trips instead of two per
     # routed slot; the residual tile is on every layer's critical chain. The same adds in the same
@@ -351,7 +344,6 @@ class KernelConfig:
     routing_redux: bool  # CodegenOptions.routing_argmax == "redux"
     linear_one_gemv: bool
     down_weights_before_wait: bool
-    late_waits: bool  # CodegenOptions.late_waits
     residual_loads_first: bool
     profile_phases: bool
     routing_code: int  # CodegenOptions.routing_code: 0 unrolled, 1 loop, 2 shared
@@ -642,7 +634,7 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         attn_prefetch_bytes=options.attn_prefetch_bytes, attn_warp_request=options.attn_warp_stages,
         weights_before_wait=options.weights_before_wait, signal_last_warp=options.signal_warp == "last",
         routing_redux=options.routing_argmax == "redux", linear_one_gemv=options.linear_one_gemv,
-        down_weights_before_wait=options.down_weights_before_wait, late_waits=options.late_waits and schedule.late is not None,
+        down_weights_before_wait=options.down_weights_before_wait,
         residual_loads_first=options.residual_loads_first, profile_phases=options.profile_phases,
         routing_code=ROUTING_CODES.index(options.routing_code), tagged_logits=tagged_logits,
         two_set_weights_first=options.two_set_weights_first, reuse_staged_norm=options.reuse_staged_norm,
@@ -718,7 +710,6 @@ def template_context(cfg: KernelConfig, banner: str) -> dict[str, Any]:
         "routing_redux": cv.c_bool(cfg.routing_redux),
         "linear_one_gemv": cv.c_bool(cfg.linear_one_gemv),
         "down_weights_before_wait": cv.c_bool(cfg.down_weights_before_wait),
-        "late_waits": cv.c_bool(cfg.late_waits),
         "residual_loads_first": cv.c_bool(cfg.residual_loads_first),
         "profile_phases": cv.c_bool(cfg.profile_phases),
         "routing_code": cv.c_int(cfg.routing_code),

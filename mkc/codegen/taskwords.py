@@ -6,9 +6,7 @@ The kernel binary depends only on shapes and tiling; the schedule reaches it as 
   Words: opcode, task id, wait offset, wait count, signal counter (-1 = none), one buffer-table
   index per operand role of ``OP_INFO`` (-1 = absent), the integer arguments, a copy of the
   first ``INLINE_WAITS`` waits (counter, target; zeros past the count), an L2 warm-up hint
-  (buffer-table index or -1, first 16-byte piece, pieces: ``l2_warm_hints``), the index of the
-  first late wait (``Schedule.late``: an O-projection tile may meet the waits from there on just
-  before its epilogue; the wait count where it has none), zero padding. The
+  (buffer-table index or -1, first 16-byte piece, pieces: ``l2_warm_hints``), zero padding. The
   kernel copies the next record into shared memory while a task runs, so a task reads those waits
   without a round trip to device memory.
 * ``queue_start`` — int32 ``[num_sms + 1]``: SM ``i`` runs records ``queue_start[i]:queue_start[i+1]``.
@@ -45,13 +43,12 @@ W_ARGS = W_OPERANDS + MAX_OPERANDS
 W_WAITS = W_ARGS + MAX_ARGS
 INLINE_WAITS = 4  # (counter, target) pairs copied into the record itself (every task of North Mini Code has <= 3)
 W_WARM = W_WAITS + 2 * INLINE_WAITS  # buffer index (-1: none), first 16-byte piece, pieces
-W_LATE = W_WARM + 3  # index of the first late wait (schedule.late; the wait count: none)
-RECORD_WORDS = (W_LATE + 1 + 3) // 4 * 4  # 16-byte records
+RECORD_WORDS = (W_WARM + 3 + 3) // 4 * 4  # 16-byte records
 
 RECORD_LAYOUT: tuple[tuple[str, int], ...] = (
     ("W_OP", W_OP), ("W_ID", W_ID), ("W_WAIT_OFF", W_WAIT_OFF), ("W_WAIT_CNT", W_WAIT_CNT),
     ("W_SIGNAL", W_SIGNAL), ("W_OPERANDS", W_OPERANDS), ("W_ARGS", W_ARGS), ("W_WAITS", W_WAITS),
-    ("INLINE_WAITS", INLINE_WAITS), ("W_WARM", W_WARM), ("W_LATE", W_LATE), ("RECORD_WORDS", RECORD_WORDS),
+    ("INLINE_WAITS", INLINE_WAITS), ("W_WARM", W_WARM), ("RECORD_WORDS", RECORD_WORDS),
 )
 # bf16_tiles: weight_tiles.py; f32_tagged: an f32 buffer followed by its tagged copy (routing_logits)
 DTYPE_CODES: dict[str, int] = {"bf16": 0, "f32": 1, "i32": 2, "bf16_tiles": 3, "f32_tagged": 4}
@@ -225,7 +222,6 @@ def encode(schedule: Schedule, l2_warm: str = "off") -> TaskWords:
                 first = routing_wait(schedule, tid, writers)
                 task_waits = [first, *(w for w in task_waits if w[0] != first[0])]
             r[W_WAIT_OFF], r[W_WAIT_CNT] = len(waits), len(task_waits)
-            r[W_LATE] = schedule.late_from(tid) if t.op == Opcode.LINEAR else len(task_waits)
             waits.extend(task_waits)
             for i, (c, target) in enumerate(task_waits[:INLINE_WAITS]):
                 r[W_WAITS + 2 * i], r[W_WAITS + 2 * i + 1] = c, target

@@ -93,16 +93,6 @@ class Ceilings:
     # shipped spread (+1.0%). Off here; `mkc bench --tune` times it per point and records the
     # faster (plan.py applies a recorded one).
     splits_first: bool = False
-    # Late waits (schedule.py): a LINEAR tile that ends a layer (the O-projection with the residual
-    # in its epilogue) waits for the expert (and dense MLP) outputs it adds only before its
-    # epilogue, after it has staged the attention output and streamed its weights, so it may start
-    # once the attention is merged and meet the MLP's last tiles at its end. The scheduler places
-    # it by both (scheduler.py, rule 2). False: every
-    # input is waited for before the tile stages anything.
-    late_residual_waits: bool = True
-    # seconds a late-waiting tile spends from its late inputs ready to its end: the late wait's
-    # round trip, the copies of those terms and the epilogue
-    late_tail: float = 1.5e-6
 
 
 H200 = Ceilings()

@@ -13,14 +13,6 @@ producers all write its router logits (``routing_edge``) may be met by reading t
 copy instead of the counter (CodegenOptions.tagged_logits), so it orders those producers' logits
 before the tile's read and nothing else; every other input of the tile, and of the tasks after
 it, needs a wait of its own (the scheduler and the validator hold schedules to this).
-
-A late wait orders only a task's late inputs (``late_operands``: the residual terms that a LINEAR
-tile ending a layer adds in its epilogue, the expert and dense MLP outputs): the waits of task t
-from ``late[t]`` on may be met after the task has staged its other inputs and streamed its
-weights, just before its epilogue reads those terms. So they order the late inputs' producers
-before that read, and everything before the task's end (its signal), but nothing the task reads
-earlier: every other input needs a wait among the first ``late[t]`` (the scheduler and the
-validator hold schedules to this).
 """
 
 from __future__ import annotations
@@ -50,24 +42,6 @@ def routing_edge(a: Task, b: Task) -> bool:
     return any(r.buffer == logits for r in a.writes)
 
 
-def late_operands(t: Task) -> frozenset[str]:
-    """The buffers task t may read after its late waits (see the module doc): for a LINEAR tile
-    that ends a layer (a residual operand), its MLP and routed experts' outputs."""
-    if t.op != Opcode.LINEAR or t.operand("residual") == "-":
-        return frozenset()
-    return frozenset(b for b in (t.operand("mlp"), t.operand("routed")) if b != "-")
-
-
-def late_edge(a: Task, b: Task) -> bool:
-    """Every write of a that b reads is one of b's late operands (a's output is needed by b's
-    epilogue alone)."""
-    late = late_operands(b)
-    if not late:
-        return False
-    hit = {w.buffer for w in a.writes if any(w.overlaps(r) for r in b.reads)}
-    return bool(hit) and hit <= late
-
-
 @dataclass(frozen=True, slots=True)
 class Counter:
     id: int
@@ -89,13 +63,6 @@ class Schedule:
     counters: list[Counter]
     predicted: dict[str, Any] = field(default_factory=dict)  # start/end per task, step time, ...
     meta: dict[str, Any] = field(default_factory=dict)  # spec hash, options, versions
-    # late[task] = index of its first late wait (waits[task][late:] order its late inputs alone:
-    # the module doc); None: no task has late waits
-    late: list[int] | None = None
-
-    def late_from(self, t: int) -> int:
-        """Index of task t's first late wait (len(waits[t]) when it has none)."""
-        return len(self.waits[t]) if self.late is None else self.late[t]
 
     def sm_of(self) -> list[int]:
         sm = [-1] * len(self.tasks)
@@ -121,8 +88,6 @@ class Schedule:
                 "writes": [(r.buffer, r.box) for r in t.writes],
                 "weight_bytes": t.weight_bytes, "act_bytes": t.act_bytes, "flops": t.flops,
                 "wait": list(self.waits[t.id]), "signal": self.signals[t.id],
-                **({"late": self.late[t.id]} if self.late is not None and self.late[t.id] < len(self.waits[t.id])
-                   else {}),
             } for t in self.tasks],
             "queues": self.queues,
             "counters": [{"id": c.id, "target": c.target, "producers": c.producers} for c in self.counters],
@@ -142,7 +107,7 @@ class Schedule:
         def regions(rs: list) -> tuple[Region, ...]:
             return tuple(Region(name, tuple((int(lo), int(hi)) for lo, hi in bx)) for name, bx in rs)
 
-        tasks, waits, signals, late = [], [], [], []
+        tasks, waits, signals = [], [], []
         for i, t in enumerate(d["tasks"]):
             if t["id"] != i:
                 raise ValueError(f"task at index {i} has id {t['id']}: expected ids 0..n-1 in order")
@@ -152,12 +117,10 @@ class Schedule:
                               act_bytes=t["act_bytes"], flops=t["flops"]))
             waits.append([(int(c), int(n)) for c, n in t["wait"]])
             signals.append(int(t["signal"]))
-            late.append(int(t.get("late", len(waits[-1]))))
         counters = [Counter(c["id"], c["target"], tuple(c["producers"])) for c in d["counters"]]
         return cls(model=d["model"], batch=d["batch"], context=d["context"], num_sms=d["num_sms"],
                    buffers=buffers, tasks=tasks, queues=[list(q) for q in d["queues"]], waits=waits,
-                   signals=signals, counters=counters, predicted=d.get("predicted", {}), meta=d.get("meta", {}),
-                   late=late if any(n < len(w) for n, w in zip(late, waits)) else None)
+                   signals=signals, counters=counters, predicted=d.get("predicted", {}), meta=d.get("meta", {}))
 
     @classmethod
     def load(cls, path: str | Path) -> Schedule:

@@ -9,9 +9,7 @@ Rules, in the order they apply:
 2. List scheduling: tasks are taken in priority order (which is a topological order) and each is
    placed on the SM where it can start earliest, preferring, among SMs already idle when its
    inputs are ready, the one that went idle last (it wastes the least). A task's start may
-   overlap its wait by its prefetchable weight time (cost.py). A task with late inputs
-   (Ceilings.late_residual_waits; schedule.late_edge: the expert outputs an O-projection tile adds
-   in its epilogue) needs them only Ceilings.late_tail before its end. With Ceilings.spread_siblings, a
+   overlap its wait by its prefetchable weight time (cost.py). With Ceilings.spread_siblings, a
    task whose SM already holds a sibling (a task of its layer and stage, profile.stage: e.g.
    another O-projection tile) goes instead to the first SM without one that can start it before
    it would end there, so a layer's tiles of one op run beside each other, not one after another.
@@ -19,18 +17,14 @@ Rules, in the order they apply:
    covers it), unless the path runs through a routing edge: an expert-up tile's edge from the
    router tiles (schedule.routing_edge) orders the logits alone, since a kernel may read the
    logits' tagged copy instead of waiting for their counter (CodegenOptions.tagged_logits), so
-   every other input of the tile, and of the tasks after it, is waited for on its own; nor
-   through a late edge (a late wait is met after the task has read its other inputs), though the
-   tasks after it may count on it. Producers
+   every other input of the tile, and of the tasks after it, is waited for on its own. Producers
    are then grouped by their exact set of remaining consumers; each group gets one counter whose
    target is the group's size, so no consumer ever waits on a producer it does not need. A
    consumer waits on the counter of every group it depends on, except groups whose producers all
    run earlier on its own SM (queue order already covers them) and groups an earlier task on its
    SM already waited for (that wait ended before this task starts: the QKV tiles queued on one SM
    poll the residual stream's counter once, not once per tile; an expert-up tile's wait on the
-   router tiles does not count, see above). Producers that feed a consumer through late edges get
-   counters of their own, and a wait whose producers all feed the task through late edges is
-   late: it goes after the others, and schedule.late marks where the late ones begin.
+   router tiles does not count, see above).
 
 Deterministic: no randomness, no dict-order dependence beyond insertion order.
 """
@@ -45,7 +39,7 @@ import networkx as nx
 from mkc.ir.graph import Program, Task
 from mkc.schedule.cost import H200, Ceilings, prefetchable_time, task_time
 from mkc.schedule.profile import stage
-from mkc.schedule.schedule import Counter, Schedule, late_edge, routing_edge
+from mkc.schedule.schedule import Counter, Schedule, routing_edge
 
 
 def upward_rank(g: nx.DiGraph, cost: list[float]) -> list[float]:
@@ -67,13 +61,6 @@ def schedule(program: Program, model: str, ceilings: Ceilings = H200) -> Schedul
     raised = [boost > 0 and (any(tasks[s].op.name == "ATTN_SPLIT" for s in g.successors(t.id))
                              or (ceilings.splits_first and t.op.name == "ATTN_SPLIT")) for t in tasks]
     rank = upward_rank(g, [c + (boost if r else 0.0) for c, r in zip(cost, raised)])
-    # late[t]: t's predecessors whose outputs only its epilogue reads (schedule.late_edge)
-    late: list[frozenset[int]] = [frozenset()] * len(tasks)
-    if ceilings.late_residual_waits:
-        for t in tasks:
-            if t.op.name == "LINEAR" and t.operand("residual") != "-":
-                late[t.id] = frozenset(p for p in g.predecessors(t.id) if late_edge(tasks[p], t))
-    tail = ceilings.late_tail
     order = sorted(range(len(tasks)), key=lambda i: (-rank[i], i))
 
     # list scheduling; free = sorted list of (time the SM goes idle, sm)
@@ -84,9 +71,7 @@ def schedule(program: Program, model: str, ceilings: Ceilings = H200) -> Schedul
     sm_of = [-1] * len(tasks)
     holders: dict[tuple[int, str], set[int]] = defaultdict(set)  # (layer, stage) -> SMs holding one
     for t in order:
-        ready = max((end[p] + hop for p in g.predecessors(t) if p not in late[t]), default=0.0)
-        if late[t]:  # the late inputs are needed `tail` before the end, as if ready that much sooner
-            ready = max(ready, max(end[p] + hop for p in late[t]) - (cost[t] - tail) + pre[t])
+        ready = max((end[p] + hop for p in g.predecessors(t)), default=0.0)
         # the SM that went idle last among those idle by `ready`, else the first to go idle
         i = bisect.bisect_right(free, (ready, n_sm)) - 1
         i = max(i, 0)
@@ -111,18 +96,16 @@ def schedule(program: Program, model: str, ceilings: Ceilings = H200) -> Schedul
         bisect.insort(free, (end[t], sm))
 
     # counters: group producers by their consumer set
-    preds = _direct_predecessors(g, tasks, late)
+    preds = _direct_predecessors(g, tasks)
     succs: list[list[int]] = [[] for _ in tasks]
     for b, ps in enumerate(preds):
         for a in ps:
             succs[a].append(b)
-    # keyed also by the consumers that need the producer late, so that a late wait's counter holds
-    # late producers alone (a counter shared with an early producer would be waited for early)
-    groups: dict[tuple[frozenset[int], frozenset[int]], list[int]] = {}
+    groups: dict[frozenset[int], list[int]] = {}
     for t in range(len(tasks)):
         succ = frozenset(succs[t])
         if succ:
-            groups.setdefault((succ, frozenset(b for b in succ if t in late[b])), []).append(t)
+            groups.setdefault(succ, []).append(t)
     signals = [-1] * len(tasks)
     counters: list[Counter] = []
     for cid, producers in enumerate(groups.values()):
@@ -134,22 +117,17 @@ def schedule(program: Program, model: str, ceilings: Ceilings = H200) -> Schedul
         for i, t in enumerate(q):
             pos[t] = i
     waits: list[list[tuple[int, int]]] = [[] for _ in tasks]
-    late_from = [0] * len(tasks)
     for q in queues:
         waited: set[int] = set()  # counters a task earlier on this SM waited for
         for t in q:
             needed: dict[int, None] = {}
             for p in preds[t]:
                 needed.setdefault(signals[p], None)
-            tail_waits = []  # late waits: every producer feeds t through a late edge
             for cid in needed:
                 c = counters[cid]
                 if cid in waited or all(sm_of[p] == sm_of[t] and pos[p] < pos[t] for p in c.producers):
                     continue
-                (tail_waits if late[t] and all(p in late[t] for p in c.producers) else waits[t]).append(
-                    (cid, c.target))
-            late_from[t] = len(waits[t])
-            waits[t] += tail_waits
+                waits[t].append((cid, c.target))
             waited.update(cid for cid, _ in waits[t]
                           if not all(routing_edge(tasks[p], tasks[t]) for p in counters[cid].producers))
 
@@ -169,31 +147,26 @@ def schedule(program: Program, model: str, ceilings: Ceilings = H200) -> Schedul
     }
     return Schedule(model=model, batch=int(program.options["batch"]), context=int(program.options["context"]),
                     num_sms=n_sm, buffers=program.buffers, tasks=tasks, queues=queues, waits=waits,
-                    signals=signals, counters=counters, predicted=predicted,
-                    late=late_from if any(n < len(w) for n, w in zip(late_from, waits)) else None)
+                    signals=signals, counters=counters, predicted=predicted)
 
 
-def _direct_predecessors(g: nx.DiGraph, tasks: list[Task], late: list[frozenset[int]]) -> list[list[int]]:
+def _direct_predecessors(g: nx.DiGraph, tasks: list[Task]) -> list[list[int]]:
     """Per task, its predecessors minus those that are ancestors of another predecessor (a → … →
     c → b makes a → b redundant): e.g. the next layer's residual tile needs the previous residual
     tile, but the norm between them already waited for every tile. A routing edge c → b makes
-    nothing redundant (neither c nor c's ancestors count as b's: see the module doc). A late edge
-    c → b (late[b]) makes nothing redundant for b, whose other inputs are read before that wait,
-    but c and its ancestors count as b's for the tasks after b (b ends after its late wait).
-    Ancestor sets are bitsets (Python ints) built in topological order. Sorted, for determinism."""
+    nothing redundant (neither c nor c's ancestors count as b's: see the module doc). Ancestor sets
+    are bitsets (Python ints) built in topological order. Sorted, for determinism."""
     anc = [0] * g.number_of_nodes()
     out: list[list[int]] = [[] for _ in range(g.number_of_nodes())]
     for b in nx.topological_sort(g):
         ps = list(g.predecessors(b))
-        ordering = [c for c in ps if not routing_edge(tasks[c], tasks[b]) and c not in late[b]]
+        ordering = [c for c in ps if not routing_edge(tasks[c], tasks[b])]
         reach = 0
         for c in ordering:
             reach |= anc[c]
         out[b] = sorted(a for a in ps if not (reach >> a) & 1)
         for a in ordering:
             reach |= 1 << a
-        for c in late[b]:
-            reach |= anc[c] | (1 << c)
         anc[b] = reach
     return out
 

@@ -28,10 +28,7 @@ What is proved, in the order it is checked (each problem names its tasks, counte
    buffer with at least one write (``conflicts``), a must happen-before b. A routing wait (an
    expert-up tile's wait on a counter whose producers all write its router logits, which a kernel
    may meet by reading the logits' tagged copy: schedule.py) is no HB edge: it orders those
-   producers' writes of the logits before the tile's read of them, and nothing else. A late wait
-   (schedule.py: the waits of task b from ``late[b]`` on, met just before its epilogue) orders its
-   producers before b's reads of its late operands and before b's end, not before b's other reads:
-   those are checked against b's early point (its queue predecessor and its other waits). No HB path is a
+   producers' writes of the logits before the tile's read of them, and nothing else. No HB path is a
    race; a path only from b to a runs the pair against program order (e.g. a consumer moved before
    its producer on one SM), which computes the wrong value even though it is not a race. Vector
    clocks make this fast: ``vc[t, s]`` is the last queue position on SM s that happens-before t
@@ -55,7 +52,7 @@ import numpy as np
 
 from mkc.ir.graph import KINDS, Region, conflicts
 from mkc.ir.ops import OP_INFO
-from mkc.schedule.schedule import Schedule, late_operands, logits_operand, routing_edge
+from mkc.schedule.schedule import Schedule, logits_operand, routing_edge
 
 MAX_REGS_PER_THREAD = 255  # sm_90 architectural limit
 MAX_THREADS_PER_CTA = 1024
@@ -160,20 +157,6 @@ class _Validator:
                 self.add("structure", f"task {task.name} ({task.op.name}) at index {i} has id {task.id}: "
                          "ids must equal program positions", tasks=(i,))
                 ok = False
-        if sc.late is not None:
-            if len(sc.late) != n:
-                self.add("structure", f"late has {len(sc.late)} entries for {n} tasks: expected one per task")
-                return False
-            for i in range(min(n, len(sc.waits))):
-                k, nw = sc.late[i], len(sc.waits[i])
-                if not 0 <= k <= nw:
-                    self.add("structure", f"{self.t(i)} has its late waits from index {k}: expected 0 to its "
-                             f"{nw} wait(s)", tasks=(i,))
-                    ok = False
-                elif k < nw and not late_operands(sc.tasks[i]):
-                    self.add("structure", f"{self.t(i)} has late waits, but only a LINEAR tile that ends a layer "
-                             "(a residual operand with MLP or expert terms) may wait late", tasks=(i,))
-                    ok = False
         return ok
 
     def placement(self) -> bool:
@@ -435,10 +418,6 @@ class _Validator:
                 prev[b] = a
         by_counter = {self.cidx[c]: p for c, p in self.producers.items() if c in self.cidx}  # index → tasks
         waits = [[self.cidx[c] for c in self._ordering_waits(t)] for t in range(n)]
-        # a task with late waits: its clock before them (its early point), for its other reads
-        late_at = {t: {self.cidx[c] for c, _ in sc.waits[t][sc.late_from(t):] if c in self.cidx}
-                   for t in range(n) if sc.late_from(t) < len(sc.waits[t])}
-        early: dict[int, np.ndarray] = {}
         for v in order:
             if v < 0:
                 k = -1 - v
@@ -448,30 +427,15 @@ class _Validator:
             row = vc[v]
             if prev[v] >= 0:
                 row[:] = vc[prev[v]]
-            late = late_at.get(v)
             for k in waits[v]:
-                if not late or k not in late:
-                    np.maximum(row, cvc[k], out=row)
-            if late:
-                early[v] = row.copy()
-                early[v][self.sm[v]] = self.pos[v]
-                for k in waits[v]:
-                    if k in late:
-                        np.maximum(row, cvc[k], out=row)
+                np.maximum(row, cvc[k], out=row)
             row[self.sm[v]] = self.pos[v]
         pairs = conflicts(sc.tasks, sc.buffers)
         if not len(pairs):
             return
         a, b = pairs.a, pairs.b
         sm, pos = np.asarray(self.sm), np.asarray(self.pos)
-        seen_by_b = vc[b, sm[a]]
-        if early:  # a read by b before its late waits is ordered by its early point alone
-            raw = KINDS.index("RAW")
-            for i in np.flatnonzero(np.isin(b, list(early)) & (pairs.kind == raw)).tolist():
-                tb = int(b[i])
-                if pairs.names[pairs.buffer[i]] not in late_operands(sc.tasks[tb]):
-                    seen_by_b[i] = early[tb][sm[a[i]]]
-        fwd = seen_by_b >= pos[a]
+        fwd = vc[b, sm[a]] >= pos[a]
         bad = np.flatnonzero(~fwd)
         if not len(bad):
             return
