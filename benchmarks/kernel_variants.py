@@ -70,6 +70,9 @@ VARIANTS: dict[str, CodegenOptions] = {
     # until 2026-12-03)
     "ring-before-wait": CodegenOptions(attn_ring_before_wait=True),
     "rope-after-wait": CodegenOptions(rope_before_wait=False),
+    # the RMSNorm staging's loops unrolled (CodegenOptions.norm_unroll; 1: loops)
+    "norm-unroll-4": CodegenOptions(norm_unroll=4),
+    "norm-unroll-8": CodegenOptions(norm_unroll=8),
     # LINEAR tiles wait for their inputs after issuing their first weight batch, expert-down tiles
     # after reading the routing (the default since 2026-11-30); off: the kernel loop waits first
     "weights-after-wait": CodegenOptions(weights_before_wait=False),

@@ -83,6 +83,8 @@ __device__ __forceinline__ void stage_x(bf16* xs, const bf16* x, int x_ld, int k
 // them with a barrier; then one warp per token sums the terms into x and the squares quad by quad
 // per lane and across the warp in a fixed order (every consumer of a norm stages the same values)
 // and scales its columns into xs (rows >= BATCH zero). A barrier must follow before xs is read.
+// NORM_UNROLL (CodegenOptions.norm_unroll): both loops over a row's quads unrolled that many times,
+// so a lane's shared-memory loads overlap; its sum still adds them in the same order.
 constexpr int NORM_QUADS = HIDDEN / 4;
 constexpr int NORM_TERMS_OFF = BATCH * HIDDEN * 4 + HIDDEN * 2;  // the terms' place in the scratch
 constexpr int NORM_SCRATCH_BYTES = NORM_TERMS_OFF + NORM_TERMS * BATCH * HIDDEN * 4;
@@ -115,7 +117,7 @@ __device__ __forceinline__ void stage_norm_finish(bf16* xs, int k0, int k, int n
         }
         float4* xr = xq + n * NORM_QUADS;
         float ss = 0.f;
-#pragma unroll 1
+#pragma unroll (NORM_UNROLL)
         for (int c = lane; c < NORM_QUADS; c += 32) {
             float4 u = xr[c];
             if (NORM_TERMS > 0 && nterms > 0) {  // x + term 0 + term 1 ..., kept for the scaling below
@@ -130,7 +132,7 @@ __device__ __forceinline__ void stage_norm_finish(bf16* xs, int k0, int k, int n
         }
         if (NORM_TERMS > 0 && nterms > 0) __syncwarp();  // the sums above, read by other lanes below
         const float r = rsqrtf(warp_sum(ss) / (float)HIDDEN + NORM_EPS);
-#pragma unroll 1
+#pragma unroll (NORM_UNROLL)
         for (int c = q0 + lane; c < q0 + nq; c += 32) {
             const float4 u = xr[c];
             const uint2 wv = wq[c];

@@ -70,6 +70,13 @@ VERIFIED_THREADS = 256  # CodegenOptions.threads: the CTA size the GPU tests run
 class CodegenOptions:
     threads: int = VERIFIED_THREADS  # threads per CTA (8 warps); kernel_config rejects other counts
     gemv_unroll: int = 8  # 64-wide k blocks in flight per warp (halved for two row sets)
+    # The RMSNorm staging's two loops over a token's hidden quads (gemv.cuh: stage_norm_finish; at
+    # batch 1 one warp runs them, 16 iterations each) unrolled this many times, so that a lane's
+    # shared-memory loads overlap instead of each waiting for the one before; the sum of squares
+    # adds the same values in the same order (bitwise the same logits). 1: loops. A profile of an
+    # expert gate/up tile at batch 1 (2026-12-03 14:2x UTC, BENCHMARKS.md) measured 2.3 µs from
+    # its routing to its input staged.
+    norm_unroll: int = 1
     spin_limit: int = 1 << 26  # polls of one counter wait before the device watchdog fires
     # Weights a task asks L2 for while it waits (0: one row). Measured on an H200 with tile-ordered
     # weights (kernel_variants.py, 2026-11-30): 128 KB was 1.0-1.6% slower than 0 at batch 1, 0.6%
@@ -324,6 +331,7 @@ class KernelConfig:
     router_sigmoid: bool  # expert weight = sigmoid(logit), else softmax over the top-k
     normalize_top_k: bool
     gemv_unroll: int
+    norm_unroll: int  # CodegenOptions.norm_unroll
     gemv_max_k: int  # widest reduction of any GEMV task (elements)
     max_splits: int  # bound on attention splits per combine (num_sms, or the schedule's most)
     num_experts: int
@@ -546,6 +554,8 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
     if options.signal_warp not in ("first", "last"):
         raise CodegenError(f"signal_warp = {options.signal_warp!r}: expected 'first' (thread 0 signals) or 'last' "
                            f"(lane 0 of the last warp)")
+    if not 1 <= options.norm_unroll <= 16:
+        raise CodegenError(f"norm_unroll = {options.norm_unroll}: expected 1 (loops) to 16")
     if options.routing_argmax not in ("shuffle", "redux"):
         raise CodegenError(f"routing_argmax = {options.routing_argmax!r}: expected 'shuffle' or 'redux'")
     if options.routing_code not in ROUTING_CODES:
@@ -624,6 +634,7 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         attn_scale=a.head_dim ** -0.5, logit_scale=spec.logit_scale,
         router_sigmoid=(moe.scoring == "sigmoid") if moe else True,
         normalize_top_k=moe.normalize_top_k if moe else False, gemv_unroll=options.gemv_unroll,
+        norm_unroll=options.norm_unroll,
         gemv_max_k=max_k, max_splits=max_splits, num_experts=moe.num_experts if moe else 1,
         moe_slots=moe.slots(schedule.batch) if moe else 1, spin_limit=options.spin_limit,
         prefetch_bytes=options.prefetch_bytes, run_prefetch_bytes=options.run_prefetch_bytes,
@@ -689,6 +700,7 @@ def template_context(cfg: KernelConfig, banner: str) -> dict[str, Any]:
         "router_sigmoid": cv.c_bool(cfg.router_sigmoid),
         "normalize_top_k": cv.c_bool(cfg.normalize_top_k),
         "gemv_unroll": cv.c_int(cfg.gemv_unroll),
+        "norm_unroll": cv.c_int(cfg.norm_unroll),
         "gemv_xs_bytes": cv.c_int(cfg.gemv_xs_bytes),
         "smem_bytes": cv.c_int(cfg.smem_bytes),
         "spin_limit": cv.c_uint(cfg.spin_limit),
