@@ -144,6 +144,7 @@ CODEGEN_VARIANTS: dict[str, tuple[tuple[int, ...], dict]] = {
     # every ring stage of a warp split issued while it waits; its query's RoPE after the wait
     "ring-before-wait": ((1,), {"attn_ring_before_wait": True}),
     "rope-after-wait": ((1,), {"rope_before_wait": False}),
+    "norm-unroll-4": ((1,), {"norm_unroll": 4}),  # the RMSNorm staging's loops unrolled
     # the default at batch 4: the O-projection warmed in L2 by the expert gate/up tiles, evict-first
     # streams (l2_warm and weights_evict_first "auto", on at batch 2-4)
     "default": ((4,), {}),
@@ -195,6 +196,7 @@ def test_codegen_variant_compiles_without_local_memory(cache, batch, variant):
     if options.attn_warp_stages == 3:  # 8 warps x 3 blocks x (16 keys x 128 dims of K and V) in flight
         assert art.dynamic_smem == kernel_config(sc, spec, options).smem_bytes
         assert art.dynamic_smem >= 8 * 3 * 16 * 128 * 2 * 2
+    assert f"constexpr int NORM_UNROLL = {options.norm_unroll};" in art.cu_source
     assert art.config.tagged_logits == (options.tagged_logits == "on" or (options.tagged_logits == "auto"
                                                                           and batch <= 4))
     assert (art.config.l2_warm != "off") == art.config.weights_evict_first == (batch in (2, 3, 4)), art.config
@@ -665,6 +667,8 @@ def test_signal_and_routing_options_are_checked(tiny):
     spec, sc = tiny
     with pytest.raises(CodegenError, match="signal_warp = 'middle'"):
         kernel_config(sc, spec, CodegenOptions(signal_warp="middle"))
+    with pytest.raises(CodegenError, match="norm_unroll = 0: expected 1"):
+        kernel_config(sc, spec, CodegenOptions(norm_unroll=0))
     with pytest.raises(CodegenError, match="routing_argmax = 'sort'"):
         kernel_config(sc, spec, CodegenOptions(routing_argmax="sort"))
     with pytest.raises(CodegenError, match="routing_code = 'fast': expected one of 'unrolled', 'loop', 'shared'"):

@@ -74,8 +74,11 @@ class CodegenOptions:
     # batch 1 one warp runs them, 16 iterations each) unrolled this many times, so that a lane's
     # shared-memory loads overlap instead of each waiting for the one before; the sum of squares
     # adds the same values in the same order (bitwise the same logits). 1: loops. A profile of an
-    # expert gate/up tile at batch 1 (2026-12-03 14:2x UTC, BENCHMARKS.md) measured 2.3 µs from
-    # its routing to its input staged.
+    # expert gate/up tile at batch 1 (2026-12-03 14:22 UTC, BENCHMARKS.md) measured 2.3 µs from
+    # its routing to its input staged. Measured on an H200 (kernel_variants.py, 14:25 UTC, two
+    # rounds, logits bitwise equal, µs): batch 1 2464.2 / 2458.4 (loops), 2456.6 / 2484.0 (4),
+    # 2484.5 / 2500.5 (8); batch 4 5344.5 / 5332.4 (loops), 5285.8 / 5349.4 (4): a tie at 4, 8
+    # slower. The loops stay.
     norm_unroll: int = 1
     spin_limit: int = 1 << 26  # polls of one counter wait before the device watchdog fires
     # Weights a task asks L2 for while it waits (0: one row). Measured on an H200 with tile-ordered
