@@ -42,6 +42,9 @@ from mkc.schedule.schedule import Schedule
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32}
 ABORT_WORDS = 8  # flag, task id, counter, counter value, value needed, SM, -, -
+# a profiled step's %globaltimer words per record, in the kernel's order (kernel.cu.j2: PROF_WORDS):
+# the first 3, or every one with CodegenOptions.profile_phases
+TIMELINE_COLUMNS = ("wait", "start", "end", "staged", "done", "routed", "opened", "routing", "logits", "ranked")
 
 
 class CudaError(RuntimeError):
@@ -279,7 +282,7 @@ class CudaDecoder:
     @property
     def _prof_words(self) -> int:
         """%globaltimer values per record of a profiled step (kernel.cu.j2: PROF_WORDS)."""
-        return 6 if self.artifact.config.profile_phases else 3
+        return 10 if self.artifact.config.profile_phases else 3
 
     def timeline(self) -> dict[str, np.ndarray]:
         """Per task of the last profiled step (see launch(profile=True)), in task-id order:
@@ -287,20 +290,23 @@ class CudaDecoder:
         inputs began, the task began running, its counter was signalled. A kernel built with
         CodegenOptions.profile_phases adds ``staged`` (inputs staged; NaN for ops that stage
         none), ``done`` (op done, before the counter's release) and ``routed`` (the task's routing
-        derived or found known: expert and routing tasks; NaN for the others)."""
+        derived or found known: expert and routing tasks; NaN for the others), and the phases of a
+        routing derived by the task (NaN where there is none): ``opened`` (an expert gate/up
+        tile's op entered), ``routing`` (the derivation began), ``logits`` (the tagged logits read,
+        all of this step; NaN on the counter path) and ``ranked`` (the TOP_K rounds done)."""
         if self._prof is None:
             raise RuntimeError("timeline(): no profiled step yet (launch(..., profile=True))")
         torch.cuda.current_stream(self.device).synchronize()
         words = self._prof_words
         raw = self._prof.view(-1, words).cpu().numpy().astype(np.float64)
-        if words == 6:
-            for j in (3, 5):  # not a staging op; routes nothing
+        if words == 10:
+            for j in (3, 5, 6, 7, 8, 9):  # not a staging op; routes nothing; no such routing phase
                 raw[raw[:, j] == 0, j] = np.nan
         order = np.concatenate([np.asarray(q, dtype=np.int64) for q in self.schedule.queues] or [np.zeros(0)])
         sm = np.concatenate([np.full(len(q), i) for i, q in enumerate(self.schedule.queues)] or [np.zeros(0)])
         t0 = raw[:, 0].min()
         out = {"sm": np.empty(len(order), dtype=np.int64)}
-        for j, name in enumerate(("wait", "start", "end", "staged", "done", "routed")[:words]):
+        for j, name in enumerate(TIMELINE_COLUMNS[:words]):
             out[name] = np.empty(len(order))
             out[name][order] = (raw[:, j] - t0) / 1e3
         out["sm"][order] = sm

@@ -366,11 +366,13 @@ __device__ __forceinline__ const Routing& route_tokens_body(const float* logits,
         prof_routed();
         return r;
     }
+    prof_mark(PROF_ROUTING);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     for (int b = warp; b < BATCH; b += NUM_WARPS) {
         float v[ROUTE_WORDS];
         if (TAGGED_LOGITS && tagged) {
             if (!await_tagged_logits(tagged + b * NUM_EXPERTS, v, rec)) continue;  // s_wait.abort is set
+            prof_mark(PROF_LOGITS);  // every word carries this step (the counter path marks nothing)
         } else {
 #pragma unroll
             for (int j = 0; j < ROUTE_WORDS; ++j) {
@@ -423,6 +425,7 @@ __device__ __forceinline__ const Routing& route_tokens_body(const float* logits,
 #pragma unroll
             for (int k = 0; k < TOP_K; ++k) r.selw[b][k] = NORMALIZE_TOP_K ? w[k] / sum : w[k];
         }
+        prof_mark(PROF_RANKED);
 #pragma unroll
         for (int j = 0; j < ROUTE_WORDS; ++j) {
             const u32 m = __ballot_sync(0xffffffffu, (taken >> j) & 1u);
@@ -593,6 +596,7 @@ __device__ void op_swiglu(const Task& t, unsigned char* smem) {
 // s_wait.abort).
 template <class O>
 __device__ __forceinline__ const Routing& open_expert_up(const Task& t, unsigned char* smem, int k) {
+    prof_mark(PROF_OPENED);
     stage_input_async<O>(t, smem, 0, k);
     return route_tokens(t.ptr<float>(O::logits), TAGGED_LOGITS ? t.tagged(O::logits) : nullptr, t.w);
 }

@@ -272,7 +272,7 @@ def test_tiny_profile_phases_are_ordered(tiny, num_sms, batch):
     waiting <= inputs ready <= (inputs staged: GEMV tiles and warp attention splits) <= op done <=
     signalled; the tasks that route have their routing between their inputs being ready and their
     op's end (an expert-down tile may have it before its wait, when its SM knows the layer's
-    routing), the others none; and the
+    routing), the others none; the routing's own marks in order where a task derived it; and the
     profiled step computes bitwise what the default kernel does."""
     from mkc.codegen import CodegenOptions
     from mkc.runtime.cuda_backend import CudaDecoder
@@ -309,6 +309,21 @@ def test_tiny_profile_phases_are_ordered(tiny, num_sms, batch):
             assert s <= r <= d, (t.name, s, r, d)
         else:
             assert math.isnan(r), (t.name, r)
+        # the routing's own marks: an expert gate/up tile's opening, then (where the task derives the
+        # routing rather than finding it known) its beginning, the tagged logits read (tagged only:
+        # on up to batch 4) and the TOP_K rounds, all before the routing is available
+        o, rb, lo, rk = (float(tl[k][i]) for k in ("opened", "routing", "logits", "ranked"))
+        if t.op.name in ("EXPERT_SWIGLU", "EXPERT_MLP"):
+            assert s <= o <= r, (t.name, s, o, r)
+        else:
+            assert math.isnan(o), (t.name, o)
+        if math.isnan(rk):  # derived nothing
+            assert math.isnan(rb) and math.isnan(lo), (t.name, rb, lo)
+            continue
+        assert t.op.name in ROUTING_OPS, t.name
+        marks = [m for m in (o, rb, lo, rk, r) if not math.isnan(m)]
+        assert marks == sorted(marks) and not math.isnan(rb), (t.name, o, rb, lo, rk, r)
+        assert math.isnan(lo) == (not dec.artifact.config.tagged_logits or t.op.name != "EXPERT_SWIGLU"), (t.name, lo)
 
 
 def ancestors(sc, tid: int) -> set[int]:

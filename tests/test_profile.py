@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import re
 
 import numpy as np
 import pytest
@@ -31,6 +32,7 @@ from mkc.schedule.profile import (
     phases,
     read_rate,
     replay,
+    routing_phases,
     stage,
     stage_ends,
 )
@@ -105,6 +107,42 @@ def test_phases_split_each_task_at_its_marks(sc_tl):
     text = format_profile(sc, {**tl, "staged": staged, "done": done})
     assert format_phases(sc, {**tl, "staged": staged, "done": done}) in text and "the critical chain's tasks:" in text
     assert "phases per task" not in format_profile(sc, tl)  # a timeline without the marks
+
+
+def test_routing_phases_are_the_marks_differences(sc_tl):
+    """A timeline with the routing's marks (CodegenOptions.profile_phases): per op whose tasks
+    derived a routing, the median of each phase over the tasks that have both of its marks; an op
+    without the opening or the tagged logits' mark (the routing task, the counter path) shows "-"
+    there; tasks that found the routing known (no "ranked") are not counted."""
+    sc, tl = sc_tl
+    start, end = tl["start"], tl["end"]
+    run = end - start
+    op = np.array([t.op.name for t in sc.tasks])
+    up, topk, down = op == "EXPERT_SWIGLU", op == "TOPK", op == "EXPERT_DOWN"
+    assert up.any() and topk.any() and down.any()
+    nan = np.full(len(op), np.nan)
+    marks = {"opened": np.where(up, start + 0.05 * run, nan),
+             "routing": np.where(up | topk, start + 0.10 * run, nan),
+             "logits": np.where(up, start + 0.15 * run, nan),
+             "ranked": np.where(up | topk, start + 0.25 * run, nan),
+             "routed": np.where(up | topk | down, start + 0.30 * run, nan),
+             "staged": np.where(up | down, start + 0.40 * run, nan),
+             "done": end - 0.05 * run}
+    ph = routing_phases(sc, {**tl, **marks})
+    assert set(ph) == {"EXPERT_SWIGLU", "TOPK"}  # the expert-down tiles found the routing known
+    r = run[up]
+    assert ph["EXPERT_SWIGLU"]["tasks"] == up.sum()
+    for name, frac in (("opening", 0.05), ("copies", 0.05), ("logits", 0.05), ("rounds", 0.10),
+                       ("rest", 0.05), ("staging", 0.10)):
+        assert ph["EXPERT_SWIGLU"][name] == pytest.approx(frac * np.median(r)), name
+    t = ph["TOPK"]
+    assert np.isnan(t["opening"]) and np.isnan(t["copies"]) and np.isnan(t["logits"]) and np.isnan(t["rounds"])
+    assert t["rest"] == pytest.approx(0.05 * np.median(run[topk])) and np.isnan(t["staging"])
+    text = format_phases(sc, {**tl, **marks})
+    assert "the routing, where a task derived it" in text
+    assert re.search(r"^  TOPK\s+\d+\s+-\s+-\s+-\s+-\s+\d", text, re.MULTILINE), text
+    no_marks = {k: v for k, v in marks.items() if k in ("routed", "staged", "done")}
+    assert "the routing, where" not in format_phases(sc, {**tl, **no_marks})
 
 
 def test_read_rate_conserves_the_bytes(sc_tl):

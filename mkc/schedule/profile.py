@@ -256,8 +256,55 @@ def format_phases(sc: Schedule, timeline: Mapping[str, np.ndarray]) -> str:
     chain = critical_chain(sc, timeline["start"], timeline["end"]).tasks
     title = ("phases per task (wait: began waiting → inputs ready; staging: → inputs staged; op: → op done; "
              "release: → counter signalled; routed: inputs ready → routing available):")
-    return "\n".join([title, head, *table(phases(sc, timeline)),
-                      "the critical chain's tasks:", head, *table(phases(sc, timeline, chain))])
+    lines = [title, head, *table(phases(sc, timeline)),
+             "the critical chain's tasks:", head, *table(phases(sc, timeline, chain))]
+    if "ranked" in timeline:
+        lines.append(format_routing_phases(sc, timeline))
+    return "\n".join(lines)
+
+
+# The routing's phases (a timeline of CodegenOptions.profile_phases): (name, from, to); a task
+# without the "from" mark (a routing not begun by an expert gate/up tile's opening) counts from
+# the mark before it that it has.
+ROUTING_PHASES = (("opening", "start", "opened"), ("copies", "opened", "routing"), ("logits", "routing", "logits"),
+                  ("rounds", "logits", "ranked"), ("rest", "ranked", "routed"), ("staging", "routed", "staged"))
+
+
+def routing_phases(sc: Schedule, timeline: Mapping[str, np.ndarray]) -> dict[str, dict[str, float]]:
+    """Per op whose tasks derived a routing in the profiled step (``ranked`` marked), the median µs
+    of each of ROUTING_PHASES over those tasks: ``opening`` (inputs ready → an expert gate/up
+    tile's op entered), ``copies`` (→ the routing began: its input's copies issued), ``logits``
+    (→ the tagged logits read, every word of this step), ``rounds`` (→ the TOP_K arg-max rounds
+    done), ``rest`` (→ the routing available: weights, masks, slots), ``staging`` (→ the input
+    staged: the RMSNorm). A phase whose marks a task lacks is NaN for it, and the median is over
+    the tasks that have both (NaN where none has); ``tasks`` counts the op's routing tasks."""
+    cols = {k: np.asarray(timeline[k], np.float64) for k in ("start", "opened", "routing", "logits", "ranked",
+                                                              "routed", "staged") if k in timeline}
+    derived = ~np.isnan(cols["ranked"])
+    by_op: dict[str, list[int]] = {}
+    for i in np.flatnonzero(derived).tolist():
+        by_op.setdefault(sc.tasks[i].op.name, []).append(i)
+    out = {}
+    for op, idx in by_op.items():
+        ix = np.asarray(idx)
+        row = {"tasks": float(len(ix))}
+        for name, a, b in ROUTING_PHASES:
+            d = cols[b][ix] - cols[a][ix] if a in cols and b in cols else np.full(len(ix), np.nan)
+            row[name] = float(np.median(d[~np.isnan(d)])) if (~np.isnan(d)).any() else float("nan")
+        out[op] = row
+    return out
+
+
+def format_routing_phases(sc: Schedule, timeline: Mapping[str, np.ndarray]) -> str:
+    """routing_phases as a table, one row per op that derived a routing."""
+    names = [n for n, _, _ in ROUTING_PHASES]
+    lines = [("the routing, where a task derived it (inputs ready → opened → routing began → tagged logits "
+              "read → TOP_K rounds done → routing available → input staged):"),
+             f"  {'op':<14} {'tasks':>6} " + " ".join(f"{n:>8}" for n in names) + "  (median µs)"]
+    for op, v in routing_phases(sc, timeline).items():
+        lines.append(f"  {op:<14} {int(v['tasks']):>6} "
+                     + " ".join(f"{v[n]:>8.2f}" if not np.isnan(v[n]) else f"{'-':>8}" for n in names))
+    return "\n".join(lines)
 
 
 def format_chain(sc: Schedule, start, end) -> str:
