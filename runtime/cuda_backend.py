@@ -282,7 +282,7 @@ class CudaDecoder:
     @property
     def _prof_words(self) -> int:
         """%globaltimer values per record of a profiled step (kernel.cu.j2: PROF_WORDS)."""
-        return 10 if self.artifact.config.profile_phases else 3
+        return len(TIMELINE_COLUMNS) if self.artifact.config.profile_phases else 3
 
     def timeline(self) -> dict[str, np.ndarray]:
         """Per task of the last profiled step (see launch(profile=True)), in task-id order:
@@ -299,7 +299,7 @@ class CudaDecoder:
         torch.cuda.current_stream(self.device).synchronize()
         words = self._prof_words
         raw = self._prof.view(-1, words).cpu().numpy().astype(np.float64)
-        if words == 10:
+        if words == len(TIMELINE_COLUMNS):
             for j in (3, 5, 6, 7, 8, 9):  # not a staging op; routes nothing; no such routing phase
                 raw[raw[:, j] == 0, j] = np.nan
         order = np.concatenate([np.asarray(q, dtype=np.int64) for q in self.schedule.queues] or [np.zeros(0)])

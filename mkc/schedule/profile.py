@@ -263,9 +263,9 @@ def format_phases(sc: Schedule, timeline: Mapping[str, np.ndarray]) -> str:
     return "\n".join(lines)
 
 
-# The routing's phases (a timeline of CodegenOptions.profile_phases): (name, from, to); a task
-# without the "from" mark (a routing not begun by an expert gate/up tile's opening) counts from
-# the mark before it that it has.
+# The routing's phases (a timeline of CodegenOptions.profile_phases): (name, from mark, to mark);
+# a task that lacks either mark (no opening outside the expert gate/up tiles, no tagged logits on
+# the counter path) has none of that phase.
 ROUTING_PHASES = (("opening", "start", "opened"), ("copies", "opened", "routing"), ("logits", "routing", "logits"),
                   ("rounds", "logits", "ranked"), ("rest", "ranked", "routed"), ("staging", "routed", "staged"))
 
