@@ -87,6 +87,15 @@ VARIANTS: dict[str, CodegenOptions] = {
     "signal-first-warp": CodegenOptions(signal_warp="first"),
     "routing-shuffle": CodegenOptions(routing_argmax="shuffle"),
     "signal-first-shuffle": CodegenOptions(signal_warp="first", routing_argmax="shuffle"),
+    # the routing's picks by rank, one thread per (token, expert), instead of TOP_K arg-max rounds
+    # (the same picks and weights: bitwise the same logits)
+    "routing-rank": CodegenOptions(routing_argmax="rank"),
+    # the RMSNorm staging over every warp (a different summation order: logits differ by rounding)
+    "norm-all-warps": CodegenOptions(norm_staging="all_warps"),
+    "rank-norm-all-warps": CodegenOptions(routing_argmax="rank", norm_staging="all_warps"),
+    # an expert gate/up tile's input normalised by warps 1.. while warp 0 derives the routing
+    "norm-beside-routing": CodegenOptions(norm_beside_routing=True),
+    "norm-beside-rank": CodegenOptions(norm_beside_routing=True, routing_argmax="rank"),
     # LINEAR tiles: one GEMV instantiation per output dtype (the default until 2026-11-30 15:20 UTC;
     # now one for both, half the op's code)
     "linear-per-dtype": CodegenOptions(linear_one_gemv=False),

@@ -158,6 +158,14 @@ __device__ __forceinline__ void cp_async_wait_group() { asm volatile("cp.async.w
 // finish their activations' staging inside the weight stream, at a warp-dependent point.
 __device__ __forceinline__ void cta_barrier() { asm volatile("barrier.sync 0;" ::: "memory"); }
 
+// The same among warps first_warp.. of the CTA alone (barrier 1; first_warp 0: cta_barrier). Warps
+// 1.. of an expert gate/up tile normalise its input while warp 0 derives the routing
+// (ops.cuh: stage_norm_beside_routing).
+__device__ __forceinline__ void warps_barrier(int first_warp) {
+    if (first_warp == 0) cta_barrier();
+    else asm volatile("barrier.sync 1, %0;" ::"r"(NUM_THREADS - 32 * first_warp) : "memory");
+}
+
 // ---- counters ------------------------------------------------------------------------------------
 
 __device__ __forceinline__ u32 ld_acquire_gpu(const u32* p) {

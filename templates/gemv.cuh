@@ -89,27 +89,43 @@ constexpr int NORM_QUADS = HIDDEN / 4;
 constexpr int NORM_TERMS_OFF = BATCH * HIDDEN * 4 + HIDDEN * 2;  // the terms' place in the scratch
 constexpr int NORM_SCRATCH_BYTES = NORM_TERMS_OFF + NORM_TERMS * BATCH * HIDDEN * 4;
 static_assert(HIDDEN % 8 == 0, "RMSNorm staging copies 16-byte pieces of the weight");
+// The copies are spread over the CTA's threads from warp first_warp on (0: all of them).
 __device__ __forceinline__ void stage_norm_async(const float* x, const float* terms, int nterms, const bf16* w, int k0,
-                                                 int k, unsigned char* scratch) {
+                                                 int k, unsigned char* scratch, int first_warp = 0) {
     float4* xq = reinterpret_cast<float4*>(scratch);                    // [BATCH][NORM_QUADS]
     bf16* ws = reinterpret_cast<bf16*>(scratch + BATCH * HIDDEN * 4);  // [HIDDEN], columns [k0, k0 + k)
-    for (int i = threadIdx.x; i < BATCH * NORM_QUADS; i += NUM_THREADS) cp_async16(xq + i, reinterpret_cast<const float4*>(x) + i);
-    for (int c = threadIdx.x; c < k / 8; c += NUM_THREADS) cp_async16(ws + k0 + 8 * c, w + k0 + 8 * c);
+    const int me = threadIdx.x - 32 * first_warp, lanes = NUM_THREADS - 32 * first_warp;
+    for (int i = me; i < BATCH * NORM_QUADS; i += lanes) cp_async16(xq + i, reinterpret_cast<const float4*>(x) + i);
+    for (int c = me; c < k / 8; c += lanes) cp_async16(ws + k0 + 8 * c, w + k0 + 8 * c);
     if (NORM_TERMS > 0 && nterms > 0) {
         float4* tq = reinterpret_cast<float4*>(scratch + NORM_TERMS_OFF);  // [nterms][BATCH][NORM_QUADS]
-        for (int i = threadIdx.x; i < nterms * BATCH * NORM_QUADS; i += NUM_THREADS)
+        for (int i = me; i < nterms * BATCH * NORM_QUADS; i += lanes)
             cp_async16(tq + i, reinterpret_cast<const float4*>(terms) + i);
     }
 }
 
-__device__ __forceinline__ void stage_norm_finish(bf16* xs, int k0, int k, int nterms, unsigned char* scratch) {
+//
+// NORM_ALL_WARPS (CodegenOptions.norm_staging = "all_warps"): every warp takes a share of every
+// token's row instead (stage_norm_all_warps).
+__device__ __forceinline__ void stage_norm_all_warps(bf16* xs, int k0, int k, int nterms, unsigned char* scratch);
+
+// With first_warp > 0 only warps first_warp.. take part (their copies: stage_norm_async's
+// first_warp), meeting at a barrier of their own (warps_barrier), one warp per token from there.
+__device__ __forceinline__ void stage_norm_finish(bf16* xs, int k0, int k, int nterms, unsigned char* scratch,
+                                                  int first_warp = 0) {
+    if constexpr (NORM_ALL_WARPS) {
+        if (first_warp == 0) {
+            stage_norm_all_warps(xs, k0, k, nterms, scratch);
+            return;
+        }
+    }
     float4* xq = reinterpret_cast<float4*>(scratch);
     const uint2* wq = reinterpret_cast<const uint2*>(scratch + BATCH * HIDDEN * 4);
     const float4* tq = reinterpret_cast<const float4*>(scratch + NORM_TERMS_OFF);
-    cta_barrier();
+    warps_barrier(first_warp);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, ld = xs_ld(k), q0 = k0 / 4, nq = k / 4;
 #pragma unroll 1
-    for (int n = warp; n < 8; n += NUM_WARPS) {
+    for (int n = warp - first_warp; n < 8; n += NUM_WARPS - first_warp) {
         bf16* row = xs + n * ld;
         if (n >= BATCH) {
             for (int c = lane; c < k / 8; c += 32) *reinterpret_cast<uint4*>(row + c * 8) = zero4();
@@ -141,6 +157,65 @@ __device__ __forceinline__ void stage_norm_finish(bf16* xs, int k0, int k, int n
             o.y = pack_bf16x2(u.z * r * bf_lo(wv.y), u.w * r * bf_hi(wv.y));
             *reinterpret_cast<uint2*>(row + 4 * (c - q0)) = o;
         }
+    }
+}
+
+// The RMSNorm staging spread over the CTA: warp w sums the squares of quads [w * NORM_QW,
+// (w + 1) * NORM_QW) of every token's row (adding the terms into x first, as above), lane-strided,
+// then across the warp (warp_sum), into s_norm_part[token][w]; after a barrier each thread takes
+// (token, quad) pairs of the columns [k0, k0 + k), with r = rsqrt((part 0 + part 1 + ... ) /
+// HIDDEN + eps) in warp order, so every consumer of a norm stages the same values. Rows >= BATCH
+// are zero. At batch 1 the row's 512 quads are two per lane of every warp instead of sixteen of
+// one warp's, and its columns two per thread.
+constexpr int NORM_QW = (NORM_QUADS + NUM_WARPS - 1) / NUM_WARPS;  // quads of a row per warp's share
+__shared__ float s_norm_part[NORM_ALL_WARPS ? BATCH : 1][NUM_WARPS];
+
+__device__ __forceinline__ void stage_norm_all_warps(bf16* xs, int k0, int k, int nterms, unsigned char* scratch) {
+    float4* xq = reinterpret_cast<float4*>(scratch);
+    const uint2* wq = reinterpret_cast<const uint2*>(scratch + BATCH * HIDDEN * 4);
+    const float4* tq = reinterpret_cast<const float4*>(scratch + NORM_TERMS_OFF);
+    cta_barrier();
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, ld = xs_ld(k), q0 = k0 / 4, nq = k / 4;
+    const int c_end = min((warp + 1) * NORM_QW, NORM_QUADS);
+#pragma unroll
+    for (int n = 0; n < BATCH; ++n) {
+        float4* xr = xq + n * NORM_QUADS;
+        float ss = 0.f;
+        for (int c = warp * NORM_QW + lane; c < c_end; c += 32) {
+            float4 u = xr[c];
+            if (NORM_TERMS > 0 && nterms > 0) {  // x + term 0 + term 1 ..., kept for the scaling below
+#pragma unroll 1
+                for (int i = 0; i < nterms; ++i) {
+                    const float4 v = tq[((size_t)i * BATCH + n) * NORM_QUADS + c];
+                    u.x += v.x, u.y += v.y, u.z += v.z, u.w += v.w;
+                }
+                xr[c] = u;
+            }
+            ss += u.x * u.x + u.y * u.y + u.z * u.z + u.w * u.w;
+        }
+        ss = warp_sum(ss);
+        if (lane == 0) s_norm_part[n][warp] = ss;
+    }
+    cta_barrier();  // the partial sums (and the rows with their terms added)
+    int rn = -1;    // the token whose r this thread holds
+    float r = 0.f;
+    for (int i = threadIdx.x; i < 8 * nq; i += NUM_THREADS) {
+        const int n = i / nq, c = q0 + i % nq;
+        uint2 o = make_uint2(0u, 0u);
+        if (n < BATCH) {
+            if (n != rn) {
+                float ss = 0.f;
+#pragma unroll
+                for (int w = 0; w < NUM_WARPS; ++w) ss += s_norm_part[n][w];
+                r = rsqrtf(ss / (float)HIDDEN + NORM_EPS);
+                rn = n;
+            }
+            const float4 u = xq[n * NORM_QUADS + c];
+            const uint2 wv = wq[c];
+            o.x = pack_bf16x2(u.x * r * bf_lo(wv.x), u.y * r * bf_hi(wv.x));
+            o.y = pack_bf16x2(u.z * r * bf_lo(wv.y), u.w * r * bf_hi(wv.y));
+        }
+        *reinterpret_cast<uint2*>(xs + n * ld + 4 * (c - q0)) = o;
     }
 }
 

@@ -351,6 +351,132 @@ __device__ bool await_tagged_logits(const u64* row, float (&v)[ROUTE_WORDS], con
     }
 }
 
+// Token b's routing weights from its picked logits top (best first) and, for softmax scoring, its
+// logits v (this lane's experts lane + 32 j): sigmoid of each pick, or the softmax over every
+// expert (top[0] is the row maximum); renormalised over the picks where asked. Lane 0 writes them
+// to r.selw[b]; called by all 32 lanes of one warp.
+__device__ __forceinline__ void route_weights(Routing& r, int b, const float (&v)[ROUTE_WORDS], const float (&top)[TOP_K]) {
+    const int lane = threadIdx.x % 32;
+    float denom = 0.f;
+    if (!ROUTER_SIGMOID) {
+#pragma unroll
+        for (int j = 0; j < ROUTE_WORDS; ++j)
+            if (lane + 32 * j < NUM_EXPERTS) denom += expf(v[j] - top[0]);
+        denom = warp_sum(denom);
+    }
+    if (lane == 0) {
+        float w[TOP_K], sum = 0.f;
+#pragma unroll
+        for (int k = 0; k < TOP_K; ++k) {
+            w[k] = ROUTER_SIGMOID ? 1.f / (1.f + expf(-top[k])) : expf(top[k] - top[0]) / denom;
+            sum += w[k];
+        }
+#pragma unroll
+        for (int k = 0; k < TOP_K; ++k) r.selw[b][k] = NORMALIZE_TOP_K ? w[k] / sum : w[k];
+    }
+}
+
+// The distinct experts in ascending order, from every token's mask: a ballot prefix sum over their
+// union (r.used, r.base, r.experts, r.count). Called by all 32 lanes of one warp.
+__device__ __forceinline__ void route_distinct(Routing& r) {
+    const int lane = threadIdx.x % 32;
+    int n = 0;
+    for (int j = 0; j < ROUTE_WORDS; ++j) {
+        u32 m = 0;
+#pragma unroll
+        for (int b = 0; b < BATCH; ++b) m |= r.mask[b][j];
+        if (lane == 0) { r.used[j] = m; r.base[j] = n; }
+        if ((m >> lane) & 1u) r.experts[n + __popc(m & ((1u << lane) - 1u))] = 32 * j + lane;
+        n += __popc(m);
+    }
+    for (int s = n + lane; s < MOE_SLOTS; s += 32) r.experts[s] = -1;
+    if (lane == 0) r.count = n;
+}
+
+// ROUTING_RANK: one 64-bit key per (token, expert): the logit as an order-preserving integer (NaN
+// as -inf, -0 as +0) above the complemented expert index, so a larger key is a better expert and
+// ties go to the lower index, as better() orders them. Experts past NUM_EXPERTS (padding to whole
+// words) have key 0, below every real key.
+constexpr int ROUTE_LANES = ROUTE_WORDS * 32;
+__shared__ __align__(16) u64 s_route_keys[ROUTING_RANK ? BATCH : 1][ROUTE_LANES];
+
+__device__ __forceinline__ u64 route_key(float v, int e) {
+    return ((u64)order_key(v != v ? -INFINITY : v) << 32) | (u32)~e;
+}
+__device__ __forceinline__ float key_value(u64 key) {  // the logit of a key (+0 for -0)
+    const u32 k = (u32)(key >> 32);
+    return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+// ROUTING_RANK (CodegenOptions.routing_argmax = "rank"): every token's TOP_K experts with no
+// dependent rounds. One warp per token reads its logits (the tagged copy: await_tagged_logits) into
+// keys in shared memory; after a barrier every (token, expert) pair is one thread that counts the
+// keys of its token above its own (broadcast loads), so an expert of rank < TOP_K writes itself to
+// r.sel[b][rank] and its logit to r.selw[b][rank], and each warp's ballot of its 32 experts is a
+// word of the token's mask. After a second barrier a warp per token derives the weights
+// (route_weights, the same arithmetic as the rounds' path) while warp 0 lists the distinct experts.
+// The same picks in the same order as the rounds. Returns false, every thread alike, when a tagged
+// wait timed out (s_wait.abort); the caller's barrier must follow.
+__device__ __forceinline__ bool rank_experts(Routing& r, const float* logits, const u64* tagged, const int* rec) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (int b = warp; b < BATCH; b += NUM_WARPS) {
+        float v[ROUTE_WORDS];
+        if (TAGGED_LOGITS && tagged) {
+            if (!await_tagged_logits(tagged + b * NUM_EXPERTS, v, rec)) continue;  // s_wait.abort is set
+            prof_mark(PROF_LOGITS);
+        } else {
+#pragma unroll
+            for (int j = 0; j < ROUTE_WORDS; ++j) {
+                const int e = lane + 32 * j;
+                v[j] = e < NUM_EXPERTS ? ld_act_f32(logits + b * NUM_EXPERTS + e) : -INFINITY;
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < ROUTE_WORDS; ++j) {
+            const int e = lane + 32 * j;
+            s_route_keys[b][e] = e < NUM_EXPERTS ? route_key(v[j], e) : 0ull;
+        }
+    }
+    __syncthreads();
+    if (TAGGED_LOGITS && tagged && s_wait.abort) return false;
+    // BATCH * ROUTE_LANES is whole warps, so every warp's lanes share a token and a mask word
+    for (int p = threadIdx.x; p < BATCH * ROUTE_LANES; p += NUM_THREADS) {
+        const int b = p / ROUTE_LANES, e = p % ROUTE_LANES;
+        const u64 key = s_route_keys[b][e];
+        const ulonglong2* row = reinterpret_cast<const ulonglong2*>(s_route_keys[b]);
+        int rank = 0;
+#pragma unroll 8
+        for (int i = 0; i < ROUTE_LANES / 2; ++i) {
+            const ulonglong2 o = row[i];
+            rank += (o.x > key ? 1 : 0) + (o.y > key ? 1 : 0);
+        }
+        const bool picked = e < NUM_EXPERTS && rank < TOP_K;
+        if (picked) {
+            r.sel[b][rank] = e;
+            r.selw[b][rank] = key_value(key);  // the picked logit, until its weight replaces it
+        }
+        const u32 m = __ballot_sync(0xffffffffu, picked);
+        if (lane == 0) r.mask[b][e / 32] = m;
+    }
+    __syncthreads();
+    prof_mark(PROF_RANKED);
+    // token b's weights by warp b + 1 (mod NUM_WARPS), leaving warp 0 the distinct experts first
+    for (int b = (warp + NUM_WARPS - 1) % NUM_WARPS; b < BATCH; b += NUM_WARPS) {
+        float v[ROUTE_WORDS], top[TOP_K];
+#pragma unroll
+        for (int j = 0; j < ROUTE_WORDS; ++j) {
+            const int e = lane + 32 * j;
+            v[j] = e < NUM_EXPERTS ? key_value(s_route_keys[b][e]) : -INFINITY;
+        }
+#pragma unroll
+        for (int k = 0; k < TOP_K; ++k) top[k] = r.selw[b][k];
+        __syncwarp();  // every lane has its picks' logits before lane 0 overwrites them
+        route_weights(r, b, v, top);
+    }
+    if (warp == 0) route_distinct(r);
+    return true;
+}
+
 // Called by every thread of the CTA (it synchronises); the result lives in shared memory until
 // the next call for other logits. ROUTING_CODE (CodegenOptions.routing_code): 0 unrolls the TOP_K
 // arg-max rounds into every op that routes; 1 keeps them a loop (the picked logits go through
@@ -368,84 +494,60 @@ __device__ __forceinline__ const Routing& route_tokens_body(const float* logits,
     }
     prof_mark(PROF_ROUTING);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    for (int b = warp; b < BATCH; b += NUM_WARPS) {
-        float v[ROUTE_WORDS];
-        if (TAGGED_LOGITS && tagged) {
-            if (!await_tagged_logits(tagged + b * NUM_EXPERTS, v, rec)) continue;  // s_wait.abort is set
-            prof_mark(PROF_LOGITS);  // every word carries this step (the counter path marks nothing)
-        } else {
+    if constexpr (ROUTING_RANK) {
+        if (!rank_experts(r, logits, tagged, rec)) return r;  // a tagged wait timed out: the caller leaves
+    } else {
+        for (int b = warp; b < BATCH; b += NUM_WARPS) {
+            float v[ROUTE_WORDS];
+            if (TAGGED_LOGITS && tagged) {
+                if (!await_tagged_logits(tagged + b * NUM_EXPERTS, v, rec)) continue;  // s_wait.abort is set
+                prof_mark(PROF_LOGITS);  // every word carries this step (the counter path marks nothing)
+            } else {
 #pragma unroll
-            for (int j = 0; j < ROUTE_WORDS; ++j) {
-                const int e = lane + 32 * j;
-                v[j] = e < NUM_EXPERTS ? ld_act_f32(logits + b * NUM_EXPERTS + e) : -INFINITY;
+                for (int j = 0; j < ROUTE_WORDS; ++j) {
+                    const int e = lane + 32 * j;
+                    v[j] = e < NUM_EXPERTS ? ld_act_f32(logits + b * NUM_EXPERTS + e) : -INFINITY;
+                }
             }
-        }
 #pragma unroll
-        for (int j = 0; j < ROUTE_WORDS; ++j) v[j] = v[j] != v[j] ? -INFINITY : v[j];
-        u32 taken = 0;  // bit j: this lane's expert lane + 32 j is picked
-        float top[TOP_K];
+            for (int j = 0; j < ROUTE_WORDS; ++j) v[j] = v[j] != v[j] ? -INFINITY : v[j];
+            u32 taken = 0;  // bit j: this lane's expert lane + 32 j is picked
+            float top[TOP_K];
 #pragma unroll (ROUTING_CODE == 0 ? TOP_K : 1)
-        for (int k = 0; k < TOP_K; ++k) {
-            float bv = -INFINITY;
-            int bi = 0x7fffffff;
+            for (int k = 0; k < TOP_K; ++k) {
+                float bv = -INFINITY;
+                int bi = 0x7fffffff;
+#pragma unroll
+                for (int j = 0; j < ROUTE_WORDS; ++j) {
+                    const int e = lane + 32 * j;
+                    if (e < NUM_EXPERTS && !((taken >> j) & 1u) && better(v[j], e, bv, bi)) { bv = v[j]; bi = e; }
+                }
+                if constexpr (ROUTING_REDUX) warp_argmax_redux(bv, bi);
+                else warp_argmax(bv, bi);
+                if (bi % 32 == lane) taken |= 1u << (bi / 32);
+                if (ROUTING_CODE == 0) top[k] = bv;
+                if (lane == 0) {
+                    r.sel[b][k] = bi;
+                    if (ROUTING_CODE != 0) r.selw[b][k] = bv;  // the picked logit, until its weight replaces it
+                }
+            }
+            if (ROUTING_CODE != 0) {  // every lane the picked logits (the softmax's denominator needs top[0])
+                __syncwarp();
+#pragma unroll
+                for (int k = 0; k < TOP_K; ++k) top[k] = r.selw[b][k];
+                __syncwarp();
+            }
+            route_weights(r, b, v, top);
+            prof_mark(PROF_RANKED);
 #pragma unroll
             for (int j = 0; j < ROUTE_WORDS; ++j) {
-                const int e = lane + 32 * j;
-                if (e < NUM_EXPERTS && !((taken >> j) & 1u) && better(v[j], e, bv, bi)) { bv = v[j]; bi = e; }
-            }
-            if constexpr (ROUTING_REDUX) warp_argmax_redux(bv, bi);
-            else warp_argmax(bv, bi);
-            if (bi % 32 == lane) taken |= 1u << (bi / 32);
-            if (ROUTING_CODE == 0) top[k] = bv;
-            if (lane == 0) {
-                r.sel[b][k] = bi;
-                if (ROUTING_CODE != 0) r.selw[b][k] = bv;  // the picked logit, until its weight replaces it
+                const u32 m = __ballot_sync(0xffffffffu, (taken >> j) & 1u);
+                if (lane == 0) r.mask[b][j] = m;
             }
         }
-        if (ROUTING_CODE != 0) {  // every lane the picked logits (the softmax's denominator needs top[0])
-            __syncwarp();
-#pragma unroll
-            for (int k = 0; k < TOP_K; ++k) top[k] = r.selw[b][k];
-            __syncwarp();
-        }
-        float denom = 0.f;  // softmax scoring: the normaliser over every expert; top[0] is the row maximum
-        if (!ROUTER_SIGMOID) {
-#pragma unroll
-            for (int j = 0; j < ROUTE_WORDS; ++j)
-                if (lane + 32 * j < NUM_EXPERTS) denom += expf(v[j] - top[0]);
-            denom = warp_sum(denom);
-        }
-        if (lane == 0) {
-            float w[TOP_K], sum = 0.f;
-#pragma unroll
-            for (int k = 0; k < TOP_K; ++k) {
-                w[k] = ROUTER_SIGMOID ? 1.f / (1.f + expf(-top[k])) : expf(top[k] - top[0]) / denom;
-                sum += w[k];
-            }
-#pragma unroll
-            for (int k = 0; k < TOP_K; ++k) r.selw[b][k] = NORMALIZE_TOP_K ? w[k] / sum : w[k];
-        }
-        prof_mark(PROF_RANKED);
-#pragma unroll
-        for (int j = 0; j < ROUTE_WORDS; ++j) {
-            const u32 m = __ballot_sync(0xffffffffu, (taken >> j) & 1u);
-            if (lane == 0) r.mask[b][j] = m;
-        }
-    }
-    __syncthreads();
-    if (TAGGED_LOGITS && tagged && s_wait.abort) return r;  // a tagged wait timed out: the caller leaves
-    if (warp == 0) {  // the distinct experts in ascending order: a ballot prefix sum over the union
-        int n = 0;
-        for (int j = 0; j < ROUTE_WORDS; ++j) {
-            u32 m = 0;
-#pragma unroll
-            for (int b = 0; b < BATCH; ++b) m |= r.mask[b][j];
-            if (lane == 0) { r.used[j] = m; r.base[j] = n; }
-            if ((m >> lane) & 1u) r.experts[n + __popc(m & ((1u << lane) - 1u))] = 32 * j + lane;
-            n += __popc(m);
-        }
-        for (int s = n + lane; s < MOE_SLOTS; s += 32) r.experts[s] = -1;
-        if (lane == 0) r.count = n;
+        __syncthreads();
+        if (TAGGED_LOGITS && tagged && s_wait.abort) return r;  // a tagged wait timed out: the caller leaves
+        if (warp == 0) route_distinct(r);
     }
     __syncthreads();
     if (threadIdx.x < BATCH * TOP_K) {  // token b's kk-th expert in ascending order, as a slot
@@ -594,12 +696,48 @@ __device__ void op_swiglu(const Task& t, unsigned char* smem) {
 // TAGGED_LOGITS the kernel loop did not wait for the router tiles (the record's first wait): the
 // routing reads the logits' tagged copy until it holds this step's (the caller checks
 // s_wait.abort).
+//
+// With `beside` (NORM_BESIDE_ROUTING, a normed input) warps 1.. copy and normalise the input
+// themselves (stage_norm_beside_routing) before joining the routing, while warp 0 reads the logits
+// and runs the arg-max rounds: at batch 1 the routing is warp 0's work alone, so the RMSNorm no
+// longer follows it. The routing's first barrier (or, where it was known, the GEMV's finish:
+// NormedBeside) publishes the rows.
 template <class O>
-__device__ __forceinline__ const Routing& open_expert_up(const Task& t, unsigned char* smem, int k) {
+__device__ __forceinline__ void stage_norm_beside_routing(const Task& t, unsigned char* smem, int k) {
+    if (threadIdx.x < 32) return;
+    stage_norm_async(t.ptr<float>(O::x), t.ptr<float>(O::terms), norm_terms<O>(t), t.ptr<bf16>(O::norm), 0, k,
+                     gemv_scratch(smem), 1);
+    cp_async_wait_all();
+    stage_norm_finish(gemv_xs(smem), 0, k, norm_terms<O>(t), gemv_scratch(smem), 1);
+}
+
+template <class O>
+__device__ __forceinline__ const Routing& open_expert_up(const Task& t, unsigned char* smem, int k, bool beside = false) {
     prof_mark(PROF_OPENED);
-    stage_input_async<O>(t, smem, 0, k);
+    if (beside) stage_norm_beside_routing<O>(t, smem, k);
+    else stage_input_async<O>(t, smem, 0, k);
     return route_tokens(t.ptr<float>(O::logits), TAGGED_LOGITS ? t.tagged(O::logits) : nullptr, t.w);
 }
+
+// The end of an expert gate/up tile's staging with NORM_BESIDE_ROUTING: where warps 1.. normalised
+// the input during the routing, one barrier publishes it (the routing's own barriers may not have
+// run: routing_known); else StageFinish.
+template <class O>
+struct NormedBeside : StageFinish<O> {
+    bool beside;
+    __device__ void landed() const {
+        if (!beside) {
+            StageFinish<O>::landed();
+            return;
+        }
+        prof_staged();
+        cta_barrier();
+    }
+    __device__ void operator()() const {
+        if (!beside) cp_async_wait_all();
+        landed();
+    }
+};
 
 // h[slot, b, row0 + i] = silu(x . Wg[e, row0 + i]) * (x . Wu[e, row0 + i]), e = the expert of
 // routing slot `slot`; a no-op when slot >= count (this step routed to fewer distinct experts).
@@ -608,7 +746,8 @@ __device__ void op_expert_swiglu(const Task& t, unsigned char* smem) {
     using A = ARG_EXPERT_SWIGLU;
     const int slot = t.arg(A::slot), row0 = t.arg(A::row0), rows = t.arg(A::rows);
     const int k = t.dim(O::weight, 1), inter2 = t.dim(O::weight, 2), w_ld = t.dim(O::weight, 1);
-    const Routing& rt = open_expert_up<O>(t, smem, k);
+    const bool beside = NORM_BESIDE_ROUTING && t.has(O::norm);
+    const Routing& rt = open_expert_up<O>(t, smem, k, beside);
     if (TAGGED_LOGITS && s_wait.abort) return;
     if (slot >= rt.count) return;
     const int e = rt.experts[slot];
@@ -618,10 +757,15 @@ __device__ void op_expert_swiglu(const Task& t, unsigned char* smem) {
     prefetch_rows_all(w[0], rows, k, w_ld, RUN_PREFETCH_BYTES / 2);
     prefetch_rows_all(w[1], rows, k, w_ld, RUN_PREFETCH_BYTES / 2);
     bf16* xs = gemv_xs(smem);
-    const StageFinish<O> finish{t, smem, 0, k};
     const int out_ld = t.dim(O::out, 1);
     bf16* out = t.ptr<bf16>(O::out) + (size_t)slot * t.dim(O::out, 2) * out_ld + row0;
-    gemv_tile<2, GEMV_KS_EXPERT_SWIGLU>(w, w_ld, rows, k, xs, gemv_red(smem), SwigluStore{out, out_ld, rows}, finish);
+    if constexpr (NORM_BESIDE_ROUTING) {
+        const NormedBeside<O> finish{{t, smem, 0, k}, beside};
+        gemv_tile<2, GEMV_KS_EXPERT_SWIGLU>(w, w_ld, rows, k, xs, gemv_red(smem), SwigluStore{out, out_ld, rows}, finish);
+    } else {
+        const StageFinish<O> finish{t, smem, 0, k};
+        gemv_tile<2, GEMV_KS_EXPERT_SWIGLU>(w, w_ld, rows, k, xs, gemv_red(smem), SwigluStore{out, out_ld, rows}, finish);
+    }
 }
 
 // The fused expert tile (LowerOptions.fused_experts): h = silu(x . Wg[e, rows]) * (x . Wu[e, rows])

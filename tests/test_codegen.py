@@ -145,6 +145,10 @@ CODEGEN_VARIANTS: dict[str, tuple[tuple[int, ...], dict]] = {
     "ring-before-wait": ((1,), {"attn_ring_before_wait": True}),
     "rope-after-wait": ((1,), {"rope_before_wait": False}),
     "norm-unroll-4": ((1,), {"norm_unroll": 4}),  # the RMSNorm staging's loops unrolled
+    # the routing's picks ranked at once; the RMSNorm staging over every warp
+    "rank-norm-all-warps": ((1, 8), {"routing_argmax": "rank", "norm_staging": "all_warps"}),
+    # an expert gate/up tile's input normalised by warps 1.. during the routing
+    "norm-beside-routing": ((1, 8), {"norm_beside_routing": True}),
     # the default at batch 4: the O-projection warmed in L2 by the expert gate/up tiles, evict-first
     # streams (l2_warm and weights_evict_first "auto", on at batch 2-4)
     "default": ((4,), {}),
@@ -175,6 +179,9 @@ def test_codegen_variant_compiles_without_local_memory(cache, batch, variant):
         assert "UBLKCP.S.G" in sass and "SYNCS.PHASECHK.TRANS64.TRYWAIT" in sass, options
     if options.routing_argmax == "shuffle":
         assert "REDUX" not in sass, options
+    if options.routing_argmax == "rank":  # no arg-max rounds: the routing's only redux.sync is gone
+        assert "REDUX" not in sass and art.config.routing_rank, options
+    assert art.config.norm_all_warps == (options.norm_staging == "all_warps")
     if not options.linear_one_gemv:  # one GEMV per output dtype: more LINEAR code than the default's one
         default = build_kernel(sc, spec, cache_dir=cache)
         per_dtype = instructions_by_op(art.cubin, art.cu_source)["LINEAR"]
@@ -669,8 +676,12 @@ def test_signal_and_routing_options_are_checked(tiny):
         kernel_config(sc, spec, CodegenOptions(signal_warp="middle"))
     with pytest.raises(CodegenError, match="norm_unroll = 0: expected 1"):
         kernel_config(sc, spec, CodegenOptions(norm_unroll=0))
-    with pytest.raises(CodegenError, match="routing_argmax = 'sort'"):
+    with pytest.raises(CodegenError, match="routing_argmax = 'sort': expected one of 'shuffle', 'redux', 'rank'"):
         kernel_config(sc, spec, CodegenOptions(routing_argmax="sort"))
+    with pytest.raises(CodegenError, match="norm_staging = 'cta': expected one of 'token', 'all_warps'"):
+        kernel_config(sc, spec, CodegenOptions(norm_staging="cta"))
+    with pytest.raises(CodegenError, match="norm_beside_routing needs norm_staging = 'token'"):
+        kernel_config(sc, spec, CodegenOptions(norm_beside_routing=True, norm_staging="all_warps"))
     with pytest.raises(CodegenError, match="routing_code = 'fast': expected one of 'unrolled', 'loop', 'shared'"):
         kernel_config(sc, spec, CodegenOptions(routing_code="fast"))
     assert kernel_config(sc, spec).routing_code == 2  # shared

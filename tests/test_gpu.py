@@ -147,13 +147,15 @@ def _buffer_report(dec, ex, sc) -> str:
     return "\n".join(lines)
 
 
+@pytest.mark.parametrize("argmax", ["redux", "rank"])
 @pytest.mark.parametrize("batch", [1, 2])
-def test_tiny_routing_ties_go_to_the_lower_expert(tiny, num_sms, batch):
+def test_tiny_routing_ties_go_to_the_lower_expert(tiny, num_sms, batch, argmax):
     """Router rows duplicated in pairs (expert 2k + 1's row is expert 2k's) make every router logit
-    an exact tie of two experts. The kernel's top-k (CodegenOptions.routing_argmax, redux.sync by
-    default) must take the lower expert first, as the CPU executor does: each token's picks, best
-    first, are whole pairs (2k, 2k + 1) in that order. The sets match the executor's up to
-    near-ties between pairs (its logits round differently)."""
+    an exact tie of two experts. The kernel's top-k (CodegenOptions.routing_argmax: redux.sync
+    rounds by default, or every pair ranked at once) must take the lower expert first, as the CPU
+    executor does: each token's picks, best first, are whole pairs (2k, 2k + 1) in that order. The
+    sets match the executor's up to near-ties between pairs (its logits round differently)."""
+    from mkc.codegen import CodegenOptions
     from mkc.runtime.cuda_backend import CudaDecoder
     from mkc.schedule.executor import CpuExecutor
 
@@ -166,7 +168,7 @@ def test_tiny_routing_ties_go_to_the_lower_expert(tiny, num_sms, batch):
         weights[f"L{i}.w_router"] = w
     context = 24
     sc = plan(spec, batch, context, num_sms)
-    dec = CudaDecoder(sc, spec, weights)
+    dec = CudaDecoder(sc, spec, weights, options=CodegenOptions(routing_argmax=argmax))
     ex = CpuExecutor(sc, spec, weights, dtype=torch.bfloat16)
     gen = torch.Generator().manual_seed(11)
     k = spec.moe.top_k
@@ -185,17 +187,23 @@ def test_tiny_routing_ties_go_to_the_lower_expert(tiny, num_sms, batch):
             check_routing_near_ties(dec, ex, spec, i, f"positions {positions.tolist()}")
 
 
+@pytest.mark.parametrize("options", [{}, {"norm_staging": "all_warps", "routing_argmax": "rank"},
+                                     {"norm_beside_routing": True}],
+                         ids=["default", "norm-all-warps-rank", "norm-beside-routing"])
 @pytest.mark.parametrize("batch", [1, 2, 8])
-def test_tiny_step_matches_cpu_executor(tiny, num_sms, batch):
+def test_tiny_step_matches_cpu_executor(tiny, num_sms, batch, options):
     """One step at many positions (within, at and beyond the sliding window of 8) from a random
-    KV cache: logits, next token, routing and the appended KV rows match the CPU executor."""
+    KV cache: logits, next token, routing and the appended KV rows match the CPU executor; for the
+    default kernel and for the RMSNorm staged by every warp with the routing ranked
+    (CodegenOptions.norm_staging, routing_argmax)."""
+    from mkc.codegen import CodegenOptions
     from mkc.runtime.cuda_backend import CudaDecoder
     from mkc.schedule.executor import CpuExecutor
 
     spec, weights = tiny
     context = 24
     sc = plan(spec, batch, context, num_sms)
-    dec = CudaDecoder(sc, spec, weights)
+    dec = CudaDecoder(sc, spec, weights, options=CodegenOptions(**options))
     ex = CpuExecutor(sc, spec, weights, dtype=torch.bfloat16)
     gen = torch.Generator().manual_seed(batch)
     for rnd, base in enumerate([0, 5, 8, 9, 23]):
@@ -655,6 +663,59 @@ def test_nmc_tagged_logits_match_default(nmc_weights, num_sms, batch):
     for i in range(3):
         lg, tok = dec.step(tokens, positions)
         assert torch.equal(lg, ref) and torch.equal(tok, ref_tok), f"step {i}: differs from the default kernel"
+
+
+@pytest.mark.parametrize("option", ["routing_argmax=rank", "norm_beside_routing"])
+@pytest.mark.parametrize("batch", [1, 2, 8])
+def test_nmc_routing_options_match_default(nmc_weights, num_sms, batch, option):
+    """At full size, context 8192: CodegenOptions(routing_argmax="rank"), where every (token,
+    expert) pair counts the experts above it instead of TOP_K arg-max rounds, and
+    norm_beside_routing, where warps 1.. of an expert gate/up tile normalise its input while warp 0
+    derives the routing. The same picks in the same order, the same weights and the same normed
+    rows: three steps give bitwise the default kernel's logits, tokens and each layer's picks."""
+    from mkc.codegen import CodegenOptions
+
+    options = CodegenOptions(routing_argmax="rank") if option == "routing_argmax=rank" else (
+        CodegenOptions(norm_beside_routing=True))
+    spec, weights = nmc_weights
+    tokens = torch.randint(0, spec.vocab_size, (batch,), dtype=torch.int32)
+    positions = nmc_positions(batch, 8192)
+    dec = nmc_decoder(spec, weights, batch, 8192, num_sms)
+    ref, ref_tok = dec.step(tokens, positions)
+    ref = ref.clone()
+    moe = [f"L{i}.moe_selected" for i, ls in enumerate(spec.layers) if ls.mlp == "moe"]
+    picks = {name: dec.buffers[name].clone() for name in moe}
+    del dec
+    dec = nmc_decoder(spec, weights, batch, 8192, num_sms, options)
+    for i in range(3):
+        lg, tok = dec.step(tokens, positions)
+        assert torch.equal(lg, ref) and torch.equal(tok, ref_tok), f"{option}, step {i}: differs from the default"
+        for name in moe:
+            assert torch.equal(dec.buffers[name], picks[name]), f"{option}, step {i}: {name} differs from the default"
+
+
+TERMS = {"residual_in_o_proj": True, "residual_as_terms": True}
+
+
+@pytest.mark.parametrize("batch, context, lowering, beside", [
+    (1, 8192, {}, False), (1, 1, {}, False), (2, 4097, {}, False), (4, 8192, {}, False), (8, 8192, {}, False),
+    (1, 8192, TERMS, False), (1, 8192, TERMS, True),
+])
+def test_nmc_norm_staging_options_match_mirror(nmc_weights, num_sms, batch, context, lowering, beside):
+    """CodegenOptions(norm_staging="all_warps", routing_argmax="rank"): every warp sums a share of
+    each token's squares for the RMSNorm staging (a different summation order from one warp per
+    token, the same for every reader of a norm), with the routing ranked. The same checks against
+    the mirror as the default kernel, and reruns bitwise the same; with residual_as_terms the
+    readers add the terms to the stream inside the same shares. With `beside`, instead, the default
+    staging but the expert gate/up tiles' warps 1.. stage their input (and its terms) while warp 0
+    routes (norm_beside_routing)."""
+    from mkc.codegen import CodegenOptions
+
+    spec, weights = nmc_weights
+    options = CodegenOptions(norm_beside_routing=True) if beside else (
+        CodegenOptions(norm_staging="all_warps", routing_argmax="rank"))
+    dec = nmc_decoder(spec, weights, batch, context, num_sms, options, **lowering)
+    check_rerun_and_mirror(dec, spec, weights, batch, context, f"NMC norm all warps b{batch} ctx {context} {lowering}")
 
 
 @pytest.mark.parametrize("batch, context", [(1, 1), (1, 300), (1, 8192), (2, 4097), (8, 8192), (1, 131072)])

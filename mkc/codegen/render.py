@@ -50,6 +50,8 @@ RING_STAGE_BYTES = 32 * 4 * 16  # one 64-wide block of 16 rows (gemv.cuh: a ring
 
 
 ROUTING_CODES = ("unrolled", "loop", "shared")  # CodegenOptions.routing_code, by the kernel's ROUTING_CODE
+ROUTING_ARGMAX = ("shuffle", "redux", "rank")  # CodegenOptions.routing_argmax
+NORM_STAGING = ("token", "all_warps")  # CodegenOptions.norm_staging
 TAGGED_LOGITS = ("auto", "on", "off")  # CodegenOptions.tagged_logits
 TAGGED_LOGITS_MAX_BATCH = 4  # "auto": on up to this batch
 L2_WARM_AUTO = "o_proj:expert_up"  # CodegenOptions.l2_warm = "auto" at L2_WARM_BATCHES
@@ -70,6 +72,19 @@ VERIFIED_THREADS = 256  # CodegenOptions.threads: the CTA size the GPU tests run
 class CodegenOptions:
     threads: int = VERIFIED_THREADS  # threads per CTA (8 warps); kernel_config rejects other counts
     gemv_unroll: int = 8  # 64-wide k blocks in flight per warp (halved for two row sets)
+    # Who computes the RMSNorm staging (gemv.cuh: stage_norm_finish): "token" (one warp per token:
+    # at batch 1 one warp does the whole row while seven wait at the barrier) or "all_warps" (every
+    # warp sums the squares of its eighth of every token's row, the partial sums are added in warp
+    # order after a barrier, and all threads scale the columns). The two sum the squares in
+    # different orders (the same order for every consumer of a norm, within each kernel), so their
+    # logits differ by float32 rounding.
+    norm_staging: str = "token"
+    # An expert gate/up tile's input normalised by warps 1.. while warp 0 reads the router logits and
+    # picks the experts (ops.cuh: stage_norm_beside_routing), instead of after the routing. At batch 1
+    # the routing is warp 0's alone, so the RMSNorm (~2.3 µs of one warp, BENCHMARKS.md 2026-12-03)
+    # leaves the tile's path to its first weight load; at larger batches the warps that route a token
+    # normalise first. The same values (bitwise the same logits).
+    norm_beside_routing: bool = False
     # The RMSNorm staging's two loops over a token's hidden quads (gemv.cuh: stage_norm_finish; at
     # batch 1 one warp runs them, 16 iterations each) unrolled this many times, so that a lane's
     # shared-memory loads overlap instead of each waiting for the one before; the sum of squares
@@ -173,7 +188,10 @@ class CodegenOptions:
     # How the routing's top-k picks each token's best remaining expert, TOP_K times per token:
     # "redux" (two warp reductions, redux.sync: the largest value as an order-preserving integer,
     # then the lowest expert index holding it) or "shuffle" (a 5-step shuffle arg-max). The same
-    # experts in the same order.
+    # experts in the same order. "rank" has no rounds: every (token, expert) pair is one thread that
+    # counts the experts better than its own (value, then the lower index), so the picks of rank
+    # < TOP_K land in their place at once (ops.cuh: rank_experts); the same experts in the same order
+    # and the same weights.
     # Measured on an H200 together (kernel_variants.py, 2026-11-30 14:26 and 14:27 UTC, five
     # samples each, logits bitwise equal): last + redux against first + shuffle, batch 1 -1.4%,
     # batch 2 -1.8%, batch 4 -1.3%, batch 8 +0.2% (noise there is +-3%); each alone gained less
@@ -353,6 +371,9 @@ class KernelConfig:
     weights_before_wait: bool
     signal_last_warp: bool  # CodegenOptions.signal_warp == "last"
     routing_redux: bool  # CodegenOptions.routing_argmax == "redux"
+    routing_rank: bool  # CodegenOptions.routing_argmax == "rank"
+    norm_all_warps: bool  # CodegenOptions.norm_staging == "all_warps"
+    norm_beside_routing: bool
     linear_one_gemv: bool
     down_weights_before_wait: bool
     residual_loads_first: bool
@@ -559,8 +580,16 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
                            f"(lane 0 of the last warp)")
     if not 1 <= options.norm_unroll <= 16:
         raise CodegenError(f"norm_unroll = {options.norm_unroll}: expected 1 (loops) to 16")
-    if options.routing_argmax not in ("shuffle", "redux"):
-        raise CodegenError(f"routing_argmax = {options.routing_argmax!r}: expected 'shuffle' or 'redux'")
+    if options.routing_argmax not in ROUTING_ARGMAX:
+        raise CodegenError(f"routing_argmax = {options.routing_argmax!r}: expected one of "
+                           + ", ".join(repr(c) for c in ROUTING_ARGMAX))
+    if options.norm_staging not in NORM_STAGING:
+        raise CodegenError(f"norm_staging = {options.norm_staging!r}: expected one of "
+                           + ", ".join(repr(c) for c in NORM_STAGING))
+    if options.norm_beside_routing and options.norm_staging != "token":
+        # the expert tiles' warps 1.. normalise one warp per token: every reader of a norm must stage
+        # the same values, so the others must too
+        raise CodegenError(f"norm_beside_routing needs norm_staging = 'token' (got {options.norm_staging!r})")
     if options.routing_code not in ROUTING_CODES:
         raise CodegenError(f"routing_code = {options.routing_code!r}: expected one of "
                            + ", ".join(repr(c) for c in ROUTING_CODES))
@@ -647,7 +676,9 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         attn_stage_v=options.attn_stage_v,
         attn_prefetch_bytes=options.attn_prefetch_bytes, attn_warp_request=options.attn_warp_stages,
         weights_before_wait=options.weights_before_wait, signal_last_warp=options.signal_warp == "last",
-        routing_redux=options.routing_argmax == "redux", linear_one_gemv=options.linear_one_gemv,
+        routing_redux=options.routing_argmax == "redux", routing_rank=options.routing_argmax == "rank",
+        norm_all_warps=options.norm_staging == "all_warps", norm_beside_routing=options.norm_beside_routing,
+        linear_one_gemv=options.linear_one_gemv,
         down_weights_before_wait=options.down_weights_before_wait,
         residual_loads_first=options.residual_loads_first, profile_phases=options.profile_phases,
         routing_code=ROUTING_CODES.index(options.routing_code), tagged_logits=tagged_logits,
@@ -723,6 +754,9 @@ def template_context(cfg: KernelConfig, banner: str) -> dict[str, Any]:
         "weights_before_wait": cv.c_bool(cfg.weights_before_wait),
         "signal_last_warp": cv.c_bool(cfg.signal_last_warp),
         "routing_redux": cv.c_bool(cfg.routing_redux),
+        "routing_rank": cv.c_bool(cfg.routing_rank),
+        "norm_all_warps": cv.c_bool(cfg.norm_all_warps),
+        "norm_beside_routing": cv.c_bool(cfg.norm_beside_routing),
         "linear_one_gemv": cv.c_bool(cfg.linear_one_gemv),
         "down_weights_before_wait": cv.c_bool(cfg.down_weights_before_wait),
         "residual_loads_first": cv.c_bool(cfg.residual_loads_first),
