@@ -85,17 +85,20 @@ VARIANTS: dict[str, CodegenOptions] = {
     # thread 0 signals a finished task, and the routing's arg-max rounds use shuffles (the defaults
     # until 2026-11-30 14:30 UTC; now the last warp signals and the rounds use redux.sync)
     "signal-first-warp": CodegenOptions(signal_warp="first"),
-    "routing-shuffle": CodegenOptions(routing_argmax="shuffle"),
-    "signal-first-shuffle": CodegenOptions(signal_warp="first", routing_argmax="shuffle"),
+    "routing-shuffle": CodegenOptions(routing_argmax="shuffle", norm_beside_routing="off"),
+    "signal-first-shuffle": CodegenOptions(signal_warp="first", routing_argmax="shuffle", norm_beside_routing="off"),
     # the routing's picks by rank, one thread per (token, expert), instead of TOP_K arg-max rounds
     # (the same picks and weights: bitwise the same logits)
-    "routing-rank": CodegenOptions(routing_argmax="rank"),
+    "routing-rank": CodegenOptions(routing_argmax="rank", norm_beside_routing="off"),
     # the RMSNorm staging over every warp (a different summation order: logits differ by rounding)
-    "norm-all-warps": CodegenOptions(norm_staging="all_warps"),
+    "norm-all-warps": CodegenOptions(norm_staging="all_warps", routing_argmax="redux"),
     "rank-norm-all-warps": CodegenOptions(routing_argmax="rank", norm_staging="all_warps"),
-    # an expert gate/up tile's input normalised by warps 1.. while warp 0 derives the routing
-    "norm-beside-routing": CodegenOptions(norm_beside_routing=True),
-    "norm-beside-rank": CodegenOptions(norm_beside_routing=True, routing_argmax="rank"),
+    # an expert gate/up tile's input normalised by warps 1.. while warp 0 derives the routing, with
+    # the arg-max rounds or the ranks (the default at batch 1: "auto"); "redux-after" is neither (the
+    # default at batch 1 until 2026-12-03)
+    "norm-beside-routing": CodegenOptions(norm_beside_routing="on", routing_argmax="redux"),
+    "norm-beside-rank": CodegenOptions(norm_beside_routing="on", routing_argmax="rank"),
+    "redux-after": CodegenOptions(norm_beside_routing="off", routing_argmax="redux"),
     # LINEAR tiles: one GEMV instantiation per output dtype (the default until 2026-11-30 15:20 UTC;
     # now one for both, half the op's code)
     "linear-per-dtype": CodegenOptions(linear_one_gemv=False),

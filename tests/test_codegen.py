@@ -101,8 +101,11 @@ def test_nmc_kernel_compiles_without_local_memory(cache, batch):
     # the task records, the TMA unit's bulk L2 prefetch (UBLKPF) for the next K/V chunk and weights
     assert ops["LDGSTS"] > 0, "no cp.async (LDGSTS) in SASS"
     assert ops["UBLKPF"] > 0, "no bulk L2 prefetch (cp.async.bulk.prefetch, UBLKPF) in SASS"
-    # the routing's arg-max rounds on warp reductions (CodegenOptions.routing_argmax="redux")
-    assert ops["REDUX"] > 0, "no redux.sync (REDUX) in SASS"
+    # the routing's arg-max rounds on warp reductions (CodegenOptions.routing_argmax "auto": "redux"
+    # at batch 8); at batch 1 its ranks, with no rounds, and the expert tiles' input normalised
+    # beside the routing
+    assert (ops["REDUX"] > 0) == (batch != 1), f"{ops['REDUX']} redux.sync (REDUX) in SASS at batch {batch}"
+    assert art.config.routing_rank == art.config.norm_beside_routing == (batch == 1), art.config
     # the code size by op (sass.instructions_by_op): every instruction counted once, every GEMV op's
     # code found at its dispatch case, the routing's shared function under its own name, and the
     # kernel loop a small remainder (about 4,100 instructions at batch 2-8, 2,500 at batch 1)
@@ -130,7 +133,7 @@ CODEGEN_VARIANTS: dict[str, tuple[tuple[int, ...], dict]] = {
     "attn-cta-v-global": ((1,), {"attn_warp_stages": 0, "attn_stage_v": False}),  # ... with V from global
     "attn-warps-3": ((1, 8), {"attn_warp_stages": 3}),  # warp splits with three ring stages
     "desc-table": ((1,), {"descriptors": "table"}),  # descriptors read from the global table
-    "signal-first-shuffle": ((1,), {"signal_warp": "first", "routing_argmax": "shuffle"}),
+    "signal-first-shuffle": ((1,), {"signal_warp": "first", "routing_argmax": "shuffle", "norm_beside_routing": "off"}),
     "profile-phases": ((1,), {"profile_phases": True}),  # the phase-marking profile kernel
     "two-set-first": ((8,), {"two_set_weights_first": True}),  # expert-up weights before staging (spilled once)
     "counter-logits": ((1,), {"tagged_logits": "off"}),  # expert-up tiles wait for the router's counter
@@ -148,7 +151,8 @@ CODEGEN_VARIANTS: dict[str, tuple[tuple[int, ...], dict]] = {
     # the routing's picks ranked at once; the RMSNorm staging over every warp
     "rank-norm-all-warps": ((1, 8), {"routing_argmax": "rank", "norm_staging": "all_warps"}),
     # an expert gate/up tile's input normalised by warps 1.. during the routing
-    "norm-beside-routing": ((1, 8), {"norm_beside_routing": True}),
+    "norm-beside-routing": ((8,), {"norm_beside_routing": "on"}),
+    "redux-after": ((1,), {"routing_argmax": "redux", "norm_beside_routing": "off"}),  # batch 1's default before
     # the default at batch 4: the O-projection warmed in L2 by the expert gate/up tiles, evict-first
     # streams (l2_warm and weights_evict_first "auto", on at batch 2-4)
     "default": ((4,), {}),
@@ -179,8 +183,12 @@ def test_codegen_variant_compiles_without_local_memory(cache, batch, variant):
         assert "UBLKCP.S.G" in sass and "SYNCS.PHASECHK.TRANS64.TRYWAIT" in sass, options
     if options.routing_argmax == "shuffle":
         assert "REDUX" not in sass, options
-    if options.routing_argmax == "rank":  # no arg-max rounds: the routing's only redux.sync is gone
-        assert "REDUX" not in sass and art.config.routing_rank, options
+    if art.config.routing_rank:  # no arg-max rounds: the routing's only redux.sync is gone
+        assert "REDUX" not in sass, options
+    assert art.config.routing_rank == (options.routing_argmax == "rank" or (options.routing_argmax == "auto"
+                                                                           and batch == 1)), art.config
+    assert art.config.norm_beside_routing == (options.norm_beside_routing == "on" or (
+        options.norm_beside_routing == "auto" and batch == 1 and options.norm_staging == "token")), art.config
     assert art.config.norm_all_warps == (options.norm_staging == "all_warps")
     if not options.linear_one_gemv:  # one GEMV per output dtype: more LINEAR code than the default's one
         default = build_kernel(sc, spec, cache_dir=cache)
@@ -676,16 +684,18 @@ def test_signal_and_routing_options_are_checked(tiny):
         kernel_config(sc, spec, CodegenOptions(signal_warp="middle"))
     with pytest.raises(CodegenError, match="norm_unroll = 0: expected 1"):
         kernel_config(sc, spec, CodegenOptions(norm_unroll=0))
-    with pytest.raises(CodegenError, match="routing_argmax = 'sort': expected one of 'shuffle', 'redux', 'rank'"):
+    with pytest.raises(CodegenError, match="routing_argmax = 'sort': expected one of 'auto', 'shuffle', 'redux', 'rank'"):
         kernel_config(sc, spec, CodegenOptions(routing_argmax="sort"))
     with pytest.raises(CodegenError, match="norm_staging = 'cta': expected one of 'token', 'all_warps'"):
         kernel_config(sc, spec, CodegenOptions(norm_staging="cta"))
     with pytest.raises(CodegenError, match="norm_beside_routing needs norm_staging = 'token'"):
-        kernel_config(sc, spec, CodegenOptions(norm_beside_routing=True, norm_staging="all_warps"))
+        kernel_config(sc, spec, CodegenOptions(norm_beside_routing="on", norm_staging="all_warps"))
+    with pytest.raises(CodegenError, match="norm_beside_routing = True: expected one of 'auto', 'on', 'off'"):
+        kernel_config(sc, spec, CodegenOptions(norm_beside_routing=True))
     with pytest.raises(CodegenError, match="routing_code = 'fast': expected one of 'unrolled', 'loop', 'shared'"):
         kernel_config(sc, spec, CodegenOptions(routing_code="fast"))
     assert kernel_config(sc, spec).routing_code == 2  # shared
-    cfg = kernel_config(sc, spec)
-    assert cfg.signal_last_warp and cfg.routing_redux
+    cfg = kernel_config(sc, spec)  # batch 2: "auto" is the rounds on redux.sync, the staging after them
+    assert cfg.signal_last_warp and cfg.routing_redux and not cfg.routing_rank and not cfg.norm_beside_routing
     cfg = kernel_config(sc, spec, CodegenOptions(signal_warp="first", routing_argmax="shuffle"))
     assert not cfg.signal_last_warp and not cfg.routing_redux

@@ -188,14 +188,17 @@ def test_tiny_routing_ties_go_to_the_lower_expert(tiny, num_sms, batch, argmax):
 
 
 @pytest.mark.parametrize("options", [{}, {"norm_staging": "all_warps", "routing_argmax": "rank"},
-                                     {"norm_beside_routing": True}],
-                         ids=["default", "norm-all-warps-rank", "norm-beside-routing"])
+                                     {"norm_beside_routing": "on", "routing_argmax": "redux"},
+                                     {"norm_beside_routing": "off", "routing_argmax": "redux"}],
+                         ids=["default", "norm-all-warps-rank", "norm-beside-rounds", "rounds-after"])
 @pytest.mark.parametrize("batch", [1, 2, 8])
 def test_tiny_step_matches_cpu_executor(tiny, num_sms, batch, options):
     """One step at many positions (within, at and beyond the sliding window of 8) from a random
     KV cache: logits, next token, routing and the appended KV rows match the CPU executor; for the
-    default kernel and for the RMSNorm staged by every warp with the routing ranked
-    (CodegenOptions.norm_staging, routing_argmax)."""
+    default kernel (at batch 1 the ranked routing with the expert tiles' input normalised beside
+    it), for the RMSNorm staged by every warp with the routing ranked, and for the arg-max rounds
+    with the input normalised beside them and after them (CodegenOptions.norm_staging,
+    routing_argmax, norm_beside_routing)."""
     from mkc.codegen import CodegenOptions
     from mkc.runtime.cuda_backend import CudaDecoder
     from mkc.schedule.executor import CpuExecutor
@@ -665,18 +668,26 @@ def test_nmc_tagged_logits_match_default(nmc_weights, num_sms, batch):
         assert torch.equal(lg, ref) and torch.equal(tok, ref_tok), f"step {i}: differs from the default kernel"
 
 
-@pytest.mark.parametrize("option", ["routing_argmax=rank", "norm_beside_routing"])
+ROUTING_OPTIONS = {  # test_nmc_routing_options_match_default
+    "rank": {"routing_argmax": "rank", "norm_beside_routing": "off"},
+    "rank-beside": {"routing_argmax": "rank", "norm_beside_routing": "on"},
+    "rounds-beside": {"routing_argmax": "redux", "norm_beside_routing": "on"},
+    "rounds-after": {"routing_argmax": "redux", "norm_beside_routing": "off"},
+}
+
+
+@pytest.mark.parametrize("option", list(ROUTING_OPTIONS))
 @pytest.mark.parametrize("batch", [1, 2, 8])
 def test_nmc_routing_options_match_default(nmc_weights, num_sms, batch, option):
-    """At full size, context 8192: CodegenOptions(routing_argmax="rank"), where every (token,
-    expert) pair counts the experts above it instead of TOP_K arg-max rounds, and
-    norm_beside_routing, where warps 1.. of an expert gate/up tile normalise its input while warp 0
-    derives the routing. The same picks in the same order, the same weights and the same normed
-    rows: three steps give bitwise the default kernel's logits, tokens and each layer's picks."""
+    """At full size, context 8192, the ways an expert gate/up tile opens (CodegenOptions): the
+    routing by TOP_K arg-max rounds or by ranks (routing_argmax "redux", "rank": every (token,
+    expert) pair counts the experts above it), the tile's input normalised after the routing or by
+    warps 1.. while warp 0 derives it (norm_beside_routing). The same picks in the same order, the
+    same weights and the same normed rows: three steps of each give bitwise the default kernel's
+    logits, tokens and each layer's picks."""
     from mkc.codegen import CodegenOptions
 
-    options = CodegenOptions(routing_argmax="rank") if option == "routing_argmax=rank" else (
-        CodegenOptions(norm_beside_routing=True))
+    options = CodegenOptions(**ROUTING_OPTIONS[option])
     spec, weights = nmc_weights
     tokens = torch.randint(0, spec.vocab_size, (batch,), dtype=torch.int32)
     positions = nmc_positions(batch, 8192)
@@ -712,7 +723,7 @@ def test_nmc_norm_staging_options_match_mirror(nmc_weights, num_sms, batch, cont
     from mkc.codegen import CodegenOptions
 
     spec, weights = nmc_weights
-    options = CodegenOptions(norm_beside_routing=True) if beside else (
+    options = CodegenOptions(norm_beside_routing="on") if beside else (
         CodegenOptions(norm_staging="all_warps", routing_argmax="rank"))
     dec = nmc_decoder(spec, weights, batch, context, num_sms, options, **lowering)
     check_rerun_and_mirror(dec, spec, weights, batch, context, f"NMC norm all warps b{batch} ctx {context} {lowering}")

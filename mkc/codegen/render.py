@@ -50,7 +50,11 @@ RING_STAGE_BYTES = 32 * 4 * 16  # one 64-wide block of 16 rows (gemv.cuh: a ring
 
 
 ROUTING_CODES = ("unrolled", "loop", "shared")  # CodegenOptions.routing_code, by the kernel's ROUTING_CODE
-ROUTING_ARGMAX = ("shuffle", "redux", "rank")  # CodegenOptions.routing_argmax
+ROUTING_ARGMAX = ("auto", "shuffle", "redux", "rank")  # CodegenOptions.routing_argmax
+NORM_BESIDE_ROUTING = ("auto", "on", "off")  # CodegenOptions.norm_beside_routing
+# "auto" for both: the ranked routing with the input normalised beside it at these batches (measured
+# faster together at batch 1; each alone a tie, and slower at 4 and 8: BENCHMARKS.md 2026-12-03)
+OPENING_AUTO_BATCHES = (1,)
 NORM_STAGING = ("token", "all_warps")  # CodegenOptions.norm_staging
 TAGGED_LOGITS = ("auto", "on", "off")  # CodegenOptions.tagged_logits
 TAGGED_LOGITS_MAX_BATCH = 4  # "auto": on up to this batch
@@ -83,8 +87,11 @@ class CodegenOptions:
     # picks the experts (ops.cuh: stage_norm_beside_routing), instead of after the routing. At batch 1
     # the routing is warp 0's alone, so the RMSNorm (~2.3 µs of one warp, BENCHMARKS.md 2026-12-03)
     # leaves the tile's path to its first weight load; at larger batches the warps that route a token
-    # normalise first. The same values (bitwise the same logits).
-    norm_beside_routing: bool = False
+    # normalise first. The same values (bitwise the same logits). "on", "off", or "auto": on at
+    # OPENING_AUTO_BATCHES with the one-warp-per-token staging. Measured on an H200 (kernel_variants.py,
+    # 2026-12-03, BENCHMARKS.md): with the ranked routing (routing_argmax "auto") batch 1 1-3% faster,
+    # batch 4 1.3% and batch 8 2-3% slower; alone a tie at 1, 4 and 8.
+    norm_beside_routing: str = "auto"
     # The RMSNorm staging's two loops over a token's hidden quads (gemv.cuh: stage_norm_finish; at
     # batch 1 one warp runs them, 16 iterations each) unrolled this many times, so that a lane's
     # shared-memory loads overlap instead of each waiting for the one before; the sum of squares
@@ -191,13 +198,15 @@ class CodegenOptions:
     # experts in the same order. "rank" has no rounds: every (token, expert) pair is one thread that
     # counts the experts better than its own (value, then the lower index), so the picks of rank
     # < TOP_K land in their place at once (ops.cuh: rank_experts); the same experts in the same order
-    # and the same weights.
+    # and the same weights. "auto": "rank" at OPENING_AUTO_BATCHES (with norm_beside_routing), else
+    # "redux". The ranks alone measured a tie at batch 1 and 0.6-1.1% slower at 4 and 8 (H200,
+    # 2026-12-03 15:43 UTC, BENCHMARKS.md).
     # Measured on an H200 together (kernel_variants.py, 2026-11-30 14:26 and 14:27 UTC, five
     # samples each, logits bitwise equal): last + redux against first + shuffle, batch 1 -1.4%,
     # batch 2 -1.8%, batch 4 -1.3%, batch 8 +0.2% (noise there is +-3%); each alone gained less
     # (last: -0.6 / -0.2 / +0.6 / +3.5%; redux: -0.6 / -0.7 / -0.3 / +2.2%).
     signal_warp: str = "last"
-    routing_argmax: str = "redux"
+    routing_argmax: str = "auto"
     # LINEAR tiles run one GEMV instantiation whatever their output's dtype (f32 or bf16: a branch
     # in the epilogue) instead of one per dtype, so the QKV, O-projection and router tiles run the
     # same code: the LINEAR op's SASS 10,223 -> 5,337 instructions at batch 1 (the kernel 31,976 ->
@@ -370,10 +379,10 @@ class KernelConfig:
     attn_warp_request: int  # CodegenOptions.attn_warp_stages (the fitted count: attn_warp_stages)
     weights_before_wait: bool
     signal_last_warp: bool  # CodegenOptions.signal_warp == "last"
-    routing_redux: bool  # CodegenOptions.routing_argmax == "redux"
-    routing_rank: bool  # CodegenOptions.routing_argmax == "rank"
+    routing_redux: bool  # CodegenOptions.routing_argmax, resolved, == "redux"
+    routing_rank: bool  # CodegenOptions.routing_argmax, resolved, == "rank"
     norm_all_warps: bool  # CodegenOptions.norm_staging == "all_warps"
-    norm_beside_routing: bool
+    norm_beside_routing: bool  # CodegenOptions.norm_beside_routing, resolved
     linear_one_gemv: bool
     down_weights_before_wait: bool
     residual_loads_first: bool
@@ -586,7 +595,10 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
     if options.norm_staging not in NORM_STAGING:
         raise CodegenError(f"norm_staging = {options.norm_staging!r}: expected one of "
                            + ", ".join(repr(c) for c in NORM_STAGING))
-    if options.norm_beside_routing and options.norm_staging != "token":
+    if options.norm_beside_routing not in NORM_BESIDE_ROUTING:
+        raise CodegenError(f"norm_beside_routing = {options.norm_beside_routing!r}: expected one of "
+                           + ", ".join(repr(c) for c in NORM_BESIDE_ROUTING))
+    if options.norm_beside_routing == "on" and options.norm_staging != "token":
         # the expert tiles' warps 1.. normalise one warp per token: every reader of a norm must stage
         # the same values, so the others must too
         raise CodegenError(f"norm_beside_routing needs norm_staging = 'token' (got {options.norm_staging!r})")
@@ -614,6 +626,11 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
                            + ", ".join(repr(c) for c in EVICT_FIRST))
     evict_first = options.weights_evict_first == "on" or (options.weights_evict_first == "auto"
                                                           and schedule.batch in L2_WARM_BATCHES)
+    opening_auto = schedule.batch in OPENING_AUTO_BATCHES
+    routing_argmax = options.routing_argmax if options.routing_argmax != "auto" else (
+        "rank" if opening_auto else "redux")
+    norm_beside = options.norm_beside_routing == "on" or (
+        options.norm_beside_routing == "auto" and opening_auto and options.norm_staging == "token")
     tagged_logits = options.tagged_logits == "on" or (options.tagged_logits == "auto"
                                                       and schedule.batch <= TAGGED_LOGITS_MAX_BATCH)
     problem = tile_order_problem(schedule) if options.weight_layout != "rows" else None
@@ -676,8 +693,8 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         attn_stage_v=options.attn_stage_v,
         attn_prefetch_bytes=options.attn_prefetch_bytes, attn_warp_request=options.attn_warp_stages,
         weights_before_wait=options.weights_before_wait, signal_last_warp=options.signal_warp == "last",
-        routing_redux=options.routing_argmax == "redux", routing_rank=options.routing_argmax == "rank",
-        norm_all_warps=options.norm_staging == "all_warps", norm_beside_routing=options.norm_beside_routing,
+        routing_redux=routing_argmax == "redux", routing_rank=routing_argmax == "rank",
+        norm_all_warps=options.norm_staging == "all_warps", norm_beside_routing=norm_beside,
         linear_one_gemv=options.linear_one_gemv,
         down_weights_before_wait=options.down_weights_before_wait,
         residual_loads_first=options.residual_loads_first, profile_phases=options.profile_phases,
