@@ -104,6 +104,21 @@ __device__ __forceinline__ void stage_norm_async(const float* x, const float* te
     }
 }
 
+// Quad c of token n's staged row xr, with its `nterms` terms (tq) added in ascending order and the
+// sum written back for the scaling that follows.
+__device__ __forceinline__ float4 norm_quad(float4* xr, const float4* tq, int n, int c, int nterms) {
+    float4 u = xr[c];
+    if (NORM_TERMS > 0 && nterms > 0) {  // x + term 0 + term 1 ...
+#pragma unroll 1
+        for (int i = 0; i < nterms; ++i) {
+            const float4 v = tq[((size_t)i * BATCH + n) * NORM_QUADS + c];
+            u.x += v.x, u.y += v.y, u.z += v.z, u.w += v.w;
+        }
+        xr[c] = u;
+    }
+    return u;
+}
+
 //
 // NORM_ALL_WARPS (CodegenOptions.norm_staging = "all_warps"): every warp takes a share of every
 // token's row instead (stage_norm_all_warps).
@@ -135,15 +150,7 @@ __device__ __forceinline__ void stage_norm_finish(bf16* xs, int k0, int k, int n
         float ss = 0.f;
 #pragma unroll (NORM_UNROLL)
         for (int c = lane; c < NORM_QUADS; c += 32) {
-            float4 u = xr[c];
-            if (NORM_TERMS > 0 && nterms > 0) {  // x + term 0 + term 1 ..., kept for the scaling below
-#pragma unroll 1
-                for (int i = 0; i < nterms; ++i) {
-                    const float4 v = tq[((size_t)i * BATCH + n) * NORM_QUADS + c];
-                    u.x += v.x, u.y += v.y, u.z += v.z, u.w += v.w;
-                }
-                xr[c] = u;
-            }
+            const float4 u = norm_quad(xr, tq, n, c, nterms);
             ss += u.x * u.x + u.y * u.y + u.z * u.z + u.w * u.w;
         }
         if (NORM_TERMS > 0 && nterms > 0) __syncwarp();  // the sums above, read by other lanes below
@@ -182,15 +189,7 @@ __device__ __forceinline__ void stage_norm_all_warps(bf16* xs, int k0, int k, in
         float4* xr = xq + n * NORM_QUADS;
         float ss = 0.f;
         for (int c = warp * NORM_QW + lane; c < c_end; c += 32) {
-            float4 u = xr[c];
-            if (NORM_TERMS > 0 && nterms > 0) {  // x + term 0 + term 1 ..., kept for the scaling below
-#pragma unroll 1
-                for (int i = 0; i < nterms; ++i) {
-                    const float4 v = tq[((size_t)i * BATCH + n) * NORM_QUADS + c];
-                    u.x += v.x, u.y += v.y, u.z += v.z, u.w += v.w;
-                }
-                xr[c] = u;
-            }
+            const float4 u = norm_quad(xr, tq, n, c, nterms);
             ss += u.x * u.x + u.y * u.y + u.z * u.z + u.w * u.w;
         }
         ss = warp_sum(ss);

@@ -351,6 +351,26 @@ __device__ bool await_tagged_logits(const u64* row, float (&v)[ROUTE_WORDS], con
     }
 }
 
+// Token b's router logits into this lane's v[j] (expert lane + 32 j; -INFINITY past NUM_EXPERTS):
+// from the tagged copy, read until every word carries this step (await_tagged_logits; false on a
+// timeout or another CTA's abort, with s_wait.abort set), else from the logits the caller waited
+// for. Called by all 32 lanes of one warp.
+__device__ __forceinline__ bool token_logits(const float* logits, const u64* tagged, const int* rec, int b,
+                                             float (&v)[ROUTE_WORDS]) {
+    if (TAGGED_LOGITS && tagged) {
+        if (!await_tagged_logits(tagged + b * NUM_EXPERTS, v, rec)) return false;
+        prof_mark(PROF_LOGITS);  // every word carries this step (the counter path marks nothing)
+        return true;
+    }
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int j = 0; j < ROUTE_WORDS; ++j) {
+        const int e = lane + 32 * j;
+        v[j] = e < NUM_EXPERTS ? ld_act_f32(logits + b * NUM_EXPERTS + e) : -INFINITY;
+    }
+    return true;
+}
+
 // Token b's routing weights from its picked logits top (best first) and, for softmax scoring, its
 // logits v (this lane's experts lane + 32 j): sigmoid of each pick, or the softmax over every
 // expert (top[0] is the row maximum); renormalised over the picks where asked. Lane 0 writes them
@@ -421,16 +441,7 @@ __device__ __forceinline__ bool rank_experts(Routing& r, const float* logits, co
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     for (int b = warp; b < BATCH; b += NUM_WARPS) {
         float v[ROUTE_WORDS];
-        if (TAGGED_LOGITS && tagged) {
-            if (!await_tagged_logits(tagged + b * NUM_EXPERTS, v, rec)) continue;  // s_wait.abort is set
-            prof_mark(PROF_LOGITS);
-        } else {
-#pragma unroll
-            for (int j = 0; j < ROUTE_WORDS; ++j) {
-                const int e = lane + 32 * j;
-                v[j] = e < NUM_EXPERTS ? ld_act_f32(logits + b * NUM_EXPERTS + e) : -INFINITY;
-            }
-        }
+        if (!token_logits(logits, tagged, rec, b, v)) continue;  // s_wait.abort is set
 #pragma unroll
         for (int j = 0; j < ROUTE_WORDS; ++j) {
             const int e = lane + 32 * j;
@@ -499,16 +510,7 @@ __device__ __forceinline__ const Routing& route_tokens_body(const float* logits,
     } else {
         for (int b = warp; b < BATCH; b += NUM_WARPS) {
             float v[ROUTE_WORDS];
-            if (TAGGED_LOGITS && tagged) {
-                if (!await_tagged_logits(tagged + b * NUM_EXPERTS, v, rec)) continue;  // s_wait.abort is set
-                prof_mark(PROF_LOGITS);  // every word carries this step (the counter path marks nothing)
-            } else {
-#pragma unroll
-                for (int j = 0; j < ROUTE_WORDS; ++j) {
-                    const int e = lane + 32 * j;
-                    v[j] = e < NUM_EXPERTS ? ld_act_f32(logits + b * NUM_EXPERTS + e) : -INFINITY;
-                }
-            }
+            if (!token_logits(logits, tagged, rec, b, v)) continue;  // s_wait.abort is set
 #pragma unroll
             for (int j = 0; j < ROUTE_WORDS; ++j) v[j] = v[j] != v[j] ? -INFINITY : v[j];
             u32 taken = 0;  // bit j: this lane's expert lane + 32 j is picked

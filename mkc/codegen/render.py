@@ -555,6 +555,12 @@ def tile_order_problem(schedule: Schedule) -> str | None:
     return None
 
 
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    """A CodegenOptions field that takes one of a few names."""
+    if value not in choices:
+        raise CodegenError(f"{name} = {value!r}: expected one of " + ", ".join(repr(c) for c in choices))
+
+
 def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions | None = None) -> KernelConfig:
     """Derive and check the kernel constants (raises CodegenError naming what does not fit)."""
     options = options or CodegenOptions()
@@ -589,31 +595,17 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
                            f"(lane 0 of the last warp)")
     if not 1 <= options.norm_unroll <= 16:
         raise CodegenError(f"norm_unroll = {options.norm_unroll}: expected 1 (loops) to 16")
-    if options.routing_argmax not in ROUTING_ARGMAX:
-        raise CodegenError(f"routing_argmax = {options.routing_argmax!r}: expected one of "
-                           + ", ".join(repr(c) for c in ROUTING_ARGMAX))
-    if options.norm_staging not in NORM_STAGING:
-        raise CodegenError(f"norm_staging = {options.norm_staging!r}: expected one of "
-                           + ", ".join(repr(c) for c in NORM_STAGING))
-    if options.norm_beside_routing not in NORM_BESIDE_ROUTING:
-        raise CodegenError(f"norm_beside_routing = {options.norm_beside_routing!r}: expected one of "
-                           + ", ".join(repr(c) for c in NORM_BESIDE_ROUTING))
+    _check_choice("routing_argmax", options.routing_argmax, ROUTING_ARGMAX)
+    _check_choice("norm_staging", options.norm_staging, NORM_STAGING)
+    _check_choice("norm_beside_routing", options.norm_beside_routing, NORM_BESIDE_ROUTING)
     if options.norm_beside_routing == "on" and options.norm_staging != "token":
         # the expert tiles' warps 1.. normalise one warp per token: every reader of a norm must stage
         # the same values, so the others must too
         raise CodegenError(f"norm_beside_routing needs norm_staging = 'token' (got {options.norm_staging!r})")
-    if options.routing_code not in ROUTING_CODES:
-        raise CodegenError(f"routing_code = {options.routing_code!r}: expected one of "
-                           + ", ".join(repr(c) for c in ROUTING_CODES))
-    if options.tagged_logits not in TAGGED_LOGITS:
-        raise CodegenError(f"tagged_logits = {options.tagged_logits!r}: expected one of "
-                           + ", ".join(repr(c) for c in TAGGED_LOGITS))
-    if options.second_batch_before_wait not in SECOND_BATCH_OPS:
-        raise CodegenError(f"second_batch_before_wait = {options.second_batch_before_wait!r}: expected one of "
-                           + ", ".join(repr(c) for c in SECOND_BATCH_OPS))
-    if options.residual_epilogue not in RESIDUAL_EPILOGUES:
-        raise CodegenError(f"residual_epilogue = {options.residual_epilogue!r}: expected one of "
-                           + ", ".join(repr(c) for c in RESIDUAL_EPILOGUES))
+    _check_choice("routing_code", options.routing_code, ROUTING_CODES)
+    _check_choice("tagged_logits", options.tagged_logits, TAGGED_LOGITS)
+    _check_choice("second_batch_before_wait", options.second_batch_before_wait, SECOND_BATCH_OPS)
+    _check_choice("residual_epilogue", options.residual_epilogue, RESIDUAL_EPILOGUES)
     l2_warm = options.l2_warm
     if l2_warm == "auto":
         l2_warm = L2_WARM_AUTO if schedule.batch in L2_WARM_BATCHES else "off"
@@ -621,9 +613,7 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         l2_warm = l2_warm if parse_l2_warm(l2_warm) else "off"
     except ValueError as e:
         raise CodegenError(str(e)) from None
-    if options.weights_evict_first not in EVICT_FIRST:
-        raise CodegenError(f"weights_evict_first = {options.weights_evict_first!r}: expected one of "
-                           + ", ".join(repr(c) for c in EVICT_FIRST))
+    _check_choice("weights_evict_first", options.weights_evict_first, EVICT_FIRST)
     evict_first = options.weights_evict_first == "on" or (options.weights_evict_first == "auto"
                                                           and schedule.batch in L2_WARM_BATCHES)
     opening_auto = schedule.batch in OPENING_AUTO_BATCHES
