@@ -12,8 +12,9 @@ the first variant's, and the same step is rerun (--repeat) to check it is determ
 The kernels need no GPU to build: ``--build-only`` compiles them on any machine with NVRTC into
 the kernel cache (``MKC_CACHE_DIR``), and a GPU machine with the same NVRTC version finds them
 there (the cache key leaves out include paths). Building into ``$PWD/.mkc-cache/h`` before a lent
-GPU's call carries them with the working tree (untracked files travel), so the call spends its time
-measuring: 16 variant runs at batch 1 and 4 took 47 s on an H200 that way (2026-12-02).
+GPU's call and naming ``.mkc-cache`` (git ignores it) among the paths the call carries sends them
+with the working tree, so the call spends its time measuring: 16 variant runs at batch 1 and 4
+took 47 s on an H200 that way (2026-12-02).
 """
 
 from __future__ import annotations
