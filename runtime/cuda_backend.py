@@ -293,7 +293,8 @@ class CudaDecoder:
         derived or found known: expert and routing tasks; NaN for the others), and the phases of a
         routing derived by the task (NaN where there is none): ``opened`` (an expert gate/up
         tile's op entered), ``routing`` (the derivation began), ``logits`` (the tagged logits read,
-        all of this step; NaN on the counter path) and ``ranked`` (the TOP_K rounds done)."""
+        all of this step; NaN on the counter path) and ``ranked`` (the TOP_K rounds, or the ranks,
+        done)."""
         if self._prof is None:
             raise RuntimeError("timeline(): no profiled step yet (launch(..., profile=True))")
         torch.cuda.current_stream(self.device).synchronize()

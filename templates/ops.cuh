@@ -435,8 +435,8 @@ __device__ __forceinline__ float key_value(u64 key) {  // the logit of a key (+0
 // r.sel[b][rank] and its logit to r.selw[b][rank], and each warp's ballot of its 32 experts is a
 // word of the token's mask. After a second barrier a warp per token derives the weights
 // (route_weights, the same arithmetic as the rounds' path) while warp 0 lists the distinct experts.
-// The same picks in the same order as the rounds. Returns false, every thread alike, when a tagged
-// wait timed out (s_wait.abort); the caller's barrier must follow.
+// The same picks in the same order as the rounds. Returns false, every thread alike (it is read
+// after the first barrier), when a tagged wait timed out (s_wait.abort); the caller leaves at once.
 __device__ __forceinline__ bool rank_experts(Routing& r, const float* logits, const u64* tagged, const int* rec) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     for (int b = warp; b < BATCH; b += NUM_WARPS) {
@@ -703,7 +703,8 @@ __device__ void op_swiglu(const Task& t, unsigned char* smem) {
 // themselves (stage_norm_beside_routing) before joining the routing, while warp 0 reads the logits
 // and runs the arg-max rounds: at batch 1 the routing is warp 0's work alone, so the RMSNorm no
 // longer follows it. The routing's first barrier (or, where it was known, the GEMV's finish:
-// NormedBeside) publishes the rows.
+// NormedBeside) publishes the rows. It always stages (a staged input left by the task before,
+// REUSE_STAGED_NORM, is not looked for) and leaves s_staged_norm as it was.
 template <class O>
 __device__ __forceinline__ void stage_norm_beside_routing(const Task& t, unsigned char* smem, int k) {
     if (threadIdx.x < 32) return;

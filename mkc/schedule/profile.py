@@ -275,7 +275,7 @@ def routing_phases(sc: Schedule, timeline: Mapping[str, np.ndarray]) -> dict[str
     of each of ROUTING_PHASES over those tasks: ``opening`` (inputs ready → an expert gate/up
     tile's op entered), ``copies`` (→ the routing began: its input's copies issued), ``logits``
     (→ the tagged logits read, every word of this step), ``rounds`` (→ the TOP_K arg-max rounds
-    done), ``rest`` (→ the routing available: weights, masks, slots), ``staging`` (→ the input
+    done, or with CodegenOptions.routing_argmax "rank" every pair ranked), ``rest`` (→ the routing available: weights, masks, slots), ``staging`` (→ the input
     staged: the RMSNorm). A phase whose marks a task lacks is NaN for it, and the median is over
     the tasks that have both (NaN where none has); ``tasks`` counts the op's routing tasks."""
     cols = {k: np.asarray(timeline[k], np.float64) for k in ("start", "opened", "routing", "logits", "ranked",
@@ -299,7 +299,7 @@ def format_routing_phases(sc: Schedule, timeline: Mapping[str, np.ndarray]) -> s
     """routing_phases as a table, one row per op that derived a routing."""
     names = [n for n, _, _ in ROUTING_PHASES]
     lines = [("the routing, where a task derived it (inputs ready → opened → routing began → tagged logits "
-              "read → TOP_K rounds done → routing available → input staged):"),
+              "read → TOP_K rounds (or ranks) done → routing available → input staged):"),
              f"  {'op':<14} {'tasks':>6} " + " ".join(f"{n:>8}" for n in names) + "  (median µs)"]
     for op, v in routing_phases(sc, timeline).items():
         lines.append(f"  {op:<14} {int(v['tasks']):>6} "
