@@ -3,7 +3,7 @@
     python benchmarks/schedule_variants.py --batch 1 8 --context 8192 [--reps 20] [--variants NAME ...] \
         [--attention-sms 0 32 ...] [--rope-in-splits yes no] [--mlp-share rest bytes] [--mlp-waves 1 2] \
         [--residual-in-o-proj yes no] [--fused-experts yes no] [--qkv-tile-rows 0 48] [--residual-as-terms no yes]
-        [--global-attention-sms 0 128 256]
+        [--global-attention-sms 0 128 256] [--expert-up-rows rule 80x6+48x6]
         [--rounds 2] [--build-only]
 
 Every variant runs the default kernel over the same weights and KV cache; only the scheduler's
@@ -76,6 +76,17 @@ VARIANTS = {
 }
 
 
+def up_rows(text: str) -> tuple[int, ...]:
+    """LowerOptions.expert_up_rows from 'rule' or SIZExCOUNT terms joined by '+' (80x6+48x6)."""
+    if text == "rule":
+        return ()
+    rows: list[int] = []
+    for term in text.split("+"):
+        size, _, count = term.partition("x")
+        rows += [int(size)] * int(count or 1)
+    return tuple(rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=str(ROOT / "configs" / "north_mini_code.yaml"))
@@ -109,6 +120,9 @@ def main() -> None:
     ap.add_argument("--global-attention-sms", type=int, nargs="+", default=[0],
                     help="LowerOptions.global_attention_sms values to lower with (the SMs' worth of splits of the "
                          "layers of global attention; 0: as --attention-sms)")
+    ap.add_argument("--expert-up-rows", nargs="+", default=["rule"],
+                    help="LowerOptions.expert_up_rows values to lower with: 'rule' (equal tiles) or each slot's tile "
+                         "rows as SIZExCOUNT terms joined by '+', such as 80x6+48x6")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time every variant this many times, in turn (drift between variants shows)")
     ap.add_argument("--build-only", action="store_true", help="compile every variant's kernel (no GPU) and exit")
@@ -119,10 +133,11 @@ def main() -> None:
     variants = [(att, {"rope_in_splits": rope == "yes", "mlp_share": share, "mlp_waves": waves,
                        "residual_in_o_proj": fold == "yes",
                        "fused_experts": fx == "yes", "qkv_tile_rows": qr, "residual_as_terms": rt == "yes",
-                       "global_attention_sms": ga}, name)
+                       "global_attention_sms": ga, "expert_up_rows": up_rows(er)}, name)
                 for att in a.attention_sms for rope in a.rope_in_splits for share in a.mlp_share for waves in a.mlp_waves
                 for fold in a.residual_in_o_proj for fx in a.fused_experts for qr in a.qkv_tile_rows
-                for rt in a.residual_as_terms for ga in a.global_attention_sms for name in a.variants]
+                for rt in a.residual_as_terms for ga in a.global_attention_sms for er in a.expert_up_rows
+                for name in a.variants]
     if a.build_only:
         for batch in a.batch:
             for att, lowering, name in variants:
@@ -150,6 +165,8 @@ def main() -> None:
             label += f", qkv tile rows {lowering['qkv_tile_rows'] or 'rule'}"
             label += f", residual as terms {'yes' if lowering['residual_as_terms'] else 'no'}"
             label += f", global attention SMs {lowering['global_attention_sms'] or 'same'}"
+            if lowering["expert_up_rows"]:
+                label += f", expert tile rows {'+'.join(map(str, lowering['expert_up_rows']))}"
             with decoder_in_place(sc, spec, weights) as dec:
                 fill_bench_kv(dec, spec)
                 logits, _ = dec.step(tokens, positions)

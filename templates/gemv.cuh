@@ -30,8 +30,9 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], u32 a0, u32 a1, u32 a2,
 constexpr int XS_PAD = 32;
 __device__ __forceinline__ int xs_ld(int k) { return k + XS_PAD; }
 
-// The k-split reduction's floats: per warp, two row sets' fragments.
-constexpr int GEMV_RED_FLOATS = NUM_WARPS * 2 * 4 * 32;
+// The k-split reduction's floats: per warp, two row sets' fragments; with GEMV_KPARTS per warp and
+// row group (gemv_tile_kparts: fewer groups than warps, each warp one k part of every group).
+constexpr int GEMV_RED_FLOATS = NUM_WARPS * 2 * 4 * 32 * (GEMV_KPARTS ? NUM_WARPS : 1);
 
 // Where a lane's A-fragment pieces are. Row-major (the checkpoint's layout, and the KV cache):
 // w0 / w1 point at rows g / g + 8 of the group, column 8 q; block kb starts 64 elements further,
@@ -516,6 +517,87 @@ __device__ __forceinline__ void gemv_item(const bf16* const (&w0)[NACC],
     }
 }
 
+// GEMV_KPARTS (CodegenOptions.gemv_kparts): a tile of 3, 5, 6 or 7 row groups, where the power-of-two
+// k split of gemv_tile would leave warps without work (a 48-row tile keeps 6 of 8 busy, an 80-row
+// one 5), splits k into NUM_WARPS equal parts instead: warp w streams part w of every group, group
+// after group, as one run of (group, block) units with two register batches in flight across the
+// group boundaries (as gemv_short_k), and parks each group's partial sums in `red`; after a barrier
+// warp g adds group g's parts in warp order (deterministic) and calls the epilogue. `finish` runs
+// as gemv_tile's: before the first loads (EARLY false: the caller ran it) or after them.
+template <int NACC, bool NC, bool EARLY, class Epi, class Fin>
+__device__ __forceinline__ void gemv_tile_kparts(const bf16* const (&w)[NACC], int w_ld, int rows, int groups,
+                                                 int blocks, const bf16* xrow, float* red, Epi& epi,
+                                                 const Fin& finish) {
+    constexpr int U = gemv_batch_blocks<NACC>();
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4;
+    const int bp = blocks / NUM_WARPS, kb0 = warp * bp;  // this warp's part: blocks [kb0, kb0 + bp)
+    const int units = groups * bp;                        // unit i: block kb0 + i % bp of group i / bp
+    const auto load = [&](uint4 (&wv)[U][NACC][2][2], int i0) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int i = i0 + u, gi = i / bp;
+            const bool v0 = i < units && gi * 16 + g < rows, v1 = i < units && gi * 16 + g + 8 < rows;
+            const bf16* w0[NACC];
+            const bf16* w1[NACC];
+            group_rows<NACC, NC>(w, w_ld, gi, w0, w1);
+            const int k = (kb0 + i % bp) * block_stride<NC>(), h = half_offset<NC>();
+#pragma unroll
+            for (int a = 0; a < NACC; ++a) {
+                wv[u][a][0][0] = v0 ? ld_rows16<NC>(w0[a] + k) : zero4();
+                wv[u][a][0][1] = v0 ? ld_rows16<NC>(w0[a] + k + h) : zero4();
+                wv[u][a][1][0] = v1 ? ld_rows16<NC>(w1[a] + k) : zero4();
+                wv[u][a][1][1] = v1 ? ld_rows16<NC>(w1[a] + k + h) : zero4();
+            }
+        }
+    };
+    float acc[NACC][4] = {};
+    const auto mma = [&](const uint4 (&wv)[U][NACC][2][2], int i0) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int i = i0 + u;
+            if (i < units) {
+                const int k = (kb0 + i % bp) * 64;
+                const uint4 xa = lds16(xrow + k), xb = lds16(xrow + k + 32);
+                const u32 xw[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+#pragma unroll
+                for (int a = 0; a < NACC; ++a) mma_block(acc[a], wv[u][a][0][0], wv[u][a][0][1], wv[u][a][1][0], wv[u][a][1][1], xw);
+                if (i % bp == bp - 1) {  // the group's part is done: park it
+                    float* park = red + (size_t)((i / bp) * NUM_WARPS + warp) * NACC * 4 * 32 + lane;
+#pragma unroll
+                    for (int a = 0; a < NACC; ++a)
+#pragma unroll
+                        for (int j = 0; j < 4; ++j) {
+                            park[(a * 4 + j) * 32] = acc[a][j];
+                            acc[a][j] = 0.f;
+                        }
+                }
+            }
+        }
+    };
+    uint4 wa[U][NACC][2][2], wb[U][NACC][2][2];
+    load(wa, 0);
+    if (EARLY) finish();
+    for (int i0 = 0; i0 < units; i0 += 2 * U) {
+        load(wb, i0 + U);
+        mma(wa, i0);
+        if (i0 + U >= units) break;
+        load(wa, i0 + 2 * U);
+        mma(wb, i0 + U);
+    }
+    __syncthreads();
+    if (warp < groups) {
+        float sum[NACC][4] = {};
+        const float* parts = red + (size_t)warp * NUM_WARPS * NACC * 4 * 32 + lane;
+#pragma unroll 1
+        for (int p = 0; p < NUM_WARPS; ++p)
+#pragma unroll
+            for (int a = 0; a < NACC; ++a)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) sum[a][j] += parts[((p * NACC + a) * 4 + j) * 32];
+        epi(warp * 16 + g, sum);
+    }
+}
+
 // No-op end of staging for a tile whose activations the caller staged (this thread's copies are
 // waited for).
 struct Staged {
@@ -556,6 +638,12 @@ __device__ __forceinline__ void gemv_tile(const bf16* const (&w)[NACC], int w_ld
     // CodegenOptions.two_set_weights_first again (off). The weight ring holds no batch in registers.
     constexpr bool EARLY = NACC == 1 || use_ring<NC>() || TWO_SET_WEIGHTS_FIRST;
     if (!EARLY) finish();
+    if constexpr (GEMV_KPARTS && KS == 0 && !use_ring<NC>()) {
+        if (groups < NUM_WARPS && NUM_WARPS % groups != 0 && blocks % NUM_WARPS == 0) {
+            gemv_tile_kparts<NACC, NC, EARLY>(w, w_ld, rows, groups, blocks, xs + g * xs_ld(k) + q * 8, red, epi, finish);
+            return;
+        }
+    }
     if (ks == 1) {
         if (EARLY && warp >= groups) finish();  // warps without a row group
         for (int gi = warp; gi < groups; gi += NUM_WARPS) {

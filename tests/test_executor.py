@@ -228,6 +228,39 @@ def test_fused_experts_need_the_o_projection_to_end_the_layer():
         lower(odd, 1, 64, 8, residual_in_o_proj=True, fused_experts=True)
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+def test_expert_tiles_of_two_sizes_match_reference(batch):
+    """LowerOptions.expert_up_rows: each slot's expert gate/up tiles of two sizes (an intermediate of
+    256 as 80 + 80 + 48 + 48 rows). The same logits as the dense reference in random interleavings,
+    the tiles as asked, and the larger ones placed first (their upward rank is the higher)."""
+    spec = load_spec(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
+    spec = dataclasses.replace(spec, moe=dataclasses.replace(spec.moe, intermediate=256))
+    w = random_weights(spec, seed=17, dtype=torch.float32, std=0.1)
+    sc = schedule(lower(spec, batch, 64, 8, expert_up_rows=(80, 80, 48, 48)), spec.name)
+    up = [t for t in sc.tasks if t.op == Opcode.EXPERT_SWIGLU and t.layer == 1]
+    slots = min(spec.moe.num_experts, batch * spec.moe.top_k)
+    assert sorted((t.arg("slot"), t.arg("row0"), t.arg("rows")) for t in up) == [
+        (j, r0, r) for j in range(slots) for r0, r in ((0, 80), (80, 80), (160, 48), (208, 48))]
+    start = sc.predicted["start_us"]
+    assert min(start[t.id] for t in up if t.arg("rows") == 80) <= min(start[t.id] for t in up if t.arg("rows") == 48)
+    _matches_reference(sc, spec, w, batch, 40 + batch, "expert tiles of two sizes")
+
+
+def test_expert_up_rows_are_checked():
+    """Tile rows that are not multiples of 16, that do not add up to the expert's intermediate size,
+    that come with fused expert tiles, or for a model without experts: lowering says what it expected."""
+    root = Path(__file__).resolve().parents[1] / "configs"
+    tiny = load_spec(root / "tiny.yaml")  # expert intermediate 64
+    with pytest.raises(SpecError, match="expert_up_rows = \\(40, 24\\): expected positive multiples of 16"):
+        lower(tiny, 1, 64, 8, expert_up_rows=(40, 24))
+    with pytest.raises(SpecError, match="add up to 80 rows: expected the expert intermediate size, 64"):
+        lower(tiny, 1, 64, 8, expert_up_rows=(48, 32))
+    with pytest.raises(SpecError, match="expert_up_rows with fused_experts"):
+        lower(tiny, 1, 64, 8, residual_in_o_proj=True, fused_experts=True, expert_up_rows=(32, 32))
+    with pytest.raises(SpecError, match="has no routed experts"):
+        lower(load_spec(root / "llama_tiny.yaml"), 1, 64, 8, expert_up_rows=(32, 32))
+
+
 @pytest.mark.parametrize("batch", [1, 2])
 def test_residual_as_terms_matches_reference(batch):
     """LowerOptions.residual_as_terms: the O-projection adds the residual stream into its layer and

@@ -7,6 +7,8 @@ so the only reuse across tasks inside one step is the KV cache (written once per
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -84,6 +86,13 @@ class LowerOptions:
     # the readers stage every term, so it is for small batches (at most MAX_TERM_ROWS term rows).
     # Measured 20% slower at batch 1 on an H200 (docs/tiling.md): off.
     residual_as_terms: bool = False
+    # rows of each expert gate/up tile of a routing slot, in order (multiples of 16 that add up to
+    # the expert's intermediate size); (): the tiling rule's equal tiles. Tiles of two sizes balance
+    # the SMs: the scheduler places the larger (costlier) tiles first, on the SMs free at the layer's
+    # start, and the smaller behind the QKV tiles (North Mini Code at batch 1: six of 80 rows and six
+    # of 48 per slot, the larger carrying one 64-row QKV tile's bytes more), where equal tiles leave
+    # the SMs of a QKV tile and an expert tile the layer's slowest.
+    expert_up_rows: tuple[int, ...] = ()
 
     def check(self) -> None:
         if not 1 <= self.batch <= 8:
@@ -118,6 +127,12 @@ class LowerOptions:
         if self.residual_as_terms and self.fused_experts:
             raise SpecError("residual_as_terms with fused_experts: the fused tiles' split-K partials are summed by "
                             "the O-projection of their own layer: expected one of the two")
+        if any(r <= 0 or r % 16 for r in self.expert_up_rows):
+            raise SpecError(f"expert_up_rows = {tuple(self.expert_up_rows)}: expected positive multiples of 16 (the "
+                            f"GEMV's row group)")
+        if self.expert_up_rows and self.fused_experts:
+            raise SpecError("expert_up_rows with fused_experts: the fused tiles keep equal parts: expected one of "
+                            "the two")
         if self.kv_pages < 0 or (self.kv_pages and not self.page_size):
             raise SpecError(f"kv_pages = {self.kv_pages}: expected 0, or a pool size with a page size")
 
@@ -500,8 +515,15 @@ class _Lowerer:
         up_tile = row_tile(I, 2 * H * 2, slots, self.mlp_sms(slots * I * 2 * H * 2))
         xin, xreads = gemv_input(n)
         down_tile = row_tile(H, I * 2, slots, opt.num_sms)
+        up_ranges = tiles(I, up_tile)
+        if opt.expert_up_rows:
+            if sum(opt.expert_up_rows) != I:
+                raise SpecError(f"expert_up_rows = {tuple(opt.expert_up_rows)} add up to {sum(opt.expert_up_rows)} "
+                                f"rows: expected the expert intermediate size, {I}")
+            ends = list(itertools.accumulate(opt.expert_up_rows))
+            up_ranges = list(zip([0, *ends[:-1]], ends))
         for j in range(slots):
-            for lo, hi in tiles(I, up_tile):
+            for lo, hi in up_ranges:
                 # which expert is read is known only at run time: declare every expert's rows,
                 # and count the bytes of one expert
                 self.emit(Opcode.EXPERT_SWIGLU, layer, f"{P}.expert_up[slot{j}][{lo}:{hi}]",
@@ -579,5 +601,8 @@ def lower(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: in
     other LowerOptions fields (rope_in_splits, mlp_share, mlp_waves, residual_in_o_proj, ...)."""
     opt = LowerOptions(batch=batch, context=context, num_sms=num_sms, page_size=page_size, kv_pages=kv_pages,
                        attention_sms=attention_sms, **choices)
+    opt = dataclasses.replace(opt, expert_up_rows=tuple(opt.expert_up_rows))  # a list from JSON or a CLI
     opt.check()
+    if opt.expert_up_rows and spec.moe is None:
+        raise SpecError(f"expert_up_rows = {opt.expert_up_rows}: {spec.name} has no routed experts")
     return _Lowerer(spec, opt).lower()
