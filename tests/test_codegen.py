@@ -153,8 +153,8 @@ CODEGEN_VARIANTS: dict[str, tuple[tuple[int, ...], dict]] = {
     # an expert gate/up tile's input normalised by warps 1.. during the routing
     "norm-beside-routing": ((8,), {"norm_beside_routing": "on"}),
     "redux-after": ((1,), {"routing_argmax": "redux", "norm_beside_routing": "off"}),  # batch 1's default before
-    # the dense SwiGLU's 48-row tiles with the power-of-two k split (6 of 8 warps stream)
-    "no-kparts": ((1,), {"gemv_kparts": "off"}),
+    # the dense SwiGLU's 48-row tiles with one k part per warp (6 of 8 warps stream by default)
+    "kparts": ((1,), {"gemv_kparts": True}),
     # the default at batch 4: the O-projection warmed in L2 by the expert gate/up tiles, evict-first
     # streams (l2_warm and weights_evict_first "auto", on at batch 2-4)
     "default": ((4,), {}),
@@ -217,10 +217,7 @@ def test_codegen_variant_compiles_without_local_memory(cache, batch, variant):
     assert art.config.tagged_logits == (options.tagged_logits == "on" or (options.tagged_logits == "auto"
                                                                           and batch <= 4))
     assert (art.config.l2_warm != "off") == art.config.weights_evict_first == (batch in (2, 3, 4)), art.config
-    # the dense layer's 48-row SwiGLU tiles take one k part per warp unless asked otherwise
-    assert art.config.gemv_kparts == (options.gemv_kparts != "off"), art.config
-    assert ("gemv_tile_kparts" in art.cu_source) and (f"GEMV_KPARTS = {str(art.config.gemv_kparts).lower()};"
-                                                      in art.cu_source)
+    assert f"constexpr bool GEMV_KPARTS = {str(options.gemv_kparts).lower()};" in art.cu_source
 
 
 def test_gemv_k_split_is_the_kernels_rule():
@@ -239,28 +236,13 @@ def test_gemv_k_split_is_the_kernels_rule():
     assert splits["EXPERT_DOWN"] == 1 and splits["EXPERT_SWIGLU"] == 2
 
 
-def test_gemv_kparts_where_row_groups_leave_warps_idle(tiny):
-    """CodegenOptions.gemv_kparts "auto" compiles the one-k-part-per-warp path where a GEMV tile's
-    row groups (3, 5, 6 or 7) leave warps idle under the power-of-two split, and only there: North
-    Mini Code's dense SwiGLU tiles of 48 rows (64 of them), and with LowerOptions.expert_up_rows of
-    80 and 48 its expert tiles too; the tiny model (16- to 64-row tiles) has none. The reduction
-    floats grow to one fragment per (warp, group); a bad choice is refused."""
-    from mkc.codegen.render import kparts_tiles
-
-    spec = load_spec(NMC)
-    sc = schedule(lower(spec, 1, 8192, 132, attention_sms=32), spec.name)  # the shipped split: 64-row expert tiles
-    assert kparts_tiles(sc, 8) == 64
-    assert {(t.op, t.arg("rows")) for t in sc.tasks if t.op == Opcode.SWIGLU} == {(Opcode.SWIGLU, 48)}
-    on, off = kernel_config(sc, spec), kernel_config(sc, spec, CodegenOptions(gemv_kparts="off"))
+def test_gemv_kparts_reduction_floats():
+    """CodegenOptions.gemv_kparts: the reduction floats grow to one fragment per (warp, group), so
+    the RMSNorm staging's scratch (and all after it) moves by 7 x 8 fragments of two row sets."""
+    spec, sc = _nmc_schedule(1)
+    on, off = kernel_config(sc, spec, CodegenOptions(gemv_kparts=True)), kernel_config(sc, spec)
     assert on.gemv_kparts and not off.gemv_kparts
-    assert on.gemv_ring_offset - off.gemv_ring_offset == 7 * 8 * 2 * 4 * 32 * 4  # GEMV_RED_FLOATS x 8
-    balanced = schedule(lower(spec, 1, 8192, 132, attention_sms=32, expert_up_rows=(80,) * 6 + (48,) * 6), spec.name)
-    assert kparts_tiles(balanced, 8) == 64 + 48 * 96  # and every expert tile of the 48 MoE layers
-    tspec, tsc = tiny
-    assert kparts_tiles(tsc, 8) == 0 and not kernel_config(tsc, tspec).gemv_kparts
-    assert kernel_config(tsc, tspec, CodegenOptions(gemv_kparts="on")).gemv_kparts
-    with pytest.raises(CodegenError, match="gemv_kparts"):
-        kernel_config(tsc, tspec, CodegenOptions(gemv_kparts="sometimes"))
+    assert on.gemv_ring_offset - off.gemv_ring_offset == 7 * 8 * 2 * 4 * 32 * 4
 
 
 def test_residual_in_o_proj_kernel_compiles_without_local_memory(cache):

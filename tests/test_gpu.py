@@ -560,14 +560,14 @@ def test_nmc_fused_experts_match_mirror(nmc_weights, num_sms, batch, context):
 @pytest.mark.parametrize("batch, context", [(1, 8192), (1, 100), (2, 4097)])
 def test_nmc_expert_tiles_of_two_sizes_match_mirror(nmc_weights, num_sms, batch, context):
     """LowerOptions.expert_up_rows: each slot's expert gate/up tiles of 80 and 48 rows (5 and 3 row
-    groups: the GEMV splits k into one part per warp, gemv_tile_kparts). The same checks as the
-    default lowering, and reruns bitwise the same."""
-    from mkc.codegen.render import kernel_config
+    groups: with CodegenOptions.gemv_kparts the GEMV splits k into one part per warp,
+    gemv_tile_kparts). The same checks as the default lowering, and reruns bitwise the same."""
+    from mkc.codegen import CodegenOptions
 
     spec, weights = nmc_weights
-    dec = nmc_decoder(spec, weights, batch, context, num_sms, expert_up_rows=(80,) * 6 + (48,) * 6)
+    dec = nmc_decoder(spec, weights, batch, context, num_sms, CodegenOptions(gemv_kparts=True),
+                      expert_up_rows=(80,) * 6 + (48,) * 6)
     assert {t.arg("rows") for t in dec.schedule.tasks if t.op.name == "EXPERT_SWIGLU"} == {80, 48}
-    assert kernel_config(dec.schedule, spec).gemv_kparts
     check_rerun_and_mirror(dec, spec, weights, batch, context, f"NMC expert tiles 80/48 b{batch} ctx {context}")
 
 

@@ -63,7 +63,6 @@ L2_WARM_BATCHES = (2, 3, 4)  # "auto" warm-up and evict-first streams (measured:
 EVICT_FIRST = ("auto", "on", "off")  # CodegenOptions.weights_evict_first
 SECOND_BATCH_OPS = ("none", "linear", "expert_down")  # CodegenOptions.second_batch_before_wait
 RESIDUAL_EPILOGUES = ("auto", "inline", "call")  # CodegenOptions.residual_epilogue
-GEMV_KPARTS = ("auto", "on", "off")  # CodegenOptions.gemv_kparts
 
 
 class CodegenError(ValueError):
@@ -343,10 +342,12 @@ class CodegenOptions:
     second_batch_before_wait: str = "none"
     # A GEMV tile of 3, 5, 6 or 7 row groups of 16 (a 48- or 80-row tile), which the power-of-two k
     # split leaves some warps without work (6 or 5 of 8 stream), splits its reduction into one part
-    # per warp instead, each warp streaming its part of every group (gemv.cuh: gemv_tile_kparts):
-    # "on", "off", "auto" (on where the schedule has such tiles: the dense SwiGLU's 48-row tiles,
-    # expert tiles of mixed sizes, LowerOptions.expert_up_rows).
-    gemv_kparts: str = "auto"
+    # per warp instead, each warp streaming its part of every group (gemv.cuh: gemv_tile_kparts).
+    # Correct on an H200 (2026-12-03 18:31 UTC: North Mini Code against the mirror at batch 1, 2, 4
+    # and 8, and with LowerOptions.expert_up_rows), but no faster where the default schedules have
+    # such tiles (the dense SwiGLU's 48-row tiles of layer 0; kernel_variants.py at batch 1, µs on /
+    # off: 2441.0 / 2435.7, 2460.5 / 2441.0): off, so the shipped kernels keep their code.
+    gemv_kparts: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -420,7 +421,7 @@ class KernelConfig:
     early_batches_down: int = 1
     l2_warm: str = "off"  # CodegenOptions.l2_warm, resolved: the rules the runtime encodes (taskwords.encode)
     weights_evict_first: bool = False  # CodegenOptions.weights_evict_first, resolved
-    gemv_kparts: bool = False  # CodegenOptions.gemv_kparts, resolved
+    gemv_kparts: bool = False  # CodegenOptions.gemv_kparts
 
     @property
     def warps(self) -> int:
@@ -508,17 +509,6 @@ def gemv_k_split(rows: int, k: int, warps: int) -> int:
     while ks * 2 * groups <= warps and ks * 2 <= blocks:
         ks *= 2
     return ks
-
-
-def kparts_tiles(schedule: Schedule, warps: int) -> int:
-    """Tiles of SPLIT_OPS whose power-of-two k split leaves warps idle and whose blocks split evenly
-    over the warps (gemv.cuh: gemv_tile_kparts runs them with CodegenOptions.gemv_kparts)."""
-    n = 0
-    for t in schedule.tasks:
-        if t.op in SPLIT_OPS:
-            groups, blocks = -(-t.arg("rows") // 16), _gemv_k(schedule, t)[0] // 64
-            n += groups < warps and warps % groups != 0 and blocks % warps == 0
-    return n
 
 
 def gemv_splits(schedule: Schedule, warps: int) -> dict[str, int]:
@@ -625,7 +615,6 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
     _check_choice("tagged_logits", options.tagged_logits, TAGGED_LOGITS)
     _check_choice("second_batch_before_wait", options.second_batch_before_wait, SECOND_BATCH_OPS)
     _check_choice("residual_epilogue", options.residual_epilogue, RESIDUAL_EPILOGUES)
-    _check_choice("gemv_kparts", options.gemv_kparts, GEMV_KPARTS)
     l2_warm = options.l2_warm
     if l2_warm == "auto":
         l2_warm = L2_WARM_AUTO if schedule.batch in L2_WARM_BATCHES else "off"
@@ -718,8 +707,7 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         early_batches_down=2 if options.second_batch_before_wait == "expert_down" else 1,
         fused_down_blocks=next(iter(fused_rows), 0) // 64, norm_terms=norm_terms,
         l2_warm=l2_warm, weights_evict_first=evict_first,
-        gemv_kparts=options.gemv_kparts == "on" or (options.gemv_kparts == "auto"
-                                                     and kparts_tiles(schedule, options.threads // 32) > 0),
+        gemv_kparts=options.gemv_kparts,
         residual_epilogue_inline=options.residual_epilogue == "inline" or (options.residual_epilogue == "auto"
                                                                            and stage_bytes > 0))
     if cfg.smem_bytes > MAX_SMEM_BYTES and cfg.combine_stage_bytes:  # the combine loads its partials after its weights
