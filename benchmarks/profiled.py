@@ -8,6 +8,7 @@ planned again from the same options, so run the script on the tree the profile w
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 import numpy as np
@@ -37,17 +38,23 @@ def spec_of(a: argparse.Namespace):
     return load_spec(a.config)
 
 
-def lowering_of(a: argparse.Namespace) -> dict[str, bool | int | str]:
-    """``--lowering CHOICE=VALUE`` pairs as plan's keyword arguments (booleans as 0 / 1); SystemExit
-    names a bad one."""
-    out: dict[str, bool | int | str] = {}
+def lowering_of(a: argparse.Namespace) -> dict[str, bool | int | str | tuple[int, ...]]:
+    """``--lowering CHOICE=VALUE`` pairs as plan's keyword arguments (booleans as 0 / 1, row lists as
+    SIZExCOUNT terms joined by '+', such as expert_up_rows=80x6+48x6); SystemExit names a bad one."""
+    out: dict[str, bool | int | str | tuple[int, ...]] = {}
     for p in a.lowering:
         name, _, value = p.partition("=")
         kind = type(DEFAULT_LOWERING.get(name))
-        if name not in LOWERING_CHOICES or (kind is bool and value not in ("0", "1")) or (kind is int and not value.isdigit()):
-            raise SystemExit(f"--lowering {p}: expected CHOICE=VALUE (0 / 1 for booleans, an integer for integers) "
-                             f"with CHOICE one of {', '.join(LOWERING_CHOICES)}")
-        out[name] = value == "1" if kind is bool else int(value) if kind is int else value
+        rows = re.fullmatch(r"\d+(x\d+)?(\+\d+(x\d+)?)*", value)
+        if (name not in LOWERING_CHOICES or (kind is bool and value not in ("0", "1"))
+                or (kind is int and not value.isdigit()) or (kind is tuple and not rows)):
+            raise SystemExit(f"--lowering {p}: expected CHOICE=VALUE (0 / 1 for booleans, an integer for integers, "
+                             f"SIZExCOUNT+... for row lists) with CHOICE one of {', '.join(LOWERING_CHOICES)}")
+        if kind is tuple:
+            out[name] = tuple(int(t.partition("x")[0]) for t in value.split("+")
+                              for _ in range(int(t.partition("x")[2] or 1)))
+        else:
+            out[name] = value == "1" if kind is bool else int(value) if kind is int else value
     return out
 
 

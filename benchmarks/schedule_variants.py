@@ -3,7 +3,7 @@
     python benchmarks/schedule_variants.py --batch 1 8 --context 8192 [--reps 20] [--variants NAME ...] \
         [--attention-sms 0 32 ...] [--rope-in-splits yes no] [--mlp-share rest bytes] [--mlp-waves 1 2] \
         [--residual-in-o-proj yes no] [--fused-experts yes no] [--qkv-tile-rows 0 48] [--residual-as-terms no yes]
-        [--global-attention-sms 0 128 256] [--expert-up-rows rule 80x6+48x6]
+        [--global-attention-sms 0 128 256] [--expert-up-rows rule 80x6+48x6] [--kparts]
         [--rounds 2] [--build-only]
 
 Every variant runs the default kernel over the same weights and KV cache; only the scheduler's
@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from mkc.codegen.build import build_kernel
+from mkc.codegen.render import CodegenOptions
 from mkc.ir.spec import load_spec
 from mkc.runtime.bench import (
     bench_tokens,
@@ -123,6 +124,9 @@ def main() -> None:
     ap.add_argument("--expert-up-rows", nargs="+", default=["rule"],
                     help="LowerOptions.expert_up_rows values to lower with: 'rule' (equal tiles) or each slot's tile "
                          "rows as SIZExCOUNT terms joined by '+', such as 80x6+48x6")
+    ap.add_argument("--kparts", action="store_true",
+                    help="build the kernels with CodegenOptions.gemv_kparts (tiles whose row groups leave warps idle "
+                         "split k into one part per warp; for --expert-up-rows of 80 or 48 rows)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time every variant this many times, in turn (drift between variants shows)")
     ap.add_argument("--build-only", action="store_true", help="compile every variant's kernel (no GPU) and exit")
@@ -130,6 +134,7 @@ def main() -> None:
     a = ap.parse_args()
     a.attention_sms = [None if v == "auto" else int(v) for v in a.attention_sms]
     spec = load_spec(a.config)
+    options = CodegenOptions(gemv_kparts=a.kparts)
     variants = [(att, {"rope_in_splits": rope == "yes", "mlp_share": share, "mlp_waves": waves,
                        "residual_in_o_proj": fold == "yes",
                        "fused_experts": fx == "yes", "qkv_tile_rows": qr, "residual_as_terms": rt == "yes",
@@ -142,7 +147,7 @@ def main() -> None:
         for batch in a.batch:
             for att, lowering, name in variants:
                 sc = plan(spec, batch, a.context, a.sms, attention_sms=att, ceilings=VARIANTS[name], **lowering)
-                art = build_kernel(sc, spec)
+                art = build_kernel(sc, spec, options)
                 print(f"b{batch} attention_sms={sc.meta['attention_sms']['chosen']} {lowering} {name}: "
                       f"{art.name} regs {art.regs} spills {art.spills}")
         return
@@ -165,9 +170,11 @@ def main() -> None:
             label += f", qkv tile rows {lowering['qkv_tile_rows'] or 'rule'}"
             label += f", residual as terms {'yes' if lowering['residual_as_terms'] else 'no'}"
             label += f", global attention SMs {lowering['global_attention_sms'] or 'same'}"
+            if options.gemv_kparts:
+                label += ", kparts"
             if lowering["expert_up_rows"]:
                 label += f", expert tile rows {'+'.join(map(str, lowering['expert_up_rows']))}"
-            with decoder_in_place(sc, spec, weights) as dec:
+            with decoder_in_place(sc, spec, weights, options=options) as dec:
                 fill_bench_kv(dec, spec)
                 logits, _ = dec.step(tokens, positions)
                 repeat = torch.equal(logits, dec.step(tokens, positions)[0])

@@ -30,8 +30,8 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], u32 a0, u32 a1, u32 a2,
 constexpr int XS_PAD = 32;
 __device__ __forceinline__ int xs_ld(int k) { return k + XS_PAD; }
 
-// The k-split reduction's floats: per warp, two row sets' fragments; with GEMV_KPARTS per warp and
-// row group (gemv_tile_kparts: fewer groups than warps, each warp one k part of every group).
+// The k-split reduction's floats: per warp, two row sets' fragments; with GEMV_KPARTS per (group, k
+// part) item, up to KPARTS_MAX_ITEMS (gemv_tile_kparts).
 constexpr int GEMV_RED_FLOATS = NUM_WARPS * 2 * 4 * 32 * (GEMV_KPARTS ? NUM_WARPS : 1);
 
 // Where a lane's A-fragment pieces are. Row-major (the checkpoint's layout, and the KV cache):
@@ -517,25 +517,40 @@ __device__ __forceinline__ void gemv_item(const bf16* const (&w0)[NACC],
     }
 }
 
-// GEMV_KPARTS (CodegenOptions.gemv_kparts): a tile of 3, 5, 6 or 7 row groups, where the power-of-two
-// k split of gemv_tile would leave warps without work (a 48-row tile keeps 6 of 8 busy, an 80-row
-// one 5), splits k into NUM_WARPS equal parts instead: warp w streams part w of every group, group
-// after group, as one run of (group, block) units with two register batches in flight across the
-// group boundaries (as gemv_short_k), and parks each group's partial sums in `red`; after a barrier
-// warp g adds group g's parts in warp order (deterministic) and calls the epilogue. `finish` runs
-// as gemv_tile's: before the first loads (EARLY false: the caller ran it) or after them.
+// GEMV_KPARTS (CodegenOptions.gemv_kparts): a tile of two row sets (expert gate/up, dense SwiGLU)
+// whose (group, k part) items under the power-of-two rule of gemv_tile do not fill whole rounds of
+// the warps (3, 5, 6 or 7 groups: a 48-row tile keeps 6 of 8 warps busy, an 80-row one 5; 12
+// groups, batch 4's 192-row expert tiles: 4 warps take a second group while 4 wait) splits k into
+// the fewest parts ks (a power of two) for which the items fill whole rounds: warp w streams part
+// w % ks of groups w / ks, w / ks + NUM_WARPS / ks, ... as one run of (group, block) units with two
+// register batches in flight across group boundaries (as gemv_short_k), and parks each group's part
+// in `red`; after a barrier group g's parts are added in part order (deterministic) by warp
+// g % NUM_WARPS, which calls the epilogue. `finish` runs as gemv_tile's: before the first loads
+// (EARLY false: the caller ran it) or after them.
+constexpr int KPARTS_MAX_ITEMS = NUM_WARPS * NUM_WARPS;  // the reduction floats hold this many items
+
+// The k parts of a tile of `groups` row groups and `blocks` 64-wide blocks with GEMV_KPARTS, or 0
+// where gemv_tile's own split already fills whole rounds (or none fits: k too short, too many items).
+__device__ __forceinline__ int kparts_split(int groups, int blocks, int ks_rule) {
+    if ((groups * ks_rule) % NUM_WARPS == 0) return 0;
+    int ks = 1;
+    while ((groups * ks) % NUM_WARPS != 0) ks *= 2;
+    return blocks % ks == 0 && groups * ks <= KPARTS_MAX_ITEMS ? ks : 0;
+}
+
 template <int NACC, bool NC, bool EARLY, class Epi, class Fin>
 __device__ __forceinline__ void gemv_tile_kparts(const bf16* const (&w)[NACC], int w_ld, int rows, int groups,
-                                                 int blocks, const bf16* xrow, float* red, Epi& epi,
+                                                 int blocks, int ks, const bf16* xrow, float* red, Epi& epi,
                                                  const Fin& finish) {
     constexpr int U = gemv_batch_blocks<NACC>();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4;
-    const int bp = blocks / NUM_WARPS, kb0 = warp * bp;  // this warp's part: blocks [kb0, kb0 + bp)
-    const int units = groups * bp;                        // unit i: block kb0 + i % bp of group i / bp
+    const int part = warp % ks, g0 = warp / ks, gs = NUM_WARPS / ks;  // this warp's part and groups g0, g0 + gs, ...
+    const int bp = blocks / ks, kb0 = part * bp;                         // the part: blocks [kb0, kb0 + bp)
+    const int units = groups * ks / NUM_WARPS * bp;  // unit i: block kb0 + i % bp of group g0 + (i / bp) gs
     const auto load = [&](uint4 (&wv)[U][NACC][2][2], int i0) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            const int i = i0 + u, gi = i / bp;
+            const int i = i0 + u, gi = g0 + (i / bp) * gs;
             const bool v0 = i < units && gi * 16 + g < rows, v1 = i < units && gi * 16 + g + 8 < rows;
             const bf16* w0[NACC];
             const bf16* w1[NACC];
@@ -561,8 +576,8 @@ __device__ __forceinline__ void gemv_tile_kparts(const bf16* const (&w)[NACC], i
                 const u32 xw[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
 #pragma unroll
                 for (int a = 0; a < NACC; ++a) mma_block(acc[a], wv[u][a][0][0], wv[u][a][0][1], wv[u][a][1][0], wv[u][a][1][1], xw);
-                if (i % bp == bp - 1) {  // the group's part is done: park it
-                    float* park = red + (size_t)((i / bp) * NUM_WARPS + warp) * NACC * 4 * 32 + lane;
+                if (i % bp == bp - 1) {  // this warp's part of the group is done: park it
+                    float* park = red + (size_t)((g0 + (i / bp) * gs) * ks + part) * NACC * 4 * 32 + lane;
 #pragma unroll
                     for (int a = 0; a < NACC; ++a)
 #pragma unroll
@@ -585,16 +600,17 @@ __device__ __forceinline__ void gemv_tile_kparts(const bf16* const (&w)[NACC], i
         mma(wb, i0 + U);
     }
     __syncthreads();
-    if (warp < groups) {
-        float sum[NACC][4] = {};
-        const float* parts = red + (size_t)warp * NUM_WARPS * NACC * 4 * 32 + lane;
 #pragma unroll 1
-        for (int p = 0; p < NUM_WARPS; ++p)
+    for (int gi = warp; gi < groups; gi += NUM_WARPS) {
+        float sum[NACC][4] = {};
+        const float* parts = red + (size_t)gi * ks * NACC * 4 * 32 + lane;
+#pragma unroll 1
+        for (int p = 0; p < ks; ++p)
 #pragma unroll
             for (int a = 0; a < NACC; ++a)
 #pragma unroll
                 for (int j = 0; j < 4; ++j) sum[a][j] += parts[((p * NACC + a) * 4 + j) * 32];
-        epi(warp * 16 + g, sum);
+        epi(gi * 16 + g, sum);
     }
 }
 
@@ -638,9 +654,14 @@ __device__ __forceinline__ void gemv_tile(const bf16* const (&w)[NACC], int w_ld
     // CodegenOptions.two_set_weights_first again (off). The weight ring holds no batch in registers.
     constexpr bool EARLY = NACC == 1 || use_ring<NC>() || TWO_SET_WEIGHTS_FIRST;
     if (!EARLY) finish();
-    if constexpr (GEMV_KPARTS && KS == 0 && !use_ring<NC>()) {
-        if (groups < NUM_WARPS && NUM_WARPS % groups != 0 && blocks % NUM_WARPS == 0) {
-            gemv_tile_kparts<NACC, NC, EARLY>(w, w_ld, rows, groups, blocks, xs + g * xs_ld(k) + q * 8, red, epi, finish);
+    // two row sets only (expert gate/up, dense SwiGLU: the ops whose tiles can be uneven), so the
+    // other GEMV ops keep their code (compiled into every op, the path doubled the LM head's and
+    // pushed the expert-down op out of line)
+    if constexpr (GEMV_KPARTS && NACC == 2 && KS == 0 && !use_ring<NC>()) {
+        const int kp = kparts_split(groups, blocks, ks);
+        if (kp > 0) {
+            gemv_tile_kparts<NACC, NC, EARLY>(w, w_ld, rows, groups, blocks, kp, xs + g * xs_ld(k) + q * 8, red, epi,
+                                              finish);
             return;
         }
     }

@@ -154,7 +154,7 @@ CODEGEN_VARIANTS: dict[str, tuple[tuple[int, ...], dict]] = {
     "norm-beside-routing": ((8,), {"norm_beside_routing": "on"}),
     "redux-after": ((1,), {"routing_argmax": "redux", "norm_beside_routing": "off"}),  # batch 1's default before
     # the dense SwiGLU's 48-row tiles with one k part per warp (6 of 8 warps stream by default)
-    "kparts": ((1,), {"gemv_kparts": True}),
+    "kparts": ((1, 4), {"gemv_kparts": True}),
     # the default at batch 4: the O-projection warmed in L2 by the expert gate/up tiles, evict-first
     # streams (l2_warm and weights_evict_first "auto", on at batch 2-4)
     "default": ((4,), {}),

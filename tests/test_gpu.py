@@ -571,6 +571,19 @@ def test_nmc_expert_tiles_of_two_sizes_match_mirror(nmc_weights, num_sms, batch,
     check_rerun_and_mirror(dec, spec, weights, batch, context, f"NMC expert tiles 80/48 b{batch} ctx {context}")
 
 
+@pytest.mark.parametrize("batch, context", [(4, 8192), (4, 100), (1, 8192)])
+def test_nmc_gemv_kparts_match_mirror(nmc_weights, num_sms, batch, context):
+    """CodegenOptions.gemv_kparts: tiles whose row groups do not fill whole rounds of the warps split
+    k into parts that do (batch 4's 192-row expert gate/up tiles: 12 groups in 2 parts; the dense
+    SwiGLU's 48-row tiles: 3 groups in 8). The same checks as the default kernel, and reruns bitwise
+    the same."""
+    from mkc.codegen import CodegenOptions
+
+    spec, weights = nmc_weights
+    dec = nmc_decoder(spec, weights, batch, context, num_sms, CodegenOptions(gemv_kparts=True))
+    check_rerun_and_mirror(dec, spec, weights, batch, context, f"NMC gemv_kparts b{batch} ctx {context}")
+
+
 @pytest.mark.parametrize("batch, context", [(1, 8192), (1, 100)])
 def test_nmc_residual_as_terms_match_mirror(nmc_weights, num_sms, batch, context):
     """LowerOptions.residual_as_terms: the O-projection adds the residual stream into its layer and
