@@ -340,13 +340,14 @@ class CodegenOptions:
     # 5391.5, 5403.7 / 5435.3 / 5428.5). A second batch in flight early takes its bytes from the
     # streams beside it, as the expert tiles' earlier starts did (reuse_staged_norm). "none".
     second_batch_before_wait: str = "none"
-    # A GEMV tile of 3, 5, 6 or 7 row groups of 16 (a 48- or 80-row tile), which the power-of-two k
-    # split leaves some warps without work (6 or 5 of 8 stream), splits its reduction into one part
-    # per warp instead, each warp streaming its part of every group (gemv.cuh: gemv_tile_kparts).
-    # Correct on an H200 (2026-12-03 18:31 UTC: North Mini Code against the mirror at batch 1, 2, 4
-    # and 8, and with LowerOptions.expert_up_rows), but no faster where the default schedules have
-    # such tiles (the dense SwiGLU's 48-row tiles of layer 0; kernel_variants.py at batch 1, µs on /
-    # off: 2441.0 / 2435.7, 2460.5 / 2441.0): off, so the shipped kernels keep their code.
+    # A GEMV tile of two row sets (expert gate/up, dense SwiGLU) whose (row group, k part) items do
+    # not fill whole rounds of the warps under the power-of-two split (3, 5, 6 or 7 groups: a 48-row
+    # tile keeps 6 of 8 warps busy; batch 4's 192-row expert tiles, 12 groups: 4 warps take a second
+    # while 4 wait) splits k into the fewest parts that do, each warp streaming its part of its
+    # groups as one run (gemv.cuh: gemv_tile_kparts). Correct on an H200 (2026-12-03, North Mini
+    # Code against the mirror at batch 1, 2, 4 and 8), but not faster (kernel_variants.py, µs on /
+    # off): batch 1 2424.3 / 2392.0, 2413.6 / 2410.9 (layer 0's 48-row SwiGLU tiles); batch 4
+    # 5386.8 / 5332.4, 5476.2 / 5345.3, 5418.4 / 5363.2. Off: the shipped kernels keep their code.
     gemv_kparts: bool = False
 
 

@@ -90,12 +90,13 @@ class LowerOptions:
     # the expert's intermediate size); (): the tiling rule's equal tiles. Tiles of two sizes are meant
     # to balance the SMs: the scheduler places the larger (costlier) tiles first, on the SMs free at
     # the layer's start, and the smaller behind the QKV tiles (North Mini Code at batch 1: six of 80
-    # rows and six of 48 per slot, the larger carrying one 64-row QKV tile's bytes more), where equal
-    # tiles leave the SMs of a QKV tile and an expert tile the layer's slowest. Slower on an H200
-    # (schedule_variants.py, 2026-12-03 18:27 UTC, batch 1, µs: rule 2504.8 / 2464.5, 80x6+48x6
-    # 2573.3, 80x4+64x4+48x4 2579.7, with CodegenOptions.gemv_kparts): every slot then ends with its
-    # largest tiles, where with equal tiles the slots first on their SMs end ~5 µs early and their
-    # expert-down tiles run beside the last expert-up tiles. ().
+    # rows and six of 48 per slot, the larger carrying one 64-row QKV tile's bytes more; their 5 and
+    # 3 row groups want CodegenOptions.gemv_kparts). Slower on an H200 (schedule_variants.py,
+    # 2026-12-03 18:54 UTC, batch 1, µs: rule 2499.8 / 2497.7 / 2491.9, 80x6+48x6 2553.2 / 2556.2 /
+    # 2591.4): in its profile the tiles behind a QKV tile ended 1.4 µs sooner and the larger ones
+    # 4.3 µs later, so the stage ended no sooner, and every slot then ends with its largest tiles,
+    # where with equal tiles the slots first on their SMs end ~6 µs early and their expert-down tiles
+    # run beside the last gate/up tiles (BENCHMARKS.md). ().
     expert_up_rows: tuple[int, ...] = ()
 
     def check(self) -> None:
