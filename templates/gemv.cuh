@@ -517,6 +517,20 @@ __device__ __forceinline__ void gemv_item(const bf16* const (&w0)[NACC],
     }
 }
 
+// A run of `units` weight units through two register batches of U units (wa holds the first
+// batch, loaded by the caller): the loads of one batch fly while the other is multiplied.
+// load(batch, i0) loads units i0 .. i0 + U - 1 (none past `units`), mma(batch, i0) multiplies them.
+template <int U, class Batch, class Load, class Mma>
+__device__ __forceinline__ void stream_batches(Batch& wa, Batch& wb, int units, const Load& load, const Mma& mma) {
+    for (int i0 = 0; i0 < units; i0 += 2 * U) {
+        load(wb, i0 + U);
+        mma(wa, i0);
+        if (i0 + U >= units) break;
+        load(wa, i0 + 2 * U);
+        mma(wb, i0 + U);
+    }
+}
+
 // GEMV_KPARTS (CodegenOptions.gemv_kparts): a tile of two row sets (expert gate/up, dense SwiGLU)
 // whose (group, k part) items under the power-of-two rule of gemv_tile do not fill whole rounds of
 // the warps (3, 5, 6 or 7 groups: a 48-row tile keeps 6 of 8 warps busy, an 80-row one 5; 12
@@ -592,13 +606,7 @@ __device__ __forceinline__ void gemv_tile_kparts(const bf16* const (&w)[NACC], i
     uint4 wa[U][NACC][2][2], wb[U][NACC][2][2];
     load(wa, 0);
     if (EARLY) finish();
-    for (int i0 = 0; i0 < units; i0 += 2 * U) {
-        load(wb, i0 + U);
-        mma(wa, i0);
-        if (i0 + U >= units) break;
-        load(wa, i0 + 2 * U);
-        mma(wb, i0 + U);
-    }
+    stream_batches<U>(wa, wb, units, load, mma);
     __syncthreads();
 #pragma unroll 1
     for (int gi = warp; gi < groups; gi += NUM_WARPS) {
@@ -766,12 +774,6 @@ __device__ __forceinline__ void gemv_short_k(const bf16* w, int w_ld, int rows, 
     };
     uint4 wa[U][2][2], wb[U][2][2];
     load(wa, 0);
-    for (int i0 = 0; i0 < units; i0 += 2 * U) {
-        load(wb, i0 + U);
-        mma(wa, i0);
-        if (i0 + U >= units) break;
-        load(wa, i0 + 2 * U);
-        mma(wb, i0 + U);
-    }
+    stream_batches<U>(wa, wb, units, load, mma);
     if (units) epi((warp + (units / NB - 1) * NUM_WARPS) * 16 + g, acc);
 }
