@@ -364,9 +364,7 @@ def tune_attention_sms(spec: ModelSpec, weights: dict[str, torch.Tensor], batch:
     timed with the attention splits' inputs ranked first (Ceilings.attention_inputs_first_us),
     and with the splits ranked first too (Ceilings.splits_first), each where that places anything
     differently, and the fastest of these is recorded with it; then the same with a layer's sibling
-    tiles spread over SMs (Ceilings.spread_siblings); then without the scheduler's credit for a
-    task's first weights during its wait (Ceilings.prefetch_bytes = 0), where that places anything
-    differently; last, the chosen schedule lowered with the
+    tiles spread over SMs (Ceilings.spread_siblings); last, the chosen schedule lowered with the
     residual added by the O-projection (LowerOptions.residual_in_o_proj), then with more splits in
     the layers of global attention (LowerOptions.global_attention_sms) where they attend more keys
     than the sliding windows. With ``rounds`` > 1 each
@@ -389,7 +387,6 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
         GLOBAL_ATTENTION_SMS,
         INPUTS_FIRST,
         INPUTS_FIRST_CANDIDATES,
-        PREFETCH_CREDIT,
         RESIDUAL_IN_O_PROJ,
         SPLITS_FIRST,
         SPLITS_FIRST_KEY,
@@ -402,8 +399,8 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
     candidates = attention_sms_candidates(spec, batch, sms)
     if len(candidates) == 1:
         return None
-    # A schedule is (count, raise µs, splits raised too, sibling spread, prefetch credit, residual in
-    # the O-projection, the global-attention layers' count).
+    # A schedule is (count, raise µs, splits raised too, sibling spread, residual in the O-projection,
+    # the global-attention layers' count).
     # Every decision below compares some of them: with one round each is timed once (a schedule timed
     # before is not timed again); with more, every option of the decision, the one chosen before
     # included, is timed once per round in turn, and the medians decide (drift between rounds falls
@@ -411,17 +408,17 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
     times: dict[tuple, list[float]] = {}
     runs: dict[tuple, tuple[Row, list[str]]] = {}
 
-    def ceilings_of(raise_us: float, splits: bool, spread_on: bool, credit: bool = True) -> Ceilings:
+    def ceilings_of(raise_us: float, splits: bool, spread_on: bool) -> Ceilings:
         return dataclasses.replace(H200, attention_inputs_first_us=raise_us, splits_first=splits,
-                                   spread_siblings=spread_on, prefetch_bytes=H200.prefetch_bytes if credit else 0)
+                                   spread_siblings=spread_on)
 
     def time_once(key: tuple, what: str) -> None:
-        a, raise_us, splits, spread_on, credit, fold, wide = key
+        a, raise_us, splits, spread_on, fold, wide = key
         lines: list[str] = []
         lowering = {**({RESIDUAL_IN_O_PROJ: True} if fold else {}), **({GLOBAL_ATTENTION_SMS: wide} if wide else {})}
         r = _megakernel_row(spec, weights, batch, context, sms=sms, bw=bw, reps=reps, page_size=page_size,
                             profile_dir=None, log=lines.append, attention_sms=a,
-                            ceilings=ceilings_of(raise_us, splits, spread_on, credit), **lowering)
+                            ceilings=ceilings_of(raise_us, splits, spread_on), **lowering)
         times.setdefault(key, []).append(r.step_us)
         runs[key] = (r, lines)
         log(f"batch {batch} context {context}: {what}: {r.step_us:.1f} µs ({r.sol_fraction:.1%} SOL)")
@@ -436,13 +433,13 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
                 if again or key not in times:
                     time_once(key, what)
 
-    decide({(a, 0.0, False, False, True, False, 0): f"{a} attention SMs" for a in candidates})
-    best = min(candidates, key=lambda a: (median((a, 0.0, False, False, True, False, 0)), a))
+    decide({(a, 0.0, False, False, False, 0): f"{a} attention SMs" for a in candidates})
+    best = min(candidates, key=lambda a: (median((a, 0.0, False, False, False, 0)), a))
     # then the fastest count with each priority raise of the attention splits' inputs (and of the
     # splits too), and then with the chosen raise and a layer's sibling tiles spread over SMs
     # (Ceilings.attention_inputs_first_us, splits_first, spread_siblings): each timed only where it
     # places the tasks differently from every placement timed before it. A raise is (µs, splits too).
-    placed: dict[tuple, list[list[int]]] = {}
+    placed: dict[tuple[float, bool, bool], list[list[int]]] = {}
 
     def queues(*choice) -> list[list[int]]:
         if choice not in placed:
@@ -455,31 +452,22 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
     for us, splits in raises[1:]:
         if not any(queues(us, splits, False) == queues(*r, False) for r in kept):
             kept.append((us, splits))
-    decide({(best, us, splits, False, True, False, 0): (f"{best} attention SMs" if not us else
+    decide({(best, us, splits, False, False, 0): (f"{best} attention SMs" if not us else
                                                f"{best} attention SMs, the splits' inputs"
                                                + (" and the splits" if splits else "") + f" ranked {us:g} µs higher")
             for us, splits in kept})
-    first = {r: median((best, *r, False, True, False, 0)) for r in kept}
+    first = {r: median((best, *r, False, False, 0)) for r in kept}
     raise_us, splits_first = min(first, key=lambda r: (first[r], r))
-    spread_keys = {False: (best, raise_us, splits_first, False, True, False, 0)}
+    spread_keys = {False: (best, raise_us, splits_first, False, False, 0)}
     if queues(raise_us, splits_first, True) != queues(raise_us, splits_first, False):
-        spread_keys[True] = (best, raise_us, splits_first, True, True, False, 0)
+        spread_keys[True] = (best, raise_us, splits_first, True, False, 0)
     decide({k: ("the same with sibling tiles spread over SMs" if on else "the same, sibling tiles not spread")
             for on, k in spread_keys.items()})
     spread = {on: median(k) for on, k in spread_keys.items()}
     spread_on = min(spread, key=lambda on: (spread[on], on))
-    # then without the prefetch credit (Ceilings.prefetch_bytes = 0), where it places anything
-    # differently; a tie keeps the credit
-    credit_keys = {True: (best, raise_us, splits_first, spread_on, True, False, 0)}
-    if queues(raise_us, splits_first, spread_on, False) != queues(raise_us, splits_first, spread_on, True):
-        credit_keys[False] = (best, raise_us, splits_first, spread_on, False, False, 0)
-    decide({k: ("the same with a task's first weights credited during its wait" if on else
-                "the same without the prefetch credit") for on, k in credit_keys.items()})
-    credit = {on: median(k) for on, k in credit_keys.items()}
-    credit_on = min(credit, key=lambda on: (credit[on], not on))
     # last, the O-projection ending the layer (LowerOptions.residual_in_o_proj): another lowering,
     # so another placement, always timed
-    tiles, folded = ((best, raise_us, splits_first, spread_on, credit_on, on, 0) for on in (False, True))
+    tiles, folded = ((best, raise_us, splits_first, spread_on, on, 0) for on in (False, True))
     fold_keys = {False: tiles}
     try:
         decide({tiles: "the same, residual tiles", folded: "the same with the residual added by the O-projection"})
@@ -498,22 +486,20 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
     smaller = max((a for a in candidates if 0 < a < best), default=0)
     if len(pairs) > 1 and smaller:
         pairs += [(smaller, w) for w in global_attention_sms_candidates(spec, batch, context, sms, smaller) if w]
-    wide_keys = {(a, w): (a, raise_us, splits_first, spread_on, credit_on, fold_on, w) for a, w in pairs}
+    wide_keys = {(a, w): (a, raise_us, splits_first, spread_on, fold_on, w) for a, w in pairs}
     decide({k: ("the same, as many splits in the layers of global attention" if not w else
                 f"the same with {w} SMs' worth of splits in the layers of global attention"
                 + (f" and {a} attention SMs" if a != best else "")) for (a, w), k in wide_keys.items()})
     wide = {pair: median(k) for pair, k in wide_keys.items()}
     # ties: fewer splits in the global layers, then the count chosen first
     chosen, wide_sms = min(wide, key=lambda p: (wide[p], p[1], p[0] != best))
-    measured = {a: median((a, 0.0, False, False, True, False, 0)) for a in candidates}
+    measured = {a: median((a, 0.0, False, False, False, 0)) for a in candidates}
     path = tuning.record(tuning.tuning_key(spec, batch, context, sms, page_size), {
         "attention_sms": chosen, "measured_us": {str(a): round(t, 1) for a, t in measured.items()},
         INPUTS_FIRST: raise_us, SPLITS_FIRST: splits_first,
         INPUTS_FIRST + "_measured_us": {(SPLITS_FIRST_KEY if splits else f"{us:g}"): round(t, 1)
                                          for (us, splits), t in first.items()},
         SPREAD: spread_on, SPREAD + "_measured_us": {("on" if on else "off"): round(t, 1) for on, t in spread.items()},
-        PREFETCH_CREDIT: credit_on,
-        PREFETCH_CREDIT + "_measured_us": {("on" if on else "off"): round(t, 1) for on, t in credit.items()},
         RESIDUAL_IN_O_PROJ: fold_on,
         RESIDUAL_IN_O_PROJ + "_measured_us": {("on" if on else "off"): round(t, 1) for on, t in fold.items()},
         GLOBAL_ATTENTION_SMS: wide_sms,
@@ -526,7 +512,6 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
         + (f" and the splits' inputs{' and the splits' if splits_first else ''} ranked {raise_us:g} µs higher"
            if raise_us else "")
         + (" and sibling tiles spread over SMs" if spread_on else "")
-        + ("" if credit_on else " and no prefetch credit")
         + (" and the residual added by the O-projection" if fold_on else "")
         + (f" and {wide_sms} SMs' worth of splits in the layers of global attention" if wide_sms else "")
         + f"; recorded in {path}")

@@ -98,13 +98,12 @@ def test_tune_times_every_candidate_and_records_the_fastest(tiny, tuning_file, m
     best = bench.tune_attention_sms(tiny, {}, 2, 40, sms=16, bw=4e12, reps=3, log=logs.append)
     # the tiny model's placement is the same with its splits' inputs ranked first and with its
     # sibling tiles spread (neither is timed), not with its splits ranked first too (timed once
-    # more; as fast here, so the plain ranking is kept), nor without the prefetch credit (timed;
-    # as fast, so the credit is kept), then the O-projection ending the layer, then the global
-    # layers' splits (the tiny model's window, 8 keys, is shorter than the context)
+    # more; as fast here, so the plain ranking is kept), then the O-projection ending the layer,
+    # then the global layers' splits (the tiny model's window, 8 keys, is shorter than the context)
     candidates = attention_sms_candidates(tiny, 2, 16)
     wide = global_attention_sms_candidates(tiny, 2, 40, 16, 4)
     assert wide == [0, 8, 16, 32]
-    assert best == 4 and timed == [*candidates, 4, 4, 4, 4, 4, 4]
+    assert best == 4 and timed == [*candidates, 4, 4, 4, 4, 4]
     rec = json.loads(tuning_file.read_text())[tuning.tuning_key(tiny, 2, 40, 16)]
     assert rec["attention_sms"] == 4 and rec["gpu"] == "NVIDIA H200" and rec["reps"] == 3
     # what the counts were timed with
@@ -117,7 +116,6 @@ def test_tune_times_every_candidate_and_records_the_fastest(tiny, tuning_file, m
     assert rec["attention_inputs_first_us"] == 0.0 and rec["splits_first"] is False
     assert rec["attention_inputs_first_us_measured_us"] == {"0": t4, "100+splits": t4}
     assert rec["spread_siblings"] is False and rec["spread_siblings_measured_us"] == {"off": t4}
-    assert rec["prefetch_credit"] is True and rec["prefetch_credit_measured_us"] == {"on": t4, "off": t4}
     assert rec["residual_in_o_proj"] is True
     assert rec["residual_in_o_proj_measured_us"] == {"off": t4, "on": round(0.9 * t4, 1)}
     assert rec["global_attention_sms"] == 16
@@ -149,7 +147,7 @@ def test_tune_rounds_time_each_decisions_options_in_turn(tiny, tuning_file, monk
     def fake_row(spec, w, b, c, *, attention_sms, ceilings, **kw):
         fold = bool(kw.get("residual_in_o_proj"))
         timed.append((attention_sms, ceilings.attention_inputs_first_us > 0, ceilings.splits_first,
-                      ceilings.spread_siblings, ceilings.prefetch_bytes > 0, fold, kw.get("global_attention_sms", 0)))
+                      ceilings.spread_siblings, fold, kw.get("global_attention_sms", 0)))
         us = 100 * (1 + abs(attention_sms - 4) / 4) * (0.9 if fold else 1.0)
         if len(timed) == 1:  # the first sample of 0 attention SMs: far too fast (noise)
             us = 50.0
@@ -159,49 +157,17 @@ def test_tune_rounds_time_each_decisions_options_in_turn(tiny, tuning_file, monk
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
     assert bench.tune_attention_sms(tiny, {}, 2, 40, sms=16, bw=4e12, reps=3, log=print, rounds=2) == 4
     candidates = attention_sms_candidates(tiny, 2, 16)
-    plain = (4, False, False, False, True, False, 0)
-    splits = (4, True, True, False, True, False, 0)  # the tiny model places only this raise otherwise
-    no_credit = (4, False, False, False, False, False, 0)
-    folded = (4, False, False, False, True, True, 0)
-    assert timed == ([(a, False, False, False, True, False, 0) for a in candidates] * 2
+    plain = (4, False, False, False, False, 0)
+    splits = (4, True, True, False, False, 0)  # the tiny model places only this raise otherwise
+    folded = (4, False, False, False, True, 0)
+    assert timed == ([(a, False, False, False, False, 0) for a in candidates] * 2
                      + [plain, splits] * 2  # the raises (the spread places nothing otherwise: not timed)
-                     + [plain, no_credit] * 2  # the prefetch credit (a tie keeps it)
                      + [plain, folded] * 2  # the residual in the O-projection
-                     + [(*folded[:6], w) for w in (0, 8, 16, 32)] * 2)  # the global layers' splits
+                     + [(*folded[:5], w) for w in (0, 8, 16, 32)] * 2)  # the global layers' splits
     rec = json.loads(tuning_file.read_text())[tuning.tuning_key(tiny, 2, 40, 16)]
     assert rec["rounds"] == 2 and rec["attention_sms"] == 4
     assert rec["measured_us"]["0"] == pytest.approx((50.0 + 200.0) / 2, abs=0.1)  # the median of its two
     assert rec["residual_in_o_proj"] is True and rec["residual_in_o_proj_measured_us"] == {"off": 100.0, "on": 90.0}
-
-
-def test_tune_records_no_prefetch_credit_where_faster_and_the_planner_uses_it(tiny, tuning_file, monkeypatch):
-    """Fake timings 3% faster without the scheduler's prefetch credit (Ceilings.prefetch_bytes = 0):
-    the entry records it off with both times, the later decisions are timed without it, and the
-    planner then schedules without it (the placement of a plan with prefetch_bytes = 0), unless the
-    caller gives its own ceilings."""
-    import dataclasses
-
-    from mkc.schedule.cost import H200
-
-    def fake_row(spec, w, b, c, *, attention_sms, ceilings, **kw):
-        us = 100 * (1 + abs(attention_sms - 4) / 4) * (0.97 if ceilings.prefetch_bytes == 0 else 1.0)
-        return bench.row("mkc", b, c, [us * 1e-6], 10**6, 4e12)
-
-    monkeypatch.setattr(bench, "_megakernel_row", fake_row)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
-    logs = []
-    assert bench.tune_attention_sms(tiny, {}, 2, 40, sms=16, bw=4e12, reps=3, log=logs.append) == 4
-    rec = json.loads(tuning_file.read_text())[tuning.tuning_key(tiny, 2, 40, 16)]
-    assert rec["prefetch_credit"] is False and rec["prefetch_credit_measured_us"] == {"on": 100.0, "off": 97.0}
-    assert rec["residual_in_o_proj_measured_us"] == {"off": 97.0, "on": 97.0}  # timed without the credit
-    assert any("and no prefetch credit" in ln for ln in logs)
-    sc = plan(tiny, 2, 40, 16)
-    assert sc.meta["attention_sms"]["prefetch_credit"] is False
-    assert sc.meta["attention_sms"]["prefetch_credit_measured_us"] == {"on": 100.0, "off": 97.0}
-    no_credit = dataclasses.replace(H200, prefetch_bytes=0)
-    assert sc.queues == plan(tiny, 2, 40, 16, attention_sms=4, ceilings=no_credit).queues
-    assert sc.queues != plan(tiny, 2, 40, 16, attention_sms=4).queues
-    assert "prefetch_credit" not in plan(tiny, 2, 40, 16, ceilings=no_credit).meta["attention_sms"]
 
 
 def test_tune_keeps_the_residual_tiles_where_the_o_projection_cannot_end_the_layer(tiny, tuning_file, monkeypatch):
@@ -251,7 +217,6 @@ def test_tune_times_the_splits_inputs_first_where_it_places_differently(nmc, tun
     candidates = attention_sms_candidates(nmc, 8, 132)
     assert timed == ([(a, False, False, False) for a in candidates]
                      + [(64, True, False, False), (64, True, True, False), (64, True, True, True)]
-                     + [(64, True, True, False)]  # the chosen schedule without the prefetch credit (as fast: kept)
                      + [(64, True, True, False)]  # the chosen schedule with the residual in the O-projection
                      + [(64, True, True, False)] * 3  # and with 128, 256 and 512 SMs' worth of global splits
                      + [(32, True, True, False)] * 3)  # and 64, 128, 256 over 32 attention SMs
@@ -259,7 +224,6 @@ def test_tune_times_the_splits_inputs_first_where_it_places_differently(nmc, tun
     assert rec["attention_inputs_first_us"] == 100.0 and rec["splits_first"] is True
     assert rec["attention_inputs_first_us_measured_us"] == {"0": 100.0, "100": 95.0, "100+splits": 93.0}
     assert rec["spread_siblings"] is False and rec["spread_siblings_measured_us"] == {"off": 93.0, "on": 96.0}
-    assert rec["prefetch_credit"] is True and rec["prefetch_credit_measured_us"] == {"on": 93.0, "off": 93.0}
     assert rec["residual_in_o_proj"] is False and rec["residual_in_o_proj_measured_us"] == {"off": 93.0, "on": 93.0}
     # as fast here: as many splits in the global layers as in the others
     assert rec["global_attention_sms"] == 0
@@ -336,9 +300,9 @@ def test_run_bench_tunes_then_reports_the_fastest_run(tiny, tuning_file, monkeyp
     rows = bench.run_bench(tiny, {}, [2], [40], reps=3, tune=True, log=logs.append,
                            profile_dir=tmp_path if profiled else None)
     candidates = attention_sms_candidates(tiny, 2, 16)
-    # the splits ranked first too: another placement; no prefetch credit: another; then the residual
-    # in the O-projection, and 8, 16 and 32 SMs' worth of splits in the global layers
-    timed = [(a, False) for a in candidates] + [(4, False)] * 6
+    # the splits ranked first too: another placement; then the residual in the O-projection, and
+    # 8, 16 and 32 SMs' worth of splits in the global layers
+    timed = [(a, False) for a in candidates] + [(4, False)] * 5
     assert runs == timed + ([(None, True)] if profiled else []) + [("torch", False)]
     assert rows[0].step_us == pytest.approx(100.0)  # the 4-SM run, the fastest
     assert ("kernel line of the run with 4 attention SMs" in logs) != profiled

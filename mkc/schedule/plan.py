@@ -62,14 +62,6 @@ SPLITS_FIRST_KEY = f"{INPUTS_FIRST_CANDIDATES[-1]:g}+splits"
 # ... and its measured Ceilings.spread_siblings (timed with the count and raise chosen first), with
 # the times under SPREAD + "_measured_us" ("off", "on").
 SPREAD = "spread_siblings"
-# ... and whether the scheduler credits a task's first weights as streaming during its wait
-# (Ceilings.prefetch_bytes; False: no credit, 0 bytes): timed after the spread, with the count,
-# raise and spread chosen, where it places the tasks differently; the times under PREFETCH_CREDIT +
-# "_measured_us" ("on", "off"). An entry without it was measured with the credit. Measured on an
-# H200 (2026-12-03 19:23 UTC, schedule_variants.py, five rounds): North Mini Code at batch 1 and 8K
-# ran 1.8% faster without it (median 2423.0 against 2467.8 µs, faster in 4 of 5 rounds and in both
-# rounds of 18:27), so the shipped table says so there.
-PREFETCH_CREDIT = "prefetch_credit"
 # ... and whether the O-projection ends the layer (LowerOptions.residual_in_o_proj: timed last, with
 # the count, raise and spread chosen; its times under RESIDUAL_IN_O_PROJ + "_measured_us" ("off",
 # "on")). An entry without it was measured without it. Where nothing was measured it is off: the
@@ -173,9 +165,9 @@ def plan_choices(spec: ModelSpec, batch: int, context: int, num_sms: int, page_s
     how = {"chosen_by": "measured", "measured_us": measured.get("measured_us", {}),
            "measured_on": measured.get("gpu", "?"), "measured_at": measured.get("date", "?"),
            "measured_lowering": measured.get("lowering"), "measured_by": measured.get("by")}
-    # the priority raise of the attention splits' inputs (and splits), the spread of sibling tiles
-    # and the prefetch credit measured at this point (an entry without them: the ceilings' own),
-    # unless the caller asked for other ceilings
+    # the priority raise of the attention splits' inputs (and splits) and the spread of sibling
+    # tiles measured at this point (an entry without them: the ceilings' own), unless the caller
+    # asked for other ceilings
     first, spread = measured.get(INPUTS_FIRST), measured.get(SPREAD)
     default_ceilings = ceilings == H200
     if isinstance(first, (int, float)) and default_ceilings:
@@ -189,12 +181,6 @@ def plan_choices(spec: ModelSpec, batch: int, context: int, num_sms: int, page_s
         ceilings = dataclasses.replace(ceilings, spread_siblings=spread)
         how[SPREAD] = spread
         how[SPREAD + "_measured_us"] = measured.get(SPREAD + "_measured_us", {})
-    if measured.get(PREFETCH_CREDIT) is False and default_ceilings:
-        ceilings = dataclasses.replace(ceilings, prefetch_bytes=0)
-        how[PREFETCH_CREDIT] = False
-        how[PREFETCH_CREDIT + "_measured_us"] = measured.get(PREFETCH_CREDIT + "_measured_us", {})
-        if measured.get(PREFETCH_CREDIT + "_by"):  # another tool than mkc bench --tune measured it
-            how[PREFETCH_CREDIT + "_by"] = measured[PREFETCH_CREDIT + "_by"]
     if not given_fold:
         how[RESIDUAL_IN_O_PROJ] = measured.get(RESIDUAL_IN_O_PROJ) is True
         how[RESIDUAL_IN_O_PROJ + "_measured_us"] = measured.get(RESIDUAL_IN_O_PROJ + "_measured_us", {})

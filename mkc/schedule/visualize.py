@@ -234,11 +234,6 @@ def _attention_sms_row(d: dict[str, Any]) -> str:
         if a.get("spread_siblings"):  # the tuned spread of a layer's sibling tiles (plan.py)
             timed = ", ".join(f"{k}: {v:.1f}" for k, v in a.get("spread_siblings_measured_us", {}).items())
             row += f"; sibling tiles spread over SMs, measured faster (step µs: {timed})"
-        if a.get("prefetch_credit") is False:  # the tuned scheduler without the prefetch credit (plan.py)
-            timed = ", ".join(f"{k}: {v:.1f}" for k, v in a.get("prefetch_credit_measured_us", {}).items())
-            by = a.get("prefetch_credit_by") or "mkc bench --tune"
-            row += (f"; scheduled without crediting a task's first weights during its wait, measured faster by "
-                    f"{by} (step µs by credit: {timed})")
         return row
     if a["chosen_by"] == "compiler":
         tried = ", ".join(f"{k}: {v:.1f}" for k, v in a["probe_predicted_us"].items())
