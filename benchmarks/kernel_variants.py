@@ -31,6 +31,7 @@ from mkc.runtime.bench import (
     decoder_in_place,
     device_random_weights,
     fill_bench_kv,
+    in_turn,
     measure_read_bandwidth,
     time_step,
 )
@@ -167,7 +168,8 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--repeat", type=int, default=2, help="steps rerun on the same inputs to check determinism")
     ap.add_argument("--rounds", type=int, default=1,
-                    help="time every variant this many times, in turn (drift between variants shows)")
+                    help="time every variant this many times, in turn, every other round in reverse order (drift "
+                         "between variants shows; a place in the round weighs on every variant alike)")
     ap.add_argument("--build-only", action="store_true", help="compile every variant's kernel (no GPU) and exit")
     ap.add_argument("--sms", type=int, default=132, help="SM count for --build-only")
     a = ap.parse_args()
@@ -188,7 +190,7 @@ def main() -> None:
         tokens = bench_tokens(spec, batch)  # mkc bench's tokens and KV cache
         positions = torch.full((batch,), a.context - 1, dtype=torch.int32)
         ref = None
-        for name in [n for _ in range(a.rounds) for n in a.variants]:
+        for name in in_turn(a.variants, a.rounds):
             with decoder_in_place(sc, spec, weights, options=VARIANTS[name]) as dec:
                 fill_bench_kv(dec, spec)
                 logits, _ = dec.step(tokens, positions)

@@ -34,6 +34,7 @@ from mkc.runtime.bench import (
     decoder_in_place,
     device_random_weights,
     fill_bench_kv,
+    in_turn,
     measure_read_bandwidth,
     time_step,
 )
@@ -128,7 +129,8 @@ def main() -> None:
                     help="build the kernels with CodegenOptions.gemv_kparts (tiles whose row groups leave warps idle "
                          "split k into one part per warp; for --expert-up-rows of 80 or 48 rows)")
     ap.add_argument("--rounds", type=int, default=1,
-                    help="time every variant this many times, in turn (drift between variants shows)")
+                    help="time every variant this many times, in turn, every other round in reverse order (drift "
+                         "between variants shows; a place in the round weighs on every variant alike)")
     ap.add_argument("--build-only", action="store_true", help="compile every variant's kernel (no GPU) and exit")
     ap.add_argument("--sms", type=int, default=132, help="SM count for --build-only")
     a = ap.parse_args()
@@ -160,7 +162,7 @@ def main() -> None:
         tokens = bench_tokens(spec, batch)
         positions = torch.full((batch,), a.context - 1, dtype=torch.int32)
         ref = None
-        for att, lowering, name in [v for _ in range(a.rounds) for v in variants]:
+        for att, lowering, name in in_turn(variants, a.rounds):
             sc = plan(spec, batch, a.context, sms, attention_sms=att, ceilings=VARIANTS[name], **lowering)
             label = f"{sc.meta['attention_sms']['chosen']}" + (" (auto)" if att is None else "")
             label += f", rope in splits {'yes' if lowering['rope_in_splits'] else 'no'}, mlp share {lowering['mlp_share']}"

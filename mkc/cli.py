@@ -278,8 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(MKC_TUNING_FILE, default tuning.json in the kernel cache); later compiles, benches and "
                         "servers at the same point use it instead of the cost model's prediction")
     b.add_argument("--tune-rounds", type=_positive, default=1,
-                   help="with --tune: time each decision's options in turn this many times and compare medians "
-                        "(default 1: each schedule once)")
+                   help="with --tune: time each decision's options in turn this many times, every other round in "
+                        "reverse order, and compare medians (default 1: each schedule once)")
     b.add_argument("--page-size", type=_page_size, default=0, help="the megakernel's KV cache in pages of this many "
                                                              "positions (default 0: one slab per sequence)")
     b.add_argument("-o", "--output", default="build/bench", help="folder for bench.json and traces")

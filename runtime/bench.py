@@ -15,16 +15,19 @@ import json
 import math
 import statistics
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
 from mkc.ir.kv_layout import pages_per_seq
 from mkc.ir.spec import ModelSpec
 from mkc.schedule.cost import H200, Ceilings
+
+T = TypeVar("T")
 
 BF16 = 2
 
@@ -257,6 +260,14 @@ def fill_random_kv(dec, spec: ModelSpec, generator: torch.Generator | None = Non
             t.normal_(generator=generator)
 
 
+def in_turn(options: Sequence[T], rounds: int) -> list[T]:
+    """``options`` timed ``rounds`` times in turn, every other round in reverse order (A B B A ...),
+    so that a place in the round weighs on every option alike: on an H200 (2026-12-03 19:33 UTC,
+    BENCHMARKS.md) the first of two identical schedules in each round of schedule_variants.py
+    measured 0.6-2.6% slower than the second in all three rounds."""
+    return [o for r in range(rounds) for o in (options if r % 2 == 0 else options[::-1])]
+
+
 def bench_tokens(spec: ModelSpec, batch: int) -> torch.Tensor:
     """The [batch] token ids every benchmark step of a batch size decodes (seeded by the batch)."""
     return torch.randint(0, spec.vocab_size, (batch,), dtype=torch.int32,
@@ -428,10 +439,9 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
 
     def decide(options: dict[tuple, str]) -> None:
         again = rounds > 1 and len(options) > 1  # one option is nothing to compare
-        for _ in range(rounds if again else 1):
-            for key, what in options.items():
-                if again or key not in times:
-                    time_once(key, what)
+        for key in in_turn(list(options), rounds if again else 1):
+            if again or key not in times:
+                time_once(key, options[key])
 
     decide({(a, 0.0, False, False, False, 0): f"{a} attention SMs" for a in candidates})
     best = min(candidates, key=lambda a: (median((a, 0.0, False, False, False, 0)), a))

@@ -139,9 +139,10 @@ def test_tune_times_every_candidate_and_records_the_fastest(tiny, tuning_file, m
 
 
 def test_tune_rounds_time_each_decisions_options_in_turn(tiny, tuning_file, monkeypatch):
-    """--tune-rounds 2: every decision times its options in turn twice, the option chosen before
-    included (a decision with one option times nothing again), and compares medians; a first
-    sample that flatters a slower count does not win. The entry records the medians and the rounds."""
+    """--tune-rounds 2: every decision times its options in turn twice, the second time in reverse
+    order (runtime/bench.py: in_turn), the option chosen before included (a decision with one
+    option times nothing again), and compares medians; a first sample that flatters a slower count
+    does not win. The entry records the medians and the rounds."""
     timed = []
 
     def fake_row(spec, w, b, c, *, attention_sms, ceilings, **kw):
@@ -160,10 +161,12 @@ def test_tune_rounds_time_each_decisions_options_in_turn(tiny, tuning_file, monk
     plain = (4, False, False, False, False, 0)
     splits = (4, True, True, False, False, 0)  # the tiny model places only this raise otherwise
     folded = (4, False, False, False, True, 0)
-    assert timed == ([(a, False, False, False, False, 0) for a in candidates] * 2
-                     + [plain, splits] * 2  # the raises (the spread places nothing otherwise: not timed)
-                     + [plain, folded] * 2  # the residual in the O-projection
-                     + [(*folded[:5], w) for w in (0, 8, 16, 32)] * 2)  # the global layers' splits
+    counts = [(a, False, False, False, False, 0) for a in candidates]
+    wide = [(*folded[:5], w) for w in (0, 8, 16, 32)]
+    assert timed == (counts + counts[::-1]
+                     + [plain, splits, splits, plain]  # the raises (the spread places nothing otherwise: not timed)
+                     + [plain, folded, folded, plain]  # the residual in the O-projection
+                     + wide + wide[::-1])  # the global layers' splits
     rec = json.loads(tuning_file.read_text())[tuning.tuning_key(tiny, 2, 40, 16)]
     assert rec["rounds"] == 2 and rec["attention_sms"] == 4
     assert rec["measured_us"]["0"] == pytest.approx((50.0 + 200.0) / 2, abs=0.1)  # the median of its two
