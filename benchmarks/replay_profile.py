@@ -1,7 +1,8 @@
 """Replay a profiled step on its own schedule, then what-ifs: the same schedule with some tasks faster.
 
     python benchmarks/replay_profile.py TIMELINE.npz --batch 1 [--context 8192] \
-        [--scale router=0.5 EXPERT_DOWN=0.75 ...] [--queue-gap LINEAR=1.0 ...] \
+        [--scale router=0.5 EXPERT_DOWN=0.75 ...] [--cut EXPERT_SWIGLU=2 expert_up@qkv=3 ...] \
+        [--queue-gap LINEAR=1.0 ...] \
         [--place-greedily o_proj expert_down] [--lowering residual_as_terms=1 ...]
 
 TIMELINE.npz is written by ``benchmarks/megakernel_step.py --profile DIR`` or ``mkc bench --profile``
@@ -11,6 +12,10 @@ tree the profile was taken with (``--lowering``: the lowering choices it was pro
 are the step's own medians per opcode (mkc.schedule.profile: measured_gaps, replay). The replay of
 the unchanged step comes first, beside the measured span, as a check of the model. Each ``--scale NAME=F`` multiplies the run time of the
 tasks of one opcode (EXPERT_DOWN) or one label (router: the tasks named ``L<i>.router[...]``) by F;
+each ``--cut NAME=US`` takes US µs off each such task's run (down to a tenth of it), and
+``--cut NAME@BEFORE=US`` only off those that run right after a task of label or opcode BEFORE of
+their own layer on their SM (expert_up@qkv: the expert tiles behind a QKV tile), a fixed cost
+hidden or removed;
 each ``--queue-gap OP=US`` sets one opcode's gap after the task before it on its SM. Every what-if
 is replayed alone, then all together. Durations are held fixed, so a what-if that would change
 which tasks stream at once (and so their rates) is only a first estimate: a lever to measure.
@@ -53,6 +58,9 @@ def main() -> None:
     profiled.add_arguments(ap)
     ap.add_argument("--scale", nargs="*", default=[], metavar="NAME=F",
                     help="multiply the run time of an opcode's or a label's tasks by F")
+    ap.add_argument("--cut", nargs="*", default=[], metavar="NAME[@BEFORE]=US",
+                    help="take US µs off the run of an opcode's or a label's tasks (with @BEFORE: only those right "
+                         "after a task of that label or opcode of their layer on their SM)")
     ap.add_argument("--queue-gap", nargs="*", default=[], metavar="OP=US",
                     help="set an opcode's gap after the task before it on its SM (µs)")
     ap.add_argument("--place-greedily", nargs="*", default=[], metavar="LABEL",
@@ -65,10 +73,16 @@ def main() -> None:
     ops = {t.op.name for t in sc.tasks}
     labels = [label(t.name) for t in sc.tasks]
     scales, queue_gaps = pairs(a.scale, "--scale"), pairs(a.queue_gap, "--queue-gap")
-    for name, _ in scales:
+    cuts = pairs(a.cut, "--cut")
+    names = [(name, "--scale") for name, _ in scales] + [(n, "--cut") for name, _ in cuts for n in name.split("@")]
+    for name, flag in names:
         if name not in ops and name not in labels:
-            raise SystemExit(f"--scale {name}: expected an opcode ({', '.join(sorted(ops))}) or a task label "
+            raise SystemExit(f"{flag} {name}: expected an opcode ({', '.join(sorted(ops))}) or a task label "
                              f"({', '.join(sorted(set(labels)))})")
+    before = [-1] * len(sc.tasks)  # the task before each on its SM
+    for q in sc.queues:
+        for i in range(1, len(q)):
+            before[q[i]] = q[i - 1]
     for op, _ in queue_gaps:
         if op not in ops:
             raise SystemExit(f"--queue-gap {op}: expected an opcode ({', '.join(sorted(ops))})")
@@ -87,6 +101,16 @@ def main() -> None:
         hit = np.array([t.op.name == name or labels[t.id] == name for t in sc.tasks])
         return np.where(hit, run_us * f, run_us)
 
+    def is_(t: int, name: str) -> bool:
+        return sc.tasks[t].op.name == name or labels[t] == name
+
+    def cut(run_us, name: str, us: float):
+        what, _, after = name.partition("@")
+        hit = np.array([is_(t.id, what) and (not after or (before[t.id] >= 0 and is_(before[t.id], after)
+                                                          and sc.tasks[before[t.id]].layer == t.layer))
+                        for t in sc.tasks])
+        return np.where(hit, np.maximum(run_us - us, 0.1 * run_us), run_us)
+
     def with_gap(g: Gaps, op: str, us: float) -> Gaps:
         return dataclasses.replace(g, after_queue={**g.after_queue, op: us})
 
@@ -95,11 +119,15 @@ def main() -> None:
         s = span(scaled(run, name, f), gaps)
         print(f"  {name} run x {f:g}: {s:.1f} µs ({s - base:+.1f})")
         every_run = scaled(every_run, name, f)
+    for name, us in cuts:
+        s = span(cut(run, name, us), gaps)
+        print(f"  {name} run - {us:g} µs: {s:.1f} µs ({s - base:+.1f}, {s / base - 1:+.1%})")
+        every_run = cut(every_run, name, us)
     for op, us in queue_gaps:
         s = span(run, with_gap(gaps, op, us))
         print(f"  {op} queue gap {gaps.queue(op):.2f} -> {us:g} µs: {s:.1f} µs ({s - base:+.1f})")
         every_gap = with_gap(every_gap, op, us)
-    if len(scales) + len(queue_gaps) > 1:
+    if len(scales) + len(cuts) + len(queue_gaps) > 1:
         s = span(every_run, every_gap)
         print(f"  all together: {s:.1f} µs ({s - base:+.1f})")
     if a.place_greedily:
