@@ -401,3 +401,38 @@ def test_layer_times_by_kind():
     text = format_layer_times(sc, tl)
     assert "global attention + dense" in text and "(1 layer)" in text and "(3 layers)" in text
     assert text in format_profile(sc, tl)
+
+
+def test_replay_profile_cuts_a_fixed_time_off_the_tasks_named(tmp_path, capsys, monkeypatch):
+    """benchmarks/replay_profile.py --cut: NAME=US takes US µs off every task of that opcode or
+    label (never below a tenth of its run), NAME@BEFORE=US only off those right after a task of
+    BEFORE of their own layer on their SM; a shorter chain replays shorter, a cut of tasks that
+    no task of BEFORE precedes changes nothing, and an unknown name is refused."""
+    import re
+    import sys
+    from pathlib import Path
+
+    from mkc.schedule.plan import plan
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.syspath_prepend(str(root / "benchmarks"))
+    import replay_profile
+
+    config = root / "configs" / "tiny.yaml"
+    sc = plan(load_spec(config), 1, 64, 8)
+    start, end = (np.asarray(sc.predicted[k], dtype=np.float64) for k in ("start_us", "end_us"))
+    path = tmp_path / "timeline.npz"
+    np.savez(path, op=np.array([int(t.op) for t in sc.tasks]), layer=np.array([t.layer for t in sc.tasks]),
+             wait=start, start=start, end=end, sm=np.array(sc.sm_of()))
+    args = ["replay_profile.py", str(path), "--batch", "1", "--context", "64", "--num-sms", "8", "--config", str(config)]
+    monkeypatch.setattr(sys, "argv", [*args, "--cut", "LINEAR=1", "LINEAR@EMBED=1", "LINEAR@LM_HEAD=1"])
+    replay_profile.main()
+    out = capsys.readouterr().out
+    base = float(re.search(r"replayed ([\d.]+) µs", out).group(1))
+    every = float(re.search(r"LINEAR run - 1 µs: ([\d.]+) µs", out).group(1))
+    nothing = float(re.search(r"LINEAR@LM_HEAD run - 1 µs: ([\d.]+) µs", out).group(1))
+    assert every < base and nothing == base, out  # no LINEAR tile of a layer follows the LM head
+    assert "LINEAR@EMBED run - 1 µs" in out and "all together" in out
+    monkeypatch.setattr(sys, "argv", [*args, "--cut", "LINEAR@nothing=1"])
+    with pytest.raises(SystemExit, match="--cut nothing: expected an opcode"):
+        replay_profile.main()
