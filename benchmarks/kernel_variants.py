@@ -141,12 +141,12 @@ VARIANTS: dict[str, CodegenOptions] = {
     # ends too (CodegenOptions.second_batch_before_wait)
     "linear-2-early": CodegenOptions(second_batch_before_wait="linear"),
     "down-2-early": CodegenOptions(second_batch_before_wait="expert_down"),
+    # two-row-set tiles whose row groups leave warps idle under the power-of-two k split split k into
+    # parts that fill them (CodegenOptions.gemv_kparts)
+    "kparts": CodegenOptions(gemv_kparts=True),
     # L2 warm-up (CodegenOptions.l2_warm): waiting tasks ask L2 for weights a later tile of the
     # layer's chain streams; with or without the weight and KV streams marked evict-first
     # (CodegenOptions.weights_evict_first; both "auto": on at batch 2-4)
-    # tiles of 3, 5, 6 or 7 row groups split k into one part per warp, not by a power of two that
-    # leaves warps idle (CodegenOptions.gemv_kparts)
-    "kparts": CodegenOptions(gemv_kparts=True),
     "no-warm": CodegenOptions(l2_warm="off", weights_evict_first="off"),
     "evict-first": CodegenOptions(l2_warm="off", weights_evict_first="on"),
     "warm-o-splits": CodegenOptions(l2_warm="o_proj:splits", weights_evict_first="off"),

@@ -38,6 +38,16 @@ def spec_of(a: argparse.Namespace):
     return load_spec(a.config)
 
 
+ROW_LIST = re.compile(r"\d+(x\d+)?(\+\d+(x\d+)?)*")  # SIZExCOUNT terms joined by '+' (80x6+48x6)
+
+
+def row_list(text: str) -> tuple[int, ...]:
+    """A row list (LowerOptions.expert_up_rows) from SIZExCOUNT terms joined by '+': 80x6+48x6 is six
+    80s then six 48s; a term without xCOUNT counts once."""
+    return tuple(int(size) for term in text.split("+")
+                 for size, _, count in [term.partition("x")] for _ in range(int(count or 1)))
+
+
 def lowering_of(a: argparse.Namespace) -> dict[str, bool | int | str | tuple[int, ...]]:
     """``--lowering CHOICE=VALUE`` pairs as plan's keyword arguments (booleans as 0 / 1, row lists as
     SIZExCOUNT terms joined by '+', such as expert_up_rows=80x6+48x6); SystemExit names a bad one."""
@@ -45,14 +55,12 @@ def lowering_of(a: argparse.Namespace) -> dict[str, bool | int | str | tuple[int
     for p in a.lowering:
         name, _, value = p.partition("=")
         kind = type(DEFAULT_LOWERING.get(name))
-        rows = re.fullmatch(r"\d+(x\d+)?(\+\d+(x\d+)?)*", value)
         if (name not in LOWERING_CHOICES or (kind is bool and value not in ("0", "1"))
-                or (kind is int and not value.isdigit()) or (kind is tuple and not rows)):
+                or (kind is int and not value.isdigit()) or (kind is tuple and not ROW_LIST.fullmatch(value))):
             raise SystemExit(f"--lowering {p}: expected CHOICE=VALUE (0 / 1 for booleans, an integer for integers, "
                              f"SIZExCOUNT+... for row lists) with CHOICE one of {', '.join(LOWERING_CHOICES)}")
         if kind is tuple:
-            out[name] = tuple(int(t.partition("x")[0]) for t in value.split("+")
-                              for _ in range(int(t.partition("x")[2] or 1)))
+            out[name] = row_list(value)
         else:
             out[name] = value == "1" if kind is bool else int(value) if kind is int else value
     return out

@@ -24,6 +24,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
+import profiled
 import torch
 
 from mkc.codegen.build import build_kernel
@@ -78,17 +79,6 @@ VARIANTS = {
 }
 
 
-def up_rows(text: str) -> tuple[int, ...]:
-    """LowerOptions.expert_up_rows from 'rule' or SIZExCOUNT terms joined by '+' (80x6+48x6)."""
-    if text == "rule":
-        return ()
-    rows: list[int] = []
-    for term in text.split("+"):
-        size, _, count = term.partition("x")
-        rows += [int(size)] * int(count or 1)
-    return tuple(rows)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=str(ROOT / "configs" / "north_mini_code.yaml"))
@@ -126,8 +116,8 @@ def main() -> None:
                     help="LowerOptions.expert_up_rows values to lower with: 'rule' (equal tiles) or each slot's tile "
                          "rows as SIZExCOUNT terms joined by '+', such as 80x6+48x6")
     ap.add_argument("--kparts", action="store_true",
-                    help="build the kernels with CodegenOptions.gemv_kparts (tiles whose row groups leave warps idle "
-                         "split k into one part per warp; for --expert-up-rows of 80 or 48 rows)")
+                    help="build the kernels with CodegenOptions.gemv_kparts (two-row-set tiles whose row groups leave "
+                         "warps idle split k into parts that fill them; for --expert-up-rows of 80 or 48 rows)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time every variant this many times, in turn, every other round in reverse order (drift "
                          "between variants shows; a place in the round weighs on every variant alike)")
@@ -140,7 +130,8 @@ def main() -> None:
     variants = [(att, {"rope_in_splits": rope == "yes", "mlp_share": share, "mlp_waves": waves,
                        "residual_in_o_proj": fold == "yes",
                        "fused_experts": fx == "yes", "qkv_tile_rows": qr, "residual_as_terms": rt == "yes",
-                       "global_attention_sms": ga, "expert_up_rows": up_rows(er)}, name)
+                       "global_attention_sms": ga,
+                       "expert_up_rows": () if er == "rule" else profiled.row_list(er)}, name)
                 for att in a.attention_sms for rope in a.rope_in_splits for share in a.mlp_share for waves in a.mlp_waves
                 for fold in a.residual_in_o_proj for fx in a.fused_experts for qr in a.qkv_tile_rows
                 for rt in a.residual_as_terms for ga in a.global_attention_sms for er in a.expert_up_rows

@@ -153,7 +153,8 @@ CODEGEN_VARIANTS: dict[str, tuple[tuple[int, ...], dict]] = {
     # an expert gate/up tile's input normalised by warps 1.. during the routing
     "norm-beside-routing": ((8,), {"norm_beside_routing": "on"}),
     "redux-after": ((1,), {"routing_argmax": "redux", "norm_beside_routing": "off"}),  # batch 1's default before
-    # the dense SwiGLU's 48-row tiles with one k part per warp (6 of 8 warps stream by default)
+    # two-row-set tiles split k into parts that fill the warps (the dense SwiGLU's 48-row tiles; at
+    # batch 4 the 12-group expert tiles too)
     "kparts": ((1, 4), {"gemv_kparts": True}),
     # the default at batch 4: the O-projection warmed in L2 by the expert gate/up tiles, evict-first
     # streams (l2_warm and weights_evict_first "auto", on at batch 2-4)
@@ -237,7 +238,7 @@ def test_gemv_k_split_is_the_kernels_rule():
 
 
 def test_gemv_kparts_reduction_floats():
-    """CodegenOptions.gemv_kparts: the reduction floats grow to one fragment per (warp, group), so
+    """CodegenOptions.gemv_kparts: the reduction floats grow to one fragment per (group, k part) item, so
     the RMSNorm staging's scratch (and all after it) moves by 7 x 8 fragments of two row sets."""
     spec, sc = _nmc_schedule(1)
     on, off = kernel_config(sc, spec, CodegenOptions(gemv_kparts=True)), kernel_config(sc, spec)
