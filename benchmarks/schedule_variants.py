@@ -76,7 +76,22 @@ VARIANTS = {
     "splits-first": dataclasses.replace(H200, attention_inputs_first_us=100.0, splits_first=True),
     "splits-first-spread": dataclasses.replace(H200, attention_inputs_first_us=100.0, splits_first=True,
                                                spread_siblings=True),
+    # an expert-down tile placed by where its layer's routing is held (Ceilings.routing_derive_us:
+    # the cost of deriving it elsewhere; a point's measured raise and spread apply with it)
+    "routing-aware": dataclasses.replace(H200, routing_derive_us=2.5),
+    "routing-aware-4": dataclasses.replace(H200, routing_derive_us=4.0),
 }
+
+
+def chosen(lowering: dict) -> dict:
+    """The lowering choices to pass to plan(): "auto" ones left out, so the planner makes them as
+    mkc bench does (residual_in_o_proj "yes" / "no" as a bool, global_attention_sms as an int)."""
+    out = {k: v for k, v in lowering.items() if v != "auto"}
+    if "residual_in_o_proj" in out:
+        out["residual_in_o_proj"] = out["residual_in_o_proj"] == "yes"
+    if "global_attention_sms" in out:
+        out["global_attention_sms"] = int(out["global_attention_sms"])
+    return out
 
 
 def main() -> None:
@@ -98,9 +113,10 @@ def main() -> None:
     ap.add_argument("--mlp-waves", type=int, nargs="+", default=[1],
                     help="LowerOptions.mlp_waves values to lower with (waves of the MLP's SM share its first GEMV "
                          "is tiled into)")
-    ap.add_argument("--residual-in-o-proj", nargs="+", default=["no"], choices=["yes", "no"],
+    ap.add_argument("--residual-in-o-proj", nargs="+", default=["auto"], choices=["yes", "no", "auto"],
                     help="LowerOptions.residual_in_o_proj values to lower with (yes: the O-projection tiles add "
-                         "the residual and the MLP's output, no RESIDUAL tiles)")
+                         "the residual and the MLP's output, no RESIDUAL tiles; auto, the default: the planner's "
+                         "choice, as mkc bench and mkc compile make it)")
     ap.add_argument("--fused-experts", nargs="+", default=["no"], choices=["yes", "no"],
                     help="LowerOptions.fused_experts values to lower with (yes: EXPERT_MLP tiles, each its rows' gate, "
                          "up and share of the down projection; needs --residual-in-o-proj yes)")
@@ -109,9 +125,9 @@ def main() -> None:
     ap.add_argument("--residual-as-terms", nargs="+", default=["no"], choices=["yes", "no"],
                     help="LowerOptions.residual_as_terms values to lower with (yes: the MLP's outputs stay terms of "
                          "the residual stream, summed by the next layer's readers; needs --residual-in-o-proj yes)")
-    ap.add_argument("--global-attention-sms", type=int, nargs="+", default=[0],
+    ap.add_argument("--global-attention-sms", nargs="+", default=["auto"],
                     help="LowerOptions.global_attention_sms values to lower with (the SMs' worth of splits of the "
-                         "layers of global attention; 0: as --attention-sms)")
+                         "layers of global attention; 0: as --attention-sms; auto, the default: the planner's choice)")
     ap.add_argument("--expert-up-rows", nargs="+", default=["rule"],
                     help="LowerOptions.expert_up_rows values to lower with: 'rule' (equal tiles) or each slot's tile "
                          "rows as SIZExCOUNT terms joined by '+', such as 80x6+48x6")
@@ -127,11 +143,10 @@ def main() -> None:
     a.attention_sms = [None if v == "auto" else int(v) for v in a.attention_sms]
     spec = load_spec(a.config)
     options = CodegenOptions(gemv_kparts=a.kparts)
-    variants = [(att, {"rope_in_splits": rope == "yes", "mlp_share": share, "mlp_waves": waves,
-                       "residual_in_o_proj": fold == "yes",
-                       "fused_experts": fx == "yes", "qkv_tile_rows": qr, "residual_as_terms": rt == "yes",
-                       "global_attention_sms": ga,
-                       "expert_up_rows": () if er == "rule" else profiled.row_list(er)}, name)
+    variants = [(att, chosen({"rope_in_splits": rope == "yes", "mlp_share": share, "mlp_waves": waves,
+                              "residual_in_o_proj": fold, "fused_experts": fx == "yes", "qkv_tile_rows": qr,
+                              "residual_as_terms": rt == "yes", "global_attention_sms": ga,
+                              "expert_up_rows": () if er == "rule" else profiled.row_list(er)}), name)
                 for att in a.attention_sms for rope in a.rope_in_splits for share in a.mlp_share for waves in a.mlp_waves
                 for fold in a.residual_in_o_proj for fx in a.fused_experts for qr in a.qkv_tile_rows
                 for rt in a.residual_as_terms for ga in a.global_attention_sms for er in a.expert_up_rows
@@ -158,11 +173,11 @@ def main() -> None:
             label = f"{sc.meta['attention_sms']['chosen']}" + (" (auto)" if att is None else "")
             label += f", rope in splits {'yes' if lowering['rope_in_splits'] else 'no'}, mlp share {lowering['mlp_share']}"
             label += f" x {lowering['mlp_waves']}"
-            label += f", residual in o_proj {'yes' if lowering['residual_in_o_proj'] else 'no'}"
+            label += f", residual in o_proj {'yes' if sc.meta['residual_in_o_proj'] else 'no'}"
             label += f", fused experts {'yes' if lowering['fused_experts'] else 'no'}"
             label += f", qkv tile rows {lowering['qkv_tile_rows'] or 'rule'}"
             label += f", residual as terms {'yes' if lowering['residual_as_terms'] else 'no'}"
-            label += f", global attention SMs {lowering['global_attention_sms'] or 'same'}"
+            label += f", global attention SMs {sc.meta['global_attention_sms'] or 'same'}"
             if options.gemv_kparts:
                 label += ", kparts"
             if lowering["expert_up_rows"]:

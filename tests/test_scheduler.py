@@ -196,3 +196,36 @@ def test_sibling_tiles_spread_over_sms():
     assert max(before.values()) == 2 and sum(1 for n in before.values() if n == 2) > 32
     assert len(after) > len(before) and sum(1 for n in after.values() if n > 1) <= 8
     assert validate(spread) == []
+
+
+def test_expert_down_placed_where_the_routing_is_held():
+    """Ceilings.routing_derive_us: an expert-down tile on an SM whose last routing task routed
+    other logits derives its layer's routing itself (the kernel's routing_known), so the scheduler
+    charges it there and prefers an SM holding the routing where the tile would end no later.
+    North Mini Code at batch 1: fewer expert-down tiles derive the routing, and the validator
+    accepts the schedule."""
+    import dataclasses
+
+    from mkc.schedule.cost import H200, ROUTING_OPS
+    from mkc.schedule.schedule import logits_operand
+    from mkc.schedule.validator import validate
+
+    spec = load_spec("configs/north_mini_code.yaml")
+    prog = lower(spec, 1, 8192, 132, attention_sms=32, residual_in_o_proj=True)
+
+    def deriving(sc: Schedule) -> int:
+        n = 0
+        for q in sc.queues:
+            held = None
+            for t in q:
+                task = sc.tasks[t]
+                if task.op.name in ROUTING_OPS:
+                    n += task.op.name == "EXPERT_DOWN" and logits_operand(task) != held
+                    held = logits_operand(task)
+        return n
+
+    default = schedule(prog, spec.name)
+    aware = schedule(prog, spec.name, dataclasses.replace(H200, routing_derive_us=2.5))
+    assert deriving(aware) < deriving(default)
+    assert sorted(t for q in aware.queues for t in q) == list(range(len(prog.tasks)))
+    assert validate(aware) == []

@@ -93,9 +93,21 @@ class Ceilings:
     # shipped spread (+1.0%). Off here; `mkc bench --tune` times it per point and records the
     # faster (plan.py applies a recorded one).
     splits_first: bool = False
+    # µs an expert-down tile costs more on an SM that does not hold its layer's routing: the kernel
+    # keeps the routing the SM's last routing task derived (ops.cuh: routing_known), so an
+    # expert-down tile after an expert gate/up tile of its layer reuses it, and one after an
+    # attention split waits for the router tiles, reads the logits and ranks them first (a batch-1
+    # profile of 2026-12-03 18:57 UTC: 3.6 µs from its SM free to its wait's end, against 1.5 µs
+    # after an expert gate/up tile). With it the list scheduler weighs that placement (scheduler.py,
+    # rule 2); 0: every SM alike.
+    routing_derive_us: float = 0.0
 
 
 H200 = Ceilings()
+
+# The opcodes whose tasks derive the routing of their router logits (ops.cuh: route_tokens), so
+# the SM holds it for the next one of the same logits.
+ROUTING_OPS = ("EXPERT_SWIGLU", "EXPERT_MLP", "EXPERT_DOWN", "TOPK")
 
 
 def task_time(t: Task, num_sms: int, c: Ceilings = H200) -> float:

@@ -13,6 +13,11 @@ Rules, in the order they apply:
    task whose SM already holds a sibling (a task of its layer and stage, profile.stage: e.g.
    another O-projection tile) goes instead to the first SM without one that can start it before
    it would end there, so a layer's tiles of one op run beside each other, not one after another.
+   With Ceilings.routing_derive_us, an expert-down tile costs that much more on an SM that does
+   not hold its layer's routing (the last routing task placed there routed other logits: the
+   kernel's routing_known), so it goes instead to the SM holding the routing that can start it
+   earliest (the one that went idle last, among those idle by then) wherever it would end no
+   later there.
 3. Counters: an edge a → b already implied by a path a → c → b is not waited on (c's own wait
    covers it), unless the path runs through a routing edge: an expert-up tile's edge from the
    router tiles (schedule.routing_edge) orders the logits alone, since a kernel may read the
@@ -37,9 +42,9 @@ from collections import defaultdict
 import networkx as nx
 
 from mkc.ir.graph import Program, Task
-from mkc.schedule.cost import H200, Ceilings, prefetchable_time, task_time
+from mkc.schedule.cost import H200, ROUTING_OPS, Ceilings, prefetchable_time, task_time
 from mkc.schedule.profile import stage
-from mkc.schedule.schedule import Counter, Schedule, routing_edge
+from mkc.schedule.schedule import Counter, Schedule, logits_operand, routing_edge
 
 
 def upward_rank(g: nx.DiGraph, cost: list[float]) -> list[float]:
@@ -70,6 +75,7 @@ def schedule(program: Program, model: str, ceilings: Ceilings = H200) -> Schedul
     end = [0.0] * len(tasks)
     sm_of = [-1] * len(tasks)
     holders: dict[tuple[int, str], set[int]] = defaultdict(set)  # (layer, stage) -> SMs holding one
+    routed: list[str | None] = [None] * n_sm  # per SM: the logits its last routing task routed
     for t in order:
         ready = max((end[p] + hop for p in g.predecessors(t)), default=0.0)
         # the SM that went idle last among those idle by `ready`, else the first to go idle
@@ -87,11 +93,21 @@ def schedule(program: Program, model: str, ceilings: Ceilings = H200) -> Schedul
                     i, idle_at, sm = j, idle_j, sm_j
                     s = max(idle_at, ready - pre[t])
                     break
+        logits = logits_operand(tasks[t]) if tasks[t].op.name in ROUTING_OPS else None
+        derive = ceilings.routing_derive_us * 1e-6 if tasks[t].op.name == "EXPERT_DOWN" else 0.0
+        if derive and routed[sm] != logits:
+            j = _holding_routing(free, routed, logits, ready - pre[t])
+            if j is not None and max(free[j][0], ready - pre[t]) <= s + derive:
+                i, (idle_at, sm) = j, free[j]
+                s = max(idle_at, ready - pre[t])
+        extra = derive if routed[sm] != logits else 0.0
         free.pop(i)
         siblings.add(sm)
         start[t] = s
-        end[t] = max(s + cost[t], ready + cost[t] - pre[t])
+        end[t] = max(s + cost[t], ready + cost[t] - pre[t]) + extra
         sm_of[t] = sm
+        if logits is not None:
+            routed[sm] = logits
         queues[sm].append(t)
         bisect.insort(free, (end[t], sm))
 
@@ -148,6 +164,21 @@ def schedule(program: Program, model: str, ceilings: Ceilings = H200) -> Schedul
     return Schedule(model=model, batch=int(program.options["batch"]), context=int(program.options["context"]),
                     num_sms=n_sm, buffers=program.buffers, tasks=tasks, queues=queues, waits=waits,
                     signals=signals, counters=counters, predicted=predicted)
+
+
+def _holding_routing(free: list[tuple[float, int]], routed: list[str | None], logits: str | None,
+                     at: float) -> int | None:
+    """Index in ``free`` (sorted by idle time) of the SM holding the routing of ``logits`` that can
+    start a task due at ``at`` earliest: the one that went idle last among those idle by then, else
+    the first to go idle; None if no SM holds it."""
+    best = None
+    for j, (idle, sm) in enumerate(free):
+        if routed[sm] != logits:
+            continue
+        if idle > at:
+            return j if best is None else best
+        best = j
+    return best
 
 
 def _direct_predecessors(g: nx.DiGraph, tasks: list[Task]) -> list[list[int]]:
