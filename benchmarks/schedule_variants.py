@@ -131,6 +131,8 @@ def main() -> None:
     ap.add_argument("--expert-up-rows", nargs="+", default=["rule"],
                     help="LowerOptions.expert_up_rows values to lower with: 'rule' (equal tiles) or each slot's tile "
                          "rows as SIZExCOUNT terms joined by '+', such as 80x6+48x6")
+    ap.add_argument("--expert-down-rows", type=int, nargs="+", default=[0],
+                    help="LowerOptions.expert_down_rows values to lower with (0: the tiling rule's expert-down tiles)")
     ap.add_argument("--kparts", action="store_true",
                     help="build the kernels with CodegenOptions.gemv_kparts (two-row-set tiles whose row groups leave "
                          "warps idle split k into parts that fill them; for --expert-up-rows of 80 or 48 rows)")
@@ -146,11 +148,12 @@ def main() -> None:
     variants = [(att, chosen({"rope_in_splits": rope == "yes", "mlp_share": share, "mlp_waves": waves,
                               "residual_in_o_proj": fold, "fused_experts": fx == "yes", "qkv_tile_rows": qr,
                               "residual_as_terms": rt == "yes", "global_attention_sms": ga,
-                              "expert_up_rows": () if er == "rule" else profiled.row_list(er)}), name)
+                              "expert_up_rows": () if er == "rule" else profiled.row_list(er),
+                              "expert_down_rows": dr}), name)
                 for att in a.attention_sms for rope in a.rope_in_splits for share in a.mlp_share for waves in a.mlp_waves
                 for fold in a.residual_in_o_proj for fx in a.fused_experts for qr in a.qkv_tile_rows
                 for rt in a.residual_as_terms for ga in a.global_attention_sms for er in a.expert_up_rows
-                for name in a.variants]
+                for dr in a.expert_down_rows for name in a.variants]
     if a.build_only:
         for batch in a.batch:
             for att, lowering, name in variants:
@@ -180,6 +183,8 @@ def main() -> None:
             label += f", global attention SMs {sc.meta['global_attention_sms'] or 'same'}"
             if options.gemv_kparts:
                 label += ", kparts"
+            if lowering["expert_down_rows"]:
+                label += f", expert-down tile rows {lowering['expert_down_rows']}"
             if lowering["expert_up_rows"]:
                 label += f", expert tile rows {'+'.join(map(str, lowering['expert_up_rows']))}"
             with decoder_in_place(sc, spec, weights, options=options) as dec:

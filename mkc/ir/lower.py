@@ -98,6 +98,11 @@ class LowerOptions:
     # where with equal tiles the slots first on their SMs end ~6 µs early and their expert-down tiles
     # run beside the last gate/up tiles (BENCHMARKS.md). ().
     expert_up_rows: tuple[int, ...] = ()
+    # rows per expert-down tile; 0: the tiling rule's (about one tile per SM over every slot: North
+    # Mini Code at batch 1, 16 tiles of 128 rows per slot). Smaller tiles (a multiple of 16; the last
+    # may be shorter) spread the down projection of the slots whose gate/up tiles end last over more
+    # SMs, at more hand-offs in all.
+    expert_down_rows: int = 0
 
     def check(self) -> None:
         if not 1 <= self.batch <= 8:
@@ -135,6 +140,9 @@ class LowerOptions:
         if any(r <= 0 or r % 16 for r in self.expert_up_rows):
             raise SpecError(f"expert_up_rows = {tuple(self.expert_up_rows)}: expected positive multiples of 16 (the "
                             f"GEMV's row group)")
+        if self.expert_down_rows < 0 or self.expert_down_rows % 16:
+            raise SpecError(f"expert_down_rows = {self.expert_down_rows}: expected 0 (the tiling rule) or a positive "
+                            f"multiple of 16 (the GEMV's row group)")
         if self.expert_up_rows and self.fused_experts:
             raise SpecError("expert_up_rows with fused_experts: the fused tiles keep equal parts: expected one of "
                             "the two")
@@ -519,7 +527,7 @@ class _Lowerer:
         out = self.buf(f"{P}.moe_out", (slots, B, H), "f32", "act", "[slots, B, hidden] weighted expert outputs")
         up_tile = row_tile(I, 2 * H * 2, slots, self.mlp_sms(slots * I * 2 * H * 2))
         xin, xreads = gemv_input(n)
-        down_tile = row_tile(H, I * 2, slots, opt.num_sms)
+        down_tile = min(opt.expert_down_rows, H) or row_tile(H, I * 2, slots, opt.num_sms)
         up_ranges = tiles(I, up_tile)
         if opt.expert_up_rows:
             if sum(opt.expert_up_rows) != I:

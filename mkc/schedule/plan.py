@@ -49,7 +49,8 @@ from mkc.schedule.scheduler import schedule
 # defaults. mkc bench --tune records them beside each measured count, since the count was fastest
 # for them.
 LOWERING_CHOICES = ("rope_in_splits", "mlp_share", "mlp_waves", "residual_in_o_proj", "fused_experts",
-                    "qkv_tile_rows", "residual_as_terms", "global_attention_sms", "expert_up_rows")
+                    "qkv_tile_rows", "residual_as_terms", "global_attention_sms", "expert_up_rows",
+                    "expert_down_rows")
 # A tuning entry's measured Ceilings.attention_inputs_first_us for its point (mkc bench --tune times
 # the fastest attention-SM count with and without the raise and records the faster), and the times
 # under INPUTS_FIRST + "_measured_us".
