@@ -89,8 +89,9 @@ def chosen(lowering: dict) -> dict:
     out = {k: v for k, v in lowering.items() if v != "auto"}
     if "residual_in_o_proj" in out:
         out["residual_in_o_proj"] = out["residual_in_o_proj"] == "yes"
-    if "global_attention_sms" in out:
-        out["global_attention_sms"] = int(out["global_attention_sms"])
+    for name in ("global_attention_sms", "expert_down_rows"):
+        if name in out:
+            out[name] = int(out[name])
     return out
 
 
@@ -131,8 +132,9 @@ def main() -> None:
     ap.add_argument("--expert-up-rows", nargs="+", default=["rule"],
                     help="LowerOptions.expert_up_rows values to lower with: 'rule' (equal tiles) or each slot's tile "
                          "rows as SIZExCOUNT terms joined by '+', such as 80x6+48x6")
-    ap.add_argument("--expert-down-rows", type=int, nargs="+", default=[0],
-                    help="LowerOptions.expert_down_rows values to lower with (0: the tiling rule's expert-down tiles)")
+    ap.add_argument("--expert-down-rows", nargs="+", default=["auto"],
+                    help="LowerOptions.expert_down_rows values to lower with (0: the tiling rule's expert-down tiles; "
+                         "auto, the default: the planner's choice)")
     ap.add_argument("--kparts", action="store_true",
                     help="build the kernels with CodegenOptions.gemv_kparts (two-row-set tiles whose row groups leave "
                          "warps idle split k into parts that fill them; for --expert-up-rows of 80 or 48 rows)")
@@ -183,8 +185,8 @@ def main() -> None:
             label += f", global attention SMs {sc.meta['global_attention_sms'] or 'same'}"
             if options.gemv_kparts:
                 label += ", kparts"
-            if lowering["expert_down_rows"]:
-                label += f", expert-down tile rows {lowering['expert_down_rows']}"
+            if sc.meta["expert_down_rows"]:
+                label += f", expert-down tile rows {sc.meta['expert_down_rows']}"
             if lowering["expert_up_rows"]:
                 label += f", expert tile rows {'+'.join(map(str, lowering['expert_up_rows']))}"
             with decoder_in_place(sc, spec, weights, options=options) as dec:

@@ -433,3 +433,23 @@ def test_step_rejects_bad_inputs(spec, weights):
         ex.step([1, 2], [0, 64])
     with pytest.raises(ValueError, match="token ids"):
         ex.step([1, spec.vocab_size], [0, 0])
+
+
+@pytest.mark.parametrize("batch, fold", [(1, True), (1, False), (3, True)])
+def test_expert_down_rows_match_reference(batch, fold):
+    """LowerOptions.expert_down_rows: expert-down tiles of 16 rows, and of 48 (the last of a slot
+    shorter, since 48 does not divide the hidden size of 128: 48 + 48 + 32), with and without the
+    O-projection ending the layer: the same logits as the dense reference in random interleavings."""
+    spec = load_spec(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
+    w = random_weights(spec, seed=19, dtype=torch.float32, std=0.1)
+    for rows in (16, 48):
+        sc = schedule(lower(spec, batch, 64, 8, residual_in_o_proj=fold, expert_down_rows=rows), spec.name)
+        down = [t for t in sc.tasks if t.op == Opcode.EXPERT_DOWN and t.layer == 1]
+        assert {t.arg("rows") for t in down} == ({16} if rows == 16 else {48, 32})
+        _matches_reference(sc, spec, w, batch, 50 + batch, f"expert-down tiles of {rows} rows")
+
+
+def test_expert_down_rows_are_checked():
+    tiny = load_spec(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
+    with pytest.raises(SpecError, match="expert_down_rows = 40: expected 0 \\(the tiling rule\\) or a positive multiple of 16"):
+        lower(tiny, 1, 64, 8, expert_down_rows=40)

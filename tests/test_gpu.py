@@ -571,6 +571,17 @@ def test_nmc_expert_tiles_of_two_sizes_match_mirror(nmc_weights, num_sms, batch,
     check_rerun_and_mirror(dec, spec, weights, batch, context, f"NMC expert tiles 80/48 b{batch} ctx {context}")
 
 
+@pytest.mark.parametrize("batch, context, rows", [(1, 8192, 64), (1, 100, 96), (4, 8192, 64), (4, 8192, 256)])
+def test_nmc_expert_down_rows_match_mirror(nmc_weights, num_sms, batch, context, rows):
+    """LowerOptions.expert_down_rows: expert-down tiles of 64 rows (4 row groups: the GEMV splits k in
+    two), of 96 (6 groups, and a last tile of 32 rows split in four) and of 256. The same checks as
+    the default lowering, and reruns bitwise the same."""
+    spec, weights = nmc_weights
+    dec = nmc_decoder(spec, weights, batch, context, num_sms, expert_down_rows=rows)
+    assert max(t.arg("rows") for t in dec.schedule.tasks if t.op.name == "EXPERT_DOWN") == rows
+    check_rerun_and_mirror(dec, spec, weights, batch, context, f"NMC expert-down tiles of {rows} rows b{batch} ctx {context}")
+
+
 @pytest.mark.parametrize("batch, context", [(4, 8192), (4, 100), (1, 8192)])
 def test_nmc_gemv_kparts_match_mirror(nmc_weights, num_sms, batch, context):
     """CodegenOptions.gemv_kparts: tiles whose row groups do not fill whole rounds of the warps split

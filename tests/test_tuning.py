@@ -49,6 +49,28 @@ def test_a_recorded_choice_overrides_the_prediction(tiny, tuning_file):
     assert plan(tiny, 2, 40, 16, attention_sms=0).meta["attention_sms"]["chosen_by"] == "asked"
 
 
+def test_an_entrys_expert_down_rows_are_planned_unless_asked_otherwise(tiny, tuning_file):
+    """An entry that names expert-down tile rows (another tool measured them: *_by) lowers with them,
+    says who chose them (meta and the compile summary), and an explicit choice wins; rows that are
+    no multiple of 16 are ignored (the rule)."""
+    from mkc.schedule.visualize import format_summary, summary
+
+    rule = {t.arg("rows") for t in plan(tiny, 2, 40, 16).tasks if t.op == Opcode.EXPERT_DOWN}
+    assert rule != {16}
+    tuning.record(tuning.tuning_key(tiny, 2, 40, 16), {
+        **entry(4), "expert_down_rows": 16, "expert_down_rows_by": "schedule_variants.py, a test",
+        "expert_down_rows_measured_us": {"0": 110.0, "16": 100.0}})
+    sc = plan(tiny, 2, 40, 16)
+    assert {t.arg("rows") for t in sc.tasks if t.op == Opcode.EXPERT_DOWN} == {16}
+    assert sc.meta["expert_down_rows"] == 16
+    assert sc.meta["attention_sms"]["expert_down_rows_by"] == "schedule_variants.py, a test"
+    assert "tiles of 16 rows; measured fastest by schedule_variants.py, a test" in format_summary(summary(sc, tiny))
+    asked = plan(tiny, 2, 40, 16, expert_down_rows=0)
+    assert {t.arg("rows") for t in asked.tasks if t.op == Opcode.EXPERT_DOWN} == rule
+    tuning.record(tuning.tuning_key(tiny, 2, 40, 16), {**entry(4), "expert_down_rows": 20})
+    assert {t.arg("rows") for t in plan(tiny, 2, 40, 16).tasks if t.op == Opcode.EXPERT_DOWN} == rule
+
+
 def test_a_changed_model_does_not_match_old_records(tiny, tuning_file):
     import dataclasses
 

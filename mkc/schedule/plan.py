@@ -80,6 +80,14 @@ RESIDUAL_IN_O_PROJ = "residual_in_o_proj"
 # they measured 3-8% slower, and at 128K, where they measured 7-9% faster (H200, 2026-12-03 07:31
 # UTC, BENCHMARKS.md).
 GLOBAL_ATTENTION_SMS = "global_attention_sms"
+# ... and the rows of the expert-down tiles (LowerOptions.expert_down_rows, 0: the tiling rule), where
+# an entry names them: not timed by mkc bench --tune, so an entry has them only from another tool,
+# which it names under EXPERT_DOWN_ROWS + "_by" with the times under EXPERT_DOWN_ROWS +
+# "_measured_us" ("0" for the rule). North Mini Code at batch 8 and 8K: 256 rows (eight tiles per
+# slot instead of the rule's two of 1024) measured faster in five rounds of five (H200, 2026-12-03
+# 21:07-21:19 UTC, benchmarks/schedule_variants.py: medians 8511.4 against 8638.7 µs), 192 and 512
+# slower; at batch 1 and 4 finer tiles measured slower (BENCHMARKS.md).
+EXPERT_DOWN_ROWS = "expert_down_rows"
 DEFAULT_LOWERING = {f.name: f.default for f in dataclasses.fields(LowerOptions) if f.name in LOWERING_CHOICES}
 
 
@@ -153,6 +161,7 @@ def plan_choices(spec: ModelSpec, batch: int, context: int, num_sms: int, page_s
     measured entry's choice of it is ``how[RESIDUAL_IN_O_PROJ]`` (absent from the entry: False)."""
     given_fold = RESIDUAL_IN_O_PROJ in lowering
     given_global = GLOBAL_ATTENTION_SMS in lowering
+    given_down = EXPERT_DOWN_ROWS in lowering
     lowering = lowering_choices(lowering)
     how: dict[str, Any] = {"chosen_by": "asked", "probe_predicted_us": {}}
     if attention_sms is not None:
@@ -193,6 +202,11 @@ def plan_choices(spec: ModelSpec, batch: int, context: int, num_sms: int, page_s
         how[GLOBAL_ATTENTION_SMS + "_measured_us"] = measured.get(GLOBAL_ATTENTION_SMS + "_measured_us", {})
         if measured.get(GLOBAL_ATTENTION_SMS + "_by"):  # another tool than mkc bench --tune measured it
             how[GLOBAL_ATTENTION_SMS + "_by"] = measured[GLOBAL_ATTENTION_SMS + "_by"]
+    rows = measured.get(EXPERT_DOWN_ROWS)
+    if not given_down and isinstance(rows, int) and not isinstance(rows, bool) and rows >= 0 and rows % 16 == 0:
+        how[EXPERT_DOWN_ROWS] = rows
+        how[EXPERT_DOWN_ROWS + "_measured_us"] = measured.get(EXPERT_DOWN_ROWS + "_measured_us", {})
+        how[EXPERT_DOWN_ROWS + "_by"] = measured.get(EXPERT_DOWN_ROWS + "_by", "?")
     return int(measured["attention_sms"]), ceilings, how
 
 
@@ -209,7 +223,7 @@ def plan(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int
     attention_sms, ceilings, how = plan_choices(spec, batch, context, num_sms, page_size, kv_pages, attention_sms,
                                                 ceilings, **lowering)
     lowering = lowering_choices(lowering)
-    for choice in (RESIDUAL_IN_O_PROJ, GLOBAL_ATTENTION_SMS):
+    for choice in (RESIDUAL_IN_O_PROJ, GLOBAL_ATTENTION_SMS, EXPERT_DOWN_ROWS):
         if choice in how:  # measured at this point (plan_choices)
             lowering[choice] = how[choice]
     program = lower(spec, batch, context, num_sms, page_size, kv_pages, attention_sms=attention_sms, **lowering)

@@ -169,6 +169,7 @@ def _summary_rows(d: dict[str, Any]) -> list[tuple[str, str]]:
         *([("attention SMs", _attention_sms_row(d))] if d.get("attention_sms") else []),
         *([("global layers", _global_attention_row(d))] if d.get("lowering", {}).get("global_attention_sms") else []),
         ("layer end", _layer_end_row(d)),
+        *([("expert-down", _expert_down_row(d))] if d.get("lowering", {}).get("expert_down_rows") else []),
         ("critical path", f"{d['critical_path_tasks']} tasks, {d['critical_path_us']:.1f} µs"),
         ("bytes read", (f"{_fmt_bytes(d['bytes'])}  (weights {_fmt_bytes(d['weight_bytes'])}, "
                        f"activations/KV {_fmt_bytes(d['act_bytes'])})")),
@@ -176,6 +177,17 @@ def _summary_rows(d: dict[str, Any]) -> list[tuple[str, str]]:
         ("predicted step", (f"{d['step_us']:.1f} µs  →  {d['tok_s']:.1f} tok/s, "
                            f"{d['sol_fraction']:.1%} of SOL")),
     ]
+
+
+def _expert_down_row(d: dict[str, Any]) -> str:
+    """The rows of the expert-down tiles where not the tiling rule's (LowerOptions.expert_down_rows),
+    and who chose them (plan.py)."""
+    a = d.get("attention_sms") or {}
+    row = f"tiles of {d['lowering']['expert_down_rows']} rows"
+    if "expert_down_rows" in a:  # a tuning entry named them
+        timed = ", ".join(f"{k}: {v:.1f}" for k, v in a.get("expert_down_rows_measured_us", {}).items())
+        return row + f"; measured fastest by {a.get('expert_down_rows_by', '?')} (step µs by rows, 0: the rule: {timed})"
+    return row + ", as asked"
 
 
 def _layer_end_row(d: dict[str, Any]) -> str:
