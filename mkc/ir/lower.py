@@ -99,9 +99,10 @@ class LowerOptions:
     # run beside the last gate/up tiles (BENCHMARKS.md). ().
     expert_up_rows: tuple[int, ...] = ()
     # rows per expert-down tile; 0: the tiling rule's (about one tile per SM over every slot: North
-    # Mini Code at batch 1, 16 tiles of 128 rows per slot). Smaller tiles (a multiple of 16; the last
-    # may be shorter) spread the down projection of the slots whose gate/up tiles end last over more
-    # SMs, at more hand-offs in all.
+    # Mini Code at batch 1, 16 tiles of 128 rows per slot; at batch 8, 2 of 1024). Smaller tiles (a
+    # multiple of 16; the last may be shorter) spread the down projection of the slots whose gate/up
+    # tiles end last over more SMs, at more hand-offs in all. A tuning entry may name it per point
+    # (plan.py: EXPERT_DOWN_ROWS; North Mini Code at batch 8, 256 rows; docs/tiling.md).
     expert_down_rows: int = 0
 
     def check(self) -> None:

@@ -99,7 +99,11 @@ class Ceilings:
     # attention split waits for the router tiles, reads the logits and ranks them first (a batch-1
     # profile of 2026-12-03 18:57 UTC: 3.6 µs from its SM free to its wait's end, against 1.5 µs
     # after an expert gate/up tile). With it the list scheduler weighs that placement (scheduler.py,
-    # rule 2); 0: every SM alike.
+    # rule 2); 0: every SM alike. Measured on an H200 (schedule_variants.py, 2026-12-03 20:33 UTC,
+    # three rounds at batch 1, two at 2 and 8, µs default / 2.5 / 4.0): batch 1 2408.7 / 2483.2 /
+    # 2456.2, 2409.9 / 2460.5 / 2453.9, 2405.2 / 2442.9 / 2448.0 (+1.6% to +3.1%: fewer tiles derive
+    # the routing, 1,200 → 1,020 of 6,144 at 2.5, but they queue behind busier SMs); batch 2 and 8
+    # ties. So 0.
     routing_derive_us: float = 0.0
 
 
