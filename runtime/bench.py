@@ -395,6 +395,7 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
     from mkc.schedule import tuning
     from mkc.schedule.plan import (
         DEFAULT_LOWERING,
+        EXPERT_DOWN_ROWS,
         GLOBAL_ATTENTION_SMS,
         INPUTS_FIRST,
         INPUTS_FIRST_CANDIDATES,
@@ -504,7 +505,10 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
     # ties: fewer splits in the global layers, then the count chosen first
     chosen, wide_sms = min(wide, key=lambda p: (wide[p], p[1], p[0] != best))
     measured = {a: median((a, 0.0, False, False, False, 0)) for a in candidates}
-    path = tuning.record(tuning.tuning_key(spec, batch, context, sms, page_size), {
+    key = tuning.tuning_key(spec, batch, context, sms, page_size)
+    # what another tool measured and --tune does not time (the expert-down tile rows, plan.py) stays
+    kept = {k: v for k, v in (tuning.lookup(key) or {}).items() if k.startswith(EXPERT_DOWN_ROWS)}
+    path = tuning.record(key, {**kept,
         "attention_sms": chosen, "measured_us": {str(a): round(t, 1) for a, t in measured.items()},
         INPUTS_FIRST: raise_us, SPLITS_FIRST: splits_first,
         INPUTS_FIRST + "_measured_us": {(SPLITS_FIRST_KEY if splits else f"{us:g}"): round(t, 1)

@@ -160,6 +160,21 @@ def test_tune_times_every_candidate_and_records_the_fastest(tiny, tuning_file, m
     assert plan(tiny, 2, 40, 16, global_attention_sms=0).meta["global_attention_sms"] == 0
 
 
+def test_tune_keeps_the_expert_down_rows_another_tool_measured(tiny, tuning_file, monkeypatch):
+    """mkc bench --tune rewrites its point's entry but keeps the expert-down tile rows (and who
+    measured them), which it does not time itself."""
+    monkeypatch.setattr(bench, "_megakernel_row", lambda spec, w, b, c, *, attention_sms, **kw: bench.row(
+        "mkc", b, c, [1e-4 * (1 + abs(attention_sms - 4))], 10**6, 4e12))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    key = tuning.tuning_key(tiny, 2, 40, 16)
+    tuning.record(key, {**entry(8), "expert_down_rows": 16, "expert_down_rows_by": "a test",
+                        "expert_down_rows_measured_us": {"0": 2.0, "16": 1.0}})
+    assert bench.tune_attention_sms(tiny, {}, 2, 40, sms=16, bw=4e12, reps=3, log=lambda line: None) == 4
+    rec = json.loads(tuning_file.read_text())[key]
+    assert rec["attention_sms"] == 4 and rec["expert_down_rows"] == 16 and rec["expert_down_rows_by"] == "a test"
+    assert rec["expert_down_rows_measured_us"] == {"0": 2.0, "16": 1.0}
+
+
 def test_tune_rounds_time_each_decisions_options_in_turn(tiny, tuning_file, monkeypatch):
     """--tune-rounds 2: every decision times its options in turn twice, the second time in reverse
     order (runtime/bench.py: in_turn), the option chosen before included (a decision with one
