@@ -83,11 +83,11 @@ GLOBAL_ATTENTION_SMS = "global_attention_sms"
 # ... and the rows of the expert-down tiles (LowerOptions.expert_down_rows, 0: the tiling rule), where
 # an entry names them: not timed by mkc bench --tune (which keeps them when it rewrites the entry),
 # so an entry has them only from another tool, which it names under EXPERT_DOWN_ROWS + "_by" with
-# the times under EXPERT_DOWN_ROWS + "_measured_us" ("0" for the rule). North Mini Code at batch 8 and 8K: 256 rows (eight tiles per
-# slot instead of the rule's two of 1024) measured faster in five rounds of five (H200, 2026-12-03
-# 21:07-21:19 UTC, benchmarks/schedule_variants.py: medians 8511.4 against 8638.7 µs), 192 and 512
-# slower; at batch 1 and 4 finer tiles measured slower, and at batch 4 coarser ones (1024 rows) tied
-# (BENCHMARKS.md).
+# the times under EXPERT_DOWN_ROWS + "_measured_us" ("0" for the rule). North Mini Code at batch 8
+# and 8K: 256 rows (eight tiles per slot instead of the rule's two of 1024) measured faster in five
+# rounds of five (H200, 2026-12-03 21:07-21:19 UTC, benchmarks/schedule_variants.py: medians 8511.4
+# against 8638.7 µs), 192 and 512 slower; at batch 1 and 4 finer tiles measured slower, and at batch
+# 4 coarser ones (1024 rows) tied (BENCHMARKS.md).
 EXPERT_DOWN_ROWS = "expert_down_rows"
 DEFAULT_LOWERING = {f.name: f.default for f in dataclasses.fields(LowerOptions) if f.name in LOWERING_CHOICES}
 
