@@ -173,8 +173,12 @@ def main() -> None:
         tokens = bench_tokens(spec, batch)
         positions = torch.full((batch,), a.context - 1, dtype=torch.int32)
         ref = None
+        plans = {}  # each variant planned once (planning is deterministic; it takes seconds per plan)
         for att, lowering, name in in_turn(variants, a.rounds):
-            sc = plan(spec, batch, a.context, sms, attention_sms=att, ceilings=VARIANTS[name], **lowering)
+            key = repr((att, sorted(lowering.items()), name))
+            if key not in plans:
+                plans[key] = plan(spec, batch, a.context, sms, attention_sms=att, ceilings=VARIANTS[name], **lowering)
+            sc = plans[key]
             label = f"{sc.meta['attention_sms']['chosen']}" + (" (auto)" if att is None else "")
             label += f", rope in splits {'yes' if lowering['rope_in_splits'] else 'no'}, mlp share {lowering['mlp_share']}"
             label += f" x {lowering['mlp_waves']}"

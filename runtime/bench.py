@@ -396,6 +396,7 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
     from mkc.schedule.plan import (
         DEFAULT_LOWERING,
         EXPERT_DOWN_ROWS,
+        EXPERT_UP_ROWS,
         GLOBAL_ATTENTION_SMS,
         INPUTS_FIRST,
         INPUTS_FIRST_CANDIDATES,
@@ -506,8 +507,8 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
     chosen, wide_sms = min(wide, key=lambda p: (wide[p], p[1], p[0] != best))
     measured = {a: median((a, 0.0, False, False, False, 0)) for a in candidates}
     key = tuning.tuning_key(spec, batch, context, sms, page_size)
-    # what another tool measured and --tune does not time (the expert-down tile rows, plan.py) stays
-    kept = {k: v for k, v in (tuning.lookup(key) or {}).items() if k.startswith(EXPERT_DOWN_ROWS)}
+    # what another tool measured and --tune does not time (the expert tiles' rows, plan.py) stays
+    kept = {k: v for k, v in (tuning.lookup(key) or {}).items() if k.startswith((EXPERT_DOWN_ROWS, EXPERT_UP_ROWS))}
     path = tuning.record(key, {**kept,
         "attention_sms": chosen, "measured_us": {str(a): round(t, 1) for a, t in measured.items()},
         INPUTS_FIRST: raise_us, SPLITS_FIRST: splits_first,

@@ -571,6 +571,18 @@ def test_nmc_expert_tiles_of_two_sizes_match_mirror(nmc_weights, num_sms, batch,
     check_rerun_and_mirror(dec, spec, weights, batch, context, f"NMC expert tiles 80/48 b{batch} ctx {context}")
 
 
+@pytest.mark.parametrize("batch, context, rows", [(4, 100, 128), (4, 8192, 128), (1, 8192, 96)])
+def test_nmc_expert_up_rows_match_mirror(nmc_weights, num_sms, batch, context, rows):
+    """LowerOptions.expert_up_rows of one size: each slot's expert gate/up tiles of 128 rows (8 row
+    groups, batch 4's tuned tiling at 8K, asked for here whatever the tuning table says) and of 96
+    (6 groups). The same checks as the default lowering, and reruns bitwise the same."""
+    spec, weights = nmc_weights
+    up = (rows,) * (spec.moe.intermediate // rows)
+    dec = nmc_decoder(spec, weights, batch, context, num_sms, expert_up_rows=up)
+    assert {t.arg("rows") for t in dec.schedule.tasks if t.op.name == "EXPERT_SWIGLU"} == {rows}
+    check_rerun_and_mirror(dec, spec, weights, batch, context, f"NMC expert gate/up tiles of {rows} rows b{batch} ctx {context}")
+
+
 @pytest.mark.parametrize("batch, context, rows", [(1, 8192, 64), (1, 100, 96), (4, 8192, 64), (4, 8192, 256)])
 def test_nmc_expert_down_rows_match_mirror(nmc_weights, num_sms, batch, context, rows):
     """LowerOptions.expert_down_rows: expert-down tiles of 64 rows (4 row groups: the GEMV splits k in

@@ -71,6 +71,34 @@ def test_an_entrys_expert_down_rows_are_planned_unless_asked_otherwise(tiny, tun
     assert {t.arg("rows") for t in plan(tiny, 2, 40, 16).tasks if t.op == Opcode.EXPERT_DOWN} == rule
 
 
+def test_an_entrys_expert_up_rows_are_planned_unless_asked_otherwise(tiny, tuning_file):
+    """An entry that names each slot's expert gate/up tile rows lowers with them and says who chose
+    them; an explicit choice (or fused expert tiles) wins, and rows that are no multiples of 16 or
+    do not add up to the expert intermediate size are ignored (the rule)."""
+    from mkc.schedule.visualize import format_summary, summary
+
+    inter = tiny.moe.intermediate
+    up_rows = lambda sc: sorted(t.arg("rows") for t in sc.tasks if t.op == Opcode.EXPERT_SWIGLU
+                                and t.layer == 1 and t.arg("slot") == 0)
+    rule = up_rows(plan(tiny, 2, 40, 16))
+    rows = [16] * (inter // 16)
+    assert rule != rows
+    key = tuning.tuning_key(tiny, 2, 40, 16)
+    tuning.record(key, {**entry(4), "expert_up_rows": rows, "expert_up_rows_by": "schedule_variants.py, a test",
+                        "expert_up_rows_measured_us": {"rule": 110.0, f"16x{len(rows)}": 100.0}})
+    sc = plan(tiny, 2, 40, 16)
+    assert up_rows(sc) == rows and sc.meta["expert_up_rows"] == tuple(rows)
+    assert sc.meta["attention_sms"]["expert_up_rows_by"] == "schedule_variants.py, a test"
+    assert (f"each slot's rows in {len(rows)} tiles of 16; measured fastest by schedule_variants.py, a test"
+            in format_summary(summary(sc, tiny)))
+    assert up_rows(plan(tiny, 2, 40, 16, expert_up_rows=())) == rule
+    fused = plan(tiny, 2, 40, 16, residual_in_o_proj=True, fused_experts=True)
+    assert fused.meta["expert_up_rows"] == () and "expert_up_rows" not in fused.meta["attention_sms"]
+    for bad in ([24] * 2 + [16] * ((inter - 48) // 16), [16] * (inter // 16 + 1), "16x4", [True] * 4):
+        tuning.record(key, {**entry(4), "expert_up_rows": bad})
+        assert up_rows(plan(tiny, 2, 40, 16)) == rule, bad
+
+
 def test_a_changed_model_does_not_match_old_records(tiny, tuning_file):
     import dataclasses
 
@@ -160,19 +188,23 @@ def test_tune_times_every_candidate_and_records_the_fastest(tiny, tuning_file, m
     assert plan(tiny, 2, 40, 16, global_attention_sms=0).meta["global_attention_sms"] == 0
 
 
-def test_tune_keeps_the_expert_down_rows_another_tool_measured(tiny, tuning_file, monkeypatch):
-    """mkc bench --tune rewrites its point's entry but keeps the expert-down tile rows (and who
-    measured them), which it does not time itself."""
+def test_tune_keeps_the_expert_tile_rows_another_tool_measured(tiny, tuning_file, monkeypatch):
+    """mkc bench --tune rewrites its point's entry but keeps the expert-down and gate/up tile rows
+    (and who measured them), which it does not time itself."""
     monkeypatch.setattr(bench, "_megakernel_row", lambda spec, w, b, c, *, attention_sms, **kw: bench.row(
         "mkc", b, c, [1e-4 * (1 + abs(attention_sms - 4))], 10**6, 4e12))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
     key = tuning.tuning_key(tiny, 2, 40, 16)
+    up = [16] * (tiny.moe.intermediate // 16)
     tuning.record(key, {**entry(8), "expert_down_rows": 16, "expert_down_rows_by": "a test",
-                        "expert_down_rows_measured_us": {"0": 2.0, "16": 1.0}})
+                        "expert_down_rows_measured_us": {"0": 2.0, "16": 1.0},
+                        "expert_up_rows": up, "expert_up_rows_by": "a test", "expert_up_rows_measured_us": {"rule": 2.0}})
     assert bench.tune_attention_sms(tiny, {}, 2, 40, sms=16, bw=4e12, reps=3, log=lambda line: None) == 4
     rec = json.loads(tuning_file.read_text())[key]
     assert rec["attention_sms"] == 4 and rec["expert_down_rows"] == 16 and rec["expert_down_rows_by"] == "a test"
     assert rec["expert_down_rows_measured_us"] == {"0": 2.0, "16": 1.0}
+    assert rec["expert_up_rows"] == up and rec["expert_up_rows_by"] == "a test"
+    assert rec["expert_up_rows_measured_us"] == {"rule": 2.0}
 
 
 def test_tune_rounds_time_each_decisions_options_in_turn(tiny, tuning_file, monkeypatch):

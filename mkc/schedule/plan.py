@@ -89,6 +89,14 @@ GLOBAL_ATTENTION_SMS = "global_attention_sms"
 # against 8638.7 µs), 192 and 512 slower; at batch 1 and 4 finer tiles measured slower, and at batch
 # 4 coarser ones (1024 rows) tied (BENCHMARKS.md).
 EXPERT_DOWN_ROWS = "expert_down_rows"
+# ... and the rows of each routing slot's expert gate/up tiles (LowerOptions.expert_up_rows, as a
+# list adding up to the expert intermediate size; empty: the tiling rule's equal tiles), kept and
+# named like the expert-down rows (EXPERT_UP_ROWS + "_by", "_measured_us" by SIZExCOUNT terms,
+# "rule" for the rule). North Mini Code at batch 4 and 8K: six tiles of 128 rows per slot instead
+# of the rule's four of 192 measured faster in six rounds of six (H200, 2026-12-04 16:50-16:55 UTC,
+# benchmarks/schedule_variants.py: 5290.1-5342.9 against 5346.0-5392.9 µs); 64, 96 and 256 rows
+# slower or tied there, and other sizes slower at batch 1, 2 and 8 (BENCHMARKS.md).
+EXPERT_UP_ROWS = "expert_up_rows"
 DEFAULT_LOWERING = {f.name: f.default for f in dataclasses.fields(LowerOptions) if f.name in LOWERING_CHOICES}
 
 
@@ -163,6 +171,7 @@ def plan_choices(spec: ModelSpec, batch: int, context: int, num_sms: int, page_s
     given_fold = RESIDUAL_IN_O_PROJ in lowering
     given_global = GLOBAL_ATTENTION_SMS in lowering
     given_down = EXPERT_DOWN_ROWS in lowering
+    given_up = EXPERT_UP_ROWS in lowering
     lowering = lowering_choices(lowering)
     how: dict[str, Any] = {"chosen_by": "asked", "probe_predicted_us": {}}
     if attention_sms is not None:
@@ -208,7 +217,23 @@ def plan_choices(spec: ModelSpec, batch: int, context: int, num_sms: int, page_s
         how[EXPERT_DOWN_ROWS] = rows
         how[EXPERT_DOWN_ROWS + "_measured_us"] = measured.get(EXPERT_DOWN_ROWS + "_measured_us", {})
         how[EXPERT_DOWN_ROWS + "_by"] = measured.get(EXPERT_DOWN_ROWS + "_by", "?")
+    up = measured_up_rows(spec, measured.get(EXPERT_UP_ROWS))
+    if not given_up and up and not lowering["fused_experts"]:  # fused tiles keep equal parts (LowerOptions)
+        how[EXPERT_UP_ROWS] = up
+        how[EXPERT_UP_ROWS + "_measured_us"] = measured.get(EXPERT_UP_ROWS + "_measured_us", {})
+        how[EXPERT_UP_ROWS + "_by"] = measured.get(EXPERT_UP_ROWS + "_by", "?")
     return int(measured["attention_sms"]), ceilings, how
+
+
+def measured_up_rows(spec: ModelSpec, rows: object) -> tuple[int, ...]:
+    """A tuning entry's expert gate/up tile rows as LowerOptions.expert_up_rows, where they are a
+    list of positive multiples of 16 adding up to the model's expert intermediate size; else ()
+    (the tiling rule: an entry of another model shape or a hand-edited one is not applied)."""
+    if not (isinstance(rows, list) and rows and spec.moe is not None):
+        return ()
+    if not all(isinstance(r, int) and not isinstance(r, bool) and r > 0 and r % 16 == 0 for r in rows):
+        return ()
+    return tuple(rows) if sum(rows) == spec.moe.intermediate else ()
 
 
 def plan(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int = 0, kv_pages: int = 0,
@@ -224,7 +249,7 @@ def plan(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int
     attention_sms, ceilings, how = plan_choices(spec, batch, context, num_sms, page_size, kv_pages, attention_sms,
                                                 ceilings, **lowering)
     lowering = lowering_choices(lowering)
-    for choice in (RESIDUAL_IN_O_PROJ, GLOBAL_ATTENTION_SMS, EXPERT_DOWN_ROWS):
+    for choice in (RESIDUAL_IN_O_PROJ, GLOBAL_ATTENTION_SMS, EXPERT_DOWN_ROWS, EXPERT_UP_ROWS):
         if choice in how:  # measured at this point (plan_choices)
             lowering[choice] = how[choice]
     program = lower(spec, batch, context, num_sms, page_size, kv_pages, attention_sms=attention_sms, **lowering)

@@ -18,6 +18,7 @@ import dataclasses
 import hashlib
 import importlib.metadata
 import importlib.resources
+import itertools
 import json
 import os
 import platform
@@ -169,6 +170,7 @@ def _summary_rows(d: dict[str, Any]) -> list[tuple[str, str]]:
         *([("attention SMs", _attention_sms_row(d))] if d.get("attention_sms") else []),
         *([("global layers", _global_attention_row(d))] if d.get("lowering", {}).get("global_attention_sms") else []),
         ("layer end", _layer_end_row(d)),
+        *([("expert gate/up", _expert_up_row(d))] if d.get("lowering", {}).get("expert_up_rows") else []),
         *([("expert-down", _expert_down_row(d))] if d.get("lowering", {}).get("expert_down_rows") else []),
         ("critical path", f"{d['critical_path_tasks']} tasks, {d['critical_path_us']:.1f} µs"),
         ("bytes read", (f"{_fmt_bytes(d['bytes'])}  (weights {_fmt_bytes(d['weight_bytes'])}, "
@@ -177,6 +179,19 @@ def _summary_rows(d: dict[str, Any]) -> list[tuple[str, str]]:
         ("predicted step", (f"{d['step_us']:.1f} µs  →  {d['tok_s']:.1f} tok/s, "
                            f"{d['sol_fraction']:.1%} of SOL")),
     ]
+
+
+def _expert_up_row(d: dict[str, Any]) -> str:
+    """The rows of each slot's expert gate/up tiles where not the tiling rule's
+    (LowerOptions.expert_up_rows), and who chose them (plan.py)."""
+    a = d.get("attention_sms") or {}
+    runs = [(size, len(list(run))) for size, run in itertools.groupby(d["lowering"]["expert_up_rows"])]
+    row = "each slot's rows in " + " + ".join(f"{n} {'tiles ' if i == 0 else ''}of {size}"
+                                             for i, (size, n) in enumerate(runs))
+    if "expert_up_rows" in a:  # a tuning entry named them
+        timed = ", ".join(f"{k}: {v:.1f}" for k, v in a.get("expert_up_rows_measured_us", {}).items())
+        return row + f"; measured fastest by {a.get('expert_up_rows_by', '?')} (step µs by rows: {timed})"
+    return row + ", as asked"
 
 
 def _expert_down_row(d: dict[str, Any]) -> str:
