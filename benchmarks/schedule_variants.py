@@ -95,6 +95,14 @@ def chosen(lowering: dict) -> dict:
     return out
 
 
+def late_down(text: str) -> dict[str, int]:
+    """--late-down SLOTSxROWS (or off) as plan's late_slots and late_down_rows."""
+    if text == "off":
+        return {}
+    slots, _, rows = text.partition("x")
+    return {"late_slots": int(slots), "late_down_rows": int(rows)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=str(ROOT / "configs" / "north_mini_code.yaml"))
@@ -129,12 +137,17 @@ def main() -> None:
     ap.add_argument("--global-attention-sms", nargs="+", default=["auto"],
                     help="LowerOptions.global_attention_sms values to lower with (the SMs' worth of splits of the "
                          "layers of global attention; 0: as --attention-sms; auto, the default: the planner's choice)")
-    ap.add_argument("--expert-up-rows", nargs="+", default=["rule"],
-                    help="LowerOptions.expert_up_rows values to lower with: 'rule' (equal tiles) or each slot's tile "
-                         "rows as SIZExCOUNT terms joined by '+', such as 80x6+48x6")
+    ap.add_argument("--expert-up-rows", nargs="+", default=["auto"],
+                    help="LowerOptions.expert_up_rows values to lower with: 'rule' (equal tiles), each slot's tile "
+                         "rows as SIZExCOUNT terms joined by '+', such as 80x6+48x6, or auto, the default (the "
+                         "planner's choice)")
     ap.add_argument("--expert-down-rows", nargs="+", default=["auto"],
                     help="LowerOptions.expert_down_rows values to lower with (0: the tiling rule's expert-down tiles; "
                          "auto, the default: the planner's choice)")
+    ap.add_argument("--late-down", nargs="+", default=["off"],
+                    help="LowerOptions.late_slots and late_down_rows values to lower with, as SLOTSxROWS (the planner "
+                         "gives the SLOTS routing slots of each layer whose expert-down tiles its first schedule ends "
+                         "last tiles of ROWS rows) or off")
     ap.add_argument("--kparts", action="store_true",
                     help="build the kernels with CodegenOptions.gemv_kparts (two-row-set tiles whose row groups leave "
                          "warps idle split k into parts that fill them; for --expert-up-rows of 80 or 48 rows)")
@@ -150,12 +163,12 @@ def main() -> None:
     variants = [(att, chosen({"rope_in_splits": rope == "yes", "mlp_share": share, "mlp_waves": waves,
                               "residual_in_o_proj": fold, "fused_experts": fx == "yes", "qkv_tile_rows": qr,
                               "residual_as_terms": rt == "yes", "global_attention_sms": ga,
-                              "expert_up_rows": () if er == "rule" else profiled.row_list(er),
-                              "expert_down_rows": dr}), name)
+                              "expert_up_rows": er if er == "auto" else () if er == "rule" else profiled.row_list(er),
+                              "expert_down_rows": dr, **late_down(ld)}), name)
                 for att in a.attention_sms for rope in a.rope_in_splits for share in a.mlp_share for waves in a.mlp_waves
                 for fold in a.residual_in_o_proj for fx in a.fused_experts for qr in a.qkv_tile_rows
                 for rt in a.residual_as_terms for ga in a.global_attention_sms for er in a.expert_up_rows
-                for dr in a.expert_down_rows for name in a.variants]
+                for dr in a.expert_down_rows for ld in a.late_down for name in a.variants]
     if a.build_only:
         for batch in a.batch:
             for att, lowering, name in variants:
@@ -191,8 +204,10 @@ def main() -> None:
                 label += ", kparts"
             if sc.meta["expert_down_rows"]:
                 label += f", expert-down tile rows {sc.meta['expert_down_rows']}"
-            if lowering["expert_up_rows"]:
-                label += f", expert tile rows {'+'.join(map(str, lowering['expert_up_rows']))}"
+            if sc.meta["late_slots"] and sc.meta["late_down_rows"]:
+                label += f", late slots {sc.meta['late_slots']} x {sc.meta['late_down_rows']} rows"
+            if sc.meta["expert_up_rows"]:
+                label += f", expert tile rows {'+'.join(map(str, sc.meta['expert_up_rows']))}"
             with decoder_in_place(sc, spec, weights, options=options) as dec:
                 fill_bench_kv(dec, spec)
                 logits, _ = dec.step(tokens, positions)

@@ -449,6 +449,41 @@ def test_expert_down_rows_match_reference(batch, fold):
         _matches_reference(sc, spec, w, batch, 50 + batch, f"expert-down tiles of {rows} rows")
 
 
+@pytest.mark.parametrize("batch, fold", [(2, False), (3, True)])
+def test_late_slots_expert_down_tiles_match_reference(batch, fold):
+    """LowerOptions.late_down_slots: the planner gives each layer's slots whose expert-down tiles its
+    first schedule ends last tiles of late_down_rows (here 16 rows, the others the rule's): the
+    same logits as the dense reference in random interleavings, and the pairs it picked in meta."""
+    from mkc.schedule.plan import plan
+
+    spec = load_spec(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
+    w = random_weights(spec, seed=23, dtype=torch.float32, std=0.1)
+    rule = plan(spec, batch, 64, 8, attention_sms=0, residual_in_o_proj=fold)
+    sc = plan(spec, batch, 64, 8, attention_sms=0, residual_in_o_proj=fold, late_slots=1, late_down_rows=16)
+    moe_layers = sorted({t.layer for t in sc.tasks if t.op == Opcode.EXPERT_DOWN})
+    pairs = sc.meta["late_down_slots"]
+    assert [lay for lay, _ in pairs] == moe_layers  # one slot a layer
+    for layer, slot in pairs:
+        rows = {t.arg("rows") for t in sc.tasks if t.op == Opcode.EXPERT_DOWN and t.layer == layer
+                and t.arg("slot") == slot}
+        others = {t.arg("rows") for t in rule.tasks if t.op == Opcode.EXPERT_DOWN and t.layer == layer
+                  and t.arg("slot") != slot}
+        assert rows == {16} and 16 not in others, (layer, slot, rows, others)
+    _matches_reference(sc, spec, w, batch, 60 + batch, "late slots' expert-down tiles of 16 rows")
+    # planning again with the pairs given (as a compile's meta does) lowers the same tasks
+    again = plan(spec, batch, 64, 8, attention_sms=0, residual_in_o_proj=fold, late_slots=1, late_down_rows=16,
+                 late_down_slots=pairs)
+    assert [t.name for t in again.tasks] == [t.name for t in sc.tasks]
+
+
+def test_late_down_slots_are_checked():
+    tiny = load_spec(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
+    with pytest.raises(SpecError, match="late_down_rows = 40: expected"):
+        lower(tiny, 1, 64, 8, late_slots=2, late_down_rows=40)
+    with pytest.raises(SpecError, match="late_down_slots without late_down_rows"):
+        lower(tiny, 1, 64, 8, late_down_slots=((1, 0),))
+
+
 def test_expert_down_rows_are_checked():
     tiny = load_spec(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
     with pytest.raises(SpecError, match="expert_down_rows = 40: expected 0 \\(the tiling rule\\) or a positive multiple of 16"):

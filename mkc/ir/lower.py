@@ -104,6 +104,13 @@ class LowerOptions:
     # tiles end last over more SMs, at more hand-offs in all. A tuning entry may name it per point
     # (plan.py: EXPERT_DOWN_ROWS; North Mini Code at batch 8, 256 rows; docs/tiling.md).
     expert_down_rows: int = 0
+    # expert-down tiles of `late_down_rows` rows (a multiple of 16; 0: off) for the (layer, slot) pairs
+    # of late_down_slots, the rest as expert_down_rows says: the slots whose down projection runs
+    # last in a layer drain it over more SMs, the others keep tiles of fewer hand-offs. The planner
+    # picks late_slots pairs a layer from a first schedule (plan.py: late_down_slots) unless given.
+    late_slots: int = 0
+    late_down_rows: int = 0
+    late_down_slots: tuple[tuple[int, int], ...] = ()
 
     def check(self) -> None:
         if not 1 <= self.batch <= 8:
@@ -144,6 +151,12 @@ class LowerOptions:
         if self.expert_down_rows < 0 or self.expert_down_rows % 16:
             raise SpecError(f"expert_down_rows = {self.expert_down_rows}: expected 0 (the tiling rule) or a positive "
                             f"multiple of 16 (the GEMV's row group)")
+        if self.late_slots < 0 or self.late_down_rows < 0 or self.late_down_rows % 16:
+            raise SpecError(f"late_slots = {self.late_slots}, late_down_rows = {self.late_down_rows}: expected a slot "
+                            f"count of 0 or more and 0 (off) or a positive multiple of 16 (the GEMV's row group)")
+        if self.late_down_slots and not self.late_down_rows:
+            raise SpecError("late_down_slots without late_down_rows: expected the rows of those slots' expert-down "
+                            "tiles as well")
         if self.expert_up_rows and self.fused_experts:
             raise SpecError("expert_up_rows with fused_experts: the fused tiles keep equal parts: expected one of "
                             "the two")
@@ -547,8 +560,9 @@ class _Lowerer:
                            box(wgu, None, (I + lo, I + hi), None)],
                           [box(h, (j, j + 1), None, (lo, hi))], flops=4 * B * (hi - lo) * H,
                           weight_bytes=2 * (hi - lo) * H * 2)
+        late = {j for lay, j in opt.late_down_slots if lay == layer}
         for j in range(slots):
-            for lo, hi in tiles(H, down_tile):
+            for lo, hi in tiles(H, min(opt.late_down_rows, H) if j in late else down_tile):
                 self.emit(Opcode.EXPERT_DOWN, layer, f"{P}.expert_down[slot{j}][{lo}:{hi}]",
                           {"h": h, "weight": wd, "logits": rl, "out": out},
                           {"slot": j, "row0": lo, "rows": hi - lo},
@@ -615,7 +629,8 @@ def lower(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: in
     other LowerOptions fields (rope_in_splits, mlp_share, mlp_waves, residual_in_o_proj, ...)."""
     opt = LowerOptions(batch=batch, context=context, num_sms=num_sms, page_size=page_size, kv_pages=kv_pages,
                        attention_sms=attention_sms, **choices)
-    opt = dataclasses.replace(opt, expert_up_rows=tuple(opt.expert_up_rows))  # a list from JSON or a CLI
+    opt = dataclasses.replace(opt, expert_up_rows=tuple(opt.expert_up_rows),  # a list from JSON or a CLI
+                              late_down_slots=tuple((int(lay), int(j)) for lay, j in opt.late_down_slots))
     opt.check()
     if opt.expert_up_rows and spec.moe is None:
         raise SpecError(f"expert_up_rows = {opt.expert_up_rows}: {spec.name} has no routed experts")

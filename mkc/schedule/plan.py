@@ -50,7 +50,7 @@ from mkc.schedule.scheduler import schedule
 # for them.
 LOWERING_CHOICES = ("rope_in_splits", "mlp_share", "mlp_waves", "residual_in_o_proj", "fused_experts",
                     "qkv_tile_rows", "residual_as_terms", "global_attention_sms", "expert_up_rows",
-                    "expert_down_rows")
+                    "expert_down_rows", "late_slots", "late_down_rows", "late_down_slots")
 # A tuning entry's measured Ceilings.attention_inputs_first_us for its point (mkc bench --tune times
 # the fastest attention-SM count with and without the raise and records the faster), and the times
 # under INPUTS_FIRST + "_measured_us".
@@ -254,6 +254,28 @@ def plan(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int
             lowering[choice] = how[choice]
     program = lower(spec, batch, context, num_sms, page_size, kv_pages, attention_sms=attention_sms, **lowering)
     sc = schedule(program, spec.name, ceilings)
+    if lowering["late_slots"] and lowering["late_down_rows"] and not lowering["late_down_slots"]:
+        lowering["late_down_slots"] = late_down_slots(sc, int(lowering["late_slots"]))
+        program = lower(spec, batch, context, num_sms, page_size, kv_pages, attention_sms=attention_sms, **lowering)
+        sc = schedule(program, spec.name, ceilings)
     sc.meta["attention_sms"] = {"chosen": attention_sms, **how}
     sc.meta.update(lowering)
     return sc
+
+
+def late_down_slots(sc: Schedule, count: int) -> tuple[tuple[int, int], ...]:
+    """The (layer, slot) pairs of LowerOptions.late_down_slots: in each layer, the ``count`` routing
+    slots whose expert-down tiles the schedule ``sc`` predicts to end last (ties: the higher slot).
+    A layer's last slots are not the last in program order: the list scheduler runs a second wave
+    of gate/up tiles behind the first, and the down tiles of the first wave's slots queue behind
+    those (North Mini Code at batch 4: slots 15-28 of 32, on an H200 and in the prediction alike)."""
+    ends: dict[tuple[int, int], float] = {}
+    for t, end in zip(sc.tasks, sc.predicted["end_us"]):
+        if t.op.name == "EXPERT_DOWN":
+            key = (t.layer, int(t.arg("slot")))
+            ends[key] = max(ends.get(key, 0.0), end)
+    pairs: list[tuple[int, int]] = []
+    for layer in sorted({lay for lay, _ in ends}):
+        slots = sorted((j for lay, j in ends if lay == layer), key=lambda j: (-ends[layer, j], -j))
+        pairs += [(layer, j) for j in sorted(slots[:count])]
+    return tuple(pairs)
