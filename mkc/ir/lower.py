@@ -96,7 +96,8 @@ class LowerOptions:
     # 2591.4): in its profile the tiles behind a QKV tile ended 1.4 µs sooner and the larger ones
     # 4.3 µs later, so the stage ended no sooner, and every slot then ends with its largest tiles,
     # where with equal tiles the slots first on their SMs end ~6 µs early and their expert-down tiles
-    # run beside the last gate/up tiles (BENCHMARKS.md). ().
+    # run beside the last gate/up tiles (BENCHMARKS.md). A tuning entry may name them per point
+    # (plan.py: EXPERT_UP_ROWS; North Mini Code at batch 4 and 8K: six tiles of 128 rows). ().
     expert_up_rows: tuple[int, ...] = ()
     # rows per expert-down tile; 0: the tiling rule's (about one tile per SM over every slot: North
     # Mini Code at batch 1, 16 tiles of 128 rows per slot; at batch 8, 2 of 1024). Smaller tiles (a
@@ -108,6 +109,9 @@ class LowerOptions:
     # of late_down_slots, the rest as expert_down_rows says: the slots whose down projection runs
     # last in a layer drain it over more SMs, the others keep tiles of fewer hand-offs. The planner
     # picks late_slots pairs a layer from a first schedule (plan.py: late_down_slots) unless given.
+    # Off: on an H200 (2026-12-04 17:12 UTC, BENCHMARKS.md) 8 or 16 of batch 4's 32 slots at 256 rows
+    # were 1-4% slower, 2 of batch 1's 8 at 64 rows 3-5%, 16 of batch 8's 64 at 128 rows 0.4-1.4%,
+    # and 4 of batch 2's 16 at 128 rows tied.
     late_slots: int = 0
     late_down_rows: int = 0
     late_down_slots: tuple[tuple[int, int], ...] = ()

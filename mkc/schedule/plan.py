@@ -93,8 +93,8 @@ EXPERT_DOWN_ROWS = "expert_down_rows"
 # list adding up to the expert intermediate size; empty: the tiling rule's equal tiles), kept and
 # named like the expert-down rows (EXPERT_UP_ROWS + "_by", "_measured_us" by SIZExCOUNT terms,
 # "rule" for the rule). North Mini Code at batch 4 and 8K: six tiles of 128 rows per slot instead
-# of the rule's four of 192 measured faster in six rounds of six (H200, 2026-12-04 16:50-16:55 UTC,
-# benchmarks/schedule_variants.py: 5290.1-5342.9 against 5346.0-5392.9 µs); 64, 96 and 256 rows
+# of the rule's four of 192 measured faster in nine rounds of nine (H200, 2026-12-04 16:50-16:59
+# UTC, benchmarks/schedule_variants.py: means 5311.0 against 5356.8 µs); 64, 96, 256 and 384 rows
 # slower or tied there, and other sizes slower at batch 1, 2 and 8 (BENCHMARKS.md).
 EXPERT_UP_ROWS = "expert_up_rows"
 DEFAULT_LOWERING = {f.name: f.default for f in dataclasses.fields(LowerOptions) if f.name in LOWERING_CHOICES}
