@@ -80,6 +80,11 @@ VARIANTS = {
     # the cost of deriving it elsewhere; a point's measured raise and spread apply with it)
     "routing-aware": dataclasses.replace(H200, routing_derive_us=2.5),
     "routing-aware-4": dataclasses.replace(H200, routing_derive_us=4.0),
+    # the attention combines and the O-projection tiles that read them this many µs earlier in the
+    # list scheduler's order (Ceilings.attention_tail_first_us; a tuned raise and spread apply too)
+    "tail-first-5": dataclasses.replace(H200, attention_tail_first_us=5.0),
+    "tail-first-20": dataclasses.replace(H200, attention_tail_first_us=20.0),
+    "tail-first-100": dataclasses.replace(H200, attention_tail_first_us=100.0),
 }
 
 

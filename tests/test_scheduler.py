@@ -229,3 +229,48 @@ def test_expert_down_placed_where_the_routing_is_held():
     assert deriving(aware) < deriving(default)
     assert sorted(t for q in aware.queues for t in q) == list(range(len(prog.tasks)))
     assert validate(aware) == []
+
+
+def test_priority_order_is_the_rank_order_where_the_rank_falls_along_every_edge():
+    """scheduler.priority_order over the upward rank gives the order the list scheduler sorts by
+    (the rank falls along every edge), and over keys that do not, a topological order still."""
+    from mkc.schedule.cost import task_time
+    from mkc.schedule.scheduler import priority_order, upward_rank
+
+    spec = load_spec("configs/tiny.yaml")
+    prog = lower(spec, 2, 64, 8)
+    g = prog.graph
+    rank = upward_rank(g, [task_time(t, 8) for t in prog.tasks])
+    assert priority_order(g, rank) == sorted(range(len(rank)), key=lambda i: (-rank[i], i))
+    flipped = priority_order(g, [-r for r in rank])  # every successor keyed above its predecessors
+    place = {n: i for i, n in enumerate(flipped)}
+    assert sorted(flipped) == list(range(len(rank)))
+    assert all(place[a] < place[b] for a, b in g.edges)
+
+
+def test_attention_tail_placed_ahead_of_the_expert_down_tiles():
+    """Ceilings.attention_tail_first_us: the attention combines and the O-projection tiles that
+    read them come earlier in the list scheduler's order, so at North Mini Code batch 4 the
+    O-projection tiles are predicted to start sooner after their layer's first combine ends; every
+    task is placed once and the validator accepts the schedule."""
+    import dataclasses
+    import statistics
+
+    from mkc.schedule.cost import H200
+    from mkc.schedule.validator import validate
+
+    spec = load_spec("configs/north_mini_code.yaml")
+    prog = lower(spec, 4, 8192, 132, attention_sms=64)
+    combines = [t for t in prog.tasks if t.op.name == "ATTN_COMBINE"]
+    tail = {s for c in combines for s in prog.graph.successors(c.id)}
+
+    def o_proj_delay(sc: Schedule) -> float:
+        start, end = sc.predicted["start_us"], sc.predicted["end_us"]
+        return statistics.mean(start[s] - max(end[p] for p in prog.graph.predecessors(s)) for s in tail)
+
+    base = dataclasses.replace(H200, attention_inputs_first_us=100.0, spread_siblings=True)
+    default = schedule(prog, spec.name, base)
+    first = schedule(prog, spec.name, dataclasses.replace(base, attention_tail_first_us=20.0))
+    assert o_proj_delay(first) < o_proj_delay(default)
+    assert sorted(t for q in first.queues for t in q) == list(range(len(prog.tasks)))
+    assert validate(first) == []

@@ -105,6 +105,13 @@ class Ceilings:
     # the routing, 1,200 → 1,020 of 6,144 at 2.5, but they queue behind busier SMs); batch 2 and 8
     # ties. So 0.
     routing_derive_us: float = 0.0
+    # µs added to the place in the list scheduler's order (not to the upward rank, so their inputs
+    # keep theirs) of the attention branch's tail: the attention combines and the tasks that read
+    # them (the O-projection tiles), so that they take the SMs that go idle first once the splits
+    # are merged instead of queueing behind the expert-down tiles placed before them (a batch-4
+    # profile, 2026-12-04 17:04 UTC: the O-projection tiles' inputs ready 84.3 µs into a layer,
+    # their SMs free at 93.2). The order stays topological (scheduler.py). 0: off.
+    attention_tail_first_us: float = 0.0
 
 
 H200 = Ceilings()

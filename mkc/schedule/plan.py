@@ -189,8 +189,10 @@ def plan_choices(spec: ModelSpec, batch: int, context: int, num_sms: int, page_s
     # tiles measured at this point (an entry without them: the ceilings' own), unless the caller
     # asked for other ceilings
     first, spread = measured.get(INPUTS_FIRST), measured.get(SPREAD)
-    # (the routing's placement cost is a separate lever: an entry's raise and spread apply with it)
-    default_ceilings = dataclasses.replace(ceilings, routing_derive_us=H200.routing_derive_us) == H200
+    # (the routing's placement cost and the attention tail's place are separate levers: an entry's
+    # raise and spread apply with them)
+    default_ceilings = dataclasses.replace(ceilings, routing_derive_us=H200.routing_derive_us,
+                                           attention_tail_first_us=H200.attention_tail_first_us) == H200
     if isinstance(first, (int, float)) and default_ceilings:
         ceilings = dataclasses.replace(ceilings, attention_inputs_first_us=float(first))
         how[INPUTS_FIRST] = float(first)

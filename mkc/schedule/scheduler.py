@@ -5,7 +5,10 @@ Rules, in the order they apply:
 1. Priority is the upward rank: a task's predicted time plus the longest chain of predicted
    times after it (the critical path to the end of the step). Ties go to program order. With
    Ceilings.attention_inputs_first_us, the tasks that feed an attention split (and with
-   Ceilings.splits_first the splits too) count that much more.
+   Ceilings.splits_first the splits too) count that much more. With
+   Ceilings.attention_tail_first_us, the attention combines and their consumers come that much
+   earlier in the order, their rank unchanged (their inputs keep theirs), taken in a topological
+   order (priority_order: the ready task of the highest key first).
 2. List scheduling: tasks are taken in priority order (which is a topological order) and each is
    placed on the SM where it can start earliest, preferring, among SMs already idle when its
    inputs are ready, the one that went idle last (it wastes the least). A task's start may
@@ -37,6 +40,7 @@ Deterministic: no randomness, no dict-order dependence beyond insertion order.
 from __future__ import annotations
 
 import bisect
+import heapq
 from collections import defaultdict
 
 import networkx as nx
@@ -54,6 +58,24 @@ def upward_rank(g: nx.DiGraph, cost: list[float]) -> list[float]:
     return rank
 
 
+def priority_order(g: nx.DiGraph, key: list[float]) -> list[int]:
+    """A topological order that takes, among the tasks whose predecessors are all taken, the one of
+    the highest key (ties: program order). Where the keys already fall along every edge (the upward
+    rank), it is the order of the keys themselves."""
+    left = [g.in_degree(n) for n in range(len(key))]
+    ready = [(-key[n], n) for n in range(len(key)) if left[n] == 0]
+    heapq.heapify(ready)
+    order: list[int] = []
+    while ready:
+        _, n = heapq.heappop(ready)
+        order.append(n)
+        for s in g.successors(n):
+            left[s] -= 1
+            if left[s] == 0:
+                heapq.heappush(ready, (-key[s], s))
+    return order
+
+
 def schedule(program: Program, model: str, ceilings: Ceilings = H200) -> Schedule:
     g = program.graph
     assert g is not None, "derive_edges first"
@@ -66,7 +88,13 @@ def schedule(program: Program, model: str, ceilings: Ceilings = H200) -> Schedul
     raised = [boost > 0 and (any(tasks[s].op.name == "ATTN_SPLIT" for s in g.successors(t.id))
                              or (ceilings.splits_first and t.op.name == "ATTN_SPLIT")) for t in tasks]
     rank = upward_rank(g, [c + (boost if r else 0.0) for c, r in zip(cost, raised)])
-    order = sorted(range(len(tasks)), key=lambda i: (-rank[i], i))
+    tail = ceilings.attention_tail_first_us * 1e-6
+    if tail > 0:
+        tail_tasks = {t.id for t in tasks if t.op.name == "ATTN_COMBINE"}
+        tail_tasks |= {s for c in tail_tasks for s in g.successors(c)}
+        order = priority_order(g, [rank[i] + (tail if i in tail_tasks else 0.0) for i in range(len(tasks))])
+    else:
+        order = sorted(range(len(tasks)), key=lambda i: (-rank[i], i))
 
     # list scheduling; free = sorted list of (time the SM goes idle, sm)
     free: list[tuple[float, int]] = [(0.0, sm) for sm in range(n_sm)]
