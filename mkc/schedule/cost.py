@@ -110,7 +110,11 @@ class Ceilings:
     # them (the O-projection tiles), so that they take the SMs that go idle first once the splits
     # are merged instead of queueing behind the expert-down tiles placed before them (a batch-4
     # profile, 2026-12-04 17:04 UTC: the O-projection tiles' inputs ready 84.3 µs into a layer,
-    # their SMs free at 93.2). The order stays topological (scheduler.py). 0: off.
+    # their SMs free at 93.2). The order stays topological (scheduler.py). Measured on an H200
+    # (schedule_variants.py, 2026-12-04 17:21 UTC, µs against the default in the same rounds):
+    # batch 4 at 5 / 20 / 100 µs +0.3-1.2% / +1.5-2.3% / +13%, batch 8 at 20 +1.8%, batch 2 +7%,
+    # batch 1 a tie: an O-projection tile ahead of an expert-down tile on its SM delays that tile,
+    # and the drain of the down projection is the layer's tail too. So 0.
     attention_tail_first_us: float = 0.0
 
 
