@@ -159,7 +159,8 @@ def test_tune_times_every_candidate_and_records_the_fastest(tiny, tuning_file, m
     # what the counts were timed with
     assert rec["lowering"] == {"rope_in_splits": True, "mlp_share": "bytes", "mlp_waves": 1, "residual_in_o_proj": False,
                                "fused_experts": False, "qkv_tile_rows": 0, "residual_as_terms": False,
-                               "global_attention_sms": 0, "expert_up_rows": [], "expert_down_rows": 0}
+                               "global_attention_sms": 0, "expert_up_rows": [], "expert_down_rows": 0,
+                               "late_slots": 0, "late_down_rows": 0, "late_down_slots": []}
     assert set(rec["measured_us"]) == {str(a) for a in candidates}
     assert any("fastest with 4 attention SMs" in ln for ln in logs)
     t4 = rec["measured_us"]["4"]
