@@ -280,6 +280,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--tune-rounds", type=_positive, default=1,
                    help="with --tune: time each decision's options in turn this many times, every other round in "
                         "reverse order, and compare medians (default 1: each schedule once)")
+    b.add_argument("--tune-tiles", action="store_true",
+                   help="with --tune: last, also time the expert tiles' rows (each routing slot's gate/up tiles "
+                        "in more or fewer equal tiles, then the expert-down tiles halved, quartered or doubled) "
+                        "and record the fastest (docs/tiling.md)")
     b.add_argument("--page-size", type=_page_size, default=0, help="the megakernel's KV cache in pages of this many "
                                                              "positions (default 0: one slab per sequence)")
     b.add_argument("-o", "--output", default="build/bench", help="folder for bench.json and traces")

@@ -315,12 +315,12 @@ def time_step(dec, spec: ModelSpec, batch: int, context: int, bw: float, reps: i
 
 def run_bench(spec: ModelSpec, weights: dict[str, torch.Tensor], batches: list[int], contexts: list[int], *,
               reps: int = 20, profile_dir: Path | None = None, page_size: int = 0, tune: bool = False,
-              tune_rounds: int = 1, log=print) -> list[Row | Skip]:
+              tune_rounds: int = 1, tune_tiles: bool = False, log=print) -> list[Row | Skip]:
     """Megakernel and CUDA-graph PyTorch baseline, side by side, per (batch, context); the
     megakernel's KV cache paged when ``page_size`` > 0 (under the identity page table). With
     ``tune``, each point first times every attention-SM count (tune_attention_sms); the fastest
     count's run is the megakernel row (with ``profile_dir``, that count runs again, profiled);
-    ``tune_rounds``: as tune_attention_sms's ``rounds``.
+    ``tune_rounds``, ``tune_tiles``: as tune_attention_sms's ``rounds`` and ``tiles``.
 
     Before each engine allocates anything its memory estimate (memory_estimate) is compared with
     the GPU's free memory: an engine that does not fit is skipped with a Skip saying what it needed
@@ -341,7 +341,8 @@ def run_bench(spec: ModelSpec, weights: dict[str, torch.Tensor], batches: list[i
                     try:
                         if engine == "mkc":
                             tuned = _tune(spec, weights, batch, context, sms=sms, bw=bw, reps=reps,
-                                          page_size=page_size, log=log, rounds=tune_rounds) if tune else None
+                                          page_size=page_size, log=log, rounds=tune_rounds,
+                                          tiles=tune_tiles) if tune else None
                             if tuned and profile_dir is None:  # the fastest count's run is the row
                                 for line in tuned[2]:
                                     log(line)
@@ -368,7 +369,8 @@ def run_bench(spec: ModelSpec, weights: dict[str, torch.Tensor], batches: list[i
 
 
 def tune_attention_sms(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context: int, *, sms: int,
-                       bw: float, reps: int, page_size: int = 0, log=print, rounds: int = 1) -> int | None:
+                       bw: float, reps: int, page_size: int = 0, log=print, rounds: int = 1,
+                       tiles: bool = False) -> int | None:
     """Time the megakernel with every attention-SM count the planner considers at this point
     (mkc/schedule/plan.py) and record the fastest (mkc/schedule/tuning.py); None when there is
     only one candidate. Every count runs the same tokens and KV cache. The fastest count is then
@@ -380,14 +382,16 @@ def tune_attention_sms(spec: ModelSpec, weights: dict[str, torch.Tensor], batch:
     the layers of global attention (LowerOptions.global_attention_sms) where they attend more keys
     than the sliding windows. With ``rounds`` > 1 each
     decision times its options in turn that many times, the option chosen before included, and
-    compares medians (the entry's measured times are those medians)."""
+    compares medians (the entry's measured times are those medians). With ``tiles``, last, the
+    expert tiles' rows (expert_tile_candidates): each slot's gate/up tiles, then the expert-down
+    tiles with the gate/up tiles chosen; else an entry's rows that another tool measured stay."""
     best = _tune(spec, weights, batch, context, sms=sms, bw=bw, reps=reps, page_size=page_size, log=log,
-                 rounds=rounds)
+                 rounds=rounds, tiles=tiles)
     return best[0] if best else None
 
 
 def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context: int, *, sms: int, bw: float,
-          reps: int, page_size: int, log, rounds: int = 1) -> tuple[int, Row, list[str]] | None:
+          reps: int, page_size: int, log, rounds: int = 1, tiles: bool = False) -> tuple[int, Row, list[str]] | None:
     """tune_attention_sms, also returning the fastest count's row and the lines its run logged
     (so that mkc bench --tune reports that run instead of timing the count again)."""
     from mkc.codegen import CodegenError
@@ -426,9 +430,13 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
                                    spread_siblings=spread_on)
 
     def time_once(key: tuple, what: str) -> None:
-        a, raise_us, splits, spread_on, fold, wide = key
+        # (with --tune-tiles, two more: the gate/up tiles' rows, () for the rule, and the expert-down
+        # tiles' rows, 0 for the rule)
+        a, raise_us, splits, spread_on, fold, wide, *rows = key
+        up, down = rows or ((), 0)
         lines: list[str] = []
-        lowering = {**({RESIDUAL_IN_O_PROJ: True} if fold else {}), **({GLOBAL_ATTENTION_SMS: wide} if wide else {})}
+        lowering = {**({RESIDUAL_IN_O_PROJ: True} if fold else {}), **({GLOBAL_ATTENTION_SMS: wide} if wide else {}),
+                    **({EXPERT_UP_ROWS: up} if up else {}), **({EXPERT_DOWN_ROWS: down} if down else {})}
         r = _megakernel_row(spec, weights, batch, context, sms=sms, bw=bw, reps=reps, page_size=page_size,
                             profile_dir=None, log=lines.append, attention_sms=a,
                             ceilings=ceilings_of(raise_us, splits, spread_on), **lowering)
@@ -479,10 +487,10 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
     spread_on = min(spread, key=lambda on: (spread[on], on))
     # last, the O-projection ending the layer (LowerOptions.residual_in_o_proj): another lowering,
     # so another placement, always timed
-    tiles, folded = ((best, raise_us, splits_first, spread_on, on, 0) for on in (False, True))
-    fold_keys = {False: tiles}
+    unfolded, folded = ((best, raise_us, splits_first, spread_on, on, 0) for on in (False, True))
+    fold_keys = {False: unfolded}
     try:
-        decide({tiles: "the same, residual tiles", folded: "the same with the residual added by the O-projection"})
+        decide({unfolded: "the same, residual tiles", folded: "the same with the residual added by the O-projection"})
     except (CodegenError, SpecError) as e:  # e.g. its residual terms do not fit the shared memory
         log(f"batch {batch} context {context}: the residual added by the O-projection cannot be built here: {e}")
     else:
@@ -505,10 +513,33 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
     wide = {pair: median(k) for pair, k in wide_keys.items()}
     # ties: fewer splits in the global layers, then the count chosen first
     chosen, wide_sms = min(wide, key=lambda p: (wide[p], p[1], p[0] != best))
-    measured = {a: median((a, 0.0, False, False, False, 0)) for a in candidates}
+    final = wide_keys[chosen, wide_sms]
     key = tuning.tuning_key(spec, batch, context, sms, page_size)
-    # what another tool measured and --tune does not time (the expert tiles' rows, plan.py) stays
+    # what another tool measured and this tune does not time (the expert tiles' rows, plan.py) stays
     kept = {k: v for k, v in (tuning.lookup(key) or {}).items() if k.startswith((EXPERT_DOWN_ROWS, EXPERT_UP_ROWS))}
+    tile_choice = expert_tile_candidates(plan(spec, batch, context, sms, page_size=page_size, attention_sms=chosen,
+                                              ceilings=ceilings_of(raise_us, splits_first, spread_on),
+                                              **time_lowering(final))) if tiles else None
+    if tile_choice:
+        # last, the expert tiles' rows: each slot's gate/up tiles, then (with those) the expert-down tiles
+        ups, downs = tile_choice
+        up_keys = {up: (*final, up, 0) for up in ups}
+        times[up_keys[()]], runs[up_keys[()]] = list(times[final]), runs[final]  # the rule's: timed above
+        decide({k: "the same, the rule's expert gate/up tiles" if not up else
+                f"the same with each slot's expert gate/up tiles of {rows_label(up)} rows" for up, k in up_keys.items()})
+        up_us = {up: median(k) for up, k in up_keys.items()}
+        up_rows = min(ups, key=lambda up: (up_us[up], up != ()))
+        down_keys = {down: (*final, up_rows, down) for down in downs}
+        decide({k: "the same, the rule's expert-down tiles" if not down else
+                f"the same with expert-down tiles of {down} rows" for down, k in down_keys.items()})
+        down_us = {down: median(k) for down, k in down_keys.items()}
+        down_rows = min(downs, key=lambda down: (down_us[down], down != 0))
+        final = down_keys[down_rows]
+        kept = {EXPERT_UP_ROWS: list(up_rows), EXPERT_UP_ROWS + "_by": "mkc bench --tune --tune-tiles",
+                EXPERT_UP_ROWS + "_measured_us": {rows_label(up) if up else "rule": round(t, 1) for up, t in up_us.items()},
+                EXPERT_DOWN_ROWS: down_rows, EXPERT_DOWN_ROWS + "_by": "mkc bench --tune --tune-tiles",
+                EXPERT_DOWN_ROWS + "_measured_us": {str(down): round(t, 1) for down, t in down_us.items()}}
+    measured = {a: median((a, 0.0, False, False, False, 0)) for a in candidates}
     path = tuning.record(key, {**kept,
         "attention_sms": chosen, "measured_us": {str(a): round(t, 1) for a, t in measured.items()},
         INPUTS_FIRST: raise_us, SPLITS_FIRST: splits_first,
@@ -529,8 +560,53 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
         + (" and sibling tiles spread over SMs" if spread_on else "")
         + (" and the residual added by the O-projection" if fold_on else "")
         + (f" and {wide_sms} SMs' worth of splits in the layers of global attention" if wide_sms else "")
+        + (f" and expert gate/up tiles of {rows_label(final[6])} rows" if len(final) > 6 and final[6] else "")
+        + (f" and expert-down tiles of {final[7]} rows" if len(final) > 6 and final[7] else "")
         + f"; recorded in {path}")
-    return chosen, *runs[wide_keys[chosen, wide_sms]]
+    return chosen, *runs[final]
+
+
+def time_lowering(key: tuple) -> dict:
+    """The lowering choices of a tuning schedule key (count, raise, splits, spread, residual in the
+    O-projection, global layers' splits[, gate/up rows, down rows]) beside its count and ceilings."""
+    from mkc.schedule.plan import EXPERT_DOWN_ROWS, EXPERT_UP_ROWS, GLOBAL_ATTENTION_SMS, RESIDUAL_IN_O_PROJ
+
+    _, _, _, _, fold, wide, *rows = key
+    up, down = rows or ((), 0)
+    return {RESIDUAL_IN_O_PROJ: fold, GLOBAL_ATTENTION_SMS: wide, EXPERT_UP_ROWS: up, EXPERT_DOWN_ROWS: down}
+
+
+def rows_label(rows: tuple[int, ...]) -> str:
+    """Equal or mixed tile rows as SIZExCOUNT terms joined by '+' (benchmarks' row lists): 128x6."""
+    import itertools
+
+    return "+".join(f"{size}x{len(list(run))}" for size, run in itertools.groupby(rows))
+
+
+def expert_tile_candidates(sc) -> tuple[list[tuple[int, ...]], list[int]] | None:
+    """The expert tiles' rows mkc bench --tune --tune-tiles times at a point, from the schedule ``sc``
+    planned with the rule's tiles: each slot's gate/up rows in the rule's count of equal tiles (``()``,
+    first), in half as many, 1.5 and 2 times as many (equal tiles of a multiple of 16 rows only); and
+    the expert-down tiles' rows: the rule's (0, first), half, a quarter and twice them (multiples of
+    16, at most the hidden size). None where the schedule has no expert gate/up and down tiles (a
+    dense model, fused expert tiles). On an H200 (2026-12-03/04, BENCHMARKS.md) North Mini Code ran
+    faster with 1.5 times as many gate/up tiles at batch 4 and a quarter of the down rows at 8."""
+    up = [t for t in sc.tasks if t.op.name == "EXPERT_SWIGLU"]
+    down = [t for t in sc.tasks if t.op.name == "EXPERT_DOWN"]
+    if not up or not down:
+        return None
+    first = min((t.layer, int(t.arg("slot"))) for t in up)
+    rule_up = [int(t.arg("rows")) for t in up if (t.layer, int(t.arg("slot"))) == first]
+    inter, n = sum(rule_up), len(rule_up)
+    ups: list[tuple[int, ...]] = [()]
+    for count in (n // 2, n * 3 // 2, n * 2):
+        if count >= 1 and count != n and inter % count == 0 and (inter // count) % 16 == 0:
+            ups.append((inter // count,) * count)
+    hidden = max(int(t.arg("row0")) + int(t.arg("rows")) for t in down)
+    rule_down = max(int(t.arg("rows")) for t in down)
+    downs = [0] + [r for r in (rule_down // 2, rule_down // 4, rule_down * 2)
+                   if r >= 16 and r % 16 == 0 and r <= hidden and r != rule_down]
+    return list(dict.fromkeys(ups)), list(dict.fromkeys(downs))
 
 
 def _megakernel_row(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context: int, *, sms: int,
@@ -659,7 +735,7 @@ def bench_main(a) -> int:
     out = Path(a.output)
     out.mkdir(parents=True, exist_ok=True)
     rows = run_bench(spec, weights, batches, contexts, reps=a.reps, profile_dir=out if a.profile else None,
-                     page_size=a.page_size, tune=a.tune, tune_rounds=a.tune_rounds)
+                     page_size=a.page_size, tune=a.tune, tune_rounds=a.tune_rounds, tune_tiles=a.tune_tiles)
     print(format_table(rows))
     write_json(rows, out / "bench.json", {"gpu": torch.cuda.get_device_name(0), "model": spec.name,
                                           "reps": a.reps, "weights": "checkpoint" if a.checkpoint else "random",
