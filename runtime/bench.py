@@ -430,16 +430,11 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
                                    spread_siblings=spread_on)
 
     def time_once(key: tuple, what: str) -> None:
-        # (with --tune-tiles, two more: the gate/up tiles' rows, () for the rule, and the expert-down
-        # tiles' rows, 0 for the rule)
-        a, raise_us, splits, spread_on, fold, wide, *rows = key
-        up, down = rows or ((), 0)
+        a, raise_us, splits, spread_on = key[:4]
         lines: list[str] = []
-        lowering = {**({RESIDUAL_IN_O_PROJ: True} if fold else {}), **({GLOBAL_ATTENTION_SMS: wide} if wide else {}),
-                    **({EXPERT_UP_ROWS: up} if up else {}), **({EXPERT_DOWN_ROWS: down} if down else {})}
         r = _megakernel_row(spec, weights, batch, context, sms=sms, bw=bw, reps=reps, page_size=page_size,
                             profile_dir=None, log=lines.append, attention_sms=a,
-                            ceilings=ceilings_of(raise_us, splits, spread_on), **lowering)
+                            ceilings=ceilings_of(raise_us, splits, spread_on), **time_lowering(key))
         times.setdefault(key, []).append(r.step_us)
         runs[key] = (r, lines)
         log(f"batch {batch} context {context}: {what}: {r.step_us:.1f} µs ({r.sol_fraction:.1%} SOL)")
@@ -568,12 +563,14 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
 
 def time_lowering(key: tuple) -> dict:
     """The lowering choices of a tuning schedule key (count, raise, splits, spread, residual in the
-    O-projection, global layers' splits[, gate/up rows, down rows]) beside its count and ceilings."""
+    O-projection, global layers' splits[, gate/up rows, down rows: with --tune-tiles; () and 0 are the
+    rule's]) beside its count and ceilings: those that differ from the default lowering."""
     from mkc.schedule.plan import EXPERT_DOWN_ROWS, EXPERT_UP_ROWS, GLOBAL_ATTENTION_SMS, RESIDUAL_IN_O_PROJ
 
     _, _, _, _, fold, wide, *rows = key
     up, down = rows or ((), 0)
-    return {RESIDUAL_IN_O_PROJ: fold, GLOBAL_ATTENTION_SMS: wide, EXPERT_UP_ROWS: up, EXPERT_DOWN_ROWS: down}
+    return {**({RESIDUAL_IN_O_PROJ: True} if fold else {}), **({GLOBAL_ATTENTION_SMS: wide} if wide else {}),
+            **({EXPERT_UP_ROWS: up} if up else {}), **({EXPERT_DOWN_ROWS: down} if down else {})}
 
 
 def rows_label(rows: tuple[int, ...]) -> str:

@@ -271,13 +271,10 @@ def late_down_slots(sc: Schedule, count: int) -> tuple[tuple[int, int], ...]:
     A layer's last slots are not the last in program order: the list scheduler runs a second wave
     of gate/up tiles behind the first, and the down tiles of the first wave's slots queue behind
     those (North Mini Code at batch 4: slots 15-28 of 32, on an H200 and in the prediction alike)."""
-    ends: dict[tuple[int, int], float] = {}
+    ends: dict[int, dict[int, float]] = {}  # layer -> slot -> its last expert-down tile's end
     for t, end in zip(sc.tasks, sc.predicted["end_us"]):
         if t.op.name == "EXPERT_DOWN":
-            key = (t.layer, int(t.arg("slot")))
-            ends[key] = max(ends.get(key, 0.0), end)
-    pairs: list[tuple[int, int]] = []
-    for layer in sorted({lay for lay, _ in ends}):
-        slots = sorted((j for lay, j in ends if lay == layer), key=lambda j: (-ends[layer, j], -j))
-        pairs += [(layer, j) for j in sorted(slots[:count])]
-    return tuple(pairs)
+            slots = ends.setdefault(t.layer, {})
+            slots[int(t.arg("slot"))] = max(slots.get(int(t.arg("slot")), 0.0), end)
+    return tuple((layer, j) for layer in sorted(ends)
+                 for j in sorted(sorted(ends[layer], key=lambda j: (-ends[layer][j], -j))[:count]))
