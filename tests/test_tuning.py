@@ -49,6 +49,25 @@ def test_a_recorded_choice_overrides_the_prediction(tiny, tuning_file):
     assert plan(tiny, 2, 40, 16, attention_sms=0).meta["attention_sms"]["chosen_by"] == "asked"
 
 
+def test_an_entrys_global_attention_count_from_another_tool_need_not_be_a_tune_candidate(tiny, tuning_file):
+    """mkc bench --tune records one of its candidates; a count another tool measured (*_by, e.g.
+    schedule_variants.py) is planned whatever it is, within the lowering's bound; any other count
+    is ignored (the lowering's default)."""
+    key = tuning.tuning_key(tiny, 2, 40, 16)
+    candidates = global_attention_sms_candidates(tiny, 2, 40, 16, 4)
+    odd = 24
+    assert len(candidates) > 1 and odd not in candidates
+    tuning.record(key, {**entry(4), "global_attention_sms": odd, "global_attention_sms_by": "schedule_variants.py, a test",
+                        "global_attention_sms_measured_us": {"0": 110.0, str(odd): 100.0}})
+    sc = plan(tiny, 2, 40, 16)
+    assert sc.meta["global_attention_sms"] == odd
+    assert sc.meta["attention_sms"]["global_attention_sms_by"] == "schedule_variants.py, a test"
+    tuning.record(key, {**entry(4), "global_attention_sms": odd})  # not a candidate, no other tool named
+    assert plan(tiny, 2, 40, 16).meta["global_attention_sms"] == 0
+    tuning.record(key, {**entry(4), "global_attention_sms": 5 * 16, "global_attention_sms_by": "a test"})  # past the bound
+    assert plan(tiny, 2, 40, 16).meta["global_attention_sms"] == 0
+
+
 def test_an_entrys_expert_down_rows_are_planned_unless_asked_otherwise(tiny, tuning_file):
     """An entry that names expert-down tile rows (another tool measured them: *_by) lowers with them,
     says who chose them (meta and the compile summary), and an explicit choice wins; rows that are

@@ -208,8 +208,13 @@ def plan_choices(spec: ModelSpec, batch: int, context: int, num_sms: int, page_s
         how[RESIDUAL_IN_O_PROJ] = measured.get(RESIDUAL_IN_O_PROJ) is True
         how[RESIDUAL_IN_O_PROJ + "_measured_us"] = measured.get(RESIDUAL_IN_O_PROJ + "_measured_us", {})
     count = measured.get(GLOBAL_ATTENTION_SMS)
-    if not given_global and isinstance(count, int) and count in global_attention_sms_candidates(
-            spec, batch, context, num_sms, int(measured["attention_sms"])):
+    # a count mkc bench --tune tried (one of the candidates), or one another tool measured (*_by)
+    # that the lowering takes (LowerOptions: at most MAX_ATTENTION_WAVES times the SMs)
+    candidates = global_attention_sms_candidates(spec, batch, context, num_sms, int(measured["attention_sms"]))
+    other_tool = (bool(measured.get(GLOBAL_ATTENTION_SMS + "_by")) and len(candidates) > 1
+                  and isinstance(count, int) and 0 <= count <= MAX_ATTENTION_WAVES * num_sms)
+    if not given_global and isinstance(count, int) and not isinstance(count, bool) and (
+            count in candidates or other_tool):
         how[GLOBAL_ATTENTION_SMS] = count
         how[GLOBAL_ATTENTION_SMS + "_measured_us"] = measured.get(GLOBAL_ATTENTION_SMS + "_measured_us", {})
         if measured.get(GLOBAL_ATTENTION_SMS + "_by"):  # another tool than mkc bench --tune measured it
