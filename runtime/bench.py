@@ -298,7 +298,7 @@ def decoder_in_place(sc, spec: ModelSpec, weights: dict[str, torch.Tensor], *, o
         try:
             yield dec
         finally:
-            dec.close()
+            dec.close()  # lets go of its buffers: the caller's name for it outlives the block
             torch.cuda.empty_cache()
 
 
@@ -448,8 +448,25 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
             if again or key not in times:
                 time_once(key, options[key])
 
+    key = tuning.tuning_key(spec, batch, context, sms, page_size)
+    # what another tool measured and this tune does not time (the expert tiles' rows, plan.py) stays
+    rows_kept = {k: v for k, v in (tuning.lookup(key) or {}).items()
+                 if k.startswith((EXPERT_DOWN_ROWS, EXPERT_UP_ROWS))}
+    decided: dict[str, object] = {}  # the entry so far: each decision is recorded as it is made
+
+    def record(done: str | None, **choices) -> Path:
+        """Record the decisions so far (``done``: the last one, while more are to come), so that a
+        tune stopped part-way (a time limit, ^C) keeps what it measured; the rest stays the planner's."""
+        decided.update(choices)
+        by = {} if done is None else {"by": f"mkc bench --tune, stopped after {done} (the rest: the planner's own)"}
+        return tuning.record(key, {**rows_kept, **decided, **by, "gpu": torch.cuda.get_device_name(0), "reps": reps,
+                                   "rounds": rounds, "lowering": dict(DEFAULT_LOWERING),
+                                   "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")})
+
     decide({(a, 0.0, False, False, False, 0): f"{a} attention SMs" for a in candidates})
     best = min(candidates, key=lambda a: (median((a, 0.0, False, False, False, 0)), a))
+    measured = {a: median((a, 0.0, False, False, False, 0)) for a in candidates}
+    record("the attention SMs", attention_sms=best, measured_us={str(a): round(t, 1) for a, t in measured.items()})
     # then the fastest count with each priority raise of the attention splits' inputs (and of the
     # splits too), and then with the chosen raise and a layer's sibling tiles spread over SMs
     # (Ceilings.attention_inputs_first_us, splits_first, spread_siblings): each timed only where it
@@ -473,6 +490,10 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
             for us, splits in kept})
     first = {r: median((best, *r, False, False, 0)) for r in kept}
     raise_us, splits_first = min(first, key=lambda r: (first[r], r))
+    record("the splits' inputs' raise", **{
+        INPUTS_FIRST: raise_us, SPLITS_FIRST: splits_first,
+        INPUTS_FIRST + "_measured_us": {(SPLITS_FIRST_KEY if splits else f"{us:g}"): round(t, 1)
+                                         for (us, splits), t in first.items()}})
     spread_keys = {False: (best, raise_us, splits_first, False, False, 0)}
     if queues(raise_us, splits_first, True) != queues(raise_us, splits_first, False):
         spread_keys[True] = (best, raise_us, splits_first, True, False, 0)
@@ -480,6 +501,8 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
             for on, k in spread_keys.items()})
     spread = {on: median(k) for on, k in spread_keys.items()}
     spread_on = min(spread, key=lambda on: (spread[on], on))
+    record("the sibling spread", **{
+        SPREAD: spread_on, SPREAD + "_measured_us": {("on" if on else "off"): round(t, 1) for on, t in spread.items()}})
     # last, the O-projection ending the layer (LowerOptions.residual_in_o_proj): another lowering,
     # so another placement, always timed
     unfolded, folded = ((best, raise_us, splits_first, spread_on, on, 0) for on in (False, True))
@@ -492,6 +515,9 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
         fold_keys[True] = folded
     fold = {on: median(k) for on, k in fold_keys.items()}
     fold_on = min(fold, key=lambda on: (fold[on], on))
+    record("the residual in the O-projection", **{
+        RESIDUAL_IN_O_PROJ: fold_on,
+        RESIDUAL_IN_O_PROJ + "_measured_us": {("on" if on else "off"): round(t, 1) for on, t in fold.items()}})
     # then the splits of the layers of global attention (LowerOptions.global_attention_sms), where
     # they attend more keys than the sliding windows: another lowering, always timed. The count
     # chosen so far is the one the whole model ran fastest with, which at a long context the global
@@ -509,9 +535,11 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
     # ties: fewer splits in the global layers, then the count chosen first
     chosen, wide_sms = min(wide, key=lambda p: (wide[p], p[1], p[0] != best))
     final = wide_keys[chosen, wide_sms]
-    key = tuning.tuning_key(spec, batch, context, sms, page_size)
-    # what another tool measured and this tune does not time (the expert tiles' rows, plan.py) stays
-    kept = {k: v for k, v in (tuning.lookup(key) or {}).items() if k.startswith((EXPERT_DOWN_ROWS, EXPERT_UP_ROWS))}
+    wide_entry = {
+        "attention_sms": chosen, GLOBAL_ATTENTION_SMS: wide_sms,
+        # "W": with the count chosen first; "W@A": with A attention SMs
+        GLOBAL_ATTENTION_SMS + "_measured_us": {(f"{w}" if a == best else f"{w}@{a}"): round(t, 1)
+                                                for (a, w), t in wide.items()}}
     tile_choice = expert_tile_candidates(plan(spec, batch, context, sms, page_size=page_size, attention_sms=chosen,
                                               ceilings=ceilings_of(raise_us, splits_first, spread_on),
                                               **time_lowering(final))) if tiles else None
@@ -530,25 +558,12 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
         down_us = {down: median(k) for down, k in down_keys.items()}
         down_rows = min(downs, key=lambda down: (down_us[down], down != 0))
         final = down_keys[down_rows]
-        kept = {EXPERT_UP_ROWS: list(up_rows), EXPERT_UP_ROWS + "_by": "mkc bench --tune --tune-tiles",
+        record("the global layers' splits", **wide_entry)  # the tiles' rows measured last replace another tool's
+        rows_kept = {EXPERT_UP_ROWS: list(up_rows), EXPERT_UP_ROWS + "_by": "mkc bench --tune --tune-tiles",
                 EXPERT_UP_ROWS + "_measured_us": {rows_label(up) if up else "rule": round(t, 1) for up, t in up_us.items()},
                 EXPERT_DOWN_ROWS: down_rows, EXPERT_DOWN_ROWS + "_by": "mkc bench --tune --tune-tiles",
                 EXPERT_DOWN_ROWS + "_measured_us": {str(down): round(t, 1) for down, t in down_us.items()}}
-    measured = {a: median((a, 0.0, False, False, False, 0)) for a in candidates}
-    path = tuning.record(key, {**kept,
-        "attention_sms": chosen, "measured_us": {str(a): round(t, 1) for a, t in measured.items()},
-        INPUTS_FIRST: raise_us, SPLITS_FIRST: splits_first,
-        INPUTS_FIRST + "_measured_us": {(SPLITS_FIRST_KEY if splits else f"{us:g}"): round(t, 1)
-                                         for (us, splits), t in first.items()},
-        SPREAD: spread_on, SPREAD + "_measured_us": {("on" if on else "off"): round(t, 1) for on, t in spread.items()},
-        RESIDUAL_IN_O_PROJ: fold_on,
-        RESIDUAL_IN_O_PROJ + "_measured_us": {("on" if on else "off"): round(t, 1) for on, t in fold.items()},
-        GLOBAL_ATTENTION_SMS: wide_sms,
-        # "W": with the count chosen first; "W@A": with A attention SMs
-        GLOBAL_ATTENTION_SMS + "_measured_us": {(f"{w}" if a == best else f"{w}@{a}"): round(t, 1)
-                                                for (a, w), t in wide.items()},
-        "gpu": torch.cuda.get_device_name(0), "reps": reps, "rounds": rounds, "lowering": dict(DEFAULT_LOWERING),
-        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")})
+    path = record(None, **wide_entry)
     log(f"batch {batch} context {context}: fastest with {chosen} attention SMs"
         + (f" and the splits' inputs{' and the splits' if splits_first else ''} ranked {raise_us:g} µs higher"
            if raise_us else "")

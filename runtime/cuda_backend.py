@@ -336,13 +336,19 @@ class CudaDecoder:
         return self.buffers["logits"].clone(), self.buffers["next_token"].long()
 
     def close(self) -> None:
-        """Unload the module (the buffers go with the object)."""
+        """Unload the module and let go of the buffers (weights, KV cache, activations), so their
+        memory is free even while a caller still holds the closed decoder: a loop that makes the
+        next decoder before its name lets go of this one would otherwise need two KV caches at once
+        (schedule_variants.py at batch 4 and 128K ran out of memory so). Tensors a step returned
+        keep their own storage."""
         from cuda.bindings import driver
 
         if getattr(self, "_module", None) is not None:
             torch.cuda.current_stream(self.device).synchronize()
             _check(driver.cuModuleUnload(self._module), "cuModuleUnload")
             self._module = None
+        self.buffers = {}
+        self._tags = []
 
     def reset(self) -> None:
         """Zero the counters, the abort word and the tagged copies' step tags (steps count from 1

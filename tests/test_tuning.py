@@ -148,6 +148,35 @@ def test_record_keeps_the_other_entries(tiny, tuning_file):
     assert json.loads(tuning_file.read_text()) == {"a": {"attention_sms": 8}, "b": {"attention_sms": 4}}
 
 
+def test_a_tune_stopped_part_way_keeps_the_decisions_it_made(tiny, tuning_file, monkeypatch):
+    """Each decision is recorded as it is made: a tune stopped while it times the residual in the
+    O-projection (here the fake timer raises; on a GPU a time limit or ^C) leaves an entry with the
+    attention SMs, the raise and the spread it measured, saying where it stopped, which the planner
+    uses; the decisions it did not reach stay the planner's own."""
+
+    class Stopped(Exception):
+        pass
+
+    def fake_row(spec, w, b, c, *, attention_sms, **kw):
+        if kw.get("residual_in_o_proj"):
+            raise Stopped
+        return bench.row("mkc", b, c, [1e-4 * (1 + abs(attention_sms - 4))], 10**6, 4e12)
+
+    monkeypatch.setattr(bench, "_megakernel_row", fake_row)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    with pytest.raises(Stopped):
+        bench.tune_attention_sms(tiny, {}, 2, 40, sms=16, bw=4e12, reps=3, log=lambda *_: None)
+    rec = json.loads(tuning_file.read_text())[tuning.tuning_key(tiny, 2, 40, 16)]
+    assert rec["attention_sms"] == 4 and set(rec["measured_us"]) == {str(a) for a in attention_sms_candidates(tiny, 2, 16)}
+    assert rec["attention_inputs_first_us"] == 0.0 and rec["spread_siblings"] is False
+    assert "residual_in_o_proj" not in rec and "global_attention_sms" not in rec
+    assert rec["by"] == "mkc bench --tune, stopped after the sibling spread (the rest: the planner's own)"
+    sc = plan(tiny, 2, 40, 16)
+    meta = sc.meta["attention_sms"]
+    assert meta["chosen"] == 4 and meta["chosen_by"] == "measured" and meta["measured_by"] == rec["by"]
+    assert sc.meta["global_attention_sms"] == 0
+
+
 def test_tune_times_every_candidate_and_records_the_fastest(tiny, tuning_file, monkeypatch):
     """Fake timings (fastest at 4 attention SMs, 10% faster with the residual added by the
     O-projection, and 5% faster still with 16 SMs' worth of splits in the layers of global
