@@ -464,8 +464,8 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
                                    "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")})
 
     decide({(a, 0.0, False, False, False, 0): f"{a} attention SMs" for a in candidates})
-    best = min(candidates, key=lambda a: (median((a, 0.0, False, False, False, 0)), a))
     measured = {a: median((a, 0.0, False, False, False, 0)) for a in candidates}
+    best = min(candidates, key=lambda a: (measured[a], a))
     record("the attention SMs", attention_sms=best, measured_us={str(a): round(t, 1) for a, t in measured.items()})
     # then the fastest count with each priority raise of the attention splits' inputs (and of the
     # splits too), and then with the chosen raise and a layer's sibling tiles spread over SMs
@@ -558,7 +558,7 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
         down_us = {down: median(k) for down, k in down_keys.items()}
         down_rows = min(downs, key=lambda down: (down_us[down], down != 0))
         final = down_keys[down_rows]
-        record("the global layers' splits", **wide_entry)  # the tiles' rows measured last replace another tool's
+        record("the global layers' splits", **wide_entry)  # still with another tool's rows, replaced below
         rows_kept = {EXPERT_UP_ROWS: list(up_rows), EXPERT_UP_ROWS + "_by": "mkc bench --tune --tune-tiles",
                 EXPERT_UP_ROWS + "_measured_us": {rows_label(up) if up else "rule": round(t, 1) for up, t in up_us.items()},
                 EXPERT_DOWN_ROWS: down_rows, EXPERT_DOWN_ROWS + "_by": "mkc bench --tune --tune-tiles",

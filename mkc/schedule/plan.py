@@ -39,6 +39,7 @@ import dataclasses
 from typing import Any
 
 from mkc.ir.lower import MAX_ATTENTION_WAVES, LowerOptions, lower
+from mkc.ir.ops import Opcode
 from mkc.ir.spec import ModelSpec
 from mkc.schedule import tuning
 from mkc.schedule.cost import H200, Ceilings
@@ -211,10 +212,9 @@ def plan_choices(spec: ModelSpec, batch: int, context: int, num_sms: int, page_s
     # a count mkc bench --tune tried (one of the candidates), or one another tool measured (*_by)
     # that the lowering takes (LowerOptions: at most MAX_ATTENTION_WAVES times the SMs)
     candidates = global_attention_sms_candidates(spec, batch, context, num_sms, int(measured["attention_sms"]))
-    other_tool = (bool(measured.get(GLOBAL_ATTENTION_SMS + "_by")) and len(candidates) > 1
-                  and isinstance(count, int) and 0 <= count <= MAX_ATTENTION_WAVES * num_sms)
+    other_tool = bool(measured.get(GLOBAL_ATTENTION_SMS + "_by")) and len(candidates) > 1
     if not given_global and isinstance(count, int) and not isinstance(count, bool) and (
-            count in candidates or other_tool):
+            count in candidates or (other_tool and 0 <= count <= MAX_ATTENTION_WAVES * num_sms)):
         how[GLOBAL_ATTENTION_SMS] = count
         how[GLOBAL_ATTENTION_SMS + "_measured_us"] = measured.get(GLOBAL_ATTENTION_SMS + "_measured_us", {})
         if measured.get(GLOBAL_ATTENTION_SMS + "_by"):  # another tool than mkc bench --tune measured it
@@ -278,7 +278,7 @@ def late_down_slots(sc: Schedule, count: int) -> tuple[tuple[int, int], ...]:
     those (North Mini Code at batch 4: slots 15-28 of 32, on an H200 and in the prediction alike)."""
     ends: dict[int, dict[int, float]] = {}  # layer -> slot -> its last expert-down tile's end
     for t, end in zip(sc.tasks, sc.predicted["end_us"]):
-        if t.op.name == "EXPERT_DOWN":
+        if t.op == Opcode.EXPERT_DOWN:
             slots = ends.setdefault(t.layer, {})
             slots[int(t.arg("slot"))] = max(slots.get(int(t.arg("slot")), 0.0), end)
     return tuple((layer, j) for layer in sorted(ends)
