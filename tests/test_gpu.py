@@ -541,6 +541,50 @@ def test_nmc_global_attention_sms_match_mirror(nmc_weights, num_sms, batch, cont
     check_rerun_and_mirror(dec, spec, weights, batch, context, f"NMC global attention SMs {count} b{batch} ctx {context}")
 
 
+@pytest.mark.parametrize("batch, context", [(2, 32768), (2, 131072), (4, 32768), (4, 131072)])
+def test_nmc_tuned_long_context_entries_match_mirror(nmc_weights, num_sms, batch, context):
+    """The shipped table's plan at a long context (configs/tuning/h200.json: attention SMs, raise,
+    spread, residual in the O-projection and the global layers' split count, as measured on an
+    H200), as `mkc bench` and the server run it. The plan must be the entry's, and its step the
+    mirror's, reruns bitwise the same. The weights are held once, put into tile order in place for
+    the steps (runtime.bench.decoder_in_place's way): a tile-ordered copy of the 61 GB does not fit
+    beside 26-52 GB of KV cache; the mirror reads them row-major again after the block."""
+    from unittest import mock
+
+    from mkc.codegen import build_kernel
+    from mkc.codegen.weight_tiles import tile_ordered_in_place, tiled_weights
+    from mkc.runtime import bench
+    from mkc.runtime.cuda_backend import CudaDecoder
+    from mkc.schedule import tuning
+
+    spec, weights = nmc_weights
+    table = ROOT / "configs" / "tuning" / "h200.json"
+    key = tuning.tuning_key(spec, batch, context, num_sms)
+    entry = tuning.lookup(key, table)
+    if entry is None:
+        pytest.skip(f"no shipped tuning entry for {key} (the table holds the H200's 132 SMs)")
+    with mock.patch.dict(os.environ, {"MKC_TUNING_FILE": str(table)}):
+        sc = plan(spec, batch, context, num_sms)
+    assert sc.meta["global_attention_sms"] == entry["global_attention_sms"]
+    assert (not any(t.op.name == "RESIDUAL" for t in sc.tasks)) == bool(entry.get("residual_in_o_proj"))
+    art = build_kernel(sc, spec)
+    tokens = torch.randint(0, spec.vocab_size, (batch,), dtype=torch.int32)
+    positions = nmc_positions(batch, context)
+    dec = None
+    try:
+        with tile_ordered_in_place(weights, tiled_weights(sc) if art.config.weights_tiled else ()) as tw:
+            dec = CudaDecoder(sc, spec, tw, artifact=art)
+            bench.fill_random_kv(dec, spec, torch.Generator(device="cuda").manual_seed(batch * 100003 + context))
+            lg, nt = dec.step(tokens, positions)
+            again, nt2 = dec.step(tokens, positions)
+        assert torch.equal(lg, again) and torch.equal(nt, nt2), "a rerun differs"
+        check_against_mirror(dec, spec, weights, tokens, positions, lg, nt, f"NMC tuned b{batch} ctx {context}")
+    finally:
+        if dec is not None:
+            dec.close()
+        torch.cuda.empty_cache()
+
+
 @pytest.mark.parametrize("batch, context", [(1, 8192), (1, 100), (2, 4097), (8, 8192)])
 def test_nmc_fused_experts_match_mirror(nmc_weights, num_sms, batch, context):
     """LowerOptions.fused_experts: EXPERT_MLP tiles compute their expert's intermediate rows and

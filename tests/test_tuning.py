@@ -68,6 +68,26 @@ def test_an_entrys_global_attention_count_from_another_tool_need_not_be_a_tune_c
     assert plan(tiny, 2, 40, 16).meta["global_attention_sms"] == 0
 
 
+def test_an_entrys_layer_end_measured_by_another_tool_is_named(tiny, tuning_file):
+    """The residual decision of an entry, either way, is planned and shown with its times and the
+    tool that measured them (*_by; mkc bench --tune where none is named)."""
+    from mkc.schedule.visualize import format_summary, summary
+
+    key = tuning.tuning_key(tiny, 2, 40, 16)
+    tuning.record(key, {**entry(4), "residual_in_o_proj": False, "residual_in_o_proj_by": "schedule_variants.py, a test",
+                        "residual_in_o_proj_measured_us": {"off": 100.0, "on": 110.0}})
+    sc = plan(tiny, 2, 40, 16)
+    assert not sc.meta["residual_in_o_proj"] and any(t.op == Opcode.RESIDUAL for t in sc.tasks)
+    assert sc.meta["attention_sms"]["residual_in_o_proj_by"] == "schedule_variants.py, a test"
+    text = format_summary(summary(sc, tiny))
+    assert ("residual tiles add the attention and the MLP's output; measured faster by schedule_variants.py, a test "
+            "(step µs, the O-projection ending the layer off / on: off: 100.0, on: 110.0)") in text, text
+    tuning.record(key, {**entry(4), "residual_in_o_proj": True, "residual_in_o_proj_measured_us": {"off": 110.0, "on": 100.0}})
+    sc = plan(tiny, 2, 40, 16)
+    assert sc.meta["residual_in_o_proj"] and not any(t.op == Opcode.RESIDUAL for t in sc.tasks)
+    assert "(no residual tiles); measured faster by mkc bench --tune" in format_summary(summary(sc, tiny))
+
+
 def test_an_entrys_expert_down_rows_are_planned_unless_asked_otherwise(tiny, tuning_file):
     """An entry that names expert-down tile rows (another tool measured them: *_by) lowers with them,
     says who chose them (meta and the compile summary), and an explicit choice wins; rows that are
@@ -482,55 +502,67 @@ def test_compile_says_the_choice_was_measured(tiny, tuning_file, tmp_path):
     assert "4 for the attention splits" in line and "measured fastest by mkc bench --tune on NVIDIA H200" in line
 
 
-def test_the_shipped_h200_table_matches_north_mini_code(nmc, monkeypatch):
-    """configs/tuning/h200.json (mkc bench --tune on an H200, 2026-11-30 to 12-03) is keyed by today's
-    North Mini Code spec: pointed at it, the planner takes its measured counts (a changed spec
-    would silently stop matching, which this catches)."""
+# What configs/tuning/h200.json chose at each point, as measured on an H200 (BENCHMARKS.md): the
+# attention SMs, the raise of the splits' inputs (µs; "+splits": the splits too), the sibling
+# spread, the residual added by the O-projection and the global layers' splits (SMs' worth; 0: as
+# the sliding layers). Batch 1 at 32K: the first stage measured 64 attention SMs fastest, the last
+# 32 for the sliding layers beneath 64 SMs' worth of splits in the global ones ("64@32").
+SHIPPED_H200 = {
+    (1, 8192): (32, 0.0, False, True, 0),
+    (2, 8192): (32, 0.0, True, False, 0),
+    (4, 8192): (64, 100.0, True, False, 0),
+    (8, 8192): (64, "100+splits", False, False, 0),
+    (1, 32768): (32, 0.0, False, False, 64),
+    (2, 32768): (64, 100.0, False, True, 256),
+    (4, 32768): (64, 100.0, True, False, 256),
+    (8, 32768): (64, 100.0, False, False, 128),
+    (1, 131072): (64, 0.0, False, False, 256),
+    (2, 131072): (64, 100.0, False, False, 512),
+    (4, 131072): (0, 100.0, True, False, 512),
+}
+
+
+@pytest.mark.parametrize("point", list(SHIPPED_H200), ids=lambda p: f"b{p[0]}-{p[1]}")
+def test_the_shipped_h200_table_matches_north_mini_code(nmc, monkeypatch, point):
+    """configs/tuning/h200.json (mkc bench --tune and schedule_variants.py on an H200, 2026-11-30 to
+    12-04) is keyed by today's North Mini Code spec: pointed at it, the planner takes each point's
+    measured choices (a changed spec would silently stop matching, which this catches), and each
+    choice is the fastest of the times its entry holds."""
     monkeypatch.setenv("MKC_TUNING_FILE", str(ROOT / "configs" / "tuning" / "h200.json"))
-    table = tuning.load()
-    assert table, "configs/tuning/h200.json is empty or unreadable"
-    for batch, context, want in ((1, 8192, 32), (2, 8192, 32), (4, 8192, 64), (8, 8192, 64), (1, 32768, 32),
-                                 (8, 32768, 0), (1, 131072, 64)):
-        rec = table[tuning.tuning_key(nmc, batch, context, 132)]
-        fastest = min(rec["measured_us"], key=lambda a: rec["measured_us"][a])
-        # batch 1 at 32K: the first stage measured 64 fastest; the last, 32 for the sliding layers
-        # beneath 64 SMs' worth of splits in the global ones ("64@32")
-        first = 64 if (batch, context) == (1, 32768) else want
-        assert rec["attention_sms"] == want and fastest == str(first), (batch, context, rec)
-        chosen, _, how = plan_choices(nmc, batch, context, 132)  # what plan() schedules with
-        meta = {"chosen": chosen, **how}
-        assert meta["chosen"] == want and meta["chosen_by"] == "measured", (batch, context, meta)
-        # the splits' inputs ranked first where it measured faster (batch 4 and 8 at 8K), and the
-        # splits too where that measured faster still (batch 8), nowhere else
-        raised = meta.get("attention_inputs_first_us", 0.0)
-        split_raised = ((8, 8192),)
-        assert raised == (100.0 if (batch, context) in ((4, 8192), *split_raised) else 0.0), (batch, context, meta)
-        assert meta.get("splits_first", False) == ((batch, context) in split_raised), (batch, context, meta)
-        if raised:
-            times = meta["attention_inputs_first_us_measured_us"]
-            assert times["100+splits" if meta.get("splits_first") else "100"] == min(times.values()), times
-        # sibling tiles spread over SMs where that measured faster (batch 2 and 4 at 8K)
-        spread = meta.get("spread_siblings", False)
-        assert spread == ((batch, context) in ((2, 8192), (4, 8192))), (batch, context, meta)
-        if spread:
-            times = meta["spread_siblings_measured_us"]
-            assert times["on"] < times["off"], times
-        # the residual added by the O-projection where that measured faster (batch 1 at 8K); an
-        # entry measured before it was timed leaves it off
-        fold = meta.get("residual_in_o_proj")
-        assert fold == ((batch, context) == (1, 8192)), (batch, context, meta)
-        if "residual_in_o_proj" in rec:
-            times = meta["residual_in_o_proj_measured_us"]
-            assert (times["on"] < times["off"]) == fold, times
-        # more splits in the layers of global attention where that measured faster (batch 1 at
-        # 128K; at 32K 64 SMs' worth over 32 attention SMs; slower at batch 1 at 8K); an entry
-        # measured before it was timed has none
-        wide = meta.get("global_attention_sms", 0)
-        assert wide == {(1, 131072): 256, (1, 32768): 64}.get((batch, context), 0), (batch, context, meta)
-        if "global_attention_sms" in rec:
-            times = rec["global_attention_sms_measured_us"]
-            key = str(wide) if want == first else f"{wide}@{want}"
-            assert min(times, key=times.get) == key, times
+    batch, context = point
+    want, raise_us, spread_want, fold_want, wide_want = SHIPPED_H200[point]
+    rec = tuning.load()[tuning.tuning_key(nmc, batch, context, 132)]
+    fastest = min(rec["measured_us"], key=lambda a: rec["measured_us"][a])
+    first = 64 if point == (1, 32768) else want
+    assert rec["attention_sms"] == want and fastest == str(first), rec
+    chosen, _, how = plan_choices(nmc, batch, context, 132)  # what plan() schedules with
+    meta = {"chosen": chosen, **how}
+    assert meta["chosen"] == want and meta["chosen_by"] == "measured", meta
+    raised = meta.get("attention_inputs_first_us", 0.0)
+    splits_first = raise_us == "100+splits"
+    assert raised == (100.0 if splits_first else raise_us), meta
+    assert meta.get("splits_first", False) == splits_first, meta
+    if raised:
+        times = meta["attention_inputs_first_us_measured_us"]
+        assert times["100+splits" if splits_first else "100"] == min(times.values()), times
+    spread = meta.get("spread_siblings", False)
+    assert spread == spread_want, meta
+    if spread:
+        times = meta["spread_siblings_measured_us"]
+        assert times["on"] < times["off"], times
+    # an entry measured before the residual decision was timed leaves it off
+    fold = meta.get("residual_in_o_proj")
+    assert fold == fold_want, meta
+    if "residual_in_o_proj" in rec:
+        times = meta["residual_in_o_proj_measured_us"]
+        assert (times["on"] < times["off"]) == fold, times
+    # an entry measured before the global layers' splits were timed has none
+    wide = meta.get("global_attention_sms", 0)
+    assert wide == wide_want, meta
+    if "global_attention_sms" in rec:
+        times = rec["global_attention_sms_measured_us"]
+        key = str(wide) if want == first else f"{wide}@{want}"
+        assert min(times, key=times.get) == key, times
 
 
 def test_without_a_named_file_the_shipped_tables_apply_under_the_cache(nmc, monkeypatch, tmp_path):

@@ -66,7 +66,8 @@ SPLITS_FIRST_KEY = f"{INPUTS_FIRST_CANDIDATES[-1]:g}+splits"
 SPREAD = "spread_siblings"
 # ... and whether the O-projection ends the layer (LowerOptions.residual_in_o_proj: timed last, with
 # the count, raise and spread chosen; its times under RESIDUAL_IN_O_PROJ + "_measured_us" ("off",
-# "on")). An entry without it was measured without it. Where nothing was measured it is off: the
+# "on"; measured by another tool: named under RESIDUAL_IN_O_PROJ + "_by")). An entry without it was
+# measured without it. Where nothing was measured it is off: the
 # probe's predictions (within 1% either way) disagreed in sign with the whole model's and with the
 # measurements at North Mini Code batch 1, 2, 4 and 8 (measured on an H200, 2026-12-01 07:14 UTC,
 # schedule_variants.py: batch 1 3.4% faster, where the attention chain ends the layer and the
@@ -208,6 +209,8 @@ def plan_choices(spec: ModelSpec, batch: int, context: int, num_sms: int, page_s
     if not given_fold:
         how[RESIDUAL_IN_O_PROJ] = measured.get(RESIDUAL_IN_O_PROJ) is True
         how[RESIDUAL_IN_O_PROJ + "_measured_us"] = measured.get(RESIDUAL_IN_O_PROJ + "_measured_us", {})
+        if measured.get(RESIDUAL_IN_O_PROJ + "_by"):  # another tool than mkc bench --tune measured it
+            how[RESIDUAL_IN_O_PROJ + "_by"] = measured[RESIDUAL_IN_O_PROJ + "_by"]
     count = measured.get(GLOBAL_ATTENTION_SMS)
     # a count mkc bench --tune tried (one of the candidates), or one another tool measured (*_by)
     # that the lowering takes (LowerOptions: at most MAX_ATTENTION_WAVES times the SMs)

@@ -206,15 +206,17 @@ def _expert_down_row(d: dict[str, Any]) -> str:
 
 
 def _layer_end_row(d: dict[str, Any]) -> str:
-    """What ends each layer (LowerOptions.residual_in_o_proj), and who chose it (plan.py)."""
+    """What ends each layer (LowerOptions.residual_in_o_proj), and who chose it (plan.py): a tuning
+    entry's measurement either way, else the lowering's default or the caller's choice."""
     a = d.get("attention_sms") or {}
-    if not d.get("lowering", {}).get("residual_in_o_proj"):
-        return "residual tiles add the attention and the MLP's output"
-    row = "the O-projection tiles add the residual and the MLP's output (no residual tiles)"
-    if "residual_in_o_proj" in a:  # the entry of mkc bench --tune chose it
-        timed = ", ".join(f"{k}: {v:.1f}" for k, v in a.get("residual_in_o_proj_measured_us", {}).items())
-        return row + f"; measured faster (step µs: {timed})"
-    return row + ", as asked"
+    on = d.get("lowering", {}).get("residual_in_o_proj")
+    row = ("the O-projection tiles add the residual and the MLP's output (no residual tiles)" if on
+           else "residual tiles add the attention and the MLP's output")
+    timed = ", ".join(f"{k}: {v:.1f}" for k, v in a.get("residual_in_o_proj_measured_us", {}).items())
+    if "residual_in_o_proj" in a and timed:  # the tuning entry measured both
+        by = a.get("residual_in_o_proj_by") or "mkc bench --tune"
+        return row + f"; measured faster by {by} (step µs, the O-projection ending the layer off / on: {timed})"
+    return row if not on else row + ", as asked"
 
 
 def _global_attention_row(d: dict[str, Any]) -> str:
