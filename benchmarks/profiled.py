@@ -8,12 +8,12 @@ planned again from the same options, so run the script on the tree the profile w
 from __future__ import annotations
 
 import argparse
-import re
 from pathlib import Path
 
 import numpy as np
 
 from mkc.ir.spec import load_spec
+from mkc.schedule import tuning
 from mkc.schedule.plan import DEFAULT_LOWERING, LOWERING_CHOICES, plan
 from mkc.schedule.schedule import Schedule
 
@@ -38,14 +38,6 @@ def spec_of(a: argparse.Namespace):
     return load_spec(a.config)
 
 
-ROW_LIST = re.compile(r"\d+(x\d+)?(\+\d+(x\d+)?)*")  # SIZExCOUNT terms joined by '+' (80x6+48x6)
-
-
-def row_list(text: str) -> tuple[int, ...]:
-    """A row list (LowerOptions.expert_up_rows) from SIZExCOUNT terms joined by '+': 80x6+48x6 is six
-    80s then six 48s; a term without xCOUNT counts once."""
-    return tuple(int(size) for term in text.split("+")
-                 for size, _, count in [term.partition("x")] for _ in range(int(count or 1)))
 
 
 def lowering_of(a: argparse.Namespace) -> dict[str, bool | int | str | tuple[int, ...]]:
@@ -56,11 +48,11 @@ def lowering_of(a: argparse.Namespace) -> dict[str, bool | int | str | tuple[int
         name, _, value = p.partition("=")
         kind = type(DEFAULT_LOWERING.get(name))
         if (name not in LOWERING_CHOICES or (kind is bool and value not in ("0", "1"))
-                or (kind is int and not value.isdigit()) or (kind is tuple and not ROW_LIST.fullmatch(value))):
+                or (kind is int and not value.isdigit()) or (kind is tuple and not tuning.ROW_LIST.fullmatch(value))):
             raise SystemExit(f"--lowering {p}: expected CHOICE=VALUE (0 / 1 for booleans, an integer for integers, "
                              f"SIZExCOUNT+... for row lists) with CHOICE one of {', '.join(LOWERING_CHOICES)}")
         if kind is tuple:
-            out[name] = row_list(value)
+            out[name] = tuning.row_list(value)
         else:
             out[name] = value == "1" if kind is bool else int(value) if kind is int else value
     return out

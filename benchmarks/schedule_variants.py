@@ -24,7 +24,6 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-import profiled
 import torch
 
 from mkc.codegen.build import build_kernel
@@ -39,6 +38,7 @@ from mkc.runtime.bench import (
     measure_read_bandwidth,
     time_step,
 )
+from mkc.schedule import tuning
 from mkc.schedule.cost import H200, OP_FIXED_US
 from mkc.schedule.plan import plan
 
@@ -168,7 +168,7 @@ def main() -> None:
     variants = [(att, chosen({"rope_in_splits": rope == "yes", "mlp_share": share, "mlp_waves": waves,
                               "residual_in_o_proj": fold, "fused_experts": fx == "yes", "qkv_tile_rows": qr,
                               "residual_as_terms": rt == "yes", "global_attention_sms": ga,
-                              "expert_up_rows": er if er == "auto" else () if er == "rule" else profiled.row_list(er),
+                              "expert_up_rows": er if er == "auto" else () if er == "rule" else tuning.row_list(er),
                               "expert_down_rows": dr, **late_down(ld)}), name)
                 for att in a.attention_sms for rope in a.rope_in_splits for share in a.mlp_share for waves in a.mlp_waves
                 for fold in a.residual_in_o_proj for fx in a.fused_experts for qr in a.qkv_tile_rows

@@ -230,7 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--attention-sms", type=_attention_sms, default=None, metavar="auto|N",
                    help="SMs set apart for the attention splits of a parallel block, the MLP tiles filling the "
                         "rest (default auto: the count mkc bench --tune measured fastest at this point, else the "
-                        "one the cost model predicts fastest; 0: every op fills all SMs)")
+                        "one the cost model predicts fastest; 0: every op fills all SMs). A count given here takes none of a "
+                        "tuning entry's other measured choices (raise, spread, layer end, splits, tile rows): they "
+                        "were measured together")
     c.add_argument("--global-attention-sms", type=_attention_sms, default=None, metavar="auto|N",
                    help="SMs' worth of attention splits in the layers of global attention, which at a long "
                         "context attend more keys than the sliding windows (default auto: what mkc bench --tune "

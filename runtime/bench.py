@@ -549,7 +549,7 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
         up_keys = {up: (*final, up, 0) for up in ups}
         times[up_keys[()]], runs[up_keys[()]] = list(times[final]), runs[final]  # the rule's: timed above
         decide({k: "the same, the rule's expert gate/up tiles" if not up else
-                f"the same with each slot's expert gate/up tiles of {rows_label(up)} rows" for up, k in up_keys.items()})
+                f"the same with each slot's expert gate/up tiles of {tuning.rows_label(up)} rows" for up, k in up_keys.items()})
         up_us = {up: median(k) for up, k in up_keys.items()}
         up_rows = min(ups, key=lambda up: (up_us[up], up != ()))
         down_keys = {down: (*final, up_rows, down) for down in downs}
@@ -560,7 +560,7 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
         final = down_keys[down_rows]
         record("the global layers' splits", **wide_entry)  # still with another tool's rows, replaced below
         rows_kept = {EXPERT_UP_ROWS: list(up_rows), EXPERT_UP_ROWS + "_by": "mkc bench --tune --tune-tiles",
-                EXPERT_UP_ROWS + "_measured_us": {rows_label(up) if up else "rule": round(t, 1) for up, t in up_us.items()},
+                EXPERT_UP_ROWS + "_measured_us": {tuning.rows_label(up) if up else "rule": round(t, 1) for up, t in up_us.items()},
                 EXPERT_DOWN_ROWS: down_rows, EXPERT_DOWN_ROWS + "_by": "mkc bench --tune --tune-tiles",
                 EXPERT_DOWN_ROWS + "_measured_us": {str(down): round(t, 1) for down, t in down_us.items()}}
     path = record(None, **wide_entry)
@@ -570,7 +570,7 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
         + (" and sibling tiles spread over SMs" if spread_on else "")
         + (" and the residual added by the O-projection" if fold_on else "")
         + (f" and {wide_sms} SMs' worth of splits in the layers of global attention" if wide_sms else "")
-        + (f" and expert gate/up tiles of {rows_label(final[6])} rows" if len(final) > 6 and final[6] else "")
+        + (f" and expert gate/up tiles of {tuning.rows_label(final[6])} rows" if len(final) > 6 and final[6] else "")
         + (f" and expert-down tiles of {final[7]} rows" if len(final) > 6 and final[7] else "")
         + f"; recorded in {path}")
     return chosen, *runs[final]
@@ -586,13 +586,6 @@ def time_lowering(key: tuple) -> dict:
     up, down = rows or ((), 0)
     return {**({RESIDUAL_IN_O_PROJ: True} if fold else {}), **({GLOBAL_ATTENTION_SMS: wide} if wide else {}),
             **({EXPERT_UP_ROWS: up} if up else {}), **({EXPERT_DOWN_ROWS: down} if down else {})}
-
-
-def rows_label(rows: tuple[int, ...]) -> str:
-    """Equal or mixed tile rows as SIZExCOUNT terms joined by '+' (benchmarks' row lists): 128x6."""
-    import itertools
-
-    return "+".join(f"{size}x{len(list(run))}" for size, run in itertools.groupby(rows))
 
 
 def expert_tile_candidates(sc) -> tuple[list[tuple[int, ...]], list[int]] | None:

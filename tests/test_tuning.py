@@ -45,8 +45,15 @@ def test_a_recorded_choice_overrides_the_prediction(tiny, tuning_file):
     # only the point it was measured at: another batch, context or SM count still predicts
     for args in ((1, 40, 16), (2, 64, 16), (2, 40, 32)):
         assert plan(tiny, *args).meta["attention_sms"]["chosen_by"] == "compiler", args
-    # an explicit count still wins over the record
-    assert plan(tiny, 2, 40, 16, attention_sms=0).meta["attention_sms"]["chosen_by"] == "asked"
+    # an explicit count still wins over the record, takes none of its choices, and says so
+    from mkc.schedule.visualize import format_summary, summary
+
+    asked = plan(tiny, 2, 40, 16, attention_sms=0)
+    assert asked.meta["attention_sms"]["chosen_by"] == "asked"
+    assert asked.meta["attention_sms"]["entry_not_applied"] == other
+    assert (f"as asked; the tuning entry at this point ({other} attention SMs, measured) and its other choices "
+            "not applied") in format_summary(summary(asked, tiny))
+    assert "entry_not_applied" not in plan(tiny, 1, 40, 16, attention_sms=0).meta["attention_sms"]
 
 
 def test_an_entrys_global_attention_count_from_another_tool_need_not_be_a_tune_candidate(tiny, tuning_file):
@@ -615,3 +622,13 @@ def test_compile_names_the_global_layers_measured_splits(nmc, monkeypatch):
     rec = tuning.load()[tuning.tuning_key(nmc, 1, 131072, 132)]
     assert ", ".join(f"{k}: {v:.1f}" for k, v in rec["global_attention_sms_measured_us"].items()) in line
     assert "global layers" not in format_summary(summary(plan(nmc, 1, 8192, 132), nmc))
+
+
+@pytest.mark.parametrize("rows", [(128,) * 6, (80,) * 6 + (48,) * 6, (256, 128, 128), (96,)])
+def test_tile_row_labels_read_back_as_their_rows(rows):
+    """An entry's row times are keyed by rows_label; the benchmarks' --expert-up-rows read the same
+    labels back with row_list."""
+    label = tuning.rows_label(rows)
+    assert tuning.ROW_LIST.fullmatch(label), label
+    assert tuning.row_list(label) == rows
+    assert tuning.row_list("80+48x2") == (80, 48, 48)

@@ -176,9 +176,14 @@ def plan_choices(spec: ModelSpec, batch: int, context: int, num_sms: int, page_s
     given_up = EXPERT_UP_ROWS in lowering
     lowering = lowering_choices(lowering)
     how: dict[str, Any] = {"chosen_by": "asked", "probe_predicted_us": {}}
-    if attention_sms is not None:
-        return attention_sms, ceilings, how
     measured = tuning.lookup(tuning.tuning_key(spec, batch, context, num_sms, page_size))
+    if attention_sms is not None:
+        # an asked count takes none of an entry's choices (the raise, spread, layer end, splits and
+        # rows were measured together; mkc bench --tune and schedule_variants.py time counts so),
+        # and the summary says that an entry exists
+        if measured and isinstance(measured.get("attention_sms"), int):
+            how["entry_not_applied"] = measured["attention_sms"]
+        return attention_sms, ceilings, how
     if not (measured and measured.get("attention_sms") in attention_sms_candidates(spec, batch, num_sms)):
         attention_sms, tried = choose_attention_sms(spec, batch, context, num_sms, page_size, kv_pages,
                                                     ceilings, **lowering)

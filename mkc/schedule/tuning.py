@@ -14,8 +14,10 @@ MKC_TUNING_FILE names the one file to use.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -25,6 +27,23 @@ from mkc import settings
 from mkc.ir.spec import ModelSpec
 
 _warned: set[Path] = set()
+
+
+# Tile row lists (LowerOptions.expert_up_rows) as entries key their times and the benchmarks take
+# them: SIZExCOUNT terms joined by '+', 80x6+48x6 for six 80s then six 48s.
+ROW_LIST = re.compile(r"\d+(x\d+)?(\+\d+(x\d+)?)*")
+
+
+def rows_label(rows: tuple[int, ...]) -> str:
+    """Equal or mixed tile rows as SIZExCOUNT terms joined by '+': (128,) * 6 is 128x6."""
+    return "+".join(f"{size}x{len(list(run))}" for size, run in itertools.groupby(rows))
+
+
+def row_list(text: str) -> tuple[int, ...]:
+    """The rows of a label (rows_label's inverse; ROW_LIST must match it): 80x6+48x6 is six 80s then
+    six 48s; a term without xCOUNT counts once."""
+    return tuple(int(size) for term in text.split("+")
+                 for size, _, count in [term.partition("x")] for _ in range(int(count or 1)))
 
 
 def tuning_key(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int = 0) -> str:

@@ -267,7 +267,12 @@ def _attention_sms_row(d: dict[str, Any]) -> str:
     if a["chosen_by"] == "compiler":
         tried = ", ".join(f"{k}: {v:.1f}" for k, v in a["probe_predicted_us"].items())
         return f"{head}; chosen by predicted step of a probe (µs by attention SMs: {tried})"
-    return f"{head}, as asked" if a["chosen_by"] == "asked" else f"{head} (the only candidate)"
+    if a["chosen_by"] != "asked":
+        return f"{head} (the only candidate)"
+    if "entry_not_applied" in a:  # plan.py: an asked count takes none of a tuning entry's choices
+        return (f"{head}, as asked; the tuning entry at this point ({a['entry_not_applied']} attention SMs, "
+                f"measured) and its other choices not applied")
+    return f"{head}, as asked"
 
 
 def format_summary(d: dict[str, Any]) -> str:
