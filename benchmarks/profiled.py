@@ -38,8 +38,6 @@ def spec_of(a: argparse.Namespace):
     return load_spec(a.config)
 
 
-
-
 def lowering_of(a: argparse.Namespace) -> dict[str, bool | int | str | tuple[int, ...]]:
     """``--lowering CHOICE=VALUE`` pairs as plan's keyword arguments (booleans as 0 / 1, row lists as
     SIZExCOUNT terms joined by '+', such as expert_up_rows=80x6+48x6); SystemExit names a bad one."""

@@ -559,10 +559,11 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
         down_rows = min(downs, key=lambda down: (down_us[down], down != 0))
         final = down_keys[down_rows]
         record("the global layers' splits", **wide_entry)  # still with another tool's rows, replaced below
-        rows_kept = {EXPERT_UP_ROWS: list(up_rows), EXPERT_UP_ROWS + "_by": "mkc bench --tune --tune-tiles",
-                EXPERT_UP_ROWS + "_measured_us": {tuning.rows_label(up) if up else "rule": round(t, 1) for up, t in up_us.items()},
-                EXPERT_DOWN_ROWS: down_rows, EXPERT_DOWN_ROWS + "_by": "mkc bench --tune --tune-tiles",
-                EXPERT_DOWN_ROWS + "_measured_us": {str(down): round(t, 1) for down, t in down_us.items()}}
+        rows_kept = {
+            EXPERT_UP_ROWS: list(up_rows), EXPERT_UP_ROWS + "_by": "mkc bench --tune --tune-tiles",
+            EXPERT_UP_ROWS + "_measured_us": {tuning.rows_label(up) if up else "rule": round(t, 1) for up, t in up_us.items()},
+            EXPERT_DOWN_ROWS: down_rows, EXPERT_DOWN_ROWS + "_by": "mkc bench --tune --tune-tiles",
+            EXPERT_DOWN_ROWS + "_measured_us": {str(down): round(t, 1) for down, t in down_us.items()}}
     path = record(None, **wide_entry)
     log(f"batch {batch} context {context}: fastest with {chosen} attention SMs"
         + (f" and the splits' inputs{' and the splits' if splits_first else ''} ranked {raise_us:g} µs higher"

@@ -45,6 +45,7 @@ pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
 NMC = ROOT / "configs" / "north_mini_code.yaml"
+SHIPPED_TABLE = ROOT / "configs" / "tuning" / "h200.json"  # measured on an H200 (mkc bench --tune and others)
 
 REL_TOL = 1e-2  # one layer's update, attention, logits from the kernel's residual, KV rows (module doc)
 FREE_TOL = 5e-2  # logits end to end through every layer (module doc)
@@ -465,19 +466,24 @@ def nmc_positions(batch: int, context: int) -> torch.Tensor:
     return torch.tensor([max(0, context - 1 - 5 * b) for b in range(batch)], dtype=torch.int32)
 
 
+def shipped_plan(spec, batch: int, context: int, num_sms: int, **lowering):
+    """The schedule `plan()` makes with the shipped table (configs/tuning/h200.json) as the one
+    tuning file: a user's plan on an H200; the tests otherwise read an empty tuning file."""
+    from unittest import mock
+
+    with mock.patch.dict(os.environ, {"MKC_TUNING_FILE": str(SHIPPED_TABLE)}):
+        return plan(spec, batch, context, num_sms, **lowering)
+
+
 def nmc_decoder(spec, weights, batch: int, context: int, num_sms: int, options=None, **lowering):
     """The decoder a user gets: planned as `plan()` plans it with the shipped table
     (configs/tuning/h200.json: the attention-SM count, the raise and the spread measured on an
     H200 at that point, else the cost model's; the tests otherwise read an empty tuning file); the
     default kernel unless ``options`` (CodegenOptions) are given, the default lowering unless
     ``lowering`` (plan's LOWERING_CHOICES) says otherwise."""
-    from unittest import mock
-
     from mkc.runtime.cuda_backend import CudaDecoder
 
-    with mock.patch.dict(os.environ, {"MKC_TUNING_FILE": str(ROOT / "configs" / "tuning" / "h200.json")}):
-        sc = plan(spec, batch, context, num_sms, **lowering)
-    dec = CudaDecoder(sc, spec, weights, options=options)
+    dec = CudaDecoder(shipped_plan(spec, batch, context, num_sms, **lowering), spec, weights, options=options)
     g = torch.Generator(device="cuda").manual_seed(batch * 100003 + context)
     for layer in range(spec.num_layers):
         for t in dec.kv_cache(layer):
@@ -549,8 +555,6 @@ def test_nmc_tuned_long_context_entries_match_mirror(nmc_weights, num_sms, batch
     mirror's, reruns bitwise the same. The weights are held once, put into tile order in place for
     the steps (runtime.bench.decoder_in_place's way): a tile-ordered copy of the 61 GB does not fit
     beside 26-52 GB of KV cache; the mirror reads them row-major again after the block."""
-    from unittest import mock
-
     from mkc.codegen import build_kernel
     from mkc.codegen.weight_tiles import tile_ordered_in_place, tiled_weights
     from mkc.runtime import bench
@@ -558,13 +562,11 @@ def test_nmc_tuned_long_context_entries_match_mirror(nmc_weights, num_sms, batch
     from mkc.schedule import tuning
 
     spec, weights = nmc_weights
-    table = ROOT / "configs" / "tuning" / "h200.json"
     key = tuning.tuning_key(spec, batch, context, num_sms)
-    entry = tuning.lookup(key, table)
+    entry = tuning.lookup(key, SHIPPED_TABLE)
     if entry is None:
         pytest.skip(f"no shipped tuning entry for {key} (the table holds the H200's 132 SMs)")
-    with mock.patch.dict(os.environ, {"MKC_TUNING_FILE": str(table)}):
-        sc = plan(spec, batch, context, num_sms)
+    sc = shipped_plan(spec, batch, context, num_sms)
     assert sc.meta["global_attention_sms"] == entry["global_attention_sms"]
     assert (not any(t.op.name == "RESIDUAL" for t in sc.tasks)) == bool(entry.get("residual_in_o_proj"))
     art = build_kernel(sc, spec)
