@@ -246,6 +246,43 @@ def test_gemv_kparts_reduction_floats():
     assert on.gemv_ring_offset - off.gemv_ring_offset == 7 * 8 * 2 * 4 * 32 * 4
 
 
+def test_handoff_asks_for_a_control_warpgroup_and_no_phase_profile():
+    """CodegenOptions.handoff: the CTA launches with a control warpgroup of 128 threads besides the
+    ops' 256 (whose constants, shared memory and k splits stay the default's); the phase-marking
+    profile, whose marks the control warp does not take, is refused with both named."""
+    spec, sc = _nmc_schedule(1)
+    on, off = kernel_config(sc, spec, CodegenOptions(handoff=True)), kernel_config(sc, spec)
+    assert (on.threads, on.launch_threads, off.launch_threads) == (256, 384, 256)
+    assert on.smem_bytes == off.smem_bytes and on.gemv_ks == off.gemv_ks
+    with pytest.raises(CodegenError, match="handoff with profile_phases"):
+        kernel_config(sc, spec, CodegenOptions(handoff=True, profile_phases=True))
+
+
+def test_handoff_kernel_gives_the_control_warpgroups_registers_to_the_ops(cache):
+    """North Mini Code at batch 1 with CodegenOptions.handoff: 384 threads, so ptxas fits the
+    launch in 168 registers a thread (65,536 / 384); the control warpgroup lowers itself to 40
+    (USETMAXREG.DEALLOC 0x28) and the ops' two warpgroups raise themselves to 232 (TRY_ALLOC 0xe8),
+    and no instruction of the control warp's code needs more. The ops' code is attributed to its ops
+    as in the default kernel. ptxas holds a few values across each task in local memory (220 bytes
+    of spills with NVRTC 13.0: the queue's bounds and per-thread offsets, reloaded once per task or
+    per register batch), bounded here so that a change that spills inside the GEMV loops shows."""
+    spec, sc = _nmc_schedule(1)
+    art = build_kernel(sc, spec, CodegenOptions(handoff=True), cache_dir=cache)
+    assert art.threads == 384 and 0 < art.regs <= 168, (art.threads, art.regs)
+    assert art.spills < 1024, f"ptxas reports {art.spills} bytes of spills\n{art.log}"
+    assert "#define MKC_HANDOFF 1" in art.cu_source
+    sass = disassemble(art.cubin)
+    assert "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xe8" in sass and "USETMAXREG.DEALLOC.CTAPOOL 0x28" in sass
+    # the control warp's code: from the register release to the end of the kernel's own code
+    kernel = sass.split("USETMAXREG.DEALLOC.CTAPOOL 0x28", 1)[1].split(".text.", 1)[0]
+    control = kernel.split("EXIT", 2)  # warps 1..3 leave at the first EXIT, warp 0's loop ends at the next
+    regs = [int(r) for r in re.findall(r"\bR(\d+)\b", control[0] + control[1])]
+    assert regs and max(regs) < 40, max(regs)
+    by_op = instructions_by_op(art.cubin, art.cu_source)
+    assert all(by_op.get(op, 0) > 1000 for op in ("LINEAR", "EXPERT_SWIGLU", "EXPERT_DOWN", "ATTN_SPLIT")), by_op
+    assert by_op[KERNEL_LOOP] < 0.2 * sum(by_op.values()), by_op
+
+
 def test_residual_in_o_proj_kernel_compiles_without_local_memory(cache):
     """North Mini Code at batch 8 with the residual added by the O-projection (LowerOptions.
     residual_in_o_proj): its reduction over every head (4096) sizes the staged activations, its

@@ -190,8 +190,9 @@ def test_tiny_routing_ties_go_to_the_lower_expert(tiny, num_sms, batch, argmax):
 
 @pytest.mark.parametrize("options", [{}, {"norm_staging": "all_warps", "routing_argmax": "rank"},
                                      {"norm_beside_routing": "on", "routing_argmax": "redux"},
-                                     {"norm_beside_routing": "off", "routing_argmax": "redux"}],
-                         ids=["default", "norm-all-warps-rank", "norm-beside-rounds", "rounds-after"])
+                                     {"norm_beside_routing": "off", "routing_argmax": "redux"},
+                                     {"handoff": True}],
+                         ids=["default", "norm-all-warps-rank", "norm-beside-rounds", "rounds-after", "handoff"])
 @pytest.mark.parametrize("batch", [1, 2, 8])
 def test_tiny_step_matches_cpu_executor(tiny, num_sms, batch, options):
     """One step at many positions (within, at and beyond the sliding window of 8) from a random
@@ -199,7 +200,7 @@ def test_tiny_step_matches_cpu_executor(tiny, num_sms, batch, options):
     default kernel (at batch 1 the ranked routing with the expert tiles' input normalised beside
     it), for the RMSNorm staged by every warp with the routing ranked, and for the arg-max rounds
     with the input normalised beside them and after them (CodegenOptions.norm_staging,
-    routing_argmax, norm_beside_routing)."""
+    routing_argmax, norm_beside_routing), and for the control warpgroup's hand-off (handoff)."""
     from mkc.codegen import CodegenOptions
     from mkc.runtime.cuda_backend import CudaDecoder
     from mkc.schedule.executor import CpuExecutor
@@ -651,6 +652,20 @@ def test_nmc_gemv_kparts_match_mirror(nmc_weights, num_sms, batch, context):
     spec, weights = nmc_weights
     dec = nmc_decoder(spec, weights, batch, context, num_sms, CodegenOptions(gemv_kparts=True))
     check_rerun_and_mirror(dec, spec, weights, batch, context, f"NMC gemv_kparts b{batch} ctx {context}")
+
+
+@pytest.mark.parametrize("batch, context", [(1, 8192), (4, 8192), (8, 8192), (2, 4097)])
+def test_nmc_handoff_matches_mirror(nmc_weights, num_sms, batch, context):
+    """CodegenOptions.handoff: a control warpgroup copies each next record and meets its waits while
+    the ops' warps run the task before, handing tasks over through mbarriers (384 threads). The
+    same checks as the default kernel, and reruns bitwise the same; the ops' code is the default's,
+    so benchmarks/kernel_variants.py also finds its logits bitwise equal to the default's."""
+    from mkc.codegen import CodegenOptions
+
+    spec, weights = nmc_weights
+    dec = nmc_decoder(spec, weights, batch, context, num_sms, CodegenOptions(handoff=True))
+    assert dec.launch_config.threads == 384
+    check_rerun_and_mirror(dec, spec, weights, batch, context, f"NMC handoff b{batch} ctx {context}")
 
 
 @pytest.mark.parametrize("batch, context", [(1, 8192), (1, 100)])
