@@ -42,6 +42,7 @@ from mkc.schedule.schedule import Schedule
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32}
 ABORT_WORDS = 8  # flag, task id, counter, counter value, value needed, SM, -, -
+HANDOFF_SLOT = -1  # the abort's counter word when the hand-off's control warp timed out on a slot
 # a profiled step's %globaltimer words per record, in the kernel's order (kernel.cu.j2: PROF_WORDS):
 # the first 3, or every one with CodegenOptions.profile_phases
 TIMELINE_COLUMNS = ("wait", "start", "end", "staged", "done", "routed", "opened", "routing", "logits", "ranked")
@@ -321,6 +322,12 @@ class CudaDecoder:
             sc = self.schedule
             task, counter, value, need, sm = info[1:6]
             t = sc.tasks[task] if 0 <= task < len(sc.tasks) else None
+            if counter == HANDOFF_SLOT:  # kernel.cu.j2: handoff_control waited for a slot
+                raise StepTimeout(
+                    f"decode step {self.steps}: the hand-off's control warp on SM {sm} waited more than "
+                    f"{self.timeout_ns / 1e6:.0f} ms for the ops' warps to finish task {task} "
+                    f"({t.name if t else '?'}, {t.op.name if t else '?'}) (CodegenOptions.handoff). "
+                    f"Call reset() before the next step.")
             producers = sc.counters[counter].producers if 0 <= counter < len(sc.counters) else ()
             names = ", ".join(sc.tasks[p].name for p in producers[:8]) + (" ..." if len(producers) > 8 else "")
             raise StepTimeout(

@@ -191,8 +191,9 @@ def test_tiny_routing_ties_go_to_the_lower_expert(tiny, num_sms, batch, argmax):
 @pytest.mark.parametrize("options", [{}, {"norm_staging": "all_warps", "routing_argmax": "rank"},
                                      {"norm_beside_routing": "on", "routing_argmax": "redux"},
                                      {"norm_beside_routing": "off", "routing_argmax": "redux"},
-                                     {"handoff": True}],
-                         ids=["default", "norm-all-warps-rank", "norm-beside-rounds", "rounds-after", "handoff"])
+                                     {"handoff": "all"}, {"handoff": "weights_first"}],
+                         ids=["default", "norm-all-warps-rank", "norm-beside-rounds", "rounds-after", "handoff-all",
+                              "handoff-weights-first"])
 @pytest.mark.parametrize("batch", [1, 2, 8])
 def test_tiny_step_matches_cpu_executor(tiny, num_sms, batch, options):
     """One step at many positions (within, at and beyond the sliding window of 8) from a random
@@ -354,16 +355,20 @@ def ancestors(sc, tid: int) -> set[int]:
     return seen
 
 
+@pytest.mark.parametrize("handoff", ["off", "all", "weights_first"])
 @pytest.mark.parametrize("victim_op", ["ARGMAX", "LINEAR", "EXPERT_DOWN"])
-def test_watchdog_names_stuck_task(tiny, num_sms, monkeypatch, victim_op):
+def test_watchdog_names_stuck_task(tiny, num_sms, monkeypatch, victim_op, handoff):
     """A wait that can never be met makes the step fail fast with the task and counter named;
     the GPU stays usable. ARGMAX waits in the kernel loop (the last task: nothing waits on it, so
     it is the one named); a LINEAR tile waits inside its GEMV, after its first weight loads, and an
     expert-down tile of slot 0 (always routed to) waits in two parts, the unmet wait in the second:
     there a task behind it that began waiting earlier may pass the limit first, and the message
-    names a task that waits, directly or not, on the victim."""
+    names a task that waits, directly or not, on the victim. The same with the hand-off
+    (CodegenOptions.handoff), where the control warp or the ops' warp 0 meets the wait and the
+    other leaves with it."""
     import dataclasses
 
+    from mkc.codegen import CodegenOptions
     from mkc.runtime.cuda_backend import CudaDecoder, StepTimeout
 
     spec, weights = tiny
@@ -373,7 +378,7 @@ def test_watchdog_names_stuck_task(tiny, num_sms, monkeypatch, victim_op):
     waits[victim.id].append((0, sc.counters[0].target + 1))  # one more signal than there are producers
     bad = dataclasses.replace(sc, waits=waits)
     monkeypatch.setenv("MKC_WATCHDOG_MS", "200")
-    dec = CudaDecoder(bad, spec, weights)
+    dec = CudaDecoder(bad, spec, weights, options=CodegenOptions(handoff=handoff))
     with pytest.raises(StepTimeout) as e:
         dec.step([1], [0])
     msg = str(e.value)
@@ -654,18 +659,21 @@ def test_nmc_gemv_kparts_match_mirror(nmc_weights, num_sms, batch, context):
     check_rerun_and_mirror(dec, spec, weights, batch, context, f"NMC gemv_kparts b{batch} ctx {context}")
 
 
-@pytest.mark.parametrize("batch, context", [(1, 8192), (4, 8192), (8, 8192), (2, 4097)])
-def test_nmc_handoff_matches_mirror(nmc_weights, num_sms, batch, context):
-    """CodegenOptions.handoff: a control warpgroup copies each next record and meets its waits while
-    the ops' warps run the task before, handing tasks over through mbarriers (384 threads). The
-    same checks as the default kernel, and reruns bitwise the same; the ops' code is the default's,
-    so benchmarks/kernel_variants.py also finds its logits bitwise equal to the default's."""
+@pytest.mark.parametrize("handoff, batch, context", [("all", 1, 8192), ("all", 4, 8192), ("all", 8, 8192),
+                                                     ("all", 2, 4097), ("weights_first", 1, 8192),
+                                                     ("weights_first", 4, 8192)])
+def test_nmc_handoff_matches_mirror(nmc_weights, num_sms, handoff, batch, context):
+    """CodegenOptions.handoff: a control warpgroup copies each next record and meets its waits (every
+    task's, or the weights-first tiles' only) while the ops' warps run the task before, handing
+    tasks over through mbarriers (384 threads). The same checks as the default kernel, and reruns
+    bitwise the same; the ops' code is the default's, so benchmarks/kernel_variants.py also finds
+    its logits bitwise equal to the default's."""
     from mkc.codegen import CodegenOptions
 
     spec, weights = nmc_weights
-    dec = nmc_decoder(spec, weights, batch, context, num_sms, CodegenOptions(handoff=True))
+    dec = nmc_decoder(spec, weights, batch, context, num_sms, CodegenOptions(handoff=handoff))
     assert dec.launch_config.threads == 384
-    check_rerun_and_mirror(dec, spec, weights, batch, context, f"NMC handoff b{batch} ctx {context}")
+    check_rerun_and_mirror(dec, spec, weights, batch, context, f"NMC handoff {handoff} b{batch} ctx {context}")
 
 
 @pytest.mark.parametrize("batch, context", [(1, 8192), (1, 100)])

@@ -63,6 +63,7 @@ L2_WARM_BATCHES = (2, 3, 4)  # "auto" warm-up and evict-first streams (measured:
 EVICT_FIRST = ("auto", "on", "off")  # CodegenOptions.weights_evict_first
 SECOND_BATCH_OPS = ("none", "linear", "expert_down")  # CodegenOptions.second_batch_before_wait
 RESIDUAL_EPILOGUES = ("auto", "inline", "call")  # CodegenOptions.residual_epilogue
+HANDOFFS = ("off", "all", "weights_first")  # CodegenOptions.handoff
 
 
 class CodegenError(ValueError):
@@ -350,14 +351,18 @@ class CodegenOptions:
     # off): batch 1 2424.3 / 2392.0, 2413.6 / 2410.9 (layer 0's 48-row SwiGLU tiles); batch 4
     # 5386.8 / 5332.4, 5476.2 / 5345.3, 5418.4 / 5363.2. Off: the shipped kernels keep their code.
     gemv_kparts: bool = False
-    # A control warpgroup ahead of the ops' warps (kernel.cu.j2: handoff_control, handoff_ops): 384
-    # threads, of which warp 0 copies each next record and meets its waits while the two warpgroups
-    # after it (setmaxnreg: 232 registers each) still run the task before, handing each task over
-    # through shared-memory mbarriers; the ops' code is the same, over 256 threads and a barrier of
-    # their own. The first step of the hand-off in docs/kernel.md ("Next"): the wait's round trip
-    # (~1 µs even where the inputs are there) and the record's dispatch leave the ops' path; the
-    # staging and the routing stay on it. Not yet run on a GPU: off, and no profile of phases.
-    handoff: bool = False
+    # A control warpgroup ahead of the ops' warps (kernel.cu.j2: handoff_control): 384 threads, of
+    # which warp 0 copies each next record in while the two warpgroups after it (setmaxnreg: 232
+    # registers each) still run the task before, handing each task over through shared-memory
+    # mbarriers; the ops' code is the same, over 256 threads and a barrier of their own. "all": the
+    # control warp also meets every task's waits, so the wait's round trip (~1 µs even where the
+    # inputs are there) leaves the ops' path with the record's dispatch. "weights_first": it meets
+    # the waits of the LINEAR and expert-down tiles only, whose own poll would queue behind the
+    # weight loads they issue first; the other tasks' warp 0 polls as without the hand-off (no
+    # mbarrier hop on their wait). The first step of the hand-off in docs/kernel.md ("Next"); the
+    # staging and the routing stay on the ops' path. Not yet run on a GPU: "off", and no profile of
+    # phases with it.
+    handoff: str = "off"
 
 
 @dataclass(frozen=True, slots=True)
@@ -432,7 +437,8 @@ class KernelConfig:
     l2_warm: str = "off"  # CodegenOptions.l2_warm, resolved: the rules the runtime encodes (taskwords.encode)
     weights_evict_first: bool = False  # CodegenOptions.weights_evict_first, resolved
     gemv_kparts: bool = False  # CodegenOptions.gemv_kparts
-    handoff: bool = False  # CodegenOptions.handoff: a control warpgroup besides the threads above
+    handoff: bool = False  # CodegenOptions.handoff not "off": a control warpgroup besides the threads above
+    handoff_all_waits: bool = False  # CodegenOptions.handoff == "all": the control meets every task's waits
 
     @property
     def warps(self) -> int:
@@ -598,7 +604,8 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
                            f"the kernel is verified at on a GPU")
     if not 1 <= schedule.batch <= 8:
         raise CodegenError(f"batch = {schedule.batch}: the GEMV tiles hold 1 to 8 tokens")
-    if options.handoff and options.profile_phases:
+    _check_choice("handoff", options.handoff, HANDOFFS)
+    if options.handoff != "off" and options.profile_phases:
         raise CodegenError("handoff with profile_phases: the hand-off records a profile's wait and signal times "
                            "only; expected one of the two")
     if a.head_dim % 8 or options.threads % (a.head_dim // 8):
@@ -726,7 +733,7 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         early_batches_down=2 if options.second_batch_before_wait == "expert_down" else 1,
         fused_down_blocks=next(iter(fused_rows), 0) // 64, norm_terms=norm_terms,
         l2_warm=l2_warm, weights_evict_first=evict_first,
-        gemv_kparts=options.gemv_kparts, handoff=options.handoff,
+        gemv_kparts=options.gemv_kparts, handoff=options.handoff != "off", handoff_all_waits=options.handoff == "all",
         residual_epilogue_inline=options.residual_epilogue == "inline" or (options.residual_epilogue == "auto"
                                                                            and stage_bytes > 0))
     if cfg.smem_bytes > MAX_SMEM_BYTES and cfg.combine_stage_bytes:  # the combine loads its partials after its weights
@@ -812,6 +819,7 @@ def template_context(cfg: KernelConfig, banner: str) -> dict[str, Any]:
         "gemv_kparts": cv.c_bool(cfg.gemv_kparts),
         "handoff": cv.c_bool(cfg.handoff),
         "handoff_flag": cv.c_int(int(cfg.handoff)),
+        "handoff_all_waits": cv.c_bool(cfg.handoff_all_waits),
         "gemv_ks": [(name, cv.c_int(ks)) for name, ks in cfg.gemv_ks],
         "max_rank": cv.c_int(MAX_RANK),
         "dtypes": [(cv.c_ident(f"DT_{k.upper()}"), cv.c_int(v)) for k, v in DTYPE_CODES.items()],
