@@ -817,7 +817,7 @@ def template_context(cfg: KernelConfig, banner: str) -> dict[str, Any]:
         "l2_warm": cv.c_bool(cfg.l2_warm != "off"),
         "weights_evict_first": cv.c_bool(cfg.weights_evict_first),
         "gemv_kparts": cv.c_bool(cfg.gemv_kparts),
-        "handoff": cv.c_bool(cfg.handoff),
+        "control_threads": cv.c_int(cfg.launch_threads - cfg.threads),
         "handoff_flag": cv.c_int(int(cfg.handoff)),
         "handoff_all_waits": cv.c_bool(cfg.handoff_all_waits),
         "gemv_ks": [(name, cv.c_int(ks)) for name, ks in cfg.gemv_ks],
