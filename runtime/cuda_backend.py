@@ -48,6 +48,50 @@ HANDOFF_SLOT = -1  # the abort's counter word when the hand-off's control warp t
 TIMELINE_COLUMNS = ("wait", "start", "end", "staged", "done", "routed", "opened", "routing", "logits", "ranked")
 
 
+def timeline_from_profile(raw, queues, *, handoff: bool = False) -> dict[str, np.ndarray]:
+    """A profiled step's timeline (CudaDecoder.timeline) from the kernel's profile buffer: ``raw``
+    holds one row of %globaltimer words (ns) per record in queue order (kernel.cu.j2: PROF_WORDS,
+    the columns of TIMELINE_COLUMNS; 0 where a mark was not taken), ``queues`` the schedule's task
+    ids per SM. Times are µs from the earliest wait, rows in task-id order.
+
+    Without the hand-off a task starts when its wait ends. With it (``handoff``) the control warp
+    may meet a task's waits while the ops' warps still run the task before it on the SM, and the
+    ops take the task up once both have happened: ``met`` is the wait's end, and ``start`` the
+    later of it and the previous task's signal. An expert-down tile of a slot past the step's
+    distinct experts needs only its routing and may end before the control has met its other
+    waits (met after end): it started when the task before it ended (or, first on its SM, when its
+    wait began)."""
+    raw = np.asarray(raw, dtype=np.float64).copy()
+    words = raw.shape[1] if raw.ndim == 2 else 0
+    if words == len(TIMELINE_COLUMNS):
+        for j in (3, 5, 6, 7, 8, 9):  # not a staging op; routes nothing; no such routing phase
+            raw[raw[:, j] == 0, j] = np.nan
+    order = np.concatenate([np.asarray(q, dtype=np.int64) for q in queues] or [np.zeros(0, dtype=np.int64)])
+    sm = np.concatenate([np.full(len(q), i) for i, q in enumerate(queues)] or [np.zeros(0, dtype=np.int64)])
+    t0 = raw[:, 0].min() if len(raw) else 0.0
+    out = {"sm": np.empty(len(order), dtype=np.int64)}
+    for j, name in enumerate(TIMELINE_COLUMNS[:words]):
+        out[name] = np.empty(len(order))
+        out[name][order] = (raw[:, j] - t0) / 1e3
+    out["sm"][order] = sm
+    if handoff:
+        wait, met, end = out["wait"], out["start"].copy(), out["end"]
+        start = met.copy()
+        for q in queues:
+            prev = None
+            for i in q:
+                if prev is not None:
+                    start[i] = max(met[i], end[prev]) if met[i] <= end[i] else end[prev]
+                elif met[i] > end[i]:
+                    start[i] = wait[i]
+                start[i] = min(start[i], end[i])
+                prev = i
+        out["met"] = met
+        out["start"] = start
+        out["wait"] = np.minimum(wait, start)
+    return out
+
+
 class CudaError(RuntimeError):
     """A CUDA driver call failed (the message names the call and the error)."""
 
@@ -295,24 +339,13 @@ class CudaDecoder:
         routing derived by the task (NaN where there is none): ``opened`` (an expert gate/up
         tile's op entered), ``routing`` (the derivation began), ``logits`` (the tagged logits read,
         all of this step; NaN on the counter path) and ``ranked`` (the TOP_K rounds, or the ranks,
-        done)."""
+        done). A kernel with the hand-off (CodegenOptions.handoff) adds ``met`` (the waits met,
+        by the control warp, maybe while the task before still ran; see timeline_from_profile)."""
         if self._prof is None:
             raise RuntimeError("timeline(): no profiled step yet (launch(..., profile=True))")
         torch.cuda.current_stream(self.device).synchronize()
-        words = self._prof_words
-        raw = self._prof.view(-1, words).cpu().numpy().astype(np.float64)
-        if words == len(TIMELINE_COLUMNS):
-            for j in (3, 5, 6, 7, 8, 9):  # not a staging op; routes nothing; no such routing phase
-                raw[raw[:, j] == 0, j] = np.nan
-        order = np.concatenate([np.asarray(q, dtype=np.int64) for q in self.schedule.queues] or [np.zeros(0)])
-        sm = np.concatenate([np.full(len(q), i) for i, q in enumerate(self.schedule.queues)] or [np.zeros(0)])
-        t0 = raw[:, 0].min()
-        out = {"sm": np.empty(len(order), dtype=np.int64)}
-        for j, name in enumerate(TIMELINE_COLUMNS[:words]):
-            out[name] = np.empty(len(order))
-            out[name][order] = (raw[:, j] - t0) / 1e3
-        out["sm"][order] = sm
-        return out
+        raw = self._prof.view(-1, self._prof_words).cpu().numpy()
+        return timeline_from_profile(raw, self.schedule.queues, handoff=self.artifact.config.handoff)
 
     def check(self) -> None:
         """Wait for the launched steps and raise StepTimeout if the watchdog fired."""

@@ -28,6 +28,7 @@ element). Through the layers such flips average out to ~1e-3 relative in L2, so:
 from __future__ import annotations
 
 import gc
+import itertools
 import math
 import os
 import re
@@ -338,6 +339,52 @@ def test_tiny_profile_phases_are_ordered(tiny, num_sms, batch):
         marks = [m for m in (o, rb, lo, rk, r) if not math.isnan(m)]
         assert marks == sorted(marks) and not math.isnan(rb), (t.name, o, rb, lo, rk, r)
         assert math.isnan(lo) == (not dec.artifact.config.tagged_logits or t.op.name != "EXPERT_SWIGLU"), (t.name, lo)
+
+
+@pytest.mark.parametrize("handoff", ["all", "weights_first"])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_tiny_handoff_profile_is_ordered(tiny, num_sms, batch, handoff):
+    """A profiled step with the hand-off (CodegenOptions.handoff): the warp that met a task's waits
+    (the control warp, or the ops' warp 0 for the tasks it polls itself) wrote their begin and end;
+    every task of the step has all three marks; its waits were met no earlier than its producers
+    signalled (less the timer's step: a producer reads the timer after its release); it began
+    (timeline: the later of that and the signal of the task before it on its SM) after its wait
+    began and ended after it began, one task at a time on each SM; and the profiled step computes
+    bitwise what the default kernel does."""
+    from mkc.codegen import CodegenOptions
+    from mkc.runtime.cuda_backend import CudaDecoder
+
+    spec, weights = tiny
+    sc = plan(spec, batch, 16, num_sms)
+    tokens = torch.arange(batch, dtype=torch.int32) * 37
+    positions = torch.arange(batch, dtype=torch.int32) + 3
+    ref = CudaDecoder(sc, spec, weights)
+    dec = CudaDecoder(sc, spec, weights, options=CodegenOptions(handoff=handoff))
+    for d in (ref, dec):
+        for layer in range(spec.num_layers):
+            torch.manual_seed(layer)
+            for t in d.kv_cache(layer):
+                t.normal_()
+    lg, tok = ref.step(tokens, positions)
+    dec.launch(tokens, positions, profile=True)
+    dec.check()
+    assert torch.equal(dec.buffers["logits"], lg) and torch.equal(dec.buffers["next_token"].long(), tok)
+    raw = dec._prof.view(len(sc.tasks), -1).cpu()
+    assert raw.shape[1] == 3 and bool((raw > 0).all()), "a task's profile marks were not all written"
+    tl = dec.timeline()
+    tagged = dec.artifact.config.tagged_logits
+    slack = 1.0  # µs
+    for t in sc.tasks:
+        i = t.id
+        w, m, s, e = (float(tl[k][i]) for k in ("wait", "met", "start", "end"))
+        assert w <= m and w <= s <= e, (t.name, w, m, s, e)
+        waits = sc.waits[i][1:] if tagged and t.op.name in ("EXPERT_SWIGLU", "EXPERT_MLP") else sc.waits[i]
+        for c, _ in waits:
+            for p in sc.counters[c].producers:
+                assert m >= float(tl["end"][p]) - slack, (t.name, m, sc.tasks[p].name, float(tl["end"][p]))
+    for q in sc.queues:
+        for a, b in itertools.pairwise(q):
+            assert tl["start"][b] >= tl["end"][a], (sc.tasks[a].name, sc.tasks[b].name)
 
 
 def ancestors(sc, tid: int) -> set[int]:

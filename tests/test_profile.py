@@ -436,3 +436,39 @@ def test_replay_profile_cuts_a_fixed_time_off_the_tasks_named(tmp_path, capsys, 
     monkeypatch.setattr(sys, "argv", [*args, "--cut", "LINEAR@nothing=1"])
     with pytest.raises(SystemExit, match="--cut nothing: expected an opcode"):
         replay_profile.main()
+
+
+def test_timeline_from_profile_starts_a_handoff_task_when_the_ops_take_it_up():
+    """The profile buffer read into a timeline (cuda_backend.timeline_from_profile), on words made
+    to order: two SMs, rows in queue order, ns. Without the hand-off a task starts when its wait
+    ends. With it the control warp meets a task's waits ahead of the ops' warps, so the task starts
+    at the later of that and the previous task's signal on its SM; an expert-down tile of an empty
+    slot that ended before the control met its other waits started when the task before it ended."""
+    from mkc.runtime.cuda_backend import timeline_from_profile
+
+    queues = [[2, 0, 3], [1]]  # SM 0 runs tasks 2, 0, 3; SM 1 task 1
+    raw = np.array([
+        [1000, 2000, 9000],    # task 2: waits 1-2 µs, runs to 9
+        [3000, 4000, 12000],   # task 0: its waits met at 4 µs, while task 2 still ran
+        [9500, 20000, 15000],  # task 3: ended (15) before its waits were met (20): an empty slot
+        [1500, 5000, 7000],    # task 1 (SM 1): inputs at 5 µs
+    ], dtype=np.int64)
+    plain = timeline_from_profile(raw, queues)
+    assert plain["sm"].tolist() == [0, 1, 0, 0]
+    np.testing.assert_allclose(plain["wait"], [2.0, 0.5, 0.0, 8.5])
+    np.testing.assert_allclose(plain["start"], [3.0, 4.0, 1.0, 19.0])  # the wait's end, as recorded
+    np.testing.assert_allclose(plain["end"], [11.0, 6.0, 8.0, 14.0])
+    assert "met" not in plain
+    h = timeline_from_profile(raw, queues, handoff=True)
+    np.testing.assert_allclose(h["met"], [3.0, 4.0, 1.0, 19.0])
+    np.testing.assert_allclose(h["start"], [8.0, 4.0, 1.0, 11.0])
+    np.testing.assert_allclose(h["wait"], [2.0, 0.5, 0.0, 8.5])
+    assert (h["start"] <= h["end"]).all()
+    for q in queues:  # one task at a time on an SM
+        assert all(h["start"][b] >= h["end"][a] for a, b in itertools.pairwise(q))
+    # the phase-marking kernel's words: its unmarked phases (0) read as NaN
+    marks = np.zeros((4, 10), dtype=np.int64)
+    marks[:, :3] = raw
+    marks[0, 3] = 1500
+    ph = timeline_from_profile(marks, queues)
+    assert ph["staged"][2] == 0.5 and np.isnan(ph["staged"][0]) and np.isnan(ph["routed"]).all()
