@@ -345,12 +345,12 @@ def test_tiny_profile_phases_are_ordered(tiny, num_sms, batch):
 @pytest.mark.parametrize("batch", [1, 8])
 def test_tiny_handoff_profile_is_ordered(tiny, num_sms, batch, handoff):
     """A profiled step with the hand-off (CodegenOptions.handoff): the warp that met a task's waits
-    (the control warp, or the ops' warp 0 for the tasks it polls itself) wrote their begin and end;
-    every task of the step has all three marks; its waits were met no earlier than its producers
-    signalled (less the timer's step: a producer reads the timer after its release); it began
-    (timeline: the later of that and the signal of the task before it on its SM) after its wait
-    began and ended after it began, one task at a time on each SM; and the profiled step computes
-    bitwise what the default kernel does."""
+    (the control warp, or the ops' warp 0 for the tasks it polls itself) wrote when they began and
+    when they were met, and the signaller the signal; every task of the step has all three marks,
+    its waits met after they began, no earlier than its producers signalled (less a timer step: a
+    producer reads the timer after its release) and, but for an expert-down tile (one of a slot past
+    the step's distinct experts needs only its routing), before it signalled; the tasks of an SM
+    signal in queue order; and the profiled step computes bitwise what the default kernel does."""
     from mkc.codegen import CodegenOptions
     from mkc.runtime.cuda_backend import CudaDecoder
 
@@ -376,15 +376,17 @@ def test_tiny_handoff_profile_is_ordered(tiny, num_sms, batch, handoff):
     slack = 1.0  # µs
     for t in sc.tasks:
         i = t.id
-        w, m, s, e = (float(tl[k][i]) for k in ("wait", "met", "start", "end"))
-        assert w <= m and w <= s <= e, (t.name, w, m, s, e)
+        w, m, e = (float(tl[k][i]) for k in ("wait", "met", "end"))
+        assert w <= m, (t.name, w, m)
+        assert m <= e or t.op.name == "EXPERT_DOWN", (t.name, m, e)
+        # an expert gate/up tile on tagged logits skips its first wait (the router's)
         waits = sc.waits[i][1:] if tagged and t.op.name in ("EXPERT_SWIGLU", "EXPERT_MLP") else sc.waits[i]
         for c, _ in waits:
             for p in sc.counters[c].producers:
                 assert m >= float(tl["end"][p]) - slack, (t.name, m, sc.tasks[p].name, float(tl["end"][p]))
     for q in sc.queues:
         for a, b in itertools.pairwise(q):
-            assert tl["start"][b] >= tl["end"][a], (sc.tasks[a].name, sc.tasks[b].name)
+            assert tl["end"][b] >= tl["end"][a], (sc.tasks[a].name, sc.tasks[b].name)
 
 
 def ancestors(sc, tid: int) -> set[int]:
