@@ -281,14 +281,10 @@ STAGING_OPS = ("LINEAR", "SWIGLU", "EXPERT_SWIGLU", "EXPERT_DOWN", "EXPERT_MLP",
 ROUTING_OPS = ("EXPERT_SWIGLU", "EXPERT_DOWN", "EXPERT_MLP", "TOPK")
 
 
-@pytest.mark.parametrize("batch", [1, 8])
-def test_tiny_profile_phases_are_ordered(tiny, num_sms, batch):
-    """A profiled step of the phase-marking kernel (CodegenOptions.profile_phases): per task, began
-    waiting <= inputs ready <= (inputs staged: GEMV tiles and warp attention splits) <= op done <=
-    signalled; the tasks that route have their routing between their inputs being ready and their
-    op's end (an expert-down tile may have it before its wait, when its SM knows the layer's
-    routing), the others none; the routing's own marks in order where a task derived it; and the
-    profiled step computes bitwise what the default kernel does."""
+def _profiled_beside_default(tiny, num_sms: int, batch: int, **options):
+    """The tiny model at batch ``batch`` (context 16) built with CodegenOptions(**options), one
+    profiled step from a seeded KV cache, checked bitwise against the default kernel's step from
+    the same cache: (schedule, the profiled decoder)."""
     from mkc.codegen import CodegenOptions
     from mkc.runtime.cuda_backend import CudaDecoder
 
@@ -297,7 +293,7 @@ def test_tiny_profile_phases_are_ordered(tiny, num_sms, batch):
     tokens = torch.arange(batch, dtype=torch.int32) * 37
     positions = torch.arange(batch, dtype=torch.int32) + 3
     ref = CudaDecoder(sc, spec, weights)
-    dec = CudaDecoder(sc, spec, weights, options=CodegenOptions(profile_phases=True))
+    dec = CudaDecoder(sc, spec, weights, options=CodegenOptions(**options))
     for d in (ref, dec):
         for layer in range(spec.num_layers):
             torch.manual_seed(layer)
@@ -307,6 +303,18 @@ def test_tiny_profile_phases_are_ordered(tiny, num_sms, batch):
     dec.launch(tokens, positions, profile=True)
     dec.check()
     assert torch.equal(dec.buffers["logits"], lg) and torch.equal(dec.buffers["next_token"].long(), tok)
+    return sc, dec
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_tiny_profile_phases_are_ordered(tiny, num_sms, batch):
+    """A profiled step of the phase-marking kernel (CodegenOptions.profile_phases): per task, began
+    waiting <= inputs ready <= (inputs staged: GEMV tiles and warp attention splits) <= op done <=
+    signalled; the tasks that route have their routing between their inputs being ready and their
+    op's end (an expert-down tile may have it before its wait, when its SM knows the layer's
+    routing), the others none; the routing's own marks in order where a task derived it; and the
+    profiled step computes bitwise what the default kernel does."""
+    sc, dec = _profiled_beside_default(tiny, num_sms, batch, profile_phases=True)
     tl = dec.timeline()
     for t in sc.tasks:
         i = t.id
@@ -351,24 +359,7 @@ def test_tiny_handoff_profile_is_ordered(tiny, num_sms, batch, handoff):
     producer reads the timer after its release) and, but for an expert-down tile (one of a slot past
     the step's distinct experts needs only its routing), before it signalled; the tasks of an SM
     signal in queue order; and the profiled step computes bitwise what the default kernel does."""
-    from mkc.codegen import CodegenOptions
-    from mkc.runtime.cuda_backend import CudaDecoder
-
-    spec, weights = tiny
-    sc = plan(spec, batch, 16, num_sms)
-    tokens = torch.arange(batch, dtype=torch.int32) * 37
-    positions = torch.arange(batch, dtype=torch.int32) + 3
-    ref = CudaDecoder(sc, spec, weights)
-    dec = CudaDecoder(sc, spec, weights, options=CodegenOptions(handoff=handoff))
-    for d in (ref, dec):
-        for layer in range(spec.num_layers):
-            torch.manual_seed(layer)
-            for t in d.kv_cache(layer):
-                t.normal_()
-    lg, tok = ref.step(tokens, positions)
-    dec.launch(tokens, positions, profile=True)
-    dec.check()
-    assert torch.equal(dec.buffers["logits"], lg) and torch.equal(dec.buffers["next_token"].long(), tok)
+    sc, dec = _profiled_beside_default(tiny, num_sms, batch, handoff=handoff)
     raw = dec._prof.view(len(sc.tasks), -1).cpu()
     assert raw.shape[1] == 3 and bool((raw > 0).all()), "a task's profile marks were not all written"
     tl = dec.timeline()
