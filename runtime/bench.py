@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import gc
-import itertools
 import json
 import math
 import statistics
@@ -687,17 +686,14 @@ def write_profile(sc, tl: dict, path: Path) -> None:
     events = []
     for sm in range(len(sc.queues)):
         events.append({"ph": "M", "name": "thread_name", "pid": 1, "tid": sm, "args": {"name": f"SM {sm}"}})
-    # a wait drawn from the end of the task before it on its SM at the earliest: with the hand-off
-    # the control warp begins a task's wait while the ops' warps still run the task before
-    prev_end = {b: float(tl["end"][a]) for q in sc.queues for a, b in itertools.pairwise(q)}
     for t in sc.tasks:
         i = t.id
-        wait = max(float(tl["wait"][i]), prev_end.get(i, -math.inf))
-        if tl["start"][i] > wait:
+        if tl["start"][i] > tl["wait"][i]:
             events.append({"ph": "X", "name": "wait", "cat": "wait", "pid": 1, "tid": int(tl["sm"][i]),
-                           "ts": wait, "dur": float(tl["start"][i]) - wait})
+                           "ts": float(tl["wait"][i]), "dur": float(tl["start"][i] - tl["wait"][i])})
         args = {"layer": t.layer, "bytes": t.weight_bytes + t.act_bytes}
-        if "met" in tl:  # the hand-off: when the control warp had met the task's waits
+        if "met" in tl:  # the hand-off: when the control warp began and ended meeting the task's waits
+            args["waits polled"] = round(float(tl["polled"][i]), 3)
             args["waits met"] = round(float(tl["met"][i]), 3)
         events.append({"ph": "X", "name": t.name, "cat": t.op.name, "pid": 1, "tid": int(tl["sm"][i]),
                        "ts": float(tl["start"][i]), "dur": max(0.001, float(tl["end"][i] - tl["start"][i])),

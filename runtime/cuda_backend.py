@@ -56,8 +56,10 @@ def timeline_from_profile(raw, queues, *, handoff: bool = False) -> dict[str, np
 
     Without the hand-off a task starts when its wait ends. With it (``handoff``) the control warp
     may meet a task's waits while the ops' warps still run the task before it on the SM, and the
-    ops take the task up once both have happened: ``met`` is the wait's end, and ``start`` the
-    later of it and the previous task's signal. An expert-down tile of a slot past the step's
+    ops take the task up once both have happened. ``polled`` and ``met`` are when the warp that met
+    the waits began polling and was done; ``start`` is the later of ``met`` and the previous task's
+    signal, and ``wait`` the later of ``polled`` and that signal (so that, as without the hand-off,
+    an SM's wait follows the task before it). An expert-down tile of a slot past the step's
     distinct experts needs only its routing and may end before the control has met its other
     waits (met after end): it started when the task before it ended (or, first on its SM, when its
     wait began)."""
@@ -75,20 +77,20 @@ def timeline_from_profile(raw, queues, *, handoff: bool = False) -> dict[str, np
         out[name][order] = (raw[:, j] - t0) / 1e3
     out["sm"][order] = sm
     if handoff:
-        wait, met, end = out["wait"], out["start"].copy(), out["end"]
-        start = met.copy()
+        polled, met, end = out["wait"], out["start"], out["end"]
+        start, wait = met.copy(), polled.copy()
         for q in queues:
             prev = None
             for i in q:
                 if prev is not None:
                     start[i] = max(met[i], end[prev]) if met[i] <= end[i] else end[prev]
+                    wait[i] = max(polled[i], end[prev])
                 elif met[i] > end[i]:
-                    start[i] = wait[i]
+                    start[i] = polled[i]
                 start[i] = min(start[i], end[i])
+                wait[i] = min(wait[i], start[i])
                 prev = i
-        out["met"] = met
-        out["start"] = start
-        out["wait"] = np.minimum(wait, start)
+        out.update(polled=polled, met=met, start=start, wait=wait)
     return out
 
 
@@ -339,8 +341,9 @@ class CudaDecoder:
         routing derived by the task (NaN where there is none): ``opened`` (an expert gate/up
         tile's op entered), ``routing`` (the derivation began), ``logits`` (the tagged logits read,
         all of this step; NaN on the counter path) and ``ranked`` (the TOP_K rounds, or the ranks,
-        done). A kernel with the hand-off (CodegenOptions.handoff) adds ``met`` (the waits met,
-        by the control warp, maybe while the task before still ran; see timeline_from_profile)."""
+        done). A kernel with the hand-off (CodegenOptions.handoff) adds ``polled`` and ``met`` (the
+        waits' polling began and was done, by the control warp maybe while the task before still
+        ran; see timeline_from_profile)."""
         if self._prof is None:
             raise RuntimeError("timeline(): no profiled step yet (launch(..., profile=True))")
         torch.cuda.current_stream(self.device).synchronize()

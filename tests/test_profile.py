@@ -460,9 +460,10 @@ def test_timeline_from_profile_starts_a_handoff_task_when_the_ops_take_it_up():
     np.testing.assert_allclose(plain["end"], [11.0, 6.0, 8.0, 14.0])
     assert "met" not in plain
     h = timeline_from_profile(raw, queues, handoff=True)
+    np.testing.assert_allclose(h["polled"], [2.0, 0.5, 0.0, 8.5])
     np.testing.assert_allclose(h["met"], [3.0, 4.0, 1.0, 19.0])
     np.testing.assert_allclose(h["start"], [8.0, 4.0, 1.0, 11.0])
-    np.testing.assert_allclose(h["wait"], [2.0, 0.5, 0.0, 8.5])
+    np.testing.assert_allclose(h["wait"], [8.0, 0.5, 0.0, 11.0])  # from the task before it at the earliest
     assert (h["start"] <= h["end"]).all()
     for q in queues:  # one task at a time on an SM
         assert all(h["start"][b] >= h["end"][a] for a, b in itertools.pairwise(q))
