@@ -360,8 +360,12 @@ class CodegenOptions:
     # the waits of the LINEAR and expert-down tiles only, whose own poll would queue behind the
     # weight loads they issue first; the other tasks' warp 0 polls as without the hand-off (no
     # mbarrier hop on their wait). The first step of the hand-off in docs/kernel.md ("Next"); the
-    # staging and the routing stay on the ops' path. Not yet run on a GPU: "off", and no profile of
-    # phases with it.
+    # staging and the routing stay on the ops' path. Correct on an H200 (2026-12-05: the tiny model
+    # against the CPU executor, North Mini Code against the mirror, logits bitwise the default's) but
+    # slower (kernel_variants.py, three rounds, means): batch 1 +3.1% ("all") / +3.3%
+    # ("weights_first"), batch 4 +2.8% / +2.9% (BENCHMARKS.md). The control warp's verdict comes as
+    # early as the default's own poll, but the ops' warps take 0.26-0.77 µs longer from it to their
+    # signal, on every task of the chain. "off"; no profile of phases with it.
     handoff: str = "off"
 
 
