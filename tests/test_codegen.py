@@ -270,8 +270,8 @@ def test_handoff_kernel_gives_the_control_warpgroups_registers_to_the_ops(cache,
     launch in 168 registers a thread (65,536 / 384); the control warpgroup lowers itself to 40
     (USETMAXREG.DEALLOC 0x28) and the ops' two warpgroups raise themselves to 232 (TRY_ALLOC 0xe8),
     and no instruction of the control warp's code needs more. The ops' code is attributed to its ops
-    as in the default kernel. ptxas holds a few values across each task in local memory (220 bytes
-    of spills at batch 1 with NVRTC 13.0, ~420 at batch 4: the queue's bounds and per-thread offsets,
+    as in the default kernel. ptxas holds a few values across each task in local memory (188 bytes
+    of spills at batch 1 with NVRTC 13.0, ~370 at batch 4: per-thread offsets and epilogue values,
     reloaded once per task or per register batch), bounded here so that a change that spills
     throughout the GEMV loops shows."""
     spec, sc = _nmc_schedule(batch)
@@ -289,7 +289,9 @@ def test_handoff_kernel_gives_the_control_warpgroups_registers_to_the_ops(cache,
     assert regs and max(regs) < 40, max(regs)
     by_op = instructions_by_op(art.cubin, art.cu_source)
     assert all(by_op.get(op, 0) > 1000 for op in ("LINEAR", "EXPERT_SWIGLU", "EXPERT_DOWN", "ATTN_SPLIT")), by_op
-    assert by_op[KERNEL_LOOP] < 0.2 * sum(by_op.values()), by_op
+    # attribution that failed would leave nearly every instruction to the loop; the hand-off's loop
+    # holds the control warp's code and both loops' waits besides (~17-20% of the kernel)
+    assert by_op[KERNEL_LOOP] < 0.25 * sum(by_op.values()), by_op
 
 
 def test_residual_in_o_proj_kernel_compiles_without_local_memory(cache):
