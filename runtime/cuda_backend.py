@@ -33,7 +33,7 @@ import torch
 
 from mkc import settings
 from mkc.codegen import KernelArtifact, build_kernel
-from mkc.codegen.render import CodegenOptions
+from mkc.codegen.render import HANDOFF_SLOT, CodegenOptions
 from mkc.codegen.taskwords import buffer_table, encode, record_descriptors, routing_logits, tagged_words
 from mkc.codegen.weight_tiles import TiledWeights, from_tiles, tiled_weights, to_tiles
 from mkc.ir.kv_layout import identity_page_table, logical_view, page_size_of
@@ -42,7 +42,6 @@ from mkc.schedule.schedule import Schedule
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32}
 ABORT_WORDS = 8  # flag, task id, counter, counter value, value needed, SM, -, -
-HANDOFF_SLOT = -1  # the abort's counter word when the hand-off's control warp timed out on a slot
 # a profiled step's %globaltimer words per record, in the kernel's order (kernel.cu.j2: PROF_WORDS):
 # the first 3, or every one with CodegenOptions.profile_phases
 TIMELINE_COLUMNS = ("wait", "start", "end", "staged", "done", "routed", "opened", "routing", "logits", "ranked")

@@ -72,6 +72,7 @@ class CodegenError(ValueError):
 
 VERIFIED_THREADS = 256  # CodegenOptions.threads: the CTA size the GPU tests run
 HANDOFF_CONTROL_THREADS = 128  # CodegenOptions.handoff: the control warpgroup (kernel.cu.j2: CONTROL_THREADS)
+HANDOFF_SLOT = -1  # the abort's counter word when the hand-off's control warp timed out on a slot
 
 
 @dataclass(frozen=True, slots=True)
@@ -822,7 +823,7 @@ def template_context(cfg: KernelConfig, banner: str) -> dict[str, Any]:
         "weights_evict_first": cv.c_bool(cfg.weights_evict_first),
         "gemv_kparts": cv.c_bool(cfg.gemv_kparts),
         "control_threads": cv.c_int(cfg.launch_threads - cfg.threads),
-        "handoff_flag": cv.c_int(int(cfg.handoff)),
+        "handoff_slot": cv.c_int(HANDOFF_SLOT),
         "handoff_all_waits": cv.c_bool(cfg.handoff_all_waits),
         "gemv_ks": [(name, cv.c_int(ks)) for name, ks in cfg.gemv_ks],
         "max_rank": cv.c_int(MAX_RANK),
