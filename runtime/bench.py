@@ -368,6 +368,14 @@ def run_bench(spec: ModelSpec, weights: dict[str, torch.Tensor], batches: list[i
     return out
 
 
+# Two counts of attention SMs whose whole-model times differ by at most this fraction are a tie
+# for mkc bench --tune: the same schedule's median moves by 1-2% between runs on an H200
+# (BENCHMARKS.md, 2026-12-03 19:23). On 2026-12-05 batch 1 at 128K timed 0 attention SMs 0.3%
+# faster than 64, and the global layers' splits were then tried only with 0: 3974.7 µs against
+# the 3686.2 that 64 with 256 SMs' worth of global splits had measured (2026-12-03).
+TUNE_TIE = 0.02
+
+
 def tune_attention_sms(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context: int, *, sms: int,
                        bw: float, reps: int, page_size: int = 0, log=print, rounds: int = 1,
                        tiles: bool = False) -> int | None:
@@ -523,10 +531,14 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
     # chosen so far is the one the whole model ran fastest with, which at a long context the global
     # layers decide; so the sliding layers are also timed on the next smaller count, beneath 2, 4
     # and 8 times that in the global layers (a pair (attention SMs, global layers' SMs' worth)).
+    # A count that ran within TUNE_TIE of the chosen one is a tie the run's noise may have broken
+    # either way, and more splits in the global layers may favour it: its pairs are timed too.
     pairs = [(best, w) for w in global_attention_sms_candidates(spec, batch, context, sms, best)]
-    smaller = max((a for a in candidates if 0 < a < best), default=0)
-    if len(pairs) > 1 and smaller:
-        pairs += [(smaller, w) for w in global_attention_sms_candidates(spec, batch, context, sms, smaller) if w]
+    if len(pairs) > 1:
+        smaller = max((a for a in candidates if 0 < a < best), default=0)
+        tied = [a for a in candidates if a != best and measured[a] <= measured[best] * (1 + TUNE_TIE)]
+        for a in sorted(set(tied) | ({smaller} if smaller else set()), key=candidates.index):
+            pairs += [(a, w) for w in global_attention_sms_candidates(spec, batch, context, sms, a) if w]
     wide_keys = {(a, w): (a, raise_us, splits_first, spread_on, fold_on, w) for a, w in pairs}
     decide({k: ("the same, as many splits in the layers of global attention" if not w else
                 f"the same with {w} SMs' worth of splits in the layers of global attention"

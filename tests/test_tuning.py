@@ -459,6 +459,44 @@ def test_tune_times_the_sliding_layers_on_fewer_sms_beneath_the_global_layers(nm
     assert "64 SMs' worth of attention splits; measured fastest by mkc bench --tune" in text
 
 
+def test_tune_times_the_global_layers_splits_on_a_count_that_tied_with_the_fastest(nmc, tuning_file, monkeypatch):
+    """North Mini Code at batch 1 and 128K: no attention SMs ran 0.3% faster than 64 (a tie within
+    the run's noise, as measured on an H200 on 2026-12-05), but 64 with 256 SMs' worth of splits in
+    the layers of global attention runs faster than anything with none set apart (fake timings).
+    The tuner times the global layers' splits on the tied count as well, and records that pair."""
+
+    def fake_row(spec, w, b, c, *, attention_sms, ceilings=None, **kw):
+        wide = kw.get("global_attention_sms", 0)
+        us = {0: 100.0, 64: 100.3}.get(attention_sms, 150.0)
+        if (attention_sms, wide) == (64, 256):
+            us = 93.0
+        return bench.row("mkc", b, c, [us * 1e-6], 10**6, 4e12)
+
+    monkeypatch.setattr(bench, "_megakernel_row", fake_row)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    logs = []
+    assert bench.tune_attention_sms(nmc, {}, 1, 131072, sms=132, bw=4e12, reps=3, log=logs.append) == 64
+    rec = json.loads(tuning_file.read_text())[tuning.tuning_key(nmc, 1, 131072, 132)]
+    assert rec["attention_sms"] == 64 and rec["global_attention_sms"] == 256
+    timed = rec["global_attention_sms_measured_us"]
+    assert timed["256@64"] == 93.0 and {"0", "264", "528", "128@64", "512@64"} <= set(timed)
+    assert any("fastest with 64 attention SMs and 256 SMs' worth of splits" in ln for ln in logs)
+
+
+def test_tune_times_no_other_count_where_none_tied(nmc, tuning_file, monkeypatch):
+    """The same point with 64 attention SMs 3% slower than none: only none's pairs are timed."""
+    asked = []
+
+    def fake_row(spec, w, b, c, *, attention_sms, ceilings=None, **kw):
+        asked.append((attention_sms, kw.get("global_attention_sms", 0)))
+        return bench.row("mkc", b, c, [{0: 100.0, 64: 103.0}.get(attention_sms, 150.0) * 1e-6], 10**6, 4e12)
+
+    monkeypatch.setattr(bench, "_megakernel_row", fake_row)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    assert bench.tune_attention_sms(nmc, {}, 1, 131072, sms=132, bw=4e12, reps=3, log=lambda line: None) == 0
+    assert not [a for a, wide in asked if wide and a != 0]
+
+
 def test_tune_skips_a_point_with_one_candidate(monkeypatch, tuning_file):
     spec = load_spec("configs/mixtral_tiny.yaml")
     monkeypatch.setattr(bench, "_megakernel_row", lambda *a, **kw: pytest.fail("nothing to time"))
