@@ -21,15 +21,6 @@
 # --quick: the default stages at batch 1 and 8 only.
 # --bench (limits 20 + 100 + 100 + 60 = 280 s): pip, bench, bench_paged (the same with the paged KV
 #   cache, --page-size 256), profile.
-# --handoff (limits 20 + 150 + 210 + 190 = 570 s): the control warpgroup's hand-off
-#   (CodegenOptions.handoff), correct first: pip; handoff_tiny, the tiny model's hand-off tests
-#   (against the CPU executor, the watchdog, the profile's marks); if they pass, handoff_nmc (North
-#   Mini Code against the mirror) and handoff_variants (benchmarks/kernel_variants.py: the default
-#   and both modes side by side at batch 1 and 4, three rounds, logits checked bitwise). Prebuild
-#   the kernels on a CPU machine first (kernel_variants.py --build-only into MKC_CACHE_DIR) so the
-#   call spends its time on the GPU.
-# --handoff-profile (limits 20 + 3 x 170 = 530 s): one profiled step each of the default, "all" and
-#   "weights_first" at batch 1 and 4 (megakernel_step.py --profile), where the hand-off saves or loses.
 # --long (limits 20 + 270 + 270 = 560 s): pip, then mkc bench at batch 1 and 8 and contexts 32768
 #   and 131072, contiguous (bench_long) and paged (bench_long_paged). Before each engine allocates,
 #   bench compares its memory estimate with the GPU's free memory and skips it with what it needed
@@ -46,10 +37,7 @@ for arg in "$@"; do
     --quick) batches=1,8 ;;
     --bench) mode=bench ;;
     --long) mode=long ;;
-    --handoff) mode=handoff ;;
-    --handoff-profile) mode=handoff_profile ;;
-    *) echo "usage: OUT=DIR bash benchmarks/gpu_session.sh [--quick | --bench | --long | --handoff | --handoff-profile]" >&2
-       exit 2 ;;
+    *) echo "usage: OUT=DIR bash benchmarks/gpu_session.sh [--quick | --bench | --long]" >&2; exit 2 ;;
   esac
 done
 stage() {  # name, timeout (s), command...
@@ -69,23 +57,6 @@ stage pip 20 python3 -m pip install -q --no-deps --no-build-isolation -e .
 if [ "$mode" = long ]; then
   bench bench_long 270 --batch 1,8 --context 32768,131072
   bench bench_long_paged 270 --batch 1,8 --context 32768,131072 --page-size 256
-  exit 0
-fi
-if [ "$mode" = handoff ]; then
-  stage handoff_tiny 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu.py -k \
-    "(tiny_step_matches_cpu_executor and handoff) or (watchdog_names_stuck_task and not off) or handoff_profile"
-  if grep -q " passed" "$OUT/handoff_tiny.log" && ! grep -q "failed" "$OUT/handoff_tiny.log"; then
-    stage handoff_nmc 210 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k nmc_handoff_matches_mirror
-    stage handoff_variants 190 python3 benchmarks/kernel_variants.py --batch 1 4 \
-      --variants default handoff-all handoff-weights-first --rounds 3 --reps 20
-  fi
-  exit 0
-fi
-if [ "$mode" = handoff_profile ]; then
-  for h in off all weights_first; do
-    stage "profile_handoff_$h" 170 python3 benchmarks/megakernel_step.py --batch 1 4 --reps 10 \
-      --options handoff=$h --profile "$OUT/prof"
-  done
   exit 0
 fi
 if [ "$mode" = default ]; then

@@ -144,11 +144,6 @@ VARIANTS: dict[str, CodegenOptions] = {
     # two-row-set tiles whose row groups leave warps idle under the power-of-two k split split k into
     # parts that fill them (CodegenOptions.gemv_kparts)
     "kparts": CodegenOptions(gemv_kparts=True),
-    # a control warpgroup copies each next record and meets its waits (every task's, or the
-    # weights-first tiles' only) while the ops' warps run the task before (CodegenOptions.handoff;
-    # 384 threads)
-    "handoff-all": CodegenOptions(handoff="all"),
-    "handoff-weights-first": CodegenOptions(handoff="weights_first"),
     # L2 warm-up (CodegenOptions.l2_warm): waiting tasks ask L2 for weights a later tile of the
     # layer's chain streams; with or without the weight and KV streams marked evict-first
     # (CodegenOptions.weights_evict_first; both "auto": on at batch 2-4)

@@ -703,13 +703,9 @@ def write_profile(sc, tl: dict, path: Path) -> None:
         if tl["start"][i] > tl["wait"][i]:
             events.append({"ph": "X", "name": "wait", "cat": "wait", "pid": 1, "tid": int(tl["sm"][i]),
                            "ts": float(tl["wait"][i]), "dur": float(tl["start"][i] - tl["wait"][i])})
-        args = {"layer": t.layer, "bytes": t.weight_bytes + t.act_bytes}
-        if "met" in tl:  # the hand-off: when the control warp began and ended meeting the task's waits
-            args["waits polled"] = round(float(tl["polled"][i]), 3)
-            args["waits met"] = round(float(tl["met"][i]), 3)
         events.append({"ph": "X", "name": t.name, "cat": t.op.name, "pid": 1, "tid": int(tl["sm"][i]),
                        "ts": float(tl["start"][i]), "dur": max(0.001, float(tl["end"][i] - tl["start"][i])),
-                       "args": args})
+                       "args": {"layer": t.layer, "bytes": t.weight_bytes + t.act_bytes}})
     chain_tid = len(sc.queues)
     events.append({"ph": "M", "name": "thread_name", "pid": 1, "tid": chain_tid, "args": {"name": "critical chain"}})
     for i in critical_chain(sc, tl["start"], tl["end"]).tasks:

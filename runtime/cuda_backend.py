@@ -33,7 +33,7 @@ import torch
 
 from mkc import settings
 from mkc.codegen import KernelArtifact, build_kernel
-from mkc.codegen.render import HANDOFF_SLOT, CodegenOptions
+from mkc.codegen.render import CodegenOptions
 from mkc.codegen.taskwords import buffer_table, encode, record_descriptors, routing_logits, tagged_words
 from mkc.codegen.weight_tiles import TiledWeights, from_tiles, tiled_weights, to_tiles
 from mkc.ir.kv_layout import identity_page_table, logical_view, page_size_of
@@ -47,21 +47,12 @@ ABORT_WORDS = 8  # flag, task id, counter, counter value, value needed, SM, -, -
 TIMELINE_COLUMNS = ("wait", "start", "end", "staged", "done", "routed", "opened", "routing", "logits", "ranked")
 
 
-def timeline_from_profile(raw, queues, *, handoff: bool = False) -> dict[str, np.ndarray]:
+def timeline_from_profile(raw, queues) -> dict[str, np.ndarray]:
     """A profiled step's timeline (CudaDecoder.timeline) from the kernel's profile buffer: ``raw``
     holds one row of %globaltimer words (ns) per record in queue order (kernel.cu.j2: PROF_WORDS,
     the columns of TIMELINE_COLUMNS; 0 where a mark was not taken), ``queues`` the schedule's task
-    ids per SM. Times are µs from the earliest wait, rows in task-id order.
-
-    Without the hand-off a task starts when its wait ends. With it (``handoff``) the control warp
-    may meet a task's waits while the ops' warps still run the task before it on the SM, and the
-    ops take the task up once both have happened. ``polled`` and ``met`` are when the warp that met
-    the waits began polling and was done; ``start`` is the later of ``met`` and the previous task's
-    signal, and ``wait`` the later of ``polled`` and that signal (so that, as without the hand-off,
-    an SM's wait follows the task before it). An expert-down tile of a slot past the step's
-    distinct experts needs only its routing and may end before the control has met its other
-    waits (met after end): it started when the task before it ended (or, first on its SM, when its
-    wait began)."""
+    ids per SM. Times are µs from the earliest wait, rows in task-id order; a task starts when its
+    wait ends."""
     raw = np.asarray(raw, dtype=np.float64).copy()
     words = raw.shape[1] if raw.ndim == 2 else 0
     if words == len(TIMELINE_COLUMNS):
@@ -75,21 +66,6 @@ def timeline_from_profile(raw, queues, *, handoff: bool = False) -> dict[str, np
         out[name] = np.empty(len(order))
         out[name][order] = (raw[:, j] - t0) / 1e3
     out["sm"][order] = sm
-    if handoff:
-        polled, met, end = out["wait"], out["start"], out["end"]
-        start, wait = met.copy(), polled.copy()
-        for q in queues:
-            prev = None
-            for i in q:
-                if prev is not None:
-                    start[i] = max(met[i], end[prev]) if met[i] <= end[i] else end[prev]
-                    wait[i] = max(polled[i], end[prev])
-                elif met[i] > end[i]:
-                    start[i] = polled[i]
-                start[i] = min(start[i], end[i])
-                wait[i] = min(wait[i], start[i])
-                prev = i
-        out.update(polled=polled, met=met, start=start, wait=wait)
     return out
 
 
@@ -340,14 +316,12 @@ class CudaDecoder:
         routing derived by the task (NaN where there is none): ``opened`` (an expert gate/up
         tile's op entered), ``routing`` (the derivation began), ``logits`` (the tagged logits read,
         all of this step; NaN on the counter path) and ``ranked`` (the TOP_K rounds, or the ranks,
-        done). A kernel with the hand-off (CodegenOptions.handoff) adds ``polled`` and ``met`` (the
-        waits' polling began and was done, by the control warp maybe while the task before still
-        ran; see timeline_from_profile)."""
+        done)."""
         if self._prof is None:
             raise RuntimeError("timeline(): no profiled step yet (launch(..., profile=True))")
         torch.cuda.current_stream(self.device).synchronize()
         raw = self._prof.view(-1, self._prof_words).cpu().numpy()
-        return timeline_from_profile(raw, self.schedule.queues, handoff=self.artifact.config.handoff)
+        return timeline_from_profile(raw, self.schedule.queues)
 
     def check(self) -> None:
         """Wait for the launched steps and raise StepTimeout if the watchdog fired."""
@@ -357,12 +331,6 @@ class CudaDecoder:
             sc = self.schedule
             task, counter, value, need, sm = info[1:6]
             t = sc.tasks[task] if 0 <= task < len(sc.tasks) else None
-            if counter == HANDOFF_SLOT:  # kernel.cu.j2: handoff_control waited for a slot
-                raise StepTimeout(
-                    f"decode step {self.steps}: the hand-off's control warp on SM {sm} waited more than "
-                    f"{self.timeout_ns / 1e6:.0f} ms for the ops' warps to finish task {task} "
-                    f"({t.name if t else '?'}, {t.op.name if t else '?'}) (CodegenOptions.handoff). "
-                    f"Call reset() before the next step.")
             producers = sc.counters[counter].producers if 0 <= counter < len(sc.counters) else ()
             names = ", ".join(sc.tasks[p].name for p in producers[:8]) + (" ..." if len(producers) > 8 else "")
             raise StepTimeout(

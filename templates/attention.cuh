@@ -117,7 +117,7 @@ static_assert(!ROPE_BEFORE_WAIT || NUM_THREADS - 32 >= HEAD_DIM / 2, "rope_table
 
 // Called by warps 1.. before the split's wait (published by the kernel loop's barrier).
 __device__ __forceinline__ void rope_table(int pos) {
-    const int p = (int)TID - 32;
+    const int p = (int)threadIdx.x - 32;
     if (p >= 0 && p < HEAD_DIM / 2) {
         float sn, cs;
         rope_sincos(pos, p, sn, cs);
@@ -150,7 +150,7 @@ __device__ void stage_own_query(const Task& t, int b, int g, int pos, bool own, 
     using O = OPND_ATTN_SPLIT;
     using A = ARG_ATTN_SPLIT;
     constexpr int CH = HEAD_DIM / 8, HALF = HEAD_DIM / 2;
-    const int tid = TID, warp = tid / 32, lane = tid % 32;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
 #if MKC_PAGED
     const int kv_heads = t.dim(O::k_cache, 4);
 #else
@@ -168,14 +168,14 @@ __device__ void stage_own_query(const Task& t, int b, int g, int pos, bool own, 
     if constexpr (ATT_MMA)  // the padding rows of the MMA's B operand
         for (int i = tid; i < (8 - GROUP) * CH; i += NUM_THREADS)
             *reinterpret_cast<uint4*>(qx + (GROUP + i / CH) * xs_ld(HEAD_DIM) + (i % CH) * 8) = zero4();
-    cta_sync();
+    __syncthreads();
     const bool qk_norm = t.has(O::q_norm);
     if (qk_norm) {
         for (int r = warp; r < nrot; r += NUM_WARPS) {
             const float v = head_rinv(rows + r * HEAD_DIM, lane);
             if (lane == 0) rinv[r] = v;
         }
-        cta_sync();
+        __syncthreads();
     }
     const bool rope = t.arg(A::rope) != 0;
     const bf16* qn = t.ptr<bf16>(O::q_norm);
@@ -197,7 +197,7 @@ __device__ void stage_own_query(const Task& t, int b, int g, int pos, bool own, 
             qs[j * HEAD_DIM + ib] = bf16_round(c) * ATTN_SCALE;
         }
     }
-    cta_sync();
+    __syncthreads();
 }
 
 // ---- warp splits (CodegenOptions.attn_warp_stages > 0; the tensor-core Q.K only) -----------------
@@ -268,14 +268,14 @@ __device__ __forceinline__ AttnRows attn_rows(const Task& t) {
 
 // this lane's slot of stage 0 of this warp's ring; piece p of stage s is at [(s * ATTW_PIECES + p) * 32]
 __device__ __forceinline__ uint4* attw_ring_lane(unsigned char* smem) {
-    return reinterpret_cast<uint4*>(smem + ATTW_RING_OFF + (TID / 32) * ATTW_RING_BYTES) + TID % 32;
+    return reinterpret_cast<uint4*>(smem + ATTW_RING_OFF + (threadIdx.x / 32) * ATTW_RING_BYTES) + threadIdx.x % 32;
 }
 
 // Copy this lane's pieces of the block of keys [k0, k0 + 16) (those below hi) into stage st, as
 // one cp.async group (empty when the block is past hi).
 __device__ __forceinline__ void attw_issue(uint4* ring, int st, const AttnRows& r, int k0, int hi) {
     if (k0 < hi) {
-        const int lane = TID % 32, g = lane / 4, q = lane % 4;
+        const int lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
         uint4* s = ring + st * ATTW_PIECES * 32;
 #pragma unroll
         for (int kt = 0; kt < 2; ++kt) {
@@ -310,14 +310,14 @@ __device__ __forceinline__ void attw_prologue(uint4* ring, const AttnRows& r, in
     cp_async_commit();
 #pragma unroll
     for (int i = 0; i < ATTW_EARLY; ++i)
-        attw_issue(ring, i, r, lo + 16 * ((int)TID / 32 + i * NUM_WARPS), hi);
+        attw_issue(ring, i, r, lo + 16 * ((int)threadIdx.x / 32 + i * NUM_WARPS), hi);
 }
 
 __device__ void attn_split_warps(const Task& t, unsigned char* smem) {
     using O = OPND_ATTN_SPLIT;
     using A = ARG_ATTN_SPLIT;
     const int b = t.arg(A::seq), g = t.arg(A::kv_head), sp = t.arg(A::split);
-    const int tid = TID, warp = tid / 32, lane = tid % 32, lg = lane / 4, lq = lane % 4;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, lg = lane / 4, lq = lane % 4;
 #if MKC_PAGED
     const int kv_heads = t.dim(O::k_cache, 4);
 #else
@@ -340,7 +340,7 @@ __device__ void attn_split_warps(const Task& t, unsigned char* smem) {
     else {
         stage_x(qx, t.ptr<bf16>(O::q) + (size_t)b * t.dim(O::q, 1) + (size_t)g * GROUP * HEAD_DIM, HEAD_DIM, 0, HEAD_DIM,
                 GROUP);
-        cta_sync();
+        __syncthreads();
     }
     prof_staged();  // the query is staged (after the barrier: a profile's "staging" ends here)
     // the query fragments (A operand, row lg; rows lg + 8 are zero): the permuted k of the K pieces
@@ -429,7 +429,7 @@ __device__ void attn_split_warps(const Task& t, unsigned char* smem) {
     // l = sum_w c_w l_w, o = sum_w c_w o_w (an empty split: m = -inf, l = 0, o = 0); one thread per
     // head derives m, l and the c_w first, so each output element reads only c_w and o_w
     cp_async_wait_all();
-    cta_sync();  // every warp is done with its ring
+    __syncthreads();  // every warp is done with its ring
     float* wm = reinterpret_cast<float*>(smem + ATTW_RING_OFF);  // [NUM_WARPS][GROUP] m_w, then c_w
     float* wl = wm + NUM_WARPS * GROUP;                          // [NUM_WARPS][GROUP] l_w
     float* hm = wl + NUM_WARPS * GROUP;                          // [GROUP] m, then [GROUP] l
@@ -449,7 +449,7 @@ __device__ void attn_split_warps(const Task& t, unsigned char* smem) {
             d[3] = make_float4(o[8 * h + 4][1], o[8 * h + 5][1], o[8 * h + 6][1], o[8 * h + 7][1]);
         }
     }
-    cta_sync();
+    __syncthreads();
     if (tid < GROUP) {
         const int h = tid;
         float m = -INFINITY;
@@ -466,7 +466,7 @@ __device__ void attn_split_warps(const Task& t, unsigned char* smem) {
         hm[h] = m;
         hm[GROUP + h] = l;
     }
-    cta_sync();
+    __syncthreads();
     const int splits = t.dim(O::part_o, 3);
     const size_t part = ((size_t)b * kv_heads + g) * splits + sp;
     float* po = t.ptr<float>(O::part_o) + part * GROUP * HEAD_DIM;
@@ -492,7 +492,7 @@ __device__ void op_attn_split(const Task& t, unsigned char* smem) {
     using O = OPND_ATTN_SPLIT;
     using A = ARG_ATTN_SPLIT;
     const int b = t.arg(A::seq), g = t.arg(A::kv_head), sp = t.arg(A::split);
-    const int tid = TID, warp = tid / 32, lane = tid % 32;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int pos = s_split_pos;  // read while warp 0 waited (prefetch_weights)
 #if MKC_PAGED
     const int kv_heads = t.dim(O::k_cache, 4);
@@ -533,7 +533,7 @@ __device__ void op_attn_split(const Task& t, unsigned char* smem) {
             for (int i = tid; i < GROUP * HEAD_DIM; i += NUM_THREADS) qs[i] = ld_act_bf16(q + i) * ATTN_SCALE;
     }
     if (tid < GROUP) { st_m[tid] = -INFINITY; st_l[tid] = 0.f; }
-    cta_sync();
+    __syncthreads();
 
     const int dc = tid % ATT_DC, kl = tid / ATT_DC;
     float o[GROUP][8];
@@ -606,7 +606,7 @@ __device__ void op_attn_split(const Task& t, unsigned char* smem) {
 #pragma unroll
             for (int h = 0; h < GROUP; ++h) sc[h * ATT_CHUNK + tid] = s[h];
         }
-        cta_sync();
+        __syncthreads();
         // online softmax statistics, one warp per head
         for (int h = warp; h < GROUP; h += NUM_WARPS) {
             if (ATT_MMA && own >= c0 && own < c0 + n) {  // this step's key: its score from the rotated row
@@ -635,7 +635,7 @@ __device__ void op_attn_split(const Task& t, unsigned char* smem) {
                 st_m[h] = m_new;
             }
         }
-        cta_sync();
+        __syncthreads();
         // P.V: lane (kl, dc) accumulates keys kl, kl + ATT_KL, ... over its 8 columns
 #pragma unroll
         for (int h = 0; h < GROUP; ++h) {
@@ -657,7 +657,7 @@ __device__ void op_attn_split(const Task& t, unsigned char* smem) {
                 for (int e = 0; e < 8; ++e) o[h][e] += p * vf[e];
             }
         }
-        cta_sync();
+        __syncthreads();
     }
 
     // reduce the key lanes (fixed order) and write the partials
@@ -671,7 +671,7 @@ __device__ void op_attn_split(const Task& t, unsigned char* smem) {
             r[0] = make_float4(o[h][0], o[h][1], o[h][2], o[h][3]);
             r[1] = make_float4(o[h][4], o[h][5], o[h][6], o[h][7]);
         }
-        cta_sync();
+        __syncthreads();
         for (int i = tid; i < GROUP * HEAD_DIM; i += NUM_THREADS) {
             const float* src = pr + (i / HEAD_DIM) * ATT_KL * HEAD_DIM + i % HEAD_DIM;
             float acc = 0.f;
@@ -684,13 +684,13 @@ __device__ void op_attn_split(const Task& t, unsigned char* smem) {
             float4* r = reinterpret_cast<float4*>(red + kl * HEAD_DIM + dc * 8);
             r[0] = make_float4(o[h][0], o[h][1], o[h][2], o[h][3]);
             r[1] = make_float4(o[h][4], o[h][5], o[h][6], o[h][7]);
-            cta_sync();
+            __syncthreads();
             for (int d = tid; d < HEAD_DIM; d += NUM_THREADS) {
                 float acc = 0.f;
                 for (int k = 0; k < ATT_KL; ++k) acc += red[k * HEAD_DIM + d];
                 po[h * HEAD_DIM + d] = acc;
             }
-            cta_sync();
+            __syncthreads();
         }
     }
     if (tid < GROUP) {
@@ -721,13 +721,13 @@ __device__ void op_attn_combine(const Task& t, unsigned char* smem) {
     const int pieces = BATCH * nh * splits * HQ;
     const bool early = COMBINE_STAGE_BYTES > 0 && pieces * 16 <= COMBINE_STAGE_BYTES;
     if (early) {
-        for (int i = TID; i < pieces; i += NUM_THREADS) {
+        for (int i = threadIdx.x; i < pieces; i += NUM_THREADS) {
             const int quad = i % HQ, s = (i / HQ) % splits, bh = i / (HQ * splits), b = bh / nh, hh = bh % nh;
             cp_async16(staged + i, reinterpret_cast<const float4*>(
                 po + ((((size_t)b * kv_heads + g) * splits + s) * GROUP + h0 + hh) * HEAD_DIM) + quad);
         }
     }
-    const int warp = TID / 32, lane = TID % 32;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     for (int i = warp; i < BATCH * nh; i += NUM_WARPS) {
         const int b = i / nh, h = h0 + i % nh;
         const float* ml = pml + (((size_t)b * kv_heads + g) * splits * GROUP + h) * 2;
@@ -752,7 +752,7 @@ __device__ void op_attn_combine(const Task& t, unsigned char* smem) {
         }
     }
     if (early) cp_async_wait_all();
-    cta_sync();
+    __syncthreads();
     const int items = BATCH * nh * HQ, parts = max(1, NUM_THREADS / items);
     bf16* out = t.ptr<bf16>(O::out);
     const int out_ld = t.dim(O::out, 1);
@@ -763,7 +763,7 @@ __device__ void op_attn_combine(const Task& t, unsigned char* smem) {
         o.y = pack_bf16x2(acc.z, acc.w);
         *reinterpret_cast<uint2*>(out + (size_t)b * out_ld + (size_t)(g * GROUP + h0) * HEAD_DIM + hq * 4) = o;
     };
-    for (int it = TID; it < items * parts; it += NUM_THREADS) {
+    for (int it = threadIdx.x; it < items * parts; it += NUM_THREADS) {
         const int item = it % items, part = it / items;
         const int b = item / (nh * HQ), hh = (item / HQ) % nh, quad = item % HQ;
         const float4* src = reinterpret_cast<const float4*>(
@@ -784,8 +784,8 @@ __device__ void op_attn_combine(const Task& t, unsigned char* smem) {
         else red[part * items + item] = acc;
     }
     if (parts == 1) return;
-    cta_sync();
-    for (int item = TID; item < items; item += NUM_THREADS) {
+    __syncthreads();
+    for (int item = threadIdx.x; item < items; item += NUM_THREADS) {
         float4 acc = red[item];
         for (int p = 1; p < parts; ++p) {
             const float4 v = red[p * items + item];

@@ -128,9 +128,6 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(unsigned long long* bar, u
                  "r"(bytes)
                  : "memory");
 }
-__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"((u32)__cvta_generic_to_shared(bar)) : "memory");
-}
 // true once the phase of parity `parity` has completed
 __device__ __forceinline__ bool mbar_try_wait(unsigned long long* bar, u32 parity) {
     u32 done;
@@ -156,21 +153,10 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait_group() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
-// The barrier of the warps that run the ops: the whole CTA, or with HANDOFF the two compute
-// warpgroups alone (named barrier 2 over their NUM_THREADS threads; the control warpgroup runs the
-// queue ahead of them, kernel.cu.j2). The ops' own barrier; __syncthreads() is the kernel's.
-__device__ __forceinline__ void cta_sync() {
-    if constexpr (HANDOFF) asm volatile("bar.sync 2, %0;" ::"n"(NUM_THREADS) : "memory");
-    else __syncthreads();
-}
-
-// The same barrier for threads that may reach it from different code locations (the non-.aligned
-// form; bar.sync must be the same instruction in every thread): GEMV tiles finish their
-// activations' staging inside the weight stream, at a warp-dependent point.
-__device__ __forceinline__ void cta_barrier() {
-    if constexpr (HANDOFF) asm volatile("barrier.sync 2, %0;" ::"n"(NUM_THREADS) : "memory");
-    else asm volatile("barrier.sync 0;" ::: "memory");
-}
+// CTA-wide barrier that threads may reach from different code locations (the non-.aligned form;
+// __syncthreads() is bar.sync, which must be the same instruction in every thread): GEMV tiles
+// finish their activations' staging inside the weight stream, at a warp-dependent point.
+__device__ __forceinline__ void cta_barrier() { asm volatile("barrier.sync 0;" ::: "memory"); }
 
 // The same among warps first_warp.. of the CTA alone (barrier 1; first_warp 0: cta_barrier). Warps
 // 1.. of an expert gate/up tile normalise its input while warp 0 derives the routing

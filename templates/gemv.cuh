@@ -50,7 +50,7 @@ __host__ __device__ constexpr int half_offset() { return tiled_rows<NC>() ? 256 
 template <int NACC, bool NC>
 __device__ __forceinline__ void group_rows(const bf16* const (&w)[NACC], int w_ld, int gi, const bf16* (&w0)[NACC],
                                            const bf16* (&w1)[NACC]) {
-    const int lane = TID % 32, g = lane / 4, q = lane % 4;
+    const int lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
 #pragma unroll
     for (int a = 0; a < NACC; ++a) {
         if constexpr (tiled_rows<NC>()) {
@@ -67,7 +67,7 @@ __device__ __forceinline__ void group_rows(const bf16* const (&w)[NACC], int w_l
 // (columns >= nrows zero): the tokens of a GEMV, or the query heads of an attention tile.
 __device__ __forceinline__ void stage_x(bf16* xs, const bf16* x, int x_ld, int k0, int k, int nrows = BATCH) {
     const int ld = xs_ld(k), chunks = k / 8;
-    for (int i = TID; i < 8 * chunks; i += NUM_THREADS) {
+    for (int i = threadIdx.x; i < 8 * chunks; i += NUM_THREADS) {
         const int n = i / chunks, c = i - n * chunks;
         const uint4 v = n < nrows ? ld_act16(x + (size_t)n * x_ld + k0 + c * 8) : zero4();
         *reinterpret_cast<uint4*>(xs + n * ld + c * 8) = v;
@@ -95,7 +95,7 @@ __device__ __forceinline__ void stage_norm_async(const float* x, const float* te
                                                  int k, unsigned char* scratch, int first_warp = 0) {
     float4* xq = reinterpret_cast<float4*>(scratch);                    // [BATCH][NORM_QUADS]
     bf16* ws = reinterpret_cast<bf16*>(scratch + BATCH * HIDDEN * 4);  // [HIDDEN], columns [k0, k0 + k)
-    const int me = TID - 32 * first_warp, lanes = NUM_THREADS - 32 * first_warp;
+    const int me = threadIdx.x - 32 * first_warp, lanes = NUM_THREADS - 32 * first_warp;
     for (int i = me; i < BATCH * NORM_QUADS; i += lanes) cp_async16(xq + i, reinterpret_cast<const float4*>(x) + i);
     for (int c = me; c < k / 8; c += lanes) cp_async16(ws + k0 + 8 * c, w + k0 + 8 * c);
     if (NORM_TERMS > 0 && nterms > 0) {
@@ -139,7 +139,7 @@ __device__ __forceinline__ void stage_norm_finish(bf16* xs, int k0, int k, int n
     const uint2* wq = reinterpret_cast<const uint2*>(scratch + BATCH * HIDDEN * 4);
     const float4* tq = reinterpret_cast<const float4*>(scratch + NORM_TERMS_OFF);
     warps_barrier(first_warp);
-    const int warp = TID / 32, lane = TID % 32, ld = xs_ld(k), q0 = k0 / 4, nq = k / 4;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, ld = xs_ld(k), q0 = k0 / 4, nq = k / 4;
 #pragma unroll 1
     for (int n = warp - first_warp; n < 8; n += NUM_WARPS - first_warp) {
         bf16* row = xs + n * ld;
@@ -183,7 +183,7 @@ __device__ __forceinline__ void stage_norm_all_warps(bf16* xs, int k0, int k, in
     const uint2* wq = reinterpret_cast<const uint2*>(scratch + BATCH * HIDDEN * 4);
     const float4* tq = reinterpret_cast<const float4*>(scratch + NORM_TERMS_OFF);
     cta_barrier();
-    const int warp = TID / 32, lane = TID % 32, ld = xs_ld(k), q0 = k0 / 4, nq = k / 4;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, ld = xs_ld(k), q0 = k0 / 4, nq = k / 4;
     const int c_end = min((warp + 1) * NORM_QW, NORM_QUADS);
 #pragma unroll
     for (int n = 0; n < BATCH; ++n) {
@@ -199,7 +199,7 @@ __device__ __forceinline__ void stage_norm_all_warps(bf16* xs, int k0, int k, in
     cta_barrier();  // the partial sums (and the rows with their terms added)
     int rn = -1;    // the token whose r this thread holds
     float r = 0.f;
-    for (int i = TID; i < 8 * nq; i += NUM_THREADS) {
+    for (int i = threadIdx.x; i < 8 * nq; i += NUM_THREADS) {
         const int n = i / nq, c = q0 + i % nq;
         uint2 o = make_uint2(0u, 0u);
         if (n < BATCH) {
@@ -223,7 +223,7 @@ __device__ __forceinline__ void stage_norm_all_warps(bf16* xs, int k0, int k, in
 // completes at the issuing thread's cp.async wait, published by a barrier (CopyFinish in ops.cuh).
 __device__ __forceinline__ void stage_x_async(bf16* xs, const bf16* x, int x_ld, int k0, int k, int nrows = BATCH) {
     const int ld = xs_ld(k), chunks = k / 8;
-    for (int i = TID; i < 8 * chunks; i += NUM_THREADS) {
+    for (int i = threadIdx.x; i < 8 * chunks; i += NUM_THREADS) {
         const int n = i / chunks, c = i - n * chunks;
         if (n < nrows) cp_async16(xs + n * ld + c * 8, x + (size_t)n * x_ld + k0 + c * 8);
         else *reinterpret_cast<uint4*>(xs + n * ld + c * 8) = zero4();
@@ -329,8 +329,8 @@ __host__ __device__ constexpr bool use_ring() { return NC && GEMV_RING_BYTES > 0
 
 // this lane's slot 0 of the warp's ring; piece j of stage s is at [(s * NACC * 4 + j) * 32]
 __device__ __forceinline__ uint4* gemv_ring_lane() {
-    return reinterpret_cast<uint4*>(gemv_dyn_smem + GEMV_RING_OFF + (TID / 32) * GEMV_RING_BYTES) +
-           TID % 32;
+    return reinterpret_cast<uint4*>(gemv_dyn_smem + GEMV_RING_OFF + (threadIdx.x / 32) * GEMV_RING_BYTES) +
+           threadIdx.x % 32;
 }
 
 // Copy block kbu of rows (g, g + 8) of every row set into stage st, as one cp.async group (empty
@@ -404,8 +404,8 @@ __shared__ u32 s_ring_phase[NUM_WARPS];  // bit s: the parity of stage s's next 
 
 __device__ __forceinline__ void gemv_ring_init() {
     if constexpr (GEMV_RING_BULK) {
-        if (TID < NUM_WARPS * RING_BULK_STAGES) mbar_init(&s_ring_bar[0][0] + TID, 1);
-        if (TID < NUM_WARPS) s_ring_phase[TID] = 0;
+        if (threadIdx.x < NUM_WARPS * RING_BULK_STAGES) mbar_init(&s_ring_bar[0][0] + threadIdx.x, 1);
+        if (threadIdx.x < NUM_WARPS) s_ring_phase[threadIdx.x] = 0;
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
 }
@@ -416,7 +416,7 @@ __device__ __forceinline__ void gemv_item_bulk(const bf16* const (&w0)[NACC], bo
                                                const Fin& finish, bool first) {
     constexpr int S = ring_stages<NACC>();
     static_assert(S >= 2 && S <= 32, "the bulk GEMV ring needs 2 to 32 stages");
-    const int warp = TID / 32, lane = TID % 32;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     unsigned char* ring = gemv_dyn_smem + GEMV_RING_OFF + warp * GEMV_RING_BYTES;
     unsigned long long* bar = s_ring_bar[warp];
     u32 phase = s_ring_phase[warp];
@@ -557,7 +557,7 @@ __device__ __forceinline__ void gemv_tile_kparts(const bf16* const (&w)[NACC], i
                                                  int blocks, int ks, const bf16* xrow, float* red, Epi& epi,
                                                  const Fin& finish) {
     constexpr int U = gemv_batch_blocks<NACC>();
-    const int warp = TID / 32, lane = TID % 32, g = lane / 4;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4;
     const int part = warp % ks, g0 = warp / ks, gs = NUM_WARPS / ks;  // this warp's part and groups g0, g0 + gs, ...
     const int bp = blocks / ks, kb0 = part * bp;                         // the part: blocks [kb0, kb0 + bp)
     const int units = groups * ks / NUM_WARPS * bp;  // unit i: block kb0 + i % bp of group g0 + (i / bp) gs
@@ -607,7 +607,7 @@ __device__ __forceinline__ void gemv_tile_kparts(const bf16* const (&w)[NACC], i
     load(wa, 0);
     if (EARLY) finish();
     stream_batches<U>(wa, wb, units, load, mma);
-    cta_sync();
+    __syncthreads();
 #pragma unroll 1
     for (int gi = warp; gi < groups; gi += NUM_WARPS) {
         float sum[NACC][4] = {};
@@ -643,7 +643,7 @@ struct Staged {
 template <int NACC, int KS = 0, class Epi, bool NC = true, class Fin = Staged>
 __device__ __forceinline__ void gemv_tile(const bf16* const (&w)[NACC], int w_ld, int rows, int k, const bf16* xs,
                                           float* red, Epi epi, Fin finish = Fin{}) {
-    const int warp = TID / 32, lane = TID % 32, g = lane / 4, q = lane % 4;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
     const int groups = (rows + 15) / 16, blocks = k / 64;
     int ks = KS;
     if constexpr (KS == 0) {
@@ -701,7 +701,7 @@ __device__ __forceinline__ void gemv_tile(const bf16* const (&w)[NACC], int w_ld
                 for (int i = 0; i < 4; ++i) red[((warp * NACC + a) * 4 + i) * 32 + lane] = acc[a][i];
         }
     }
-    cta_sync();
+    __syncthreads();
     if (grp < groups && part == 0) {
         for (int p = 1; p < ks; ++p)
 #pragma unroll
@@ -715,7 +715,7 @@ __device__ __forceinline__ void gemv_tile(const bf16* const (&w)[NACC], int w_ld
 // The 4 accumulator entries of a GEMV fragment as (row, column, value), rows < rows, cols < cols.
 template <class F>
 __device__ __forceinline__ void for_fragment(int r0, const float (&c)[4], int rows, F f, int cols = BATCH) {
-    const int n = 2 * (TID % 4);
+    const int n = 2 * (threadIdx.x % 4);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         const int r = r0 + (i >= 2 ? 8 : 0), col = n + (i & 1);
@@ -734,7 +734,7 @@ __device__ __forceinline__ void for_fragment(int r0, const float (&c)[4], int ro
 template <int NB, class Epi>
 __device__ __forceinline__ void gemv_short_k(const bf16* w, int w_ld, int rows, const bf16* xs, Epi epi) {
     constexpr int U = gemv_batch_blocks<1>();
-    const int warp = TID / 32, lane = TID % 32, g = lane / 4, q = lane % 4;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
     const int groups = (rows + 15) / 16;
     const int units = (groups > warp ? (groups - warp + NUM_WARPS - 1) / NUM_WARPS : 0) * NB;
     const bf16* xrow = xs + g * xs_ld(64 * NB) + q * 8;

@@ -28,12 +28,12 @@ __device__ __forceinline__ void prefetch_rows_by(const bf16* w, int rows, int ro
 
 // by the waiting task's warps 1.. (warp 0 polls the counters)
 __device__ __forceinline__ void prefetch_rows(const bf16* w, int rows, int row_elems, int ld, int budget) {
-    prefetch_rows_by(w, rows, row_elems, ld, budget, (int)TID - 32, NUM_THREADS - 32);
+    prefetch_rows_by(w, rows, row_elems, ld, budget, (int)threadIdx.x - 32, NUM_THREADS - 32);
 }
 
 // by every thread of a running task
 __device__ __forceinline__ void prefetch_rows_all(const bf16* w, int rows, int row_elems, int ld, int budget) {
-    prefetch_rows_by(w, rows, row_elems, ld, budget, (int)TID, NUM_THREADS);
+    prefetch_rows_by(w, rows, row_elems, ld, budget, (int)threadIdx.x, NUM_THREADS);
 }
 
 __device__ __forceinline__ float silu(float v) { return v / (1.f + expf(-v)); }
@@ -106,7 +106,7 @@ struct StageFinish {
         prof_staged();
         cta_barrier();
         // every thread has checked norm_is_staged before the barrier; the next task reads this
-        if (REUSE_STAGED_NORM && TID == 0 && normed && k0 == 0 && k == HIDDEN &&
+        if (REUSE_STAGED_NORM && threadIdx.x == 0 && normed && k0 == 0 && k == HIDDEN &&
             !(NORM_TERMS > 0 && t.has(O::terms)))
             s_staged_norm = {t.ptr<float>(O::x), t.ptr<bf16>(O::norm), t.qi};
     }
@@ -169,19 +169,19 @@ __device__ __forceinline__ void stage_residual_async<OPND_LINEAR>(const Task& t,
     const int col0 = t.arg(ARG_LINEAR::col0), hidden = t.dim(O::residual, 1), quads = rt.rows / 4;
     const int mlp = t.has(O::mlp) ? 1 : 0;
     float* dst = reinterpret_cast<float*>(gemv_scratch(smem));
-    for (int tb = TID / 32; tb < rt.terms * BATCH; tb += NUM_WARPS) {
+    for (int tb = threadIdx.x / 32; tb < rt.terms * BATCH; tb += NUM_WARPS) {
         const int b = tb % BATCH, term = tb / BATCH;
         const float* src = term == 0 ? t.ptr<float>(O::residual)
                            : term < 1 + mlp ? t.ptr<float>(O::mlp)
                            : t.ptr<float>(O::routed) + (size_t)(term - 1 - mlp) * BATCH * hidden;
         src += (size_t)b * hidden + col0;
-        for (int c = TID % 32; c < quads; c += 32) cp_async16(dst + (size_t)tb * rt.rows + 4 * c, src + 4 * c);
+        for (int c = threadIdx.x % 32; c < quads; c += 32) cp_async16(dst + (size_t)tb * rt.rows + 4 * c, src + 4 * c);
     }
 }
 
 // rows [0, rows) of BATCH tokens, ld floats apart, set to zero (out of line: a rare path)
 __device__ __noinline__ void zero_rows(float* out, int ld, int rows) {
-    for (int i = TID; i < BATCH * rows; i += NUM_THREADS) out[(size_t)(i / rows) * ld + i % rows] = 0.f;
+    for (int i = threadIdx.x; i < BATCH * rows; i += NUM_THREADS) out[(size_t)(i / rows) * ld + i % rows] = 0.f;
 }
 
 // WEIGHTS_BEFORE_WAIT: the end of staging for a tile that issued its first weight loads before
@@ -254,11 +254,11 @@ __device__ void op_embed(const Task& t, unsigned char* smem) {
     const bf16* emb = t.ptr<bf16>(O::embed);
     const bool tiles = t.dtype(O::embed) == DT_BF16_TILES;
     int* tok = reinterpret_cast<int*>(smem);  // [BATCH]
-    if (TID < BATCH) tok[TID] = __ldcg(t.ptr<int>(O::tokens) + TID);
-    cta_sync();
+    if (threadIdx.x < BATCH) tok[threadIdx.x] = __ldcg(t.ptr<int>(O::tokens) + threadIdx.x);
+    __syncthreads();
     float* out = t.ptr<float>(O::out);
 #pragma unroll 4
-    for (int i = TID; i < BATCH * chunks; i += NUM_THREADS) {
+    for (int i = threadIdx.x; i < BATCH * chunks; i += NUM_THREADS) {
         const int b = i / chunks, c = i - b * chunks;
         float f[8];
         const size_t at = tiles ? tile_order_offset(tok[b], 8 * c, hidden) : (size_t)tok[b] * hidden + 8 * c;
@@ -313,7 +313,7 @@ __device__ __forceinline__ bool routing_known(const float* logits) { return s_ro
 // tiles' counter (the record's first wait); on a timeout or another CTA's abort, lane 0 sets
 // s_wait.abort and every lane returns false.
 __device__ bool await_tagged_logits(const u64* row, float (&v)[ROUTE_WORDS], const int* rec) {
-    const int lane = TID % 32;
+    const int lane = threadIdx.x % 32;
     const u32 step = s_wait.step;
     u64 t0 = 0;
     u32 sleep_ns = 32;
@@ -362,7 +362,7 @@ __device__ __forceinline__ bool token_logits(const float* logits, const u64* tag
         prof_mark(PROF_LOGITS);  // every word carries this step (the counter path marks nothing)
         return true;
     }
-    const int lane = TID % 32;
+    const int lane = threadIdx.x % 32;
 #pragma unroll
     for (int j = 0; j < ROUTE_WORDS; ++j) {
         const int e = lane + 32 * j;
@@ -376,7 +376,7 @@ __device__ __forceinline__ bool token_logits(const float* logits, const u64* tag
 // expert (top[0] is the row maximum); renormalised over the picks where asked. Lane 0 writes them
 // to r.selw[b]; called by all 32 lanes of one warp.
 __device__ __forceinline__ void route_weights(Routing& r, int b, const float (&v)[ROUTE_WORDS], const float (&top)[TOP_K]) {
-    const int lane = TID % 32;
+    const int lane = threadIdx.x % 32;
     float denom = 0.f;
     if (!ROUTER_SIGMOID) {
 #pragma unroll
@@ -399,7 +399,7 @@ __device__ __forceinline__ void route_weights(Routing& r, int b, const float (&v
 // The distinct experts in ascending order, from every token's mask: a ballot prefix sum over their
 // union (r.used, r.base, r.experts, r.count). Called by all 32 lanes of one warp.
 __device__ __forceinline__ void route_distinct(Routing& r) {
-    const int lane = TID % 32;
+    const int lane = threadIdx.x % 32;
     int n = 0;
     for (int j = 0; j < ROUTE_WORDS; ++j) {
         u32 m = 0;
@@ -438,7 +438,7 @@ __device__ __forceinline__ float key_value(u64 key) {  // the logit of a key (+0
 // The same picks in the same order as the rounds. Returns false, every thread alike (it is read
 // after the first barrier), when a tagged wait timed out (s_wait.abort); the caller leaves at once.
 __device__ __forceinline__ bool rank_experts(Routing& r, const float* logits, const u64* tagged, const int* rec) {
-    const int warp = TID / 32, lane = TID % 32;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     for (int b = warp; b < BATCH; b += NUM_WARPS) {
         float v[ROUTE_WORDS];
         if (!token_logits(logits, tagged, rec, b, v)) continue;  // s_wait.abort is set
@@ -448,10 +448,10 @@ __device__ __forceinline__ bool rank_experts(Routing& r, const float* logits, co
             s_route_keys[b][e] = e < NUM_EXPERTS ? route_key(v[j], e) : 0ull;
         }
     }
-    cta_sync();
+    __syncthreads();
     if (TAGGED_LOGITS && tagged && s_wait.abort) return false;
     // BATCH * ROUTE_LANES is whole warps, so every warp's lanes share a token and a mask word
-    for (int p = TID; p < BATCH * ROUTE_LANES; p += NUM_THREADS) {
+    for (int p = threadIdx.x; p < BATCH * ROUTE_LANES; p += NUM_THREADS) {
         const int b = p / ROUTE_LANES, e = p % ROUTE_LANES;
         const u64 key = s_route_keys[b][e];
         const ulonglong2* row = reinterpret_cast<const ulonglong2*>(s_route_keys[b]);
@@ -469,7 +469,7 @@ __device__ __forceinline__ bool rank_experts(Routing& r, const float* logits, co
         const u32 m = __ballot_sync(0xffffffffu, picked);
         if (lane == 0) r.mask[b][e / 32] = m;
     }
-    cta_sync();
+    __syncthreads();
     prof_mark(PROF_RANKED);
     // token b's weights by warp b + 1 (mod NUM_WARPS), leaving warp 0 the distinct experts first
     for (int b = (warp + NUM_WARPS - 1) % NUM_WARPS; b < BATCH; b += NUM_WARPS) {
@@ -504,7 +504,7 @@ __device__ __forceinline__ const Routing& route_tokens_body(const float* logits,
         return r;
     }
     prof_mark(PROF_ROUTING);
-    const int warp = TID / 32, lane = TID % 32;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     if constexpr (ROUTING_RANK) {
         if (!rank_experts(r, logits, tagged, rec)) return r;  // a tagged wait timed out: the caller leaves
     } else {
@@ -547,13 +547,13 @@ __device__ __forceinline__ const Routing& route_tokens_body(const float* logits,
                 if (lane == 0) r.mask[b][j] = m;
             }
         }
-        cta_sync();
+        __syncthreads();
         if (TAGGED_LOGITS && tagged && s_wait.abort) return r;  // a tagged wait timed out: the caller leaves
         if (warp == 0) route_distinct(r);
     }
-    cta_sync();
-    if (TID < BATCH * TOP_K) {  // token b's kk-th expert in ascending order, as a slot
-        const int b = TID / TOP_K, kk = TID % TOP_K;
+    __syncthreads();
+    if (threadIdx.x < BATCH * TOP_K) {  // token b's kk-th expert in ascending order, as a slot
+        const int b = threadIdx.x / TOP_K, kk = threadIdx.x % TOP_K;
         int seen = 0;
         for (int j = 0; j < ROUTE_WORDS; ++j) {
             u32 m = r.mask[b][j];
@@ -567,8 +567,8 @@ __device__ __forceinline__ const Routing& route_tokens_body(const float* logits,
             seen += c;
         }
     }
-    cta_sync();
-    if (TID == 0) s_routed_logits = logits;  // read by later tasks, behind the kernel loop's barriers
+    __syncthreads();
+    if (threadIdx.x == 0) s_routed_logits = logits;  // read by later tasks, behind the kernel loop's barriers
     prof_routed();
     return r;
 }
@@ -588,9 +588,9 @@ __device__ __forceinline__ const Routing& route_tokens(const float* logits, cons
 __device__ void op_topk(const Task& t, unsigned char*) {
     using O = OPND_TOPK;
     const Routing& rt = route_tokens(t.ptr<float>(O::logits));
-    if (TID < BATCH * TOP_K) {
-        t.ptr<int>(O::token_slots)[TID] = (&rt.slots[0][0])[TID];
-        t.ptr<int>(O::selected)[TID] = (&rt.sel[0][0])[TID];
+    if (threadIdx.x < BATCH * TOP_K) {
+        t.ptr<int>(O::token_slots)[threadIdx.x] = (&rt.slots[0][0])[threadIdx.x];
+        t.ptr<int>(O::selected)[threadIdx.x] = (&rt.sel[0][0])[threadIdx.x];
     }
 }
 
@@ -667,7 +667,7 @@ struct SwigluStore {
     bf16* out;
     int out_ld, rows;
     __device__ __forceinline__ void operator()(int r0, float (&acc)[2][4]) const {
-        const int n = 2 * (TID % 4);
+        const int n = 2 * (threadIdx.x % 4);
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const int r = r0 + (i >= 2 ? 8 : 0), tok = n + (i & 1);
@@ -707,7 +707,7 @@ __device__ void op_swiglu(const Task& t, unsigned char* smem) {
 // REUSE_STAGED_NORM, is not looked for) and leaves s_staged_norm as it was.
 template <class O>
 __device__ __forceinline__ void stage_norm_beside_routing(const Task& t, unsigned char* smem, int k) {
-    if (TID < 32) return;
+    if (threadIdx.x < 32) return;
     stage_norm_async(t.ptr<float>(O::x), t.ptr<float>(O::terms), norm_terms<O>(t), t.ptr<bf16>(O::norm), 0, k,
                      gemv_scratch(smem), 1);
     cp_async_wait_all();
@@ -803,7 +803,7 @@ __device__ void op_expert_mlp(const Task& t, unsigned char* smem) {
         const StageFinish<O> finish{t, smem, 0, k};
         gemv_tile<2>(w, w_ld, ROWS, k, gemv_xs(smem), gemv_red(smem), SwigluStore{hs, xs_ld(ROWS), ROWS}, finish);
         cta_barrier();
-        const int n0 = 2 * (TID % 4);
+        const int n0 = 2 * (threadIdx.x % 4);
         const float wt0 = rt.weight(n0, e), wt1 = rt.weight(n0 + 1, e);
         const bf16* wd = t.ptr<bf16>(O::down) + (size_t)e * hidden * inter + weight_tile_offset(0, row0, inter);
         gemv_short_k<FUSED_DOWN_BLOCKS>(wd, inter, hidden, hs, [&](int r0, float (&acc)[1][4]) {
@@ -846,7 +846,7 @@ __device__ void op_expert_down(const Task& t, unsigned char* smem) {
     }
     const int e = rt.experts[slot];
     // this lane's two tokens' routing weights of expert e (0 where a token did not pick it)
-    const int n0 = 2 * (TID % 4);
+    const int n0 = 2 * (threadIdx.x % 4);
     const float wt0 = rt.weight(n0, e), wt1 = rt.weight(n0 + 1, e);
     const int w_ld = t.dim(O::weight, 1), w_rows = t.dim(O::weight, 2);
     const bf16* const w[1] = {t.ptr<bf16>(O::weight) + ((size_t)e * w_rows + row0) * w_ld};
@@ -904,17 +904,17 @@ __device__ void op_lm_head(const Task& t, unsigned char* smem) {
             const int oi = __shfl_xor_sync(0xffffffffu, bi[j], o);
             if (better(ov, oi, bv[j], bi[j])) { bv[j] = ov; bi[j] = oi; }
         }
-    cta_sync();  // gemv_red may still be read by the k-split reduction
+    __syncthreads();  // gemv_red may still be read by the k-split reduction
     float* sv = gemv_red(smem);                          // [NUM_WARPS][8]
     int* si = reinterpret_cast<int*>(sv + NUM_WARPS * 8);  // [NUM_WARPS][8]
-    const int warp = TID / 32, lane = TID % 32;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     if (lane < 4) {
 #pragma unroll
         for (int j = 0; j < 2; ++j) { sv[warp * 8 + 2 * lane + j] = bv[j]; si[warp * 8 + 2 * lane + j] = bi[j]; }
     }
-    cta_sync();
-    if (TID < BATCH) {
-        const int n = TID;
+    __syncthreads();
+    if (threadIdx.x < BATCH) {
+        const int n = threadIdx.x;
         float v = sv[n];
         int i = si[n];
         for (int wp = 1; wp < NUM_WARPS; ++wp)
@@ -931,7 +931,7 @@ __device__ void op_argmax(const Task& t, unsigned char*) {
     const int tiles = t.dim(O::best_val, 1);
     const float* bv = t.ptr<float>(O::best_val);
     const int* bi = t.ptr<int>(O::best_idx);
-    const int warp = TID / 32, lane = TID % 32;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     for (int b = warp; b < BATCH; b += NUM_WARPS) {
         float v = -INFINITY;
         int i = 0x7fffffff;
@@ -972,28 +972,28 @@ __device__ void op_rope_append(const Task& t, unsigned char* smem) {
     float* rinv = reinterpret_cast<float*>(smem + ROPE_RINV_OFF);
     bf16* rows_s = reinterpret_cast<bf16*>(smem + ROPE_ROWS_OFF);
     // one round trip: every position and every 16-byte piece of the rows in flight together
-    if (TID < BATCH) pos_s[TID] = __ldcg(t.ptr<int>(O::positions) + TID);
+    if (threadIdx.x < BATCH) pos_s[threadIdx.x] = __ldcg(t.ptr<int>(O::positions) + threadIdx.x);
 #pragma unroll 4
-    for (int i = TID; i < BATCH * ROWS * CH; i += NUM_THREADS) {
+    for (int i = threadIdx.x; i < BATCH * ROWS * CH; i += NUM_THREADS) {
         const int b = i / (ROWS * CH), j = (i / CH) % ROWS, c = i % CH;
         if (j < GROUP && !with_q) continue;
         const int head = j < GROUP ? g * GROUP + j : (j == GROUP ? q_heads + g : q_heads + kv_heads + g);
         const uint4* src = reinterpret_cast<const uint4*>(qkv + (size_t)b * qkv_ld + (size_t)head * HEAD_DIM);
         reinterpret_cast<uint4*>(rows_s)[i] = __ldcg(src + c);
     }
-    cta_sync();
+    __syncthreads();
     if (qk_norm) {
-        const int warp = TID / 32, lane = TID % 32;
+        const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
         for (int r = warp; r < BATCH * (GROUP + 1); r += NUM_WARPS) {
             if (r % (GROUP + 1) < GROUP && !with_q) continue;
             const float v = head_rinv(rows_s + ((r / (GROUP + 1)) * ROWS + r % (GROUP + 1)) * HEAD_DIM, lane);
             if (lane == 0) rinv[r] = v;
         }
-        cta_sync();
+        __syncthreads();
     }
     const bf16* qn = t.ptr<bf16>(O::q_norm);
     const bf16* kn = t.ptr<bf16>(O::k_norm);
-    for (int i = TID; i < BATCH * ROWS * HALF; i += NUM_THREADS) {
+    for (int i = threadIdx.x; i < BATCH * ROWS * HALF; i += NUM_THREADS) {
         const int b = i / (ROWS * HALF), j = (i / HALF) % ROWS, p = i % HALF;
         if (j < GROUP && !with_q) continue;
         const int pos = pos_s[b];
@@ -1038,10 +1038,10 @@ __device__ void op_residual(const Task& t, unsigned char*) {
         constexpr int PARTS_IN_FLIGHT = 8;  // O-projection slices loaded at once (a loop past that)
         __shared__ int slots[BATCH * TOP_K];
         if (routed) {  // the same for every thread: the barrier below is uniform
-            if (TID < BATCH * TOP_K) slots[TID] = ld_act_i32(ts + TID);
-            cta_sync();
+            if (threadIdx.x < BATCH * TOP_K) slots[threadIdx.x] = ld_act_i32(ts + threadIdx.x);
+            __syncthreads();
         }
-        for (int i = TID; i < BATCH * cols; i += NUM_THREADS) {
+        for (int i = threadIdx.x; i < BATCH * cols; i += NUM_THREADS) {
             const int b = i / cols, c = col0 + i % cols;
             const size_t bc = (size_t)b * hidden + c;
             const float xv = ld_act_f32(x + bc);
@@ -1066,7 +1066,7 @@ __device__ void op_residual(const Task& t, unsigned char*) {
         }
     } else {
         const int top_k = routed ? TOP_K : 0;
-        for (int i = TID; i < BATCH * cols; i += NUM_THREADS) {
+        for (int i = threadIdx.x; i < BATCH * cols; i += NUM_THREADS) {
             const int b = i / cols, c = col0 + i % cols;
             const size_t bc = (size_t)b * hidden + c;
             float v = ld_act_f32(x + bc);
@@ -1119,7 +1119,7 @@ __device__ void prefetch_weights(const Task& t) {
             using O = OPND_ATTN_SPLIT;
             using A = ARG_ATTN_SPLIT;
             const int pos = split_position(t);
-            if (TID == 32) s_split_pos = pos;  // for the split (published by the loop's barrier)
+            if (threadIdx.x == 32) s_split_pos = pos;  // for the split (published by the loop's barrier)
             int lo, hi;
             attn_key_range(t, pos, lo, hi);
             const bool ring = ATT_WARP && t.has(O::qkv);

@@ -246,54 +246,6 @@ def test_gemv_kparts_reduction_floats():
     assert on.gemv_ring_offset - off.gemv_ring_offset == 7 * 8 * 2 * 4 * 32 * 4
 
 
-def test_handoff_asks_for_a_control_warpgroup_and_no_phase_profile():
-    """CodegenOptions.handoff: the CTA launches with a control warpgroup of 128 threads besides the
-    ops' 256 (whose constants, shared memory and k splits stay the default's); the phase-marking
-    profile, whose marks the control warp does not take, is refused with both named."""
-    spec, sc = _nmc_schedule(1)
-    on, off = kernel_config(sc, spec, CodegenOptions(handoff="all")), kernel_config(sc, spec)
-    assert (on.threads, on.launch_threads, off.launch_threads) == (256, 384, 256)
-    assert on.handoff and on.handoff_all_waits and not off.handoff
-    assert on.smem_bytes == off.smem_bytes and on.gemv_ks == off.gemv_ks
-    some = kernel_config(sc, spec, CodegenOptions(handoff="weights_first"))
-    assert some.handoff and not some.handoff_all_waits and some.launch_threads == 384
-    with pytest.raises(CodegenError, match="handoff with profile_phases"):
-        kernel_config(sc, spec, CodegenOptions(handoff="all", profile_phases=True))
-    with pytest.raises(CodegenError, match="handoff = 'yes': expected one of 'off', 'all', 'weights_first'"):
-        kernel_config(sc, spec, CodegenOptions(handoff="yes"))
-
-
-@pytest.mark.parametrize(("batch", "handoff"), [(1, "all"), (4, "weights_first")])
-def test_handoff_kernel_gives_the_control_warpgroups_registers_to_the_ops(cache, batch, handoff):
-    """North Mini Code with CodegenOptions.handoff (at batch 1 the control warp meets every wait, at
-    batch 4 the weights-first tiles' only): 384 threads, so ptxas fits the
-    launch in 168 registers a thread (65,536 / 384); the control warpgroup lowers itself to 40
-    (USETMAXREG.DEALLOC 0x28) and the ops' two warpgroups raise themselves to 232 (TRY_ALLOC 0xe8),
-    and no instruction of the control warp's code needs more. The ops' code is attributed to its ops
-    as in the default kernel. ptxas holds a few values across each task in local memory (188 bytes
-    of spills at batch 1 with NVRTC 13.0, ~370 at batch 4: per-thread offsets and epilogue values,
-    reloaded once per task or per register batch), bounded here so that a change that spills
-    throughout the GEMV loops shows."""
-    spec, sc = _nmc_schedule(batch)
-    art = build_kernel(sc, spec, CodegenOptions(handoff=handoff), cache_dir=cache)
-    assert art.threads == 384 and 0 < art.regs <= 168, (art.threads, art.regs)
-    assert art.spills < 1024, f"ptxas reports {art.spills} bytes of spills\n{art.log}"
-    assert "#define MKC_HANDOFF (128 > 0)" in art.cu_source
-    assert f"constexpr bool HANDOFF_ALL_WAITS = {str(handoff == 'all').lower()};" in art.cu_source
-    sass = disassemble(art.cubin)
-    assert "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xe8" in sass and "USETMAXREG.DEALLOC.CTAPOOL 0x28" in sass
-    # the control warp's code: from the register release to the end of the kernel's own code
-    kernel = sass.split("USETMAXREG.DEALLOC.CTAPOOL 0x28", 1)[1].split(".text.", 1)[0]
-    control = kernel.split("EXIT", 2)  # warps 1..3 leave at the first EXIT, warp 0's loop ends at the next
-    regs = [int(r) for r in re.findall(r"\bR(\d+)\b", control[0] + control[1])]
-    assert regs and max(regs) < 40, max(regs)
-    by_op = instructions_by_op(art.cubin, art.cu_source)
-    assert all(by_op.get(op, 0) > 1000 for op in ("LINEAR", "EXPERT_SWIGLU", "EXPERT_DOWN", "ATTN_SPLIT")), by_op
-    # attribution that failed would leave nearly every instruction to the loop; the hand-off's loop
-    # holds the control warp's code and both loops' waits besides (~17-20% of the kernel)
-    assert by_op[KERNEL_LOOP] < 0.25 * sum(by_op.values()), by_op
-
-
 def test_residual_in_o_proj_kernel_compiles_without_local_memory(cache):
     """North Mini Code at batch 8 with the residual added by the O-projection (LowerOptions.
     residual_in_o_proj): its reduction over every head (4096) sizes the staged activations, its

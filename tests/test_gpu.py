@@ -28,7 +28,6 @@ element). Through the layers such flips average out to ~1e-3 relative in L2, so:
 from __future__ import annotations
 
 import gc
-import itertools
 import math
 import os
 import re
@@ -40,7 +39,6 @@ from conftest import fill_random_kv
 
 from mkc.ir.spec import load_spec
 from mkc.schedule.plan import plan
-from mkc.schedule.schedule import routing_edge
 
 pytestmark = pytest.mark.gpu
 
@@ -192,10 +190,8 @@ def test_tiny_routing_ties_go_to_the_lower_expert(tiny, num_sms, batch, argmax):
 
 @pytest.mark.parametrize("options", [{}, {"norm_staging": "all_warps", "routing_argmax": "rank"},
                                      {"norm_beside_routing": "on", "routing_argmax": "redux"},
-                                     {"norm_beside_routing": "off", "routing_argmax": "redux"},
-                                     {"handoff": "all"}, {"handoff": "weights_first"}],
-                         ids=["default", "norm-all-warps-rank", "norm-beside-rounds", "rounds-after", "handoff-all",
-                              "handoff-weights-first"])
+                                     {"norm_beside_routing": "off", "routing_argmax": "redux"}],
+                         ids=["default", "norm-all-warps-rank", "norm-beside-rounds", "rounds-after"])
 @pytest.mark.parametrize("batch", [1, 2, 8])
 def test_tiny_step_matches_cpu_executor(tiny, num_sms, batch, options):
     """One step at many positions (within, at and beyond the sliding window of 8) from a random
@@ -203,7 +199,7 @@ def test_tiny_step_matches_cpu_executor(tiny, num_sms, batch, options):
     default kernel (at batch 1 the ranked routing with the expert tiles' input normalised beside
     it), for the RMSNorm staged by every warp with the routing ranked, and for the arg-max rounds
     with the input normalised beside them and after them (CodegenOptions.norm_staging,
-    routing_argmax, norm_beside_routing), and for the control warpgroup's hand-off (handoff)."""
+    routing_argmax, norm_beside_routing)."""
     from mkc.codegen import CodegenOptions
     from mkc.runtime.cuda_backend import CudaDecoder
     from mkc.schedule.executor import CpuExecutor
@@ -282,10 +278,14 @@ STAGING_OPS = ("LINEAR", "SWIGLU", "EXPERT_SWIGLU", "EXPERT_DOWN", "EXPERT_MLP",
 ROUTING_OPS = ("EXPERT_SWIGLU", "EXPERT_DOWN", "EXPERT_MLP", "TOPK")
 
 
-def _profiled_beside_default(tiny, num_sms: int, batch: int, **options):
-    """The tiny model at batch ``batch`` (context 16) built with CodegenOptions(**options), one
-    profiled step from a seeded KV cache, checked bitwise against the default kernel's step from
-    the same cache: (schedule, the profiled decoder)."""
+@pytest.mark.parametrize("batch", [1, 8])
+def test_tiny_profile_phases_are_ordered(tiny, num_sms, batch):
+    """A profiled step of the phase-marking kernel (CodegenOptions.profile_phases): per task, began
+    waiting <= inputs ready <= (inputs staged: GEMV tiles and warp attention splits) <= op done <=
+    signalled; the tasks that route have their routing between their inputs being ready and their
+    op's end (an expert-down tile may have it before its wait, when its SM knows the layer's
+    routing), the others none; the routing's own marks in order where a task derived it; and the
+    profiled step computes bitwise what the default kernel does."""
     from mkc.codegen import CodegenOptions
     from mkc.runtime.cuda_backend import CudaDecoder
 
@@ -294,7 +294,7 @@ def _profiled_beside_default(tiny, num_sms: int, batch: int, **options):
     tokens = torch.arange(batch, dtype=torch.int32) * 37
     positions = torch.arange(batch, dtype=torch.int32) + 3
     ref = CudaDecoder(sc, spec, weights)
-    dec = CudaDecoder(sc, spec, weights, options=CodegenOptions(**options))
+    dec = CudaDecoder(sc, spec, weights, options=CodegenOptions(profile_phases=True))
     for d in (ref, dec):
         for layer in range(spec.num_layers):
             torch.manual_seed(layer)
@@ -304,18 +304,6 @@ def _profiled_beside_default(tiny, num_sms: int, batch: int, **options):
     dec.launch(tokens, positions, profile=True)
     dec.check()
     assert torch.equal(dec.buffers["logits"], lg) and torch.equal(dec.buffers["next_token"].long(), tok)
-    return sc, dec
-
-
-@pytest.mark.parametrize("batch", [1, 8])
-def test_tiny_profile_phases_are_ordered(tiny, num_sms, batch):
-    """A profiled step of the phase-marking kernel (CodegenOptions.profile_phases): per task, began
-    waiting <= inputs ready <= (inputs staged: GEMV tiles and warp attention splits) <= op done <=
-    signalled; the tasks that route have their routing between their inputs being ready and their
-    op's end (an expert-down tile may have it before its wait, when its SM knows the layer's
-    routing), the others none; the routing's own marks in order where a task derived it; and the
-    profiled step computes bitwise what the default kernel does."""
-    sc, dec = _profiled_beside_default(tiny, num_sms, batch, profile_phases=True)
     tl = dec.timeline()
     for t in sc.tasks:
         i = t.id
@@ -350,38 +338,6 @@ def test_tiny_profile_phases_are_ordered(tiny, num_sms, batch):
         assert math.isnan(lo) == (not dec.artifact.config.tagged_logits or t.op.name != "EXPERT_SWIGLU"), (t.name, lo)
 
 
-@pytest.mark.parametrize("handoff", ["all", "weights_first"])
-@pytest.mark.parametrize("batch", [1, 8])
-def test_tiny_handoff_profile_is_ordered(tiny, num_sms, batch, handoff):
-    """A profiled step with the hand-off (CodegenOptions.handoff): the warp that met a task's waits
-    (the control warp, or the ops' warp 0 for the tasks it polls itself) wrote when they began and
-    when they were met, and the signaller the signal; every task of the step has all three marks,
-    its waits met after they began, no earlier than its producers signalled (less a timer step: a
-    producer reads the timer after its release) and, but for an expert-down tile (one of a slot past
-    the step's distinct experts needs only its routing), before it signalled; the tasks of an SM
-    signal in queue order; and the profiled step computes bitwise what the default kernel does."""
-    sc, dec = _profiled_beside_default(tiny, num_sms, batch, handoff=handoff)
-    raw = dec._prof.view(len(sc.tasks), -1).cpu()
-    assert raw.shape[1] == 3 and bool((raw > 0).all()), "a task's profile marks were not all written"
-    tl = dec.timeline()
-    tagged = dec.artifact.config.tagged_logits
-    slack = 1.0  # µs
-    for t in sc.tasks:
-        i = t.id
-        w, m, e = (float(tl[k][i]) for k in ("polled", "met", "end"))
-        assert w <= m, (t.name, w, m)
-        assert m <= e or t.op.name == "EXPERT_DOWN", (t.name, m, e)
-        for c, _ in sc.waits[i]:
-            producers = sc.counters[c].producers
-            if tagged and all(routing_edge(sc.tasks[p], t) for p in producers):
-                continue  # an expert gate/up tile reads the router's logits from their tagged copy, unwaited
-            for p in producers:
-                assert m >= float(tl["end"][p]) - slack, (t.name, m, sc.tasks[p].name, float(tl["end"][p]))
-    for q in sc.queues:
-        for a, b in itertools.pairwise(q):
-            assert tl["end"][b] >= tl["end"][a], (sc.tasks[a].name, sc.tasks[b].name)
-
-
 def ancestors(sc, tid: int) -> set[int]:
     """Every task that must end before task ``tid`` can start: the producers of the counters it
     waits for and the task before it in its SM's queue, and theirs, and so on."""
@@ -397,20 +353,16 @@ def ancestors(sc, tid: int) -> set[int]:
     return seen
 
 
-@pytest.mark.parametrize("handoff", ["off", "all", "weights_first"])
 @pytest.mark.parametrize("victim_op", ["ARGMAX", "LINEAR", "EXPERT_DOWN"])
-def test_watchdog_names_stuck_task(tiny, num_sms, monkeypatch, victim_op, handoff):
+def test_watchdog_names_stuck_task(tiny, num_sms, monkeypatch, victim_op):
     """A wait that can never be met makes the step fail fast with the task and counter named;
     the GPU stays usable. ARGMAX waits in the kernel loop (the last task: nothing waits on it, so
     it is the one named); a LINEAR tile waits inside its GEMV, after its first weight loads, and an
     expert-down tile of slot 0 (always routed to) waits in two parts, the unmet wait in the second:
     there a task behind it that began waiting earlier may pass the limit first, and the message
-    names a task that waits, directly or not, on the victim. The same with the hand-off
-    (CodegenOptions.handoff), where the control warp or the ops' warp 0 meets the wait and the
-    other leaves with it."""
+    names a task that waits, directly or not, on the victim."""
     import dataclasses
 
-    from mkc.codegen import CodegenOptions
     from mkc.runtime.cuda_backend import CudaDecoder, StepTimeout
 
     spec, weights = tiny
@@ -420,7 +372,7 @@ def test_watchdog_names_stuck_task(tiny, num_sms, monkeypatch, victim_op, handof
     waits[victim.id].append((0, sc.counters[0].target + 1))  # one more signal than there are producers
     bad = dataclasses.replace(sc, waits=waits)
     monkeypatch.setenv("MKC_WATCHDOG_MS", "200")
-    dec = CudaDecoder(bad, spec, weights, options=CodegenOptions(handoff=handoff))
+    dec = CudaDecoder(bad, spec, weights)
     with pytest.raises(StepTimeout) as e:
         dec.step([1], [0])
     msg = str(e.value)
@@ -699,23 +651,6 @@ def test_nmc_gemv_kparts_match_mirror(nmc_weights, num_sms, batch, context):
     spec, weights = nmc_weights
     dec = nmc_decoder(spec, weights, batch, context, num_sms, CodegenOptions(gemv_kparts=True))
     check_rerun_and_mirror(dec, spec, weights, batch, context, f"NMC gemv_kparts b{batch} ctx {context}")
-
-
-@pytest.mark.parametrize("handoff, batch, context", [("all", 1, 8192), ("all", 4, 8192), ("all", 8, 8192),
-                                                     ("all", 2, 4097), ("weights_first", 1, 8192),
-                                                     ("weights_first", 4, 8192)])
-def test_nmc_handoff_matches_mirror(nmc_weights, num_sms, handoff, batch, context):
-    """CodegenOptions.handoff: a control warpgroup copies each next record and meets its waits (every
-    task's, or the weights-first tiles' only) while the ops' warps run the task before, handing
-    tasks over through mbarriers (384 threads). The same checks as the default kernel, and reruns
-    bitwise the same; the ops' code is the default's, so benchmarks/kernel_variants.py also finds
-    its logits bitwise equal to the default's."""
-    from mkc.codegen import CodegenOptions
-
-    spec, weights = nmc_weights
-    dec = nmc_decoder(spec, weights, batch, context, num_sms, CodegenOptions(handoff=handoff))
-    assert dec.launch_config.threads == 384
-    check_rerun_and_mirror(dec, spec, weights, batch, context, f"NMC handoff {handoff} b{batch} ctx {context}")
 
 
 @pytest.mark.parametrize("batch, context", [(1, 8192), (1, 100)])

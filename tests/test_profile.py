@@ -438,35 +438,24 @@ def test_replay_profile_cuts_a_fixed_time_off_the_tasks_named(tmp_path, capsys, 
         replay_profile.main()
 
 
-def test_timeline_from_profile_starts_a_handoff_task_when_the_ops_take_it_up():
+def test_timeline_from_profile_reads_the_words_in_task_order():
     """The profile buffer read into a timeline (cuda_backend.timeline_from_profile), on words made
-    to order: two SMs, rows in queue order, ns. Without the hand-off a task starts when its wait
-    ends. With it the control warp meets a task's waits ahead of the ops' warps, so the task starts
-    at the later of that and the previous task's signal on its SM; an expert-down tile of an empty
-    slot that ended before the control met its other waits started when the task before it ended."""
+    to order: two SMs, rows in queue order, ns. A task starts when its wait ends; times are µs from
+    the earliest wait, rows in task-id order."""
     from mkc.runtime.cuda_backend import timeline_from_profile
 
     queues = [[2, 0, 3], [1]]  # SM 0 runs tasks 2, 0, 3; SM 1 task 1
     raw = np.array([
         [1000, 2000, 9000],    # task 2: waits 1-2 µs, runs to 9
-        [3000, 4000, 12000],   # task 0: its waits met at 4 µs, while task 2 still ran
-        [9500, 20000, 15000],  # task 3: ended (15) before its waits were met (20): an empty slot
+        [9000, 10000, 12000],  # task 0: waits from task 2's signal
+        [12000, 13000, 15000],  # task 3
         [1500, 5000, 7000],    # task 1 (SM 1): inputs at 5 µs
     ], dtype=np.int64)
-    plain = timeline_from_profile(raw, queues)
-    assert plain["sm"].tolist() == [0, 1, 0, 0]
-    np.testing.assert_allclose(plain["wait"], [2.0, 0.5, 0.0, 8.5])
-    np.testing.assert_allclose(plain["start"], [3.0, 4.0, 1.0, 19.0])  # the wait's end, as recorded
-    np.testing.assert_allclose(plain["end"], [11.0, 6.0, 8.0, 14.0])
-    assert "met" not in plain
-    h = timeline_from_profile(raw, queues, handoff=True)
-    np.testing.assert_allclose(h["polled"], [2.0, 0.5, 0.0, 8.5])
-    np.testing.assert_allclose(h["met"], [3.0, 4.0, 1.0, 19.0])
-    np.testing.assert_allclose(h["start"], [8.0, 4.0, 1.0, 11.0])
-    np.testing.assert_allclose(h["wait"], [8.0, 0.5, 0.0, 11.0])  # from the task before it at the earliest
-    assert (h["start"] <= h["end"]).all()
-    for q in queues:  # one task at a time on an SM
-        assert all(h["start"][b] >= h["end"][a] for a, b in itertools.pairwise(q))
+    tl = timeline_from_profile(raw, queues)
+    assert tl["sm"].tolist() == [0, 1, 0, 0]
+    np.testing.assert_allclose(tl["wait"], [8.0, 0.5, 0.0, 11.0])
+    np.testing.assert_allclose(tl["start"], [9.0, 4.0, 1.0, 12.0])  # the wait's end, as recorded
+    np.testing.assert_allclose(tl["end"], [11.0, 6.0, 8.0, 14.0])
     # the phase-marking kernel's words: its unmarked phases (0) read as NaN
     marks = np.zeros((4, 10), dtype=np.int64)
     marks[:, :3] = raw

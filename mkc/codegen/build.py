@@ -51,8 +51,7 @@ class KernelArtifact:
 
     @property
     def threads(self) -> int:
-        """Threads per CTA at launch."""
-        return self.config.launch_threads
+        return self.config.threads
 
     @property
     def dynamic_smem(self) -> int:
@@ -82,7 +81,7 @@ def build_kernel(schedule: Schedule, spec: ModelSpec, options: CodegenOptions | 
     dumped .cu path and the options). Idempotent; safe to call from several processes at once.
     """
     cfg = kernel_config(schedule, spec, options or CodegenOptions())
-    banner = f"mkc {mkc.__version__}: {spec.name}, batch {cfg.batch}, {cfg.launch_threads} threads/CTA"
+    banner = f"mkc {mkc.__version__}: {spec.name}, batch {cfg.batch}, {cfg.threads} threads/CTA"
     source = render_source(cfg, banner)
     opts = nvrtc.options(TEMPLATE_DIR)
     key = cache_key(source, opts)

@@ -63,7 +63,6 @@ L2_WARM_BATCHES = (2, 3, 4)  # "auto" warm-up and evict-first streams (measured:
 EVICT_FIRST = ("auto", "on", "off")  # CodegenOptions.weights_evict_first
 SECOND_BATCH_OPS = ("none", "linear", "expert_down")  # CodegenOptions.second_batch_before_wait
 RESIDUAL_EPILOGUES = ("auto", "inline", "call")  # CodegenOptions.residual_epilogue
-HANDOFFS = ("off", "all", "weights_first")  # CodegenOptions.handoff
 
 
 class CodegenError(ValueError):
@@ -71,8 +70,6 @@ class CodegenError(ValueError):
 
 
 VERIFIED_THREADS = 256  # CodegenOptions.threads: the CTA size the GPU tests run
-HANDOFF_CONTROL_THREADS = 128  # CodegenOptions.handoff: the control warpgroup (kernel.cu.j2: CONTROL_THREADS)
-HANDOFF_SLOT = -1  # the abort's counter word when the hand-off's control warp timed out on a slot
 
 
 @dataclass(frozen=True, slots=True)
@@ -352,22 +349,6 @@ class CodegenOptions:
     # off): batch 1 2424.3 / 2392.0, 2413.6 / 2410.9 (layer 0's 48-row SwiGLU tiles); batch 4
     # 5386.8 / 5332.4, 5476.2 / 5345.3, 5418.4 / 5363.2. Off: the shipped kernels keep their code.
     gemv_kparts: bool = False
-    # A control warpgroup ahead of the ops' warps (kernel.cu.j2: handoff_control): 384 threads, of
-    # which warp 0 copies each next record in while the two warpgroups after it (setmaxnreg: 232
-    # registers each) still run the task before, handing each task over through shared-memory
-    # mbarriers; the ops' code is the same, over 256 threads and a barrier of their own. "all": the
-    # control warp also meets every task's waits, so the wait's round trip (~1 µs even where the
-    # inputs are there) leaves the ops' path with the record's dispatch. "weights_first": it meets
-    # the waits of the LINEAR and expert-down tiles only, whose own poll would queue behind the
-    # weight loads they issue first; the other tasks' warp 0 polls as without the hand-off (no
-    # mbarrier hop on their wait). The first step of the hand-off in docs/kernel.md ("Next"); the
-    # staging and the routing stay on the ops' path. Correct on an H200 (2026-12-05: the tiny model
-    # against the CPU executor, North Mini Code against the mirror, logits bitwise the default's) but
-    # slower (kernel_variants.py, three rounds, means): batch 1 +3.1% ("all") / +3.3%
-    # ("weights_first"), batch 4 +2.8% / +2.9% (BENCHMARKS.md). The control warp's verdict comes as
-    # early as the default's own poll, but the ops' warps take 0.26-0.77 µs longer from it to their
-    # signal, on every task of the chain. "off"; no profile of phases with it.
-    handoff: str = "off"
 
 
 @dataclass(frozen=True, slots=True)
@@ -442,17 +423,10 @@ class KernelConfig:
     l2_warm: str = "off"  # CodegenOptions.l2_warm, resolved: the rules the runtime encodes (taskwords.encode)
     weights_evict_first: bool = False  # CodegenOptions.weights_evict_first, resolved
     gemv_kparts: bool = False  # CodegenOptions.gemv_kparts
-    handoff: bool = False  # CodegenOptions.handoff not "off": a control warpgroup besides the threads above
-    handoff_all_waits: bool = False  # CodegenOptions.handoff == "all": the control meets every task's waits
 
     @property
     def warps(self) -> int:
         return self.threads // 32
-
-    @property
-    def launch_threads(self) -> int:
-        """Threads per CTA at launch: the ops' threads, and with the hand-off its control warpgroup."""
-        return self.threads + (HANDOFF_CONTROL_THREADS if self.handoff else 0)
 
     @property
     def gemv_xs_bytes(self) -> int:
@@ -609,10 +583,6 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
                            f"the kernel is verified at on a GPU")
     if not 1 <= schedule.batch <= 8:
         raise CodegenError(f"batch = {schedule.batch}: the GEMV tiles hold 1 to 8 tokens")
-    _check_choice("handoff", options.handoff, HANDOFFS)
-    if options.handoff != "off" and options.profile_phases:
-        raise CodegenError("handoff with profile_phases: the hand-off records a profile's wait and signal times "
-                           "only; expected one of the two")
     if a.head_dim % 8 or options.threads % (a.head_dim // 8):
         raise CodegenError(f"'attention.head_dim' = {a.head_dim}: expected a multiple of 8 dividing "
                            f"{options.threads} threads into 16-byte lanes")
@@ -738,7 +708,7 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         early_batches_down=2 if options.second_batch_before_wait == "expert_down" else 1,
         fused_down_blocks=next(iter(fused_rows), 0) // 64, norm_terms=norm_terms,
         l2_warm=l2_warm, weights_evict_first=evict_first,
-        gemv_kparts=options.gemv_kparts, handoff=options.handoff != "off", handoff_all_waits=options.handoff == "all",
+        gemv_kparts=options.gemv_kparts,
         residual_epilogue_inline=options.residual_epilogue == "inline" or (options.residual_epilogue == "auto"
                                                                            and stage_bytes > 0))
     if cfg.smem_bytes > MAX_SMEM_BYTES and cfg.combine_stage_bytes:  # the combine loads its partials after its weights
@@ -822,9 +792,6 @@ def template_context(cfg: KernelConfig, banner: str) -> dict[str, Any]:
         "l2_warm": cv.c_bool(cfg.l2_warm != "off"),
         "weights_evict_first": cv.c_bool(cfg.weights_evict_first),
         "gemv_kparts": cv.c_bool(cfg.gemv_kparts),
-        "control_threads": cv.c_int(cfg.launch_threads - cfg.threads),
-        "handoff_slot": cv.c_int(HANDOFF_SLOT),
-        "handoff_all_waits": cv.c_bool(cfg.handoff_all_waits),
         "gemv_ks": [(name, cv.c_int(ks)) for name, ks in cfg.gemv_ks],
         "max_rank": cv.c_int(MAX_RANK),
         "dtypes": [(cv.c_ident(f"DT_{k.upper()}"), cv.c_int(v)) for k, v in DTYPE_CODES.items()],
