@@ -551,7 +551,8 @@ def test_compile_says_the_choice_was_measured(tiny, tuning_file, tmp_path):
 # attention SMs, the raise of the splits' inputs (µs; "+splits": the splits too), the sibling
 # spread, the residual added by the O-projection and the global layers' splits (SMs' worth; 0: as
 # the sliding layers). Batch 1 at 32K: the first stage measured 64 attention SMs fastest, the last
-# 32 for the sliding layers beneath 64 SMs' worth of splits in the global ones ("64@32").
+# 32 for the sliding layers beneath 64 SMs' worth of splits in the global ones ("64@32"); batch 1
+# at 128K likewise, 32 beneath 256 ("256@32", 2026-12-05).
 SHIPPED_H200 = {
     (1, 8192): (32, 0.0, False, True, 0),
     (2, 8192): (32, 0.0, True, False, 0),
@@ -561,7 +562,7 @@ SHIPPED_H200 = {
     (2, 32768): (64, 100.0, False, True, 256),
     (4, 32768): (64, 100.0, True, False, 256),
     (8, 32768): (64, 100.0, False, False, 128),
-    (1, 131072): (64, 0.0, False, False, 256),
+    (1, 131072): (32, "100+splits", False, False, 256),
     (2, 131072): (64, 100.0, False, False, 512),
     (4, 131072): (0, 100.0, True, False, 512),
 }
@@ -578,7 +579,7 @@ def test_the_shipped_h200_table_matches_north_mini_code(nmc, monkeypatch, point)
     want, raise_us, spread_want, fold_want, wide_want = SHIPPED_H200[point]
     rec = tuning.load()[tuning.tuning_key(nmc, batch, context, 132)]
     fastest = min(rec["measured_us"], key=lambda a: rec["measured_us"][a])
-    first = 64 if point == (1, 32768) else want
+    first = 64 if point in ((1, 32768), (1, 131072)) else want
     assert rec["attention_sms"] == want and fastest == str(first), rec
     chosen, _, how = plan_choices(nmc, batch, context, 132)  # what plan() schedules with
     meta = {"chosen": chosen, **how}
