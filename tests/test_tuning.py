@@ -29,6 +29,14 @@ def tuning_file(monkeypatch, tmp_path):
     return path
 
 
+@pytest.fixture()
+def timed_on_an_h200(monkeypatch):
+    """``timed_on_an_h200(fake_row)``: mkc bench times the megakernel with the test's fake_row (its
+    arguments those of runtime/bench.py's _megakernel_row) on what reads as an H200."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    return lambda fake_row: monkeypatch.setattr(bench, "_megakernel_row", fake_row)
+
+
 def entry(attention_sms: int) -> dict:
     return {"attention_sms": attention_sms, "measured_us": {"0": 120.0, str(attention_sms): 100.0},
             "gpu": "NVIDIA H200", "date": "2026-11-30 02:30 UTC", "reps": 20}
@@ -175,7 +183,7 @@ def test_record_keeps_the_other_entries(tiny, tuning_file):
     assert json.loads(tuning_file.read_text()) == {"a": {"attention_sms": 8}, "b": {"attention_sms": 4}}
 
 
-def test_a_tune_stopped_part_way_keeps_the_decisions_it_made(tiny, tuning_file, monkeypatch):
+def test_a_tune_stopped_part_way_keeps_the_decisions_it_made(tiny, tuning_file, timed_on_an_h200):
     """Each decision is recorded as it is made: a tune stopped while it times the residual in the
     O-projection (here the fake timer raises; on a GPU a time limit or ^C) leaves an entry with the
     attention SMs, the raise and the spread it measured, saying where it stopped, which the planner
@@ -189,8 +197,7 @@ def test_a_tune_stopped_part_way_keeps_the_decisions_it_made(tiny, tuning_file, 
             raise Stopped
         return bench.row("mkc", b, c, [1e-4 * (1 + abs(attention_sms - 4))], 10**6, 4e12)
 
-    monkeypatch.setattr(bench, "_megakernel_row", fake_row)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    timed_on_an_h200(fake_row)
     with pytest.raises(Stopped):
         bench.tune_attention_sms(tiny, {}, 2, 40, sms=16, bw=4e12, reps=3, log=lambda *_: None)
     rec = json.loads(tuning_file.read_text())[tuning.tuning_key(tiny, 2, 40, 16)]
@@ -204,7 +211,7 @@ def test_a_tune_stopped_part_way_keeps_the_decisions_it_made(tiny, tuning_file, 
     assert sc.meta["global_attention_sms"] == 0
 
 
-def test_tune_times_every_candidate_and_records_the_fastest(tiny, tuning_file, monkeypatch):
+def test_tune_times_every_candidate_and_records_the_fastest(tiny, tuning_file, timed_on_an_h200):
     """Fake timings (fastest at 4 attention SMs, 10% faster with the residual added by the
     O-projection, and 5% faster still with 16 SMs' worth of splits in the layers of global
     attention): every candidate is timed once, the fastest is recorded with every timing, and the
@@ -217,8 +224,7 @@ def test_tune_times_every_candidate_and_records_the_fastest(tiny, tuning_file, m
         wide = 0.95 if kw.get("global_attention_sms") == 16 else 1.0
         return bench.row("mkc", b, c, [1e-4 * (1 + abs(attention_sms - 4)) * fold * wide], 10**6, 4e12)
 
-    monkeypatch.setattr(bench, "_megakernel_row", fake_row)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    timed_on_an_h200(fake_row)
     logs = []
     best = bench.tune_attention_sms(tiny, {}, 2, 40, sms=16, bw=4e12, reps=3, log=logs.append)
     # the tiny model's placement is the same with its splits' inputs ranked first and with its
@@ -264,12 +270,11 @@ def test_tune_times_every_candidate_and_records_the_fastest(tiny, tuning_file, m
     assert plan(tiny, 2, 40, 16, global_attention_sms=0).meta["global_attention_sms"] == 0
 
 
-def test_tune_keeps_the_expert_tile_rows_another_tool_measured(tiny, tuning_file, monkeypatch):
+def test_tune_keeps_the_expert_tile_rows_another_tool_measured(tiny, tuning_file, timed_on_an_h200):
     """mkc bench --tune rewrites its point's entry but keeps the expert-down and gate/up tile rows
     (and who measured them), which it does not time itself."""
-    monkeypatch.setattr(bench, "_megakernel_row", lambda spec, w, b, c, *, attention_sms, **kw: bench.row(
+    timed_on_an_h200(lambda spec, w, b, c, *, attention_sms, **kw: bench.row(
         "mkc", b, c, [1e-4 * (1 + abs(attention_sms - 4))], 10**6, 4e12))
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
     key = tuning.tuning_key(tiny, 2, 40, 16)
     up = [16] * (tiny.moe.intermediate // 16)
     tuning.record(key, {**entry(8), "expert_down_rows": 16, "expert_down_rows_by": "a test",
@@ -283,7 +288,7 @@ def test_tune_keeps_the_expert_tile_rows_another_tool_measured(tiny, tuning_file
     assert rec["expert_up_rows_measured_us"] == {"rule": 2.0}
 
 
-def test_tune_tiles_times_the_expert_tiles_rows_last_and_records_the_fastest(tiny, tuning_file, monkeypatch):
+def test_tune_tiles_times_the_expert_tiles_rows_last_and_records_the_fastest(tiny, tuning_file, timed_on_an_h200):
     """--tune-tiles: after every other decision the tune times each slot's expert gate/up tiles in
     other equal counts (the rule's run reused), then the expert-down tiles' rows with the gate/up
     rows chosen, and records both with their times and the tool; the planner then lowers with them
@@ -300,8 +305,7 @@ def test_tune_tiles_times_the_expert_tiles_rows_last_and_records_the_fastest(tin
         us = 100 * (1 + abs(attention_sms - 4)) * (0.95 if up == (32, 32) else 1.0) * (0.97 if down == 64 else 1.0)
         return bench.row("mkc", b, c, [us * 1e-6], 10**6, 4e12)
 
-    monkeypatch.setattr(bench, "_megakernel_row", fake_row)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    timed_on_an_h200(fake_row)
     logs = []
     assert bench.tune_attention_sms(tiny, {}, 2, 40, sms=16, bw=4e12, reps=3, log=logs.append, tiles=True) == 4
     ups, downs = expert_tile_candidates(plan(tiny, 2, 40, 16, attention_sms=4))
@@ -325,7 +329,7 @@ def test_tune_tiles_times_the_expert_tiles_rows_last_and_records_the_fastest(tin
     assert all(up == () and down == 0 for _, up, down in timed)
 
 
-def test_tune_rounds_time_each_decisions_options_in_turn(tiny, tuning_file, monkeypatch):
+def test_tune_rounds_time_each_decisions_options_in_turn(tiny, tuning_file, timed_on_an_h200):
     """--tune-rounds 2: every decision times its options in turn twice, the second time in reverse
     order (runtime/bench.py: in_turn), the option chosen before included (a decision with one
     option times nothing again), and compares medians; a first sample that flatters a slower count
@@ -341,8 +345,7 @@ def test_tune_rounds_time_each_decisions_options_in_turn(tiny, tuning_file, monk
             us = 50.0
         return bench.row("mkc", b, c, [us * 1e-6], 10**6, 4e12)
 
-    monkeypatch.setattr(bench, "_megakernel_row", fake_row)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    timed_on_an_h200(fake_row)
     assert bench.tune_attention_sms(tiny, {}, 2, 40, sms=16, bw=4e12, reps=3, log=print, rounds=2) == 4
     candidates = attention_sms_candidates(tiny, 2, 16)
     plain = (4, False, False, False, False, 0)
@@ -360,7 +363,7 @@ def test_tune_rounds_time_each_decisions_options_in_turn(tiny, tuning_file, monk
     assert rec["residual_in_o_proj"] is True and rec["residual_in_o_proj_measured_us"] == {"off": 100.0, "on": 90.0}
 
 
-def test_tune_keeps_the_residual_tiles_where_the_o_projection_cannot_end_the_layer(tiny, tuning_file, monkeypatch):
+def test_tune_keeps_the_residual_tiles_where_the_o_projection_cannot_end_the_layer(tiny, tuning_file, timed_on_an_h200):
     """A lowering with the residual in the O-projection that cannot be built at a point (here a
     CodegenError) is reported and recorded off; the tune still records the rest."""
     from mkc.codegen import CodegenError
@@ -370,8 +373,7 @@ def test_tune_keeps_the_residual_tiles_where_the_o_projection_cannot_end_the_lay
             raise CodegenError("shared memory 300000 B: expected at most 232448 B")
         return bench.row("mkc", b, c, [1e-4 * (1 + abs(attention_sms - 4))], 10**6, 4e12)
 
-    monkeypatch.setattr(bench, "_megakernel_row", fake_row)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    timed_on_an_h200(fake_row)
     logs = []
     assert bench.tune_attention_sms(tiny, {}, 2, 40, sms=16, bw=4e12, reps=3, log=logs.append) == 4
     rec = json.loads(tuning_file.read_text())[tuning.tuning_key(tiny, 2, 40, 16)]
@@ -379,7 +381,7 @@ def test_tune_keeps_the_residual_tiles_where_the_o_projection_cannot_end_the_lay
     assert any("cannot be built here: shared memory 300000 B" in ln for ln in logs)
 
 
-def test_tune_times_the_splits_inputs_first_where_it_places_differently(nmc, tuning_file, monkeypatch):
+def test_tune_times_the_splits_inputs_first_where_it_places_differently(nmc, tuning_file, timed_on_an_h200):
     """North Mini Code at batch 8: ranking the attention splits' inputs first (Ceilings.
     attention_inputs_first_us) changes the placement, and ranking the splits first too (Ceilings.
     splits_first) changes it again, so the fastest count is timed with each, and the fastest is
@@ -400,8 +402,7 @@ def test_tune_times_the_splits_inputs_first_where_it_places_differently(nmc, tun
         us = 100 * (1 + abs(attention_sms - 64) / 64) - (5 if raised else 0) - (2 if splits else 0) + (3 if spread else 0)
         return bench.row("mkc", b, c, [us * 1e-6], 10**6, 4e12)
 
-    monkeypatch.setattr(bench, "_megakernel_row", fake_row)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    timed_on_an_h200(fake_row)
     logs = []
     assert bench.tune_attention_sms(nmc, {}, 8, 8192, sms=132, bw=4e12, reps=3, log=logs.append) == 64
     candidates = attention_sms_candidates(nmc, 8, 132)
@@ -426,7 +427,7 @@ def test_tune_times_the_splits_inputs_first_where_it_places_differently(nmc, tun
     assert how["attention_inputs_first_us"] == 100.0 and how["splits_first"] is True
 
 
-def test_tune_times_the_sliding_layers_on_fewer_sms_beneath_the_global_layers(nmc, tuning_file, monkeypatch):
+def test_tune_times_the_sliding_layers_on_fewer_sms_beneath_the_global_layers(nmc, tuning_file, timed_on_an_h200):
     """North Mini Code at batch 1 and 32K: the whole model runs fastest on 64 attention SMs (its
     global layers decide), but with the global layers on 64 SMs' worth of splits the sliding ones
     run faster on 32 (fake timings, as measured on an H200 on 2026-12-03: -1.5%). The tuner times
@@ -441,8 +442,7 @@ def test_tune_times_the_sliding_layers_on_fewer_sms_beneath_the_global_layers(nm
             us = 98.0
         return bench.row("mkc", b, c, [us * 1e-6], 10**6, 4e12)
 
-    monkeypatch.setattr(bench, "_megakernel_row", fake_row)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    timed_on_an_h200(fake_row)
     logs = []
     assert bench.tune_attention_sms(nmc, {}, 1, 32768, sms=132, bw=4e12, reps=3, log=logs.append) == 32
     rec = json.loads(tuning_file.read_text())[tuning.tuning_key(nmc, 1, 32768, 132)]
@@ -459,7 +459,7 @@ def test_tune_times_the_sliding_layers_on_fewer_sms_beneath_the_global_layers(nm
     assert "64 SMs' worth of attention splits; measured fastest by mkc bench --tune" in text
 
 
-def test_tune_times_the_global_layers_splits_on_a_count_that_tied_with_the_fastest(nmc, tuning_file, monkeypatch):
+def test_tune_times_the_global_layers_splits_on_a_count_that_tied_with_the_fastest(nmc, tuning_file, timed_on_an_h200):
     """North Mini Code at batch 1 and 128K: no attention SMs ran 0.3% faster than 64 (a tie within
     the run's noise, as measured on an H200 on 2026-12-05), but 64 with 256 SMs' worth of splits in
     the layers of global attention runs faster than anything with none set apart (fake timings).
@@ -472,8 +472,7 @@ def test_tune_times_the_global_layers_splits_on_a_count_that_tied_with_the_faste
             us = 93.0
         return bench.row("mkc", b, c, [us * 1e-6], 10**6, 4e12)
 
-    monkeypatch.setattr(bench, "_megakernel_row", fake_row)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    timed_on_an_h200(fake_row)
     logs = []
     assert bench.tune_attention_sms(nmc, {}, 1, 131072, sms=132, bw=4e12, reps=3, log=logs.append) == 64
     rec = json.loads(tuning_file.read_text())[tuning.tuning_key(nmc, 1, 131072, 132)]
@@ -483,7 +482,7 @@ def test_tune_times_the_global_layers_splits_on_a_count_that_tied_with_the_faste
     assert any("fastest with 64 attention SMs and 256 SMs' worth of splits" in ln for ln in logs)
 
 
-def test_tune_times_no_other_count_where_none_tied(nmc, tuning_file, monkeypatch):
+def test_tune_times_no_other_count_where_none_tied(nmc, tuning_file, timed_on_an_h200):
     """The same point with 64 attention SMs 3% slower than none: only none's pairs are timed."""
     asked = []
 
@@ -491,8 +490,7 @@ def test_tune_times_no_other_count_where_none_tied(nmc, tuning_file, monkeypatch
         asked.append((attention_sms, kw.get("global_attention_sms", 0)))
         return bench.row("mkc", b, c, [{0: 100.0, 64: 103.0}.get(attention_sms, 150.0) * 1e-6], 10**6, 4e12)
 
-    monkeypatch.setattr(bench, "_megakernel_row", fake_row)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    timed_on_an_h200(fake_row)
     assert bench.tune_attention_sms(nmc, {}, 1, 131072, sms=132, bw=4e12, reps=3, log=lambda line: None) == 0
     assert not [a for a, wide in asked if wide and a != 0]
 
