@@ -662,7 +662,8 @@ def _time_decoder(dec, sc, spec: ModelSpec, tokens, positions, *, bw: float, rep
     lc = dec.launch_config  # the loaded kernel's resources, as the driver reports them
     log(f"batch {batch}: kernel {art.name}: {lc.regs} registers/thread, {lc.dynamic_smem} B dynamic + "
         f"{lc.static_smem} B static shared memory per CTA, {lc.threads} threads, "
-        f"grid {lc.grid}; attention SMs {att.get('chosen', 0)} ({att.get('chosen_by', '-')})")
+        f"grid {lc.grid}; attention SMs {att.get('chosen', 0)} ({att.get('chosen_by', '-')}"
+        + (f" at context {att['measured_at_context']}" if "measured_at_context" in att else "") + ")")
     if profile_dir is not None:
         _write_profile(dec, sc, spec, Path(profile_dir) / f"trace-b{batch}-c{context}.json")
     return row("mkc", batch, context, times, step_bytes(spec, batch, context, routed), bw)

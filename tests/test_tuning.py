@@ -17,7 +17,13 @@ from mkc.ir.ops import Opcode
 from mkc.ir.spec import load_spec
 from mkc.runtime import bench
 from mkc.schedule import tuning
-from mkc.schedule.plan import attention_sms_candidates, global_attention_sms_candidates, plan, plan_choices
+from mkc.schedule.plan import (
+    attention_sms_candidates,
+    global_attention_sms_candidates,
+    plan,
+    plan_choices,
+    transferred_global_count,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,8 +56,8 @@ def test_a_recorded_choice_overrides_the_prediction(tiny, tuning_file):
     meta = plan(tiny, 2, 40, 16).meta["attention_sms"]
     assert meta["chosen"] == other and meta["chosen_by"] == "measured"
     assert meta["measured_us"][str(other)] == 100.0 and meta["measured_on"] == "NVIDIA H200"
-    # only the point it was measured at: another batch, context or SM count still predicts
-    for args in ((1, 40, 16), (2, 64, 16), (2, 40, 32)):
+    # another batch or SM count still predicts (another context takes the nearest context's: below)
+    for args in ((1, 40, 16), (2, 40, 32)):
         assert plan(tiny, *args).meta["attention_sms"]["chosen_by"] == "compiler", args
     # an explicit count still wins over the record, takes none of its choices, and says so
     from mkc.schedule.visualize import format_summary, summary
@@ -62,6 +68,93 @@ def test_a_recorded_choice_overrides_the_prediction(tiny, tuning_file):
     assert (f"as asked; the tuning entry at this point ({other} attention SMs, measured) and its other choices "
             "not applied") in format_summary(summary(asked, tiny))
     assert "entry_not_applied" not in plan(tiny, 1, 40, 16, attention_sms=0).meta["attention_sms"]
+
+
+def test_a_context_nothing_was_measured_at_takes_the_nearest_measured_contexts_choices(tiny, tuning_file):
+    """Where this batch was measured at other contexts only, the planner takes the choices of the
+    nearest one (by ratio) and says so, with the global layers' splits scaled by the contexts'
+    ratio so that each attends as many keys as where they were measured; another batch or SM count
+    takes nothing from it."""
+    from mkc.schedule.visualize import format_summary, summary
+
+    assert global_attention_sms_candidates(tiny, 2, 80, 16, 4) == [0, 8, 16, 32]
+    tuning.record(tuning.tuning_key(tiny, 2, 40, 16),
+                  {**entry(4), "attention_inputs_first_us": 100.0, "spread_siblings": True, "residual_in_o_proj": True,
+                   "global_attention_sms": 8, "global_attention_sms_measured_us": {"0": 110.0, "8": 100.0}})
+    sc = plan(tiny, 2, 80, 16)
+    meta = sc.meta["attention_sms"]
+    assert meta["chosen"] == 4 and meta["chosen_by"] == "measured" and meta["measured_at_context"] == 40
+    assert meta["attention_inputs_first_us"] == 100.0 and meta["spread_siblings"] is True
+    assert sc.meta["residual_in_o_proj"] is True
+    # 8 SMs' worth at 40 keys: 16 at 80, each split as long
+    assert sc.meta["global_attention_sms"] == 16 and meta["global_attention_sms_measured_there"] == 8
+    text = format_summary(summary(sc, tiny))
+    assert "measured fastest by mkc bench --tune on NVIDIA H200, 2026-11-30 02:30 UTC at context 40, the nearest" in text
+    assert ("16 SMs' worth of attention splits; the count measured fastest at context 40 by mkc bench --tune (8, 0: "
+            "as the other layers) scaled by the contexts' ratio") in text, text
+    # at 20 keys, 4 SMs' worth would do: no more than the other layers' (0)
+    assert plan(tiny, 2, 20, 16).meta["global_attention_sms"] == 0
+    # the caller's count wins
+    assert plan(tiny, 2, 80, 16, global_attention_sms=32).meta["global_attention_sms"] == 32
+    assert plan(tiny, 1, 80, 16).meta["attention_sms"]["chosen_by"] == "compiler"
+    assert plan(tiny, 2, 80, 32).meta["attention_sms"]["chosen_by"] == "compiler"
+    # measured at this context: its own entry, as measured
+    tuning.record(tuning.tuning_key(tiny, 2, 80, 16), entry(8))
+    meta = plan(tiny, 2, 80, 16).meta["attention_sms"]
+    assert meta["chosen"] == 8 and "measured_at_context" not in meta
+
+
+def test_the_nearest_measured_context_is_by_ratio_and_a_tie_goes_to_the_shorter(tiny, tuning_file):
+    key = lambda c: tuning.tuning_key(tiny, 2, c, 16)
+    tuning.record(key(20), entry(4))
+    tuning.record(key(80), entry(8))
+    tuning.record(tuning.tuning_key(tiny, 1, 40, 16), entry(2))  # another batch
+    assert tuning.nearest(key(40)) == (20, entry(4))  # 2x either way
+    assert tuning.nearest(key(50)) == (80, entry(8))
+    assert tuning.nearest(key(10)) == (20, entry(4))
+    assert tuning.nearest(tuning.tuning_key(tiny, 4, 40, 16)) is None
+    # a key of another form in a hand-edited file matches nothing and breaks nothing
+    data = json.loads(tuning_file.read_text())
+    tuning_file.write_text(json.dumps({**data, "odd": entry(4), "a/b/cx/sms16/page0": entry(4)}))
+    assert tuning.nearest(key(40)) == (20, entry(4))
+
+
+@pytest.mark.parametrize("count, ratio, want", [
+    (8, 2.0, 16),  # twice the keys: twice the splits
+    (0, 4.0, 16),  # measured with as many as the other layers (4): four times that
+    (8, 0.5, 0),  # 4: no more than the other layers'
+    (32, 2.0, 32),  # 64 wanted: the largest candidate
+    (8, 1.4, 8),  # 11.2: nearer 8 than 16 by ratio
+    (8, 1.5, 16),  # 12: nearer 16 by ratio
+])
+def test_a_transferred_global_count_keeps_the_splits_keys(count, ratio, want):
+    assert transferred_global_count([0, 8, 16, 32], 4, count, ratio) == want
+    assert transferred_global_count([0], 4, count, ratio) == 0  # no layers of global attention past the window
+
+
+def test_the_shipped_h200_table_serves_the_contexts_between_its_points(nmc, monkeypatch):
+    """North Mini Code at contexts the H200 table has no entry for: batch 1 at 64K takes 32K's
+    choices (a tie with 128K: the shorter) with its global layers' 64 SMs' worth doubled, and batch 8
+    at 128K takes 32K's with 128 quadrupled; batch 1 at 1K takes 8K's (no layer attends more keys
+    than the window there, so as many splits in every layer)."""
+    monkeypatch.setenv("MKC_TUNING_FILE", str(ROOT / "configs" / "tuning" / "h200.json"))
+    for (batch, context), (there, count, wide) in {(1, 65536): (32768, 32, 128), (8, 131072): (32768, 64, 512),
+                                                   (1, 1024): (8192, 32, 0)}.items():
+        chosen, _, how = plan_choices(nmc, batch, context, 132)
+        assert (how["measured_at_context"], chosen, how.get("global_attention_sms", 0)) == (there, count, wide), how
+
+
+@pytest.mark.parametrize("batch, context", [(1, 65536), (2, 4097)])
+def test_a_plan_with_the_nearest_contexts_choices_validates(nmc, monkeypatch, batch, context):
+    """What a user at a context without an entry gets from the shipped table (batch 1 at 64K: 32K's
+    choices with twice its global layers' splits; batch 2 just past the window: 8K's) is a schedule
+    the validator accepts."""
+    from mkc.schedule.validator import validate
+
+    monkeypatch.setenv("MKC_TUNING_FILE", str(ROOT / "configs" / "tuning" / "h200.json"))
+    sc = plan(nmc, batch, context, 132)
+    assert sc.meta["attention_sms"]["measured_at_context"] in (8192, 32768)
+    assert validate(sc) == []
 
 
 def test_an_entrys_global_attention_count_from_another_tool_need_not_be_a_tune_candidate(tiny, tuning_file):

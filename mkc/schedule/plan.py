@@ -10,7 +10,10 @@ own SMs (one wave of splits there) and the MLP tiles the rest, so the latency-bo
 How many SMs is a property of the model, the batch and the GPU, so the compiler decides it. The
 candidates are 0 (no split) and the (sequence, KV head) streams times a power of two, up to half
 the SMs: each stream then gets the same number of key splits. A choice measured on the GPU
-(``mkc bench --tune``, mkc/schedule/tuning.py) wins; otherwise the compiler lowers a probe (the
+(``mkc bench --tune``, mkc/schedule/tuning.py) wins, and at a context without one so do the
+choices measured at the nearest context of the same batch (docs/tiling.md says why: the cost
+model's own schedule measured 3.7-19.6% slower than the best at every measured point);
+otherwise the compiler lowers a probe (the
 model cut after the first layer of each kind, so every kind is in it) with each candidate,
 schedules it, and keeps the candidate whose predicted step is shortest. The probes are ranked
 with the attention splits at the per-SM share of bandwidth (``Ceilings.split_bw = 0``), not at
@@ -36,6 +39,7 @@ global attention have (``LowerOptions.global_attention_sms``, 0 where nothing wa
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from mkc.ir.lower import MAX_ATTENTION_WAVES, LowerOptions, lower
@@ -168,7 +172,9 @@ def plan_choices(spec: ModelSpec, batch: int, context: int, num_sms: int, page_s
                  **lowering) -> tuple[int, Ceilings, dict[str, Any]]:
     """What plan() schedules with, before it lowers and schedules: the attention-SM count, the
     ceilings (with a measured entry's raise and spread applied) and ``meta["attention_sms"]``
-    without the count (see plan). Unless the caller gives the count or ``residual_in_o_proj``, a
+    without the count (see plan). Where this context has no entry, the nearest measured context's
+    (tuning.nearest; ``measured_at_context``) applies, its global layers' splits scaled
+    (transferred_global_count). Unless the caller gives the count or ``residual_in_o_proj``, a
     measured entry's choice of it is ``how[RESIDUAL_IN_O_PROJ]`` (absent from the entry: False)."""
     given_fold = RESIDUAL_IN_O_PROJ in lowering
     given_global = GLOBAL_ATTENTION_SMS in lowering
@@ -184,7 +190,14 @@ def plan_choices(spec: ModelSpec, batch: int, context: int, num_sms: int, page_s
         if measured and isinstance(measured.get("attention_sms"), int):
             how["entry_not_applied"] = measured["attention_sms"]
         return attention_sms, ceilings, how
-    if not (measured and measured.get("attention_sms") in attention_sms_candidates(spec, batch, num_sms)):
+    counts = attention_sms_candidates(spec, batch, num_sms)
+    measured_context = context
+    if not (measured and measured.get("attention_sms") in counts):
+        # nothing measured here: the choices measured at the nearest context of this batch, if any
+        near = tuning.nearest(tuning.tuning_key(spec, batch, context, num_sms, page_size))
+        if near:
+            measured_context, measured = near
+    if not (measured and measured.get("attention_sms") in counts):
         attention_sms, tried = choose_attention_sms(spec, batch, context, num_sms, page_size, kv_pages,
                                                     ceilings, **lowering)
         return attention_sms, ceilings, {"chosen_by": "compiler" if tried else "only candidate",
@@ -192,6 +205,8 @@ def plan_choices(spec: ModelSpec, batch: int, context: int, num_sms: int, page_s
     how = {"chosen_by": "measured", "measured_us": measured.get("measured_us", {}),
            "measured_on": measured.get("gpu", "?"), "measured_at": measured.get("date", "?"),
            "measured_lowering": measured.get("lowering"), "measured_by": measured.get("by")}
+    if measured_context != context:
+        how["measured_at_context"] = measured_context
     # the priority raise of the attention splits' inputs (and splits) and the spread of sibling
     # tiles measured at this point (an entry without them: the ceilings' own), unless the caller
     # asked for other ceilings
@@ -220,6 +235,11 @@ def plan_choices(spec: ModelSpec, batch: int, context: int, num_sms: int, page_s
     # a count mkc bench --tune tried (one of the candidates), or one another tool measured (*_by)
     # that the lowering takes (LowerOptions: at most MAX_ATTENTION_WAVES times the SMs)
     candidates = global_attention_sms_candidates(spec, batch, context, num_sms, int(measured["attention_sms"]))
+    if measured_context != context and not given_global:  # splits of the size measured there
+        there = count if isinstance(count, int) and not isinstance(count, bool) else 0
+        how[GLOBAL_ATTENTION_SMS + "_measured_there"] = there
+        count = transferred_global_count(candidates, int(measured["attention_sms"]) or num_sms, there,
+                                         context / measured_context)
     other_tool = bool(measured.get(GLOBAL_ATTENTION_SMS + "_by")) and len(candidates) > 1
     if not given_global and isinstance(count, int) and not isinstance(count, bool) and (
             count in candidates or (other_tool and 0 <= count <= MAX_ATTENTION_WAVES * num_sms)):
@@ -238,6 +258,17 @@ def plan_choices(spec: ModelSpec, batch: int, context: int, num_sms: int, page_s
         how[EXPERT_UP_ROWS + "_measured_us"] = measured.get(EXPERT_UP_ROWS + "_measured_us", {})
         how[EXPERT_UP_ROWS + "_by"] = measured.get(EXPERT_UP_ROWS + "_by", "?")
     return int(measured["attention_sms"]), ceilings, how
+
+
+def transferred_global_count(candidates: list[int], base: int, count: int, ratio: float) -> int:
+    """A global layers' split count measured at another context, moved to this one so that each split
+    attends as many keys as there: ``count`` (0: ``base``, the other layers' SMs' worth) times the
+    contexts' ``ratio``, as the nearest of this point's ``candidates`` (global_attention_sms_candidates)
+    by ratio (a tie: the larger); 0 where that is no more than ``base`` or the point has none."""
+    wanted = (count or base) * ratio
+    if len(candidates) == 1 or wanted <= base:
+        return 0
+    return min(candidates[1:], key=lambda w: (abs(math.log(w / wanted)), -w))
 
 
 def measured_up_rows(spec: ModelSpec, rows: object) -> tuple[int, ...]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import math
 import os
 import re
 import sys
@@ -82,6 +83,25 @@ def lookup(key: str, path: Path | None = None) -> dict[str, Any] | None:
         if isinstance(entry, dict):
             return entry
     return None
+
+
+def nearest(key: str, path: Path | None = None) -> tuple[int, dict[str, Any]] | None:
+    """The entry of the nearest context measured for ``key``'s model, batch, SM count and page size
+    (nearest by ratio; a tie: the shorter context), as (its context, the entry); None where that
+    batch was measured at no context. Sources as lookup's, the first holding a key winning."""
+    name, batch, context, *where = key.rsplit("/", 4)  # as tuning_key writes it
+    entries: dict[int, dict[str, Any]] = {}
+    for src in [path] if path else [settings.tuning_file(), *settings.tuning_tables()]:
+        for k, entry in load(src).items():
+            parts = k.rsplit("/", 4)  # a key of another form (a hand-edited file) matches nothing
+            if (len(parts) == 5 and (parts[0], parts[1], parts[3:]) == (name, batch, where)
+                    and re.fullmatch(r"c[1-9]\d*", parts[2]) and isinstance(entry, dict)):
+                entries.setdefault(int(parts[2][1:]), entry)
+    if not entries:
+        return None
+    asked = int(context[1:])
+    best = min(entries, key=lambda c: (abs(math.log(c / asked)), c))
+    return best, entries[best]
 
 
 def record(key: str, entry: dict[str, Any], path: Path | None = None) -> Path:

@@ -227,6 +227,10 @@ def _global_attention_row(d: dict[str, Any]) -> str:
     if "global_attention_sms" in a:  # the entry of mkc bench --tune chose it
         timed = ", ".join(f"{k}: {v:.1f}" for k, v in a.get("global_attention_sms_measured_us", {}).items())
         by = a.get("global_attention_sms_by") or "mkc bench --tune"
+        if "measured_at_context" in a:  # measured at the nearest context, scaled (plan.py)
+            return row + (f"; the count measured fastest at context {a['measured_at_context']} by {by} "
+                          f"({a['global_attention_sms_measured_there']}, 0: as the other layers) scaled by "
+                          f"the contexts' ratio, so that each split attends as many keys")
         return row + (f"; measured fastest by {by} (step µs by SMs' worth, 0: as the other layers, W@A: with A "
                       f"attention SMs: {timed})")
     return row + ", as asked"
@@ -240,8 +244,10 @@ def _attention_sms_row(d: dict[str, Any]) -> str:
             else "none set apart (every op fills all SMs)")
     if a["chosen_by"] == "measured":
         timed = ", ".join(f"{k}: {v:.1f}" for k, v in sorted(a["measured_us"].items(), key=lambda kv: int(kv[0])))
+        there = (f" at context {a['measured_at_context']}, the nearest measured for this batch, whose "
+                 f"choices this compile takes" if "measured_at_context" in a else "")
         row = (f"{head}; measured fastest by {a.get('measured_by') or 'mkc bench --tune'} on {a['measured_on']}, "
-               f"{a['measured_at']} "
+               f"{a['measured_at']}{there} "
                f"(step µs by attention SMs: {timed})")
         fastest = min(a["measured_us"], key=a["measured_us"].get, default=None)
         if "global_attention_sms" in a and fastest is not None and fastest != str(n):
