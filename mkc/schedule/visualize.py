@@ -236,6 +236,11 @@ def _global_attention_row(d: dict[str, Any]) -> str:
     return row + ", as asked"
 
 
+def _as_list(v: Any) -> Any:
+    """A lowering value as JSON holds it (an entry's lists are a compile's tuples)."""
+    return list(v) if isinstance(v, (list, tuple)) else v
+
+
 def _attention_sms_row(d: dict[str, Any]) -> str:
     """How the parallel block's branches share the SMs, and why (mkc/schedule/plan.py)."""
     a = d["attention_sms"]
@@ -253,14 +258,17 @@ def _attention_sms_row(d: dict[str, Any]) -> str:
         if "global_attention_sms" in a and fastest is not None and fastest != str(n):
             row += (f", then with the layers of global attention on {fastest}'s splits or more, {n} measured faster "
                     f"(global layers, below)")
-        # what the counts were timed with; the residual in the O-projection, when the entry chose it,
-        # was timed with the chosen count (it is named below)
-        was_for = {k: v for k, v in (a.get("measured_lowering") or {}).items()
-                   if not (k == "residual_in_o_proj" and "residual_in_o_proj" in a)}
-        if was_for and {k: d.get("lowering", {}).get(k) for k in was_for} != was_for:
-            was = ", ".join(f"{k}={v}" for k, v in was_for.items())
-            now = ", ".join(f"{k}={d['lowering'].get(k)}" for k in was_for)
-            row += f"; measured under {was} (this compile: {now})"
+        # what the counts were timed with, where this compile differs; the choices the entry made
+        # itself (the layer's end, the global layers' splits, the expert tiles' rows) were timed
+        # after the count, with it (they are named below)
+        decided = {k for k in ("residual_in_o_proj", "global_attention_sms", "expert_up_rows", "expert_down_rows")
+                   if k in a}
+        now = d.get("lowering", {})
+        differ = {k: v for k, v in (a.get("measured_lowering") or {}).items()
+                  if k not in decided and _as_list(v) != _as_list(now.get(k))}
+        if differ:
+            was = ", ".join(f"{k}={v}" for k, v in differ.items())
+            row += f"; measured under {was} (this compile: {', '.join(f'{k}={now.get(k)}' for k in differ)})"
         if a.get("attention_inputs_first_us"):  # the tuned raise of the splits' inputs (plan.py)
             timed = ", ".join(f"{k}: {v:.1f}" for k, v in a.get("attention_inputs_first_us_measured_us", {}).items())
             what = "the splits and their inputs" if a.get("splits_first") else "the splits' inputs"
