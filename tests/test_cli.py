@@ -36,7 +36,7 @@ def test_compile_says_how_the_branches_share_the_sms(compiled, tmp_path):
     """The compiler's choice of attention SMs, with every candidate's prediction; an asked count."""
     _, stdout = compiled
     line = next(ln for ln in stdout.splitlines() if ln.startswith("attention SMs"))
-    assert "chosen by predicted step of a probe" in line and "0: " in line, line
+    assert "chosen by a probe's step under shared bandwidth" in line and "0: " in line, line
     r = mkc("compile", "configs/tiny.yaml", "-o", tmp_path, "--batch", 2, "--context", 64, "--num-sms", 8,
             "--attention-sms", 4, "--no-kernel")
     assert r.returncode == 0, r.stderr

@@ -37,6 +37,17 @@ OP_FIXED_US: dict[str, float] = {
     "RESIDUAL": 2.5,
 }
 DEFAULT_FIXED_US = 1.0
+# Fixed µs per task before its bytes stream in the shared-bandwidth simulation (simulate.py), by
+# opcode (others: DEFAULT_SIM_FIXED_US): the fits of a profiled step (benchmarks/calibrate_cost.py
+# over North Mini Code at batch 1 and 8K on an H200, the profile of 2026-12-05 01:59 UTC: run ≈
+# fixed + bytes / rate per opcode). EXPERT_DOWN and LM_HEAD fit below zero there (their tiles
+# stream faster than the fair share the fit assumes): 1.5 and 3.0.
+SIM_FIXED_US: dict[str, float] = {
+    "EXPERT_SWIGLU": 2.9, "EXPERT_MLP": 2.9, "LINEAR": 3.4, "SWIGLU": 1.0, "EXPERT_DOWN": 1.5, "LM_HEAD": 3.0,
+    "ATTN_SPLIT": 9.0, "ATTN_COMBINE": 3.5, "ROPE_APPEND": 2.3, "TOPK": 3.3, "RESIDUAL": 2.0, "EMBED": 3.5,
+    "ARGMAX": 2.0,
+}
+DEFAULT_SIM_FIXED_US = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +127,17 @@ class Ceilings:
     # batch 1 a tie: an O-projection tile ahead of an expert-down tile on its SM delays that tile,
     # and the drain of the down projection is the layer's tail too. So 0.
     attention_tail_first_us: float = 0.0
+    # The shared-bandwidth simulation (simulate.py), by which the planner ranks attention-SM counts:
+    # the most one SM streams at (bytes/s) when few others do, an attention split's most, the
+    # time from a producer's end to its consumer's start, and the fixed µs per task by opcode.
+    # Checked against North Mini Code's measured steps on an H200 (configs/tuning/h200.json, each
+    # entry's time of every count; plan.py): caps of 60 / 40 GB/s pick the fastest count at 9 of 11
+    # points, as 45 / 35, 80 / 40 and 60 / 60 do, and put the profiled batch-1 step at 8K (2374 µs
+    # on 2026-12-05) at 2305 µs, where the list scheduler's prediction says 2805.
+    sm_stream_cap: float = 60e9
+    split_stream_cap: float = 40e9
+    sim_hop: float = 0.8e-6
+    sim_fixed_us: dict[str, float] = field(default_factory=lambda: dict(SIM_FIXED_US))
 
 
 H200 = Ceilings()

@@ -13,15 +13,19 @@ the SMs: each stream then gets the same number of key splits. A choice measured 
 (``mkc bench --tune``, mkc/schedule/tuning.py) wins, and at a context without one so do the
 choices measured at the nearest context of the same batch (docs/tiling.md says why: the cost
 model's own schedule measured 3.7-19.6% slower than the best at every measured point);
-otherwise the compiler lowers a probe (the
-model cut after the first layer of each kind, so every kind is in it) with each candidate,
-schedules it, and keeps the candidate whose predicted step is shortest. The probes are ranked
-with the attention splits at the per-SM share of bandwidth (``Ceilings.split_bw = 0``), not at
-the splits' measured 16 GB/s that placement uses. Against the counts measured on an H200
-(BENCHMARKS.md, 2026-11-30: 8K and batch 1 at 32K at 04:03 UTC, batch 8 at 32K and batch 1 at
-128K at 03:29) the share picks the fastest at batch 1, 2 and 4 (8K) and at 128K, and misses by
-11.7% at batch 8, 8.5% at batch 1 / 32K and 4.9% at batch 8 / 32K; at 16 GB/s it picks 0 at batch
-1, 2 and 4 (10-12% slower than the best) and is right only at batch 8 (8K) and 128K. Hence the
+otherwise the compiler lowers a probe (the model cut after the third layer of each kind it has
+three times or more, so every kind is in it: probe_spec) with each candidate, schedules it as plan()
+would, and keeps the candidate whose step is shortest under shared bandwidth (simulate.py: the
+SMs streaming at a moment share the read bandwidth, each up to a cap, rather than each holding a
+fixed share). Ranked so, the counts of every entry of configs/tuning/h200.json (each entry holds
+the time of every count, measured on an H200 without the entry's other choices) come out fastest at
+9 of 11 points: batch 1 at 128K picks none set apart, 3.2% slower than 64, and batch 4 at 128K 64,
+0.2% slower than none; mean regret 0.3% (2026-12-05, on the CPU; the whole model instead of
+the probe picks the same). The list scheduler's own
+prediction, by which the probes were ranked until then (five-layer probes, the splits at the
+per-SM share), picked the fastest at 3 of 11 (mean regret 3.7%, worst 11.1%); the same five-layer
+probes under shared bandwidth, at 6. Earlier (BENCHMARKS.md, 2026-11-30) the list scheduler's
+prediction had missed by 11.7% at batch 8 and 8.5% at batch 1 / 32K. Hence also the
 measurement wins where there is one. More than half the SMs was measured too (H200, 2026-12-02
 15:55-15:59 UTC, benchmarks/schedule_variants.py, BENCHMARKS.md): the cost model predicts 96 and
 128 faster at batch 4 and 128 at batch 8, but 96 at best tied the shipped 64 and 128 was 3-5%
@@ -49,6 +53,7 @@ from mkc.schedule import tuning
 from mkc.schedule.cost import H200, Ceilings
 from mkc.schedule.schedule import Schedule
 from mkc.schedule.scheduler import schedule
+from mkc.schedule.simulate import simulated_step_us
 
 # The lowering choices plan() passes on to lower() (LowerOptions' fields of these names), and their
 # defaults. mkc bench --tune records them beside each measured count, since the count was fastest
@@ -141,29 +146,36 @@ def global_attention_sms_candidates(spec: ModelSpec, batch: int, context: int, n
 
 
 def probe_spec(spec: ModelSpec) -> ModelSpec:
-    """The model cut after the first layer of each kind (attention, MLP, RoPE) it has."""
-    seen: set[tuple[str, str, bool]] = set()
+    """The model cut after the third layer of each kind (attention, MLP, RoPE) it has three times or
+    more, and at least after the first of every kind (North Mini Code: its dense layer and three
+    cycles of three sliding-window layers and a global one, 13 layers). Cut after the first of each
+    kind (5 layers), the probes ranked the counts measured on an H200 worse than the whole model
+    does (the fastest at 6 of 11 points against 9 of 11: the module doc); cut after the second (9
+    layers), as well as it, but with batch 2 at 32K a near tie (0.02%) the simulation's bandwidth
+    could turn."""
+    seen: dict[tuple[str, str, bool], int] = {}
     last = 0
     for i, ls in enumerate(spec.layers):
         kind = (ls.attention, ls.mlp, ls.rope)
-        if kind not in seen:
-            seen.add(kind)
+        seen[kind] = seen.get(kind, 0) + 1
+        if seen[kind] <= 3:
             last = i
     return dataclasses.replace(spec, num_layers=last + 1, layers=spec.layers[:last + 1])
 
 
 def choose_attention_sms(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int = 0,
                          kv_pages: int = 0, ceilings: Ceilings = H200, **lowering) -> tuple[int, dict[int, float]]:
-    """The candidate whose probe schedule is predicted fastest (ties: the smaller), and every
-    candidate's predicted probe step in µs. ``lowering``: LOWERING_CHOICES (default DEFAULT_LOWERING)."""
+    """The candidate whose probe schedule (placed with ``ceilings``, as plan() places) is fastest
+    under shared bandwidth (simulate.py; ties: the smaller), and every candidate's simulated probe
+    step in µs. ``lowering``: LOWERING_CHOICES (default DEFAULT_LOWERING)."""
     lowering = lowering_choices(lowering)
     cands = attention_sms_candidates(spec, batch, num_sms)
     if len(cands) == 1:
         return cands[0], {}
     probe = probe_spec(spec)
-    ranking = dataclasses.replace(ceilings, split_bw=0.0)  # see the module doc
-    predicted = {a: schedule(lower(probe, batch, context, num_sms, page_size, kv_pages, attention_sms=a, **lowering),
-                             probe.name, ranking).predicted["step_us"] for a in cands}
+    predicted = {a: round(simulated_step_us(schedule(lower(probe, batch, context, num_sms, page_size, kv_pages,
+                                                           attention_sms=a, **lowering), probe.name, ceilings),
+                                            ceilings), 1) for a in cands}
     return min(cands, key=lambda a: (predicted[a], a)), predicted
 
 

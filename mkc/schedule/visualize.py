@@ -280,7 +280,8 @@ def _attention_sms_row(d: dict[str, Any]) -> str:
         return row
     if a["chosen_by"] == "compiler":
         tried = ", ".join(f"{k}: {v:.1f}" for k, v in a["probe_predicted_us"].items())
-        return f"{head}; chosen by predicted step of a probe (µs by attention SMs: {tried})"
+        return (f"{head}; chosen by a probe's step under shared bandwidth (the model's first layers, "
+                f"simulated: µs by attention SMs: {tried})")
     if a["chosen_by"] != "asked":
         return f"{head} (the only candidate)"
     if "entry_not_applied" in a:  # plan.py: an asked count takes none of a tuning entry's choices

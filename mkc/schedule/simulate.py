@@ -1,0 +1,108 @@
+"""A scheduled step replayed under shared memory bandwidth: how long it takes, by task.
+
+The list scheduler (scheduler.py) places each task with a fixed share of the GPU's bandwidth,
+``read_bw / num_sms``, whatever else runs at that moment; its predicted step is what placement
+ranks by, not a forecast (North Mini Code at batch 1 and 8K: 2805 µs predicted, 2374 measured).
+Here the schedule's queues run as they are, and the SMs that stream at any moment share the read
+bandwidth, max-min fair: each gets an equal share, at most ``Ceilings.sm_stream_cap`` (an
+attention split at most ``split_stream_cap``: its chunks wait on their softmax), and what a capped
+SM leaves goes to the others. So the tail of a layer, where few SMs still stream, runs each of them
+faster, as profiles show (expert-down tiles 52 GB/s against a 32 GB/s share). Each task first
+spends its opcode's fixed time (``cost.SIM_FIXED_US``: staging, routing, reductions), then streams its
+bytes, and starts once the task before it on its SM has ended and every producer it waits for has
+ended ``Ceilings.sim_hop`` earlier.
+
+The planner ranks its attention-SM candidates by this (plan.py: choose_attention_sms), since the
+list scheduler's own prediction ranked them wrong at most measured points.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mkc.schedule.cost import DEFAULT_SIM_FIXED_US, H200, Ceilings
+from mkc.schedule.profile import _blockers
+from mkc.schedule.schedule import Schedule
+
+
+def fair_rates(caps: np.ndarray, total: float) -> np.ndarray:
+    """Max-min fair shares of ``total`` among streams each capped at ``caps``."""
+    rates = np.empty(len(caps))
+    left, n = total, len(caps)
+    for i, j in enumerate(np.argsort(caps, kind="stable")):
+        rates[j] = min(caps[j], left / (n - i))
+        left -= rates[j]
+    return rates
+
+
+def simulate(sc: Schedule, c: Ceilings = H200) -> tuple[np.ndarray, np.ndarray]:
+    """(start, end) of every task in µs, by task id, for the schedule's queues under shared
+    bandwidth (module doc)."""
+    tasks = sc.tasks
+    n, sms = len(tasks), len(sc.queues)
+    producers, _ = _blockers(sc)
+    succs: list[list[int]] = [[] for _ in range(n)]
+    pending = np.zeros(n, dtype=np.int64)
+    for t in range(n):
+        ps = set(producers[t])
+        pending[t] = len(ps)
+        for p in ps:
+            succs[p].append(t)
+    ready_at = np.zeros(n)
+    mb = np.array([t.weight_bytes + t.act_bytes for t in tasks], dtype=np.float64) / 1e6  # MB; rates in MB/µs
+    fixed = np.array([c.sim_fixed_us.get(t.op.name, DEFAULT_SIM_FIXED_US) for t in tasks])
+    cap = np.array([c.split_stream_cap if t.op.name == "ATTN_SPLIT" else c.sm_stream_cap for t in tasks]) / 1e12
+    total, hop = c.read_bw / 1e12, c.sim_hop * 1e6
+    WAIT, FIXED, STREAM, DONE = range(4)
+    phase = np.full(sms, WAIT)
+    cur = np.full(sms, -1)
+    pos = np.zeros(sms, dtype=np.int64)
+    fixed_end = np.full(sms, np.inf)
+    left = np.zeros(sms)
+    start, end = np.zeros(n), np.zeros(n)
+    for s in range(sms):
+        if sc.queues[s]:
+            cur[s] = sc.queues[s][0]
+        else:
+            phase[s] = DONE
+    now, eps = 0.0, 1e-9
+    while True:
+        for s in np.nonzero(phase == WAIT)[0]:
+            t = cur[s]
+            if pending[t] == 0 and ready_at[t] <= now + eps:
+                phase[s], start[t], fixed_end[s] = FIXED, now, now + fixed[t]
+        if (phase == DONE).all():
+            return start, end
+        streaming = np.nonzero(phase == STREAM)[0]
+        rate = fair_rates(cap[cur[streaming]], total) if len(streaming) else np.zeros(0)
+        nxt = min([fixed_end[phase == FIXED].min()] if (phase == FIXED).any() else [np.inf])
+        if len(streaming):
+            nxt = min(nxt, now + float((left[streaming] / rate).min()))
+        waiting = [cur[s] for s in np.nonzero(phase == WAIT)[0] if pending[cur[s]] == 0]
+        if waiting:
+            nxt = min(nxt, float(ready_at[waiting].min()))
+        if nxt == np.inf:  # the validator rejects such a schedule; say which tasks never start
+            stuck = sorted(tasks[cur[s]].name for s in np.nonzero(phase == WAIT)[0])[:4]
+            raise ValueError(f"simulate: no task can start (waiting forever: {', '.join(stuck)})")
+        if len(streaming):
+            left[streaming] -= rate * (nxt - now)
+        now = nxt
+        for s in np.nonzero((phase == FIXED) & (fixed_end <= now + eps))[0]:
+            phase[s], left[s], fixed_end[s] = STREAM, mb[cur[s]], np.inf
+        for s in np.nonzero((phase == STREAM) & (left <= eps))[0]:
+            t = cur[s]
+            end[t] = now
+            for u in succs[t]:
+                pending[u] -= 1
+                ready_at[u] = max(ready_at[u], now + hop)
+            pos[s] += 1
+            if pos[s] < len(sc.queues[s]):
+                cur[s], phase[s] = sc.queues[s][pos[s]], WAIT
+            else:
+                phase[s] = DONE
+
+
+def simulated_step_us(sc: Schedule, c: Ceilings = H200) -> float:
+    """The step's span in µs under shared bandwidth (simulate), with the launch."""
+    _, end = simulate(sc, c)
+    return float(end.max(initial=0.0)) + c.launch_in_graph * 1e6

@@ -1,0 +1,72 @@
+"""The shared-bandwidth simulation of a scheduled step (mkc/schedule/simulate.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from mkc.ir.lower import lower
+from mkc.ir.ops import Opcode
+from mkc.schedule.cost import H200
+from mkc.schedule.scheduler import schedule
+from mkc.schedule.simulate import fair_rates, simulate, simulated_step_us
+
+# no fixed time, no hop: only the bytes and the bandwidth's sharing decide
+BARE = dataclasses.replace(H200, sim_fixed_us={op.name: 0.0 for op in Opcode}, sim_hop=0.0)
+
+
+def test_fair_rates_give_capped_streams_their_cap_and_the_rest_to_the_others():
+    np.testing.assert_allclose(fair_rates(np.array([10.0, 10.0]), 8.0), [4.0, 4.0])
+    np.testing.assert_allclose(fair_rates(np.array([1.0, 10.0, 10.0]), 8.0), [1.0, 3.5, 3.5])
+    np.testing.assert_allclose(fair_rates(np.array([2.0, 3.0]), 100.0), [2.0, 3.0])  # caps bind: bandwidth left
+    assert fair_rates(np.array([5.0, 1.0, 5.0]), 6.0).sum() == pytest.approx(6.0)
+
+
+@pytest.fixture()
+def tiny_schedule(tiny):
+    return schedule(lower(tiny, 1, 40, 4), tiny.name)
+
+
+def test_every_task_starts_after_its_producers_and_the_task_before_it(tiny_schedule):
+    from mkc.schedule.profile import _blockers
+
+    sc = tiny_schedule
+    c = dataclasses.replace(H200, sim_hop=0.5e-6)
+    start, end = simulate(sc, c)
+    producers, before = _blockers(sc)
+    for t in range(len(sc.tasks)):
+        assert end[t] > start[t]
+        assert all(start[t] >= end[p] + 0.5 - 1e-6 for p in producers[t])
+        assert before[t] < 0 or start[t] >= end[before[t]] - 1e-9
+    assert simulated_step_us(sc, c) == pytest.approx(end.max() + H200.launch_in_graph * 1e6)
+
+
+def test_a_lone_stream_runs_at_its_cap_and_streams_side_by_side_share_the_bandwidth(tiny_schedule):
+    """One SM: each task streams alone, at the cap (bandwidth 10x the cap). Bandwidth at the cap
+    shared by every SM: each task takes as long as on one SM only where it streams alone."""
+    sc = tiny_schedule
+    mb = np.array([t.weight_bytes + t.act_bytes for t in sc.tasks]) / 1e6
+    one_sm = dataclasses.replace(sc, queues=[[t for q in sc.queues for t in q]] + [[] for _ in sc.queues[1:]])
+    # the tasks in an order every producer comes first in: the scheduler's start times
+    one_sm.queues[0].sort(key=lambda t: (sc.predicted["start_us"][t], t))
+    alone = dataclasses.replace(BARE, sm_stream_cap=1e9, split_stream_cap=1e9, read_bw=10e9)
+    start, end = simulate(one_sm, alone)
+    np.testing.assert_allclose(end - start, mb / 1e-3, rtol=1e-9)  # 1 GB/s = 1e-3 MB/µs
+    shared = dataclasses.replace(alone, read_bw=1e9)
+    start, end = simulate(sc, shared)
+    run = end - start
+    assert (run >= mb / 1e-3 - 1e-6).all() and (run > mb / 1e-3 * 1.5).any()
+    # a whole step's bytes at most at the bandwidth: no faster than that
+    assert end.max() >= mb.sum() / 1e-3 - 1e-6
+
+
+def test_a_schedule_whose_tasks_can_never_start_is_an_error_not_a_hang(tiny_schedule):
+    sc = tiny_schedule
+    q = [list(x) for x in sc.queues]
+    for s in range(len(q)):  # the last task first on every SM: it waits for what comes after it
+        if len(q[s]) > 1:
+            q[s] = q[s][-1:] + q[s][:-1]
+    with pytest.raises(ValueError, match="no task can start"):
+        simulate(dataclasses.replace(sc, queues=q), H200)
