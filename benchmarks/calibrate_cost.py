@@ -17,6 +17,7 @@ import numpy as np
 import profiled
 
 from mkc.schedule.cost import fit_op_costs
+from mkc.schedule.simulate import simulated_step_us
 
 
 def main() -> None:
@@ -29,7 +30,8 @@ def main() -> None:
     for op, f in sorted(fits.items(), key=lambda kv: -kv[1].tasks * kv[1].mean_us):
         rate = "one size" if np.isnan(f.gbps) else f"{f.gbps:.1f}"  # one size: fixed at the fair share
         print(f"{op:<14} {f.tasks:>6} {f.mean_us:>12.2f} {f.predicted_us:>9.2f} {f.fixed_us:>13.2f} {rate:>9}")
-    print(f"step: measured {tl['end'].max():.0f} µs, predicted {sc.predicted['step_us']:.0f} µs")
+    print(f"step: measured {tl['end'].max():.0f} µs, predicted {sc.predicted['step_us']:.0f} µs (list scheduler), "
+          f"{simulated_step_us(sc):.0f} µs (shared-bandwidth simulation, mkc/schedule/simulate.py)")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ def compile_schedule(spec: ModelSpec, batch: int, context: int, num_sms: int, pa
     """Lower, schedule (choosing the attention SMs unless given: mkc/schedule/plan.py) and
     validate; raises SpecError or ScheduleError. ``lowering``: plan's LOWERING_CHOICES (default:
     the planner's)."""
+    from mkc.schedule.simulate import predict
     from mkc.schedule.validator import check
 
     times: dict[str, float] = {}
@@ -36,7 +37,8 @@ def compile_schedule(spec: ModelSpec, batch: int, context: int, num_sms: int, pa
     t1 = time.perf_counter()
     check(sc)
     t2 = time.perf_counter()
-    times.update(plan=t1 - t0, validate=t2 - t1)
+    predict(sc)  # the step's timeline under shared bandwidth, as reported (simulate.py)
+    times.update(plan=t1 - t0, validate=t2 - t1, simulate=time.perf_counter() - t2)
     sc.meta.update(options={"batch": batch, "context": context, "num_sms": num_sms, "page_size": page_size,
                             "attention_sms": sc.meta["attention_sms"]["chosen"],
                             **{k: sc.meta[k] for k in LOWERING_CHOICES}})

@@ -695,6 +695,7 @@ def write_profile(sc, tl: dict, path: Path) -> None:
     wait, start, end, sm), which benchmarks/replay_profile.py replays."""
     from mkc.schedule import visualize
     from mkc.schedule.profile import critical_chain, format_layer, format_profile, read_rate, save_timeline
+    from mkc.schedule.simulate import predict
 
     events = []
     for sm in range(len(sc.queues)):
@@ -719,7 +720,9 @@ def write_profile(sc, tl: dict, path: Path) -> None:
     events.insert(0, {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "measured step"}})
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ns"}))
-    visualize.write_trace(sc, path.with_suffix(".predicted.json"))
+    # the predicted step beside it: the shared-bandwidth simulation's timeline (as mkc compile's)
+    visualize.write_trace(predict(dataclasses.replace(sc, predicted=dict(sc.predicted))),
+                          path.with_suffix(".predicted.json"))
     layers = sorted({t.layer for t in sc.tasks if t.layer >= 0})
     middle = f"\n\n{format_layer(sc, tl, layers[len(layers) // 2])}" if layers else ""
     path.with_suffix(".txt").write_text(format_profile(sc, tl) + middle + "\n")

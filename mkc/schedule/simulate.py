@@ -106,3 +106,22 @@ def simulated_step_us(sc: Schedule, c: Ceilings = H200) -> float:
     """The step's span in µs under shared bandwidth (simulate), with the launch."""
     _, end = simulate(sc, c)
     return float(end.max(initial=0.0)) + c.launch_in_graph * 1e6
+
+
+def predict(sc: Schedule, c: Ceilings = H200) -> Schedule:
+    """Put the simulation's timeline in ``sc.predicted`` (start_us, end_us, step_us, sm_busy_us), in
+    place of the list scheduler's estimate, whose step stays as ``placement_step_us``: what mkc
+    compile reports and its trace shows. The queues, counters and critical path are unchanged.
+    Returns ``sc``."""
+    start, end = simulate(sc, c)
+    p = sc.predicted
+    p.setdefault("placement_step_us", p.get("step_us"))
+    p["start_us"] = [round(float(x), 3) for x in start]
+    p["end_us"] = [round(float(x), 3) for x in end]
+    p["step_us"] = round(float(end.max(initial=0.0)) + c.launch_in_graph * 1e6, 3)
+    busy = np.zeros(len(sc.queues))
+    for s, q in enumerate(sc.queues):
+        busy[s] = float(sum(end[t] - start[t] for t in q))
+    p["sm_busy_us"] = [round(float(x), 3) for x in busy]
+    p["timeline"] = "shared-bandwidth simulation (mkc/schedule/simulate.py)"
+    return sc

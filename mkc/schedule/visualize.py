@@ -138,7 +138,8 @@ def summary(sc: Schedule, spec: ModelSpec) -> dict[str, Any]:
         "tasks_per_sm": _stats(n_tasks), "bytes_per_sm": _stats(sm_bytes), "busy_us_per_sm": _stats(busy),
         "critical_path_tasks": len(p.get("critical_path", [])),
         "critical_path_us": float(p.get("critical_path_us", 0.0)),
-        "step_us": step_us, "attention_sms": sc.meta.get("attention_sms"),
+        "step_us": step_us, "placement_step_us": p.get("placement_step_us"),
+        "attention_sms": sc.meta.get("attention_sms"),
         "lowering": {k: sc.meta.get(k) for k in LOWERING_CHOICES},
         "bytes": wbytes + abytes, "weight_bytes": wbytes, "act_bytes": abytes,
         "read_bw": read_bw,
@@ -177,7 +178,9 @@ def _summary_rows(d: dict[str, Any]) -> list[tuple[str, str]]:
                        f"activations/KV {_fmt_bytes(d['act_bytes'])})")),
         ("speed of light", f"{d['sol_us']:.1f} µs at {d['read_bw'] / 1e12:.2f} TB/s"),
         ("predicted step", (f"{d['step_us']:.1f} µs  →  {d['tok_s']:.1f} tok/s, "
-                           f"{d['sol_fraction']:.1%} of SOL")),
+                           f"{d['sol_fraction']:.1%} of SOL"
+                           + (f"  (simulated under shared bandwidth; the list scheduler's placement estimate "
+                              f"{d['placement_step_us']:.1f} µs)" if d.get("placement_step_us") else ""))),
     ]
 
 
@@ -452,7 +455,9 @@ def write_trace(sc: Schedule, path: str | Path) -> Path:
     """trace.json for Perfetto / chrome://tracing (ts and dur in µs)."""
     doc = {"traceEvents": trace_events(sc), "displayTimeUnit": "ns",
            "otherData": {"model": sc.model, "batch": sc.batch, "context": sc.context, "num_sms": sc.num_sms,
-                         "step_us": sc.predicted["step_us"], "source": "mkc cost model (predicted)"}}
+                         "step_us": sc.predicted["step_us"],
+                         "source": ("mkc shared-bandwidth simulation (predicted)" if "timeline" in sc.predicted
+                                    else "mkc cost model (predicted)")}}
     return _write_text(path, json.dumps(doc, separators=(",", ":")))
 
 
