@@ -184,3 +184,39 @@ def test_executor_with_split_sms_matches_the_dense_reference(tiny, batch, attent
         err = (logits - want).abs()
         assert bool((err <= F32_ATOL + F32_RTOL * want.abs()).all()), (
             f"batch {batch} attention_sms {attention_sms} step {step}: max error {err.max().item():.3g}")
+
+
+def test_the_compiler_sets_the_global_layers_splits_apart_only_for_a_clear_simulated_gain(nmc, monkeypatch):
+    """Where nothing was measured, the global layers' splits are the candidate whose probe step is
+    shortest under shared bandwidth, if it beats as many as the other layers' by
+    GLOBAL_SPLITS_MIN_GAIN, and plan_choices says so; a count the caller gives is not chosen."""
+    from mkc.schedule import plan as plan_mod
+    from mkc.schedule.plan import GLOBAL_SPLITS_MIN_GAIN, choose_global_attention_sms
+
+    steps = {0: 100.0, 128: 97.0, 256: 99.0, 512: 101.0}  # beside 64 attention SMs, the fastest count
+
+    def fake(*args, attention_sms, global_attention_sms, **kw):
+        return steps[global_attention_sms] if attention_sms == 64 else 200.0
+
+    monkeypatch.setattr(plan_mod, "_probe_step_us", fake)
+    assert choose_global_attention_sms(nmc, 2, 131072, 132, 64) == (128, steps)
+    steps[128] = 100.0 * (1 - GLOBAL_SPLITS_MIN_GAIN) + 0.1  # a gain the simulation may have wrong
+    assert choose_global_attention_sms(nmc, 2, 131072, 132, 64)[0] == 0
+    assert choose_global_attention_sms(nmc, 2, 4096, 132, 64) == (0, {})  # no layer attends past the window
+    steps[256] = 90.0
+    chosen, _, how = plan_mod.plan_choices(nmc, 2, 131072, 132)
+    assert chosen == 64 and how["chosen_by"] == "compiler" and how["global_attention_sms"] == 256
+    assert how["global_attention_sms_probe_us"] == {str(w): us for w, us in steps.items()}
+    assert plan_mod.plan_choices(nmc, 2, 131072, 132, global_attention_sms=512)[2].get("global_attention_sms") is None
+
+
+def test_the_compilers_global_layers_splits_at_long_contexts(nmc):
+    """North Mini Code at batch 2 and 128K, nothing measured: the probe picks 256 SMs' worth beside
+    64 attention SMs (measured on an H200: 5595.5 µs, against 6285.1 with as many splits as the
+    other layers; h200.json's batch-2 / 128K entry), and mkc compile's summary names the choice."""
+    from mkc.schedule.visualize import format_summary, summary
+
+    sc = plan(nmc, 2, 131072, 132)
+    assert sc.meta["attention_sms"]["chosen"] == 64 and sc.meta["global_attention_sms"] == 256
+    line = next(ln for ln in format_summary(summary(sc, nmc)).splitlines() if ln.startswith("global layers"))
+    assert "256 SMs' worth of attention splits; chosen by a probe's step under shared bandwidth" in line, line

@@ -37,7 +37,8 @@ the spread of a layer's sibling tiles over SMs (``Ceilings.spread_siblings``) th
 its point; the planner schedules with them unless the caller passes its own ceilings. It may also
 say that the layer ran faster ended by the O-projection (``LowerOptions.residual_in_o_proj``);
 the planner then lowers so unless the caller says otherwise; and how many splits the layers of
-global attention have (``LowerOptions.global_attention_sms``, 0 where nothing was measured).
+global attention have (``LowerOptions.global_attention_sms``; where nothing was measured, the
+compiler's choice by the same simulation: choose_global_attention_sms).
 """
 
 from __future__ import annotations
@@ -86,11 +87,22 @@ RESIDUAL_IN_O_PROJ = "residual_in_o_proj"
 # ... and the splits of the layers of global attention (LowerOptions.global_attention_sms: timed
 # after the residual's choice, where the model has such layers and they attend more keys than its
 # sliding windows; the times under GLOBAL_ATTENTION_SMS + "_measured_us", "0" for as many as the
-# other layers). An entry without it was measured without it: 0. Where nothing was measured it is
-# 0: the cost model predicted more splits faster at North Mini Code batch 1 at 8K and 32K, where
-# they measured 3-8% slower, and at 128K, where they measured 7-9% faster (H200, 2026-12-03 07:31
-# UTC, BENCHMARKS.md).
+# other layers). An entry without it was measured without it: 0. Where nothing was measured the
+# compiler chooses (GLOBAL_SPLITS_MIN_GAIN below), no longer by the list scheduler's prediction,
+# which had predicted more splits faster at North Mini Code batch 1 at 8K and 32K, where they
+# measured 3-8% slower, and at 128K, where they measured 7-9% faster (H200, 2026-12-03 07:31 UTC,
+# BENCHMARKS.md).
 GLOBAL_ATTENTION_SMS = "global_attention_sms"
+# Where nothing was measured, more splits in the global layers than in the others only where the
+# probe's simulated step (choose_global_attention_sms) is this much shorter: the simulation ranked
+# the tuner's decisions of 0.3-3% measured effect right only about half the time. Against the
+# counts h200.json timed (each entry's first stage's count, 2026-12-05, on the CPU) the choice is
+# the fastest at batch 1 at 8K, 32K and 128K, batch 2 at 8K and 32K and batch 4 at 128K (528
+# against the 512 measured), within 0.3% at batch 2 at 128K, and 1.7% / 3.2% slower at batch 4 /
+# 8 at 32K (mean 0.6%); with no threshold it picked more splits at 8K and batch 1 at 32K, 1.4-3.5%
+# slower (mean 1.2%); as many splits as the other layers, the default before, is 8.0-12.7%
+# slower at 128K (mean 4.0%).
+GLOBAL_SPLITS_MIN_GAIN = 0.02
 # ... and the rows of the expert-down tiles (LowerOptions.expert_down_rows, 0: the tiling rule), where
 # an entry names them: not timed by mkc bench --tune (which keeps them when it rewrites the entry),
 # so an entry has them only from another tool, which it names under EXPERT_DOWN_ROWS + "_by" with
@@ -173,10 +185,36 @@ def choose_attention_sms(spec: ModelSpec, batch: int, context: int, num_sms: int
     if len(cands) == 1:
         return cands[0], {}
     probe = probe_spec(spec)
-    predicted = {a: round(simulated_step_us(schedule(lower(probe, batch, context, num_sms, page_size, kv_pages,
-                                                           attention_sms=a, **lowering), probe.name, ceilings),
-                                            ceilings), 1) for a in cands}
+    predicted = {a: _probe_step_us(probe, batch, context, num_sms, page_size, kv_pages, ceilings, attention_sms=a,
+                                   **lowering) for a in cands}
     return min(cands, key=lambda a: (predicted[a], a)), predicted
+
+
+def choose_global_attention_sms(spec: ModelSpec, batch: int, context: int, num_sms: int, attention_sms: int,
+                                page_size: int = 0, kv_pages: int = 0, ceilings: Ceilings = H200,
+                                **lowering) -> tuple[int, dict[int, float]]:
+    """The splits of the layers of global attention (global_attention_sms_candidates, beside
+    ``attention_sms``) whose probe schedule is fastest under shared bandwidth, as
+    choose_attention_sms ranks (ties: the fewer), where it beats as many splits as the other layers
+    (0) by GLOBAL_SPLITS_MIN_GAIN, else 0; and every candidate's simulated probe step in µs; (0, {})
+    where there is one candidate."""
+    lowering = lowering_choices({**lowering, GLOBAL_ATTENTION_SMS: 0})
+    cands = global_attention_sms_candidates(spec, batch, context, num_sms, attention_sms)
+    if len(cands) == 1:
+        return 0, {}
+    probe = probe_spec(spec)
+    predicted = {w: _probe_step_us(probe, batch, context, num_sms, page_size, kv_pages, ceilings,
+                                   attention_sms=attention_sms, **{**lowering, GLOBAL_ATTENTION_SMS: w})
+                 for w in cands}
+    best = min(cands, key=lambda w: (predicted[w], w))
+    return (best if predicted[best] < predicted[0] * (1 - GLOBAL_SPLITS_MIN_GAIN) else 0), predicted
+
+
+def _probe_step_us(probe: ModelSpec, batch: int, context: int, num_sms: int, page_size: int, kv_pages: int,
+                   ceilings: Ceilings, **lowering) -> float:
+    """The probe lowered with ``lowering``, placed with ``ceilings``: its step under shared bandwidth."""
+    sc = schedule(lower(probe, batch, context, num_sms, page_size, kv_pages, **lowering), probe.name, ceilings)
+    return round(simulated_step_us(sc, ceilings), 1)
 
 
 def plan_choices(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int = 0, kv_pages: int = 0,
@@ -212,8 +250,15 @@ def plan_choices(spec: ModelSpec, batch: int, context: int, num_sms: int, page_s
     if not (measured and measured.get("attention_sms") in counts):
         attention_sms, tried = choose_attention_sms(spec, batch, context, num_sms, page_size, kv_pages,
                                                     ceilings, **lowering)
-        return attention_sms, ceilings, {"chosen_by": "compiler" if tried else "only candidate",
-                                         "probe_predicted_us": {str(a): us for a, us in tried.items()}}
+        how = {"chosen_by": "compiler" if tried else "only candidate",
+               "probe_predicted_us": {str(a): us for a, us in tried.items()}}
+        if not given_global:  # and the global layers' splits beside that count, the same way
+            wide, wide_tried = choose_global_attention_sms(spec, batch, context, num_sms, attention_sms, page_size,
+                                                           kv_pages, ceilings, **lowering)
+            if wide_tried:
+                how[GLOBAL_ATTENTION_SMS] = wide
+                how[GLOBAL_ATTENTION_SMS + "_probe_us"] = {str(w): us for w, us in wide_tried.items()}
+        return attention_sms, ceilings, how
     how = {"chosen_by": "measured", "measured_us": measured.get("measured_us", {}),
            "measured_on": measured.get("gpu", "?"), "measured_at": measured.get("date", "?"),
            "measured_lowering": measured.get("lowering"), "measured_by": measured.get("by")}

@@ -227,6 +227,10 @@ def _global_attention_row(d: dict[str, Any]) -> str:
     chose them (plan.py)."""
     a = d.get("attention_sms") or {}
     row = f"{d['lowering']['global_attention_sms']} SMs' worth of attention splits"
+    if "global_attention_sms_probe_us" in a:  # the compiler chose it (plan.py: choose_global_attention_sms)
+        tried = ", ".join(f"{k}: {v:.1f}" for k, v in a["global_attention_sms_probe_us"].items())
+        return row + (f"; chosen by a probe's step under shared bandwidth (µs by SMs' worth, 0: as the other "
+                      f"layers: {tried})")
     if "global_attention_sms" in a:  # the entry of mkc bench --tune chose it
         timed = ", ".join(f"{k}: {v:.1f}" for k, v in a.get("global_attention_sms_measured_us", {}).items())
         by = a.get("global_attention_sms_by") or "mkc bench --tune"
