@@ -30,12 +30,12 @@ def tiny_schedule(tiny):
 
 
 def test_every_task_starts_after_its_producers_and_the_task_before_it(tiny_schedule):
-    from mkc.schedule.profile import _blockers
+    from mkc.schedule.profile import blockers
 
     sc = tiny_schedule
     c = dataclasses.replace(H200, sim_hop=0.5e-6)
     start, end = simulate(sc, c)
-    producers, before = _blockers(sc)
+    producers, before = blockers(sc)
     for t in range(len(sc.tasks)):
         assert end[t] > start[t]
         assert all(start[t] >= end[p] + 0.5 - 1e-6 for p in producers[t])

@@ -192,19 +192,21 @@ def choose_attention_sms(spec: ModelSpec, batch: int, context: int, num_sms: int
 
 def choose_global_attention_sms(spec: ModelSpec, batch: int, context: int, num_sms: int, attention_sms: int,
                                 page_size: int = 0, kv_pages: int = 0, ceilings: Ceilings = H200,
-                                **lowering) -> tuple[int, dict[int, float]]:
+                                step_with_none: float | None = None, **lowering) -> tuple[int, dict[int, float]]:
     """The splits of the layers of global attention (global_attention_sms_candidates, beside
     ``attention_sms``) whose probe schedule is fastest under shared bandwidth, as
     choose_attention_sms ranks (ties: the fewer), where it beats as many splits as the other layers
     (0) by GLOBAL_SPLITS_MIN_GAIN, else 0; and every candidate's simulated probe step in µs; (0, {})
-    where there is one candidate."""
+    where there is one candidate. ``step_with_none``: that probe's step with 0, where
+    choose_attention_sms already simulated it."""
     lowering = lowering_choices({**lowering, GLOBAL_ATTENTION_SMS: 0})
     cands = global_attention_sms_candidates(spec, batch, context, num_sms, attention_sms)
     if len(cands) == 1:
         return 0, {}
     probe = probe_spec(spec)
-    predicted = {w: _probe_step_us(probe, batch, context, num_sms, page_size, kv_pages, ceilings,
-                                   attention_sms=attention_sms, **{**lowering, GLOBAL_ATTENTION_SMS: w})
+    predicted = {w: step_with_none if w == 0 and step_with_none is not None else
+                 _probe_step_us(probe, batch, context, num_sms, page_size, kv_pages, ceilings,
+                                attention_sms=attention_sms, **{**lowering, GLOBAL_ATTENTION_SMS: w})
                  for w in cands}
     best = min(cands, key=lambda w: (predicted[w], w))
     return (best if predicted[best] < predicted[0] * (1 - GLOBAL_SPLITS_MIN_GAIN) else 0), predicted
@@ -232,7 +234,8 @@ def plan_choices(spec: ModelSpec, batch: int, context: int, num_sms: int, page_s
     given_up = EXPERT_UP_ROWS in lowering
     lowering = lowering_choices(lowering)
     how: dict[str, Any] = {"chosen_by": "asked", "probe_predicted_us": {}}
-    measured = tuning.lookup(tuning.tuning_key(spec, batch, context, num_sms, page_size))
+    key = tuning.tuning_key(spec, batch, context, num_sms, page_size)
+    measured = tuning.lookup(key)
     if attention_sms is not None:
         # an asked count takes none of an entry's choices (the raise, spread, layer end, splits and
         # rows were measured together; mkc bench --tune and schedule_variants.py time counts so),
@@ -244,7 +247,7 @@ def plan_choices(spec: ModelSpec, batch: int, context: int, num_sms: int, page_s
     measured_context = context
     if not (measured and measured.get("attention_sms") in counts):
         # nothing measured here: the choices measured at the nearest context of this batch, if any
-        near = tuning.nearest(tuning.tuning_key(spec, batch, context, num_sms, page_size))
+        near = tuning.nearest(key)
         if near:
             measured_context, measured = near
     if not (measured and measured.get("attention_sms") in counts):
@@ -254,7 +257,7 @@ def plan_choices(spec: ModelSpec, batch: int, context: int, num_sms: int, page_s
                "probe_predicted_us": {str(a): us for a, us in tried.items()}}
         if not given_global:  # and the global layers' splits beside that count, the same way
             wide, wide_tried = choose_global_attention_sms(spec, batch, context, num_sms, attention_sms, page_size,
-                                                           kv_pages, ceilings, **lowering)
+                                                           kv_pages, ceilings, tried.get(attention_sms), **lowering)
             if wide_tried:
                 how[GLOBAL_ATTENTION_SMS] = wide
                 how[GLOBAL_ATTENTION_SMS + "_probe_us"] = {str(w): us for w, us in wide_tried.items()}

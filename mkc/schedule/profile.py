@@ -89,7 +89,7 @@ class Gaps:
         return self.after_queue.get(op, self.default)
 
 
-def _blockers(sc: Schedule) -> tuple[list[list[int]], list[int]]:
+def blockers(sc: Schedule) -> tuple[list[list[int]], list[int]]:
     """Per task: the producers of the counters it waits on, and the task before it on its SM (-1)."""
     producers = [[p for c, _ in sc.waits[t] for p in sc.counters[c].producers] for t in range(len(sc.tasks))]
     before = [-1] * len(sc.tasks)
@@ -103,7 +103,7 @@ def measured_gaps(sc: Schedule, start, end) -> Gaps:
     """The gaps of a measured step (see Gaps): each task counts under whichever of its blockers
     ended last, its last producer or the task before it on its SM."""
     start, end = np.asarray(start, dtype=np.float64), np.asarray(end, dtype=np.float64)
-    producers, before = _blockers(sc)
+    producers, before = blockers(sc)
     by_producer: dict[str, list[float]] = {}
     by_queue: dict[str, list[float]] = {}
     for t, task in enumerate(sc.tasks):
@@ -131,7 +131,7 @@ def replay(sc: Schedule, run_us, gaps: Gaps, queues: list[list[int]] | None = No
     dropped wait relied on)."""
     run = np.asarray(run_us, dtype=np.float64)
     n = len(sc.tasks)
-    own_producers, before = _blockers(sc)
+    own_producers, before = blockers(sc)
     if queues is not None:
         before = [-1] * n
         for q in queues:
@@ -377,7 +377,7 @@ def handoffs(sc: Schedule, timeline: Mapping[str, np.ndarray]) -> dict[tuple[str
     on) counts its SM's signal as its inputs."""
     start, end = np.asarray(timeline["start"], dtype=np.float64), np.asarray(timeline["end"], dtype=np.float64)
     wait = np.asarray(timeline["wait"], dtype=np.float64)
-    producers, before = _blockers(sc)
+    producers, before = blockers(sc)
     rows: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
     for t in sc.tasks:
         prev = before[t.id]
@@ -430,7 +430,7 @@ def last_tasks(sc: Schedule, timeline: Mapping[str, np.ndarray]) -> dict[str, La
     (LastTask); in the order of ``stage_ends``. A stage whose last task is usually bound by its
     inputs moves only with its producers; one bound by its queue moves with its placement."""
     start, end = np.asarray(timeline["start"], dtype=np.float64), np.asarray(timeline["end"], dtype=np.float64)
-    producers, before = _blockers(sc)
+    producers, before = blockers(sc)
     first: dict[int, float] = {}
     last: dict[tuple[int, str], int] = {}
     for t in sc.tasks:

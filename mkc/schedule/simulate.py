@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from mkc.schedule.cost import DEFAULT_SIM_FIXED_US, H200, Ceilings
-from mkc.schedule.profile import _blockers
+from mkc.schedule.profile import blockers
 from mkc.schedule.schedule import Schedule
 
 
@@ -45,7 +45,7 @@ def simulate(sc: Schedule, c: Ceilings = H200) -> tuple[np.ndarray, np.ndarray]:
     bandwidth (module doc)."""
     tasks = sc.tasks
     n, sms = len(tasks), len(sc.queues)
-    producers, _ = _blockers(sc)
+    producers, _ = blockers(sc)
     succs: list[list[int]] = [[] for _ in range(n)]
     pending = np.zeros(n, dtype=np.int64)
     for t in range(n):
