@@ -94,3 +94,50 @@ def test_mkc_compile_reports_the_simulated_step_beside_the_list_schedulers(tiny,
     doc = json.loads(write_trace(sc, tmp_path / "trace.json").read_text())
     assert doc["otherData"]["source"] == "mkc shared-bandwidth simulation (predicted)"
     assert "placement estimate" not in format_summary(summary(listed, tiny))
+
+
+def test_live_slot_probability_is_that_of_the_distinct_count_of_uniform_routing():
+    """Every way 3 tokens can each pick 2 of 4 experts, counted: P(more than j distinct) per slot j;
+    the slots' probabilities add up to the expected distinct count E (1 - (1 - k/E)^B); one
+    token's slots are all live."""
+    import itertools
+
+    from mkc.schedule.cost import live_slot_probability
+
+    picks = list(itertools.combinations(range(4), 2))
+    counts = [len(set(a) | set(b) | set(c)) for a, b, c in itertools.product(picks, repeat=3)]
+    by_enumeration = [sum(n > j for n in counts) / len(counts) for j in range(4)]
+    np.testing.assert_allclose(live_slot_probability(4, 2, 3), by_enumeration, rtol=1e-12)
+    assert by_enumeration[2] == pytest.approx(35 / 36)  # two distinct only when all three pick one pair
+    for batch in (1, 2, 4, 8):
+        live = live_slot_probability(128, 8, batch)
+        assert len(live) == 8 * batch and (np.diff(live) <= 1e-12).all()
+        assert live.sum() == pytest.approx(128 * (1 - (1 - 8 / 128) ** batch))
+    np.testing.assert_array_equal(live_slot_probability(128, 8, 1), np.ones(8))
+    with pytest.raises(ValueError, match="expected 0 < top_k <= num_experts"):
+        live_slot_probability(4, 5, 1)
+
+
+def test_expert_tiles_stream_their_expected_bytes(nmc):
+    """North Mini Code at batch 8: the simulation streams a routing slot's expert tiles at its
+    expected bytes (cost.expected_weight_bytes), 51.6 live slots of 64 on average, so a layer's
+    last slot's tiles run at about their fixed time; every other task's bytes are its own."""
+    from mkc.schedule.cost import expected_weight_bytes
+
+    prog = lower(nmc, 8, 8192, 132, attention_sms=64)
+    weights = expected_weight_bytes(prog.tasks, prog.buffers, 8)
+    up = [t for t in prog.tasks if t.op is Opcode.EXPERT_SWIGLU and t.layer == 10]
+    per_slot = {}
+    for t in up:
+        per_slot[t.arg("slot")] = per_slot.get(t.arg("slot"), 0.0) + weights[t.id]
+    one_expert = sum(t.weight_bytes for t in up if t.arg("slot") == 0)
+    assert sum(per_slot.values()) / one_expert == pytest.approx(128 * (1 - (120 / 128) ** 8))
+    assert per_slot[63] < 1e-3 * one_expert and per_slot[0] == pytest.approx(one_expert)
+    assert all(w == t.weight_bytes for w, t in zip(weights, prog.tasks) if t.op is not Opcode.EXPERT_SWIGLU
+               and t.op is not Opcode.EXPERT_DOWN)
+    assert expected_weight_bytes(prog.tasks, prog.buffers, 8) == weights
+    sc = schedule(prog, nmc.name)
+    start, end = simulate(sc)
+    last = [t.id for t in up if t.arg("slot") == 63]
+    first = [t.id for t in up if t.arg("slot") == 0]
+    assert max(end[last] - start[last]) < 0.2 * min(end[first] - start[first])

@@ -16,8 +16,12 @@ scheduler would queue the attention chain behind bulky expert tiles.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from math import comb
 
-from mkc.ir.graph import Task
+import numpy as np
+
+from mkc.ir.graph import Buffer, Task
+from mkc.ir.ops import Opcode
 
 # fixed time per task (µs) beyond its bytes, measured (see the module docstring); others: 1 µs.
 # Re-measured 2026-11-29 22:20 UTC on the kernel with in-task RMSNorm and routing (batch 1: run time
@@ -138,6 +142,13 @@ class Ceilings:
     split_stream_cap: float = 40e9
     sim_hop: float = 0.8e-6
     sim_fixed_us: dict[str, float] = field(default_factory=lambda: dict(SIM_FIXED_US))
+    # Place a routing slot's expert tiles by their expected bytes (expected_weight_bytes: the
+    # weights times the probability that the step routes to that many distinct experts) instead of
+    # every slot's full bytes. At batch 8 about 12 of North Mini Code's 64 slots run no expert in a
+    # step (random routing), so their SMs end early. Off until measured: the shared-bandwidth
+    # simulation puts it at -2.4% / -1.8% at batch 8 (8K / 32K), -1.0% at batch 4 and 8K, +0.8% at
+    # batch 4 and 32K, +0.2% at batch 2 and 8K (2026-12-05, CPU), all under what it ranks reliably.
+    expected_slot_bytes: bool = False
 
 
 H200 = Ceilings()
@@ -147,14 +158,62 @@ H200 = Ceilings()
 ROUTING_OPS = ("EXPERT_SWIGLU", "EXPERT_MLP", "EXPERT_DOWN", "TOPK")
 
 
-def task_time(t: Task, num_sms: int, c: Ceilings = H200) -> float:
-    """Seconds for task t on one SM while all num_sms SMs stream."""
+# the opcodes whose tiles read the weights of their routing slot's expert (their "slot" argument):
+# slot j runs the j-th distinct expert the step routed to, and nothing when it routed to j or fewer
+SLOT_OPS = (Opcode.EXPERT_SWIGLU, Opcode.EXPERT_DOWN, Opcode.EXPERT_MLP)
+
+
+def live_slot_probability(num_experts: int, top_k: int, batch: int) -> np.ndarray:
+    """P(slot j is live) for j < min(num_experts, batch * top_k): the probability that ``batch``
+    tokens, each routed to ``top_k`` distinct experts drawn uniformly, route to more than j
+    distinct experts in all (exact: the distribution of the distinct count, token by token)."""
+    if not 0 < top_k <= num_experts or batch < 1:
+        raise ValueError(f"live_slot_probability: top_k = {top_k} of {num_experts} experts at batch {batch}: "
+                         f"expected 0 < top_k <= num_experts and batch >= 1")
+    p = np.zeros(num_experts + 1)  # p[d]: the probability of d distinct experts so far
+    p[0] = 1.0
+    ways = comb(num_experts, top_k)
+    for _ in range(batch):
+        q = np.zeros_like(p)
+        for d in np.nonzero(p)[0]:
+            for new in range(max(0, top_k - d), min(top_k, num_experts - d) + 1):
+                q[d + new] += p[d] * comb(num_experts - d, new) * comb(d, top_k - new) / ways
+        p = q
+    live = 1.0 - np.cumsum(p)  # live[j] = P(distinct > j)
+    return np.clip(live[:min(num_experts, batch * top_k)], 0.0, 1.0)
+
+
+def expected_weight_bytes(tasks: list[Task], buffers: dict[str, Buffer], batch: int) -> list[float]:
+    """Each task's weight bytes on average over random routing: a routing slot's expert tile's
+    times live_slot_probability of its slot, every other task's as they are. The top-k is the
+    width of the layer's TOPK task's ``selected`` ([batch, top_k]); a layer without a TOPK task
+    counts every slot live. North Mini Code at batch 8: 51.6 of 64 slots live on average, at batch
+    4 29.1 of 32, at batch 2 15.5 of 16, at batch 1 all 8."""
+    top_k = {t.layer: buffers[t.operand("selected")].shape[-1] for t in tasks if t.op is Opcode.TOPK}
+    live: dict[tuple[int, int], np.ndarray] = {}
+    out = []
+    for t in tasks:
+        weights = float(t.weight_bytes)
+        if t.op in SLOT_OPS and t.layer in top_k:
+            key = (buffers[t.operand("weight")].shape[0], top_k[t.layer])
+            if key not in live:
+                live[key] = live_slot_probability(*key, batch)
+            slot = t.arg("slot")
+            weights *= float(live[key][slot]) if slot < len(live[key]) else 0.0
+        out.append(weights)
+    return out
+
+
+def task_time(t: Task, num_sms: int, c: Ceilings = H200, weight_bytes: float | None = None) -> float:
+    """Seconds for task t on one SM while all num_sms SMs stream (``weight_bytes``: in place of
+    the task's own, e.g. expected_weight_bytes)."""
     per_sm_bw = c.read_bw / max(num_sms, 1)
     if c.split_bw and t.op.name == "ATTN_SPLIT":
         per_sm_bw = min(per_sm_bw, c.split_bw)
     per_sm_flops = c.tensor_flops / c.sms
     fixed = c.op_fixed_us.get(t.op.name, DEFAULT_FIXED_US) * 1e-6
-    return max((t.weight_bytes + t.act_bytes) / per_sm_bw, t.flops / per_sm_flops) + fixed
+    weights = t.weight_bytes if weight_bytes is None else weight_bytes
+    return max((weights + t.act_bytes) / per_sm_bw, t.flops / per_sm_flops) + fixed
 
 
 def prefetchable_time(t: Task, num_sms: int, c: Ceilings = H200) -> float:
@@ -177,8 +236,6 @@ def fit_op_costs(tasks: list[Task], run_us, num_sms: int, c: Ceilings = H200) ->
     """Per opcode, a least-squares line through (bytes, measured run time) of its tasks, beside
     the cost model's prediction: how to re-measure ``OP_FIXED_US`` from a profiled step
     (benchmarks/calibrate_cost.py). ``run_us[i]`` is task i's measured run time (µs)."""
-    import numpy as np
-
     run = np.asarray(run_us, dtype=np.float64)
     by_op: dict[str, list[int]] = {}
     for t in tasks:
