@@ -282,6 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--tune-rounds", type=_positive, default=1,
                    help="with --tune: time each decision's options in turn this many times, every other round in "
                         "reverse order, and compare medians (default 1: each schedule once)")
+    b.add_argument("--tune-every-count", action="store_true",
+                   help="with --tune: time every count of attention SMs, also those whose probe step the "
+                        "compiler simulates more than 25%% slower than the fastest count's (by default left out)")
     b.add_argument("--tune-tiles", action="store_true",
                    help="with --tune: last, also time the expert tiles' rows (each routing slot's gate/up tiles "
                         "in more or fewer equal tiles, then the expert-down tiles halved, quartered or doubled) "

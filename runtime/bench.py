@@ -315,12 +315,14 @@ def time_step(dec, spec: ModelSpec, batch: int, context: int, bw: float, reps: i
 
 def run_bench(spec: ModelSpec, weights: dict[str, torch.Tensor], batches: list[int], contexts: list[int], *,
               reps: int = 20, profile_dir: Path | None = None, page_size: int = 0, tune: bool = False,
-              tune_rounds: int = 1, tune_tiles: bool = False, log=print) -> list[Row | Skip]:
+              tune_rounds: int = 1, tune_tiles: bool = False, tune_every_count: bool = False,
+              log=print) -> list[Row | Skip]:
     """Megakernel and CUDA-graph PyTorch baseline, side by side, per (batch, context); the
     megakernel's KV cache paged when ``page_size`` > 0 (under the identity page table). With
     ``tune``, each point first times every attention-SM count (tune_attention_sms); the fastest
     count's run is the megakernel row (with ``profile_dir``, that count runs again, profiled);
-    ``tune_rounds``, ``tune_tiles``: as tune_attention_sms's ``rounds`` and ``tiles``.
+    ``tune_rounds``, ``tune_tiles``, ``tune_every_count``: as tune_attention_sms's ``rounds``,
+    ``tiles`` and ``every_count``.
 
     Before each engine allocates anything its memory estimate (memory_estimate) is compared with
     the GPU's free memory: an engine that does not fit is skipped with a Skip saying what it needed
@@ -342,7 +344,7 @@ def run_bench(spec: ModelSpec, weights: dict[str, torch.Tensor], batches: list[i
                         if engine == "mkc":
                             tuned = _tune(spec, weights, batch, context, sms=sms, bw=bw, reps=reps,
                                           page_size=page_size, log=log, rounds=tune_rounds,
-                                          tiles=tune_tiles) if tune else None
+                                          tiles=tune_tiles, every_count=tune_every_count) if tune else None
                             if tuned and profile_dir is None:  # the fastest count's run is the row
                                 for line in tuned[2]:
                                     log(line)
@@ -374,14 +376,24 @@ def run_bench(spec: ModelSpec, weights: dict[str, torch.Tensor], batches: list[i
 # faster than 64, and the global layers' splits were then tried only with 0: 3974.7 µs against
 # the 3686.2 that 64 with 256 SMs' worth of global splits had measured (2026-12-03).
 TUNE_TIE = 0.02
+# mkc bench --tune does not time an attention-SM count whose probe step under the shared-bandwidth
+# simulation (plan.py: choose_attention_sms) is more than this fraction slower than the fastest
+# count's (unless asked to time every count). On the H200, the measured fastest count's simulated
+# probe step was at most 7% above the fastest simulated (batch 1 at 128K; the other ten points of
+# configs/tuning/h200.json: 0%), while the counts this leaves out measured 1.3-7x the fastest
+# (batch 1 at 8K: 4 and 8 attention SMs; at 32K 4, 8 and 16; at 128K 4, 8, 16 and 32). Each count
+# left out saves a kernel build and its timed steps (~20 s, more at long contexts).
+TUNE_SIMULATED_MARGIN = 0.25
 
 
 def tune_attention_sms(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context: int, *, sms: int,
                        bw: float, reps: int, page_size: int = 0, log=print, rounds: int = 1,
-                       tiles: bool = False) -> int | None:
+                       tiles: bool = False, every_count: bool = False) -> int | None:
     """Time the megakernel with every attention-SM count the planner considers at this point
     (mkc/schedule/plan.py) and record the fastest (mkc/schedule/tuning.py); None when there is
-    only one candidate. Every count runs the same tokens and KV cache. The fastest count is then
+    only one candidate. Unless ``every_count``, the counts whose simulated probe step is more than
+    TUNE_SIMULATED_MARGIN above the fastest count's are left out (the entry records their
+    simulated steps). Every count runs the same tokens and KV cache. The fastest count is then
     timed with the attention splits' inputs ranked first (Ceilings.attention_inputs_first_us),
     and with the splits ranked first too (Ceilings.splits_first), each where that places anything
     differently, and the fastest of these is recorded with it; then the same with a layer's sibling
@@ -394,12 +406,13 @@ def tune_attention_sms(spec: ModelSpec, weights: dict[str, torch.Tensor], batch:
     expert tiles' rows (expert_tile_candidates): each slot's gate/up tiles, then the expert-down
     tiles with the gate/up tiles chosen; else an entry's rows that another tool measured stay."""
     best = _tune(spec, weights, batch, context, sms=sms, bw=bw, reps=reps, page_size=page_size, log=log,
-                 rounds=rounds, tiles=tiles)
+                 rounds=rounds, tiles=tiles, every_count=every_count)
     return best[0] if best else None
 
 
 def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context: int, *, sms: int, bw: float,
-          reps: int, page_size: int, log, rounds: int = 1, tiles: bool = False) -> tuple[int, Row, list[str]] | None:
+          reps: int, page_size: int, log, rounds: int = 1, tiles: bool = False,
+          every_count: bool = False) -> tuple[int, Row, list[str]] | None:
     """tune_attention_sms, also returning the fastest count's row and the lines its run logged
     (so that mkc bench --tune reports that run instead of timing the count again)."""
     from mkc.codegen import CodegenError
@@ -417,6 +430,7 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
         SPLITS_FIRST_KEY,
         SPREAD,
         attention_sms_candidates,
+        choose_attention_sms,
         global_attention_sms_candidates,
         plan,
     )
@@ -424,6 +438,16 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
     candidates = attention_sms_candidates(spec, batch, sms)
     if len(candidates) == 1:
         return None
+    not_timed: dict[int, float] = {}  # count -> its simulated probe step (µs), where left out
+    if not every_count:
+        _, simulated = choose_attention_sms(spec, batch, context, sms, page_size=page_size)
+        fastest = min(simulated.values())
+        not_timed = {a: t for a, t in simulated.items() if t > fastest * (1 + TUNE_SIMULATED_MARGIN)}
+        for a, t in not_timed.items():
+            log(f"batch {batch} context {context}: {a} attention SMs not timed: its simulated probe step, "
+                f"{t:.1f} µs, is {t / fastest - 1:.0%} above the fastest count's ({fastest:.1f} µs; "
+                f"more than {TUNE_SIMULATED_MARGIN:.0%})")
+        candidates = [a for a in candidates if a not in not_timed]
     # A schedule is (count, raise µs, splits raised too, sibling spread, residual in the O-projection,
     # the global-attention layers' count).
     # Every decision below compares some of them: with one round each is timed once (a schedule timed
@@ -474,7 +498,8 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
     decide({(a, 0.0, False, False, False, 0): f"{a} attention SMs" for a in candidates})
     measured = {a: median((a, 0.0, False, False, False, 0)) for a in candidates}
     best = min(candidates, key=lambda a: (measured[a], a))
-    record("the attention SMs", attention_sms=best, measured_us={str(a): round(t, 1) for a, t in measured.items()})
+    record("the attention SMs", attention_sms=best, measured_us={str(a): round(t, 1) for a, t in measured.items()},
+           **({"not_timed_simulated_us": {str(a): t for a, t in not_timed.items()}} if not_timed else {}))
     # then the fastest count with each priority raise of the attention splits' inputs (and of the
     # splits too), and then with the chosen raise and a layer's sibling tiles spread over SMs
     # (Ceilings.attention_inputs_first_us, splits_first, spread_siblings): each timed only where it
@@ -757,7 +782,8 @@ def bench_main(a) -> int:
     out = Path(a.output)
     out.mkdir(parents=True, exist_ok=True)
     rows = run_bench(spec, weights, batches, contexts, reps=a.reps, profile_dir=out if a.profile else None,
-                     page_size=a.page_size, tune=a.tune, tune_rounds=a.tune_rounds, tune_tiles=a.tune_tiles)
+                     page_size=a.page_size, tune=a.tune, tune_rounds=a.tune_rounds, tune_tiles=a.tune_tiles,
+                     tune_every_count=a.tune_every_count)
     print(format_table(rows))
     write_json(rows, out / "bench.json", {"gpu": torch.cuda.get_device_name(0), "model": spec.name,
                                           "reps": a.reps, "weights": "checkpoint" if a.checkpoint else "random",

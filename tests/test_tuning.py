@@ -588,6 +588,42 @@ def test_tune_times_no_other_count_where_none_tied(nmc, tuning_file, timed_on_an
     assert not [a for a, wide in asked if wide and a != 0]
 
 
+def test_tune_leaves_out_the_counts_the_simulation_puts_far_behind(nmc, tuning_file, timed_on_an_h200):
+    """North Mini Code at batch 1 and 128K: the counts whose probe step the shared-bandwidth
+    simulation puts more than TUNE_SIMULATED_MARGIN above the fastest count's (4, 8, 16 and 32
+    attention SMs: 15-28 ms a step on an H200, against 4 ms) are not timed; the log and the entry
+    say so with their simulated steps, and mkc compile's summary names them. With every_count,
+    every count is timed."""
+    from mkc.schedule.plan import choose_attention_sms
+    from mkc.schedule.visualize import format_summary, summary
+
+    asked = []
+
+    def fake_row(spec, w, b, c, *, attention_sms, ceilings=None, **kw):
+        asked.append(attention_sms)
+        return bench.row("mkc", b, c, [{0: 100.0, 64: 99.0}.get(attention_sms, 150.0) * 1e-6], 10**6, 4e12)
+
+    timed_on_an_h200(fake_row)
+    _, simulated = choose_attention_sms(nmc, 1, 131072, 132)
+    fastest = min(simulated.values())
+    far = {a for a, t in simulated.items() if t > fastest * (1 + bench.TUNE_SIMULATED_MARGIN)}
+    assert far == {4, 8, 16, 32}
+    logs = []
+    assert bench.tune_attention_sms(nmc, {}, 1, 131072, sms=132, bw=4e12, reps=3, log=logs.append) == 64
+    assert not far & set(asked) and {0, 64} <= set(asked)
+    rec = json.loads(tuning_file.read_text())[tuning.tuning_key(nmc, 1, 131072, 132)]
+    assert set(rec["measured_us"]) == {"0", "64"}
+    assert rec["not_timed_simulated_us"] == {str(a): simulated[a] for a in sorted(far)}
+    assert any("4 attention SMs not timed: its simulated probe step" in ln for ln in logs)
+    text = format_summary(summary(plan(nmc, 1, 131072, 132), nmc))
+    assert "not timed, their probe's simulated step far slower (µs by attention SMs: 4: " in text
+    asked.clear()
+    tuning_file.unlink()
+    bench.tune_attention_sms(nmc, {}, 1, 131072, sms=132, bw=4e12, reps=3, log=lambda line: None, every_count=True)
+    assert far <= set(asked)
+    assert "not_timed_simulated_us" not in json.loads(tuning_file.read_text())[tuning.tuning_key(nmc, 1, 131072, 132)]
+
+
 def test_tune_skips_a_point_with_one_candidate(monkeypatch, tuning_file):
     spec = load_spec("configs/mixtral_tiny.yaml")
     monkeypatch.setattr(bench, "_megakernel_row", lambda *a, **kw: pytest.fail("nothing to time"))

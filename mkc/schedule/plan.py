@@ -265,6 +265,8 @@ def plan_choices(spec: ModelSpec, batch: int, context: int, num_sms: int, page_s
     how = {"chosen_by": "measured", "measured_us": measured.get("measured_us", {}),
            "measured_on": measured.get("gpu", "?"), "measured_at": measured.get("date", "?"),
            "measured_lowering": measured.get("lowering"), "measured_by": measured.get("by")}
+    if measured.get("not_timed_simulated_us"):  # counts mkc bench --tune left out (runtime/bench.py)
+        how["not_timed_simulated_us"] = measured["not_timed_simulated_us"]
     if measured_context != context:
         how["measured_at_context"] = measured_context
     # the priority raise of the attention splits' inputs (and splits) and the spread of sibling

@@ -261,6 +261,10 @@ def _attention_sms_row(d: dict[str, Any]) -> str:
         row = (f"{head}; measured fastest by {a.get('measured_by') or 'mkc bench --tune'} on {a['measured_on']}, "
                f"{a['measured_at']}{there} "
                f"(step µs by attention SMs: {timed})")
+        if a.get("not_timed_simulated_us"):
+            left = ", ".join(f"{k}: {v:.1f}" for k, v in sorted(a["not_timed_simulated_us"].items(),
+                                                                key=lambda kv: int(kv[0])))
+            row += f"; not timed, their probe's simulated step far slower (µs by attention SMs: {left})"
         fastest = min(a["measured_us"], key=a["measured_us"].get, default=None)
         if "global_attention_sms" in a and fastest is not None and fastest != str(n):
             row += (f", then with the layers of global attention on {fastest}'s splits or more, {n} measured faster "
