@@ -378,11 +378,12 @@ def run_bench(spec: ModelSpec, weights: dict[str, torch.Tensor], batches: list[i
 TUNE_TIE = 0.02
 # mkc bench --tune does not time an attention-SM count whose probe step under the shared-bandwidth
 # simulation (plan.py: choose_attention_sms) is more than this fraction slower than the fastest
-# count's (unless asked to time every count). On the H200, the measured fastest count's simulated
-# probe step was at most 7% above the fastest simulated (batch 1 at 128K; the other ten points of
-# configs/tuning/h200.json: 0%), while the counts this leaves out measured 1.3-7x the fastest
-# (batch 1 at 8K: 4 and 8 attention SMs; at 32K 4, 8 and 16; at 128K 4, 8, 16 and 32). Each count
-# left out saves a kernel build and its timed steps (~20 s, more at long contexts).
+# count's (unless asked to time every count). Over the 11 points of configs/tuning/h200.json, the
+# measured fastest count's simulated probe step was at most 6.9% above the fastest simulated (batch
+# 1 at 128K; batch 4 at 128K 0.7%, the others 0), while the 20 counts this leaves out had measured
+# 1.33-7.0x the fastest (batch 1 at 8K: 4 and 8 attention SMs; at 32K 4, 8 and 16; at 128K 4, 8,
+# 16 and 32; none at batch 4 and 8 at 8K). Each count left out saves a kernel build and its timed
+# steps (~20 s, more at long contexts).
 TUNE_SIMULATED_MARGIN = 0.25
 
 
