@@ -436,7 +436,7 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
         plan,
     )
 
-    candidates = attention_sms_candidates(spec, batch, sms)
+    every = candidates = attention_sms_candidates(spec, batch, sms)
     if len(candidates) == 1:
         return None
     not_timed: dict[int, float] = {}  # count -> its simulated probe step (µs), where left out
@@ -561,9 +561,11 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
     # either way, and more splits in the global layers may favour it: its pairs are timed too.
     pairs = [(best, w) for w in global_attention_sms_candidates(spec, batch, context, sms, best)]
     if len(pairs) > 1:
-        smaller = max((a for a in candidates if 0 < a < best), default=0)
+        # (the next smaller count of all, though left out of the first times: beneath the global
+        # layers' splits it is another schedule; batch 1 at 128K measured fastest so on 2026-12-05)
+        smaller = max((a for a in every if 0 < a < best), default=0)
         tied = [a for a in candidates if a != best and measured[a] <= measured[best] * (1 + TUNE_TIE)]
-        for a in sorted(set(tied) | ({smaller} if smaller else set()), key=candidates.index):
+        for a in sorted(set(tied) | ({smaller} if smaller else set()), key=every.index):
             pairs += [(a, w) for w in global_attention_sms_candidates(spec, batch, context, sms, a) if w]
     wide_keys = {(a, w): (a, raise_us, splits_first, spread_on, fold_on, w) for a, w in pairs}
     decide({k: ("the same, as many splits in the layers of global attention" if not w else
