@@ -39,7 +39,7 @@ import mkc
 from mkc.ir.graph import Task
 from mkc.ir.ops import OP_INFO
 from mkc.ir.spec import ModelSpec
-from mkc.schedule.cost import H200, Ceilings, task_time
+from mkc.schedule.cost import H200, Ceilings, expected_weight_bytes, task_time
 from mkc.schedule.plan import LOWERING_CHOICES
 from mkc.schedule.schedule import Schedule
 
@@ -113,20 +113,25 @@ def _stats(xs: list[float]) -> dict[str, float]:
 def summary(sc: Schedule, spec: ModelSpec) -> dict[str, Any]:
     """The headline numbers of a schedule.
 
-    ``bytes`` is the sum of weight_bytes + act_bytes over tasks: what the tasks as lowered move,
-    so routed experts count at their upper bound (every routing slot live). ``sol_us`` is that
-    at the read ceiling the schedule was predicted with, so ``sol_fraction`` is in (0, 1]: every
-    task streams at most at its SM's share of that bandwidth.
+    ``bytes`` is what the tasks as lowered move on average: their activations and weights, a
+    routing slot's expert tiles' weights at their expected bytes under random routing
+    (cost.expected_weight_bytes: the slots past the step's distinct experts read none), as the
+    speed-of-light bytes count the distinct experts routed (DESIGN.md) and the simulated step
+    streams them; ``bytes_every_slot`` counts every slot live. ``sol_us`` is ``bytes`` at the read
+    ceiling the schedule was predicted with, so ``sol_fraction`` is in (0, 1] for a step the list
+    scheduler or the simulation predicts: no task streams faster than that bandwidth in all.
     """
     p = sc.predicted
     step_us = float(p["step_us"])
     sm = sc.sm_of()
     n_tasks = [len(q) for q in sc.queues]
-    sm_bytes = [0] * sc.num_sms
-    for t in sc.tasks:
-        sm_bytes[sm[t.id]] += t.weight_bytes + t.act_bytes
-    wbytes = sum(t.weight_bytes for t in sc.tasks)
+    expected = expected_weight_bytes(sc.tasks, sc.buffers, sc.batch)
+    sm_bytes = [0.0] * sc.num_sms
+    for t, w in zip(sc.tasks, expected):
+        sm_bytes[sm[t.id]] += w + t.act_bytes
+    wbytes = sum(expected)
     abytes = sum(t.act_bytes for t in sc.tasks)
+    every_slot = sum(t.weight_bytes for t in sc.tasks) + abytes
     read_bw = _ceilings(sc).read_bw
     sol_us = (wbytes + abytes) / read_bw * 1e6
     busy = p.get("sm_busy_us") or [0.0] * sc.num_sms
@@ -141,7 +146,7 @@ def summary(sc: Schedule, spec: ModelSpec) -> dict[str, Any]:
         "step_us": step_us, "placement_step_us": p.get("placement_step_us"),
         "attention_sms": sc.meta.get("attention_sms"),
         "lowering": {k: sc.meta.get(k) for k in LOWERING_CHOICES},
-        "bytes": wbytes + abytes, "weight_bytes": wbytes, "act_bytes": abytes,
+        "bytes": wbytes + abytes, "weight_bytes": wbytes, "act_bytes": abytes, "bytes_every_slot": every_slot,
         "read_bw": read_bw,
         "sol_us": sol_us,
         "sol_fraction": sol_us / step_us if step_us > 0 else 0.0,
@@ -175,7 +180,10 @@ def _summary_rows(d: dict[str, Any]) -> list[tuple[str, str]]:
         *([("expert-down", _expert_down_row(d))] if d.get("lowering", {}).get("expert_down_rows") else []),
         ("critical path", f"{d['critical_path_tasks']} tasks, {d['critical_path_us']:.1f} µs"),
         ("bytes read", (f"{_fmt_bytes(d['bytes'])}  (weights {_fmt_bytes(d['weight_bytes'])}, "
-                       f"activations/KV {_fmt_bytes(d['act_bytes'])})")),
+                       f"activations/KV {_fmt_bytes(d['act_bytes'])}"
+                       + (f"; the routing slots' experts as expected under random routing, "
+                          f"{_fmt_bytes(d['bytes_every_slot'])} with every slot live"
+                          if d.get("bytes_every_slot", d["bytes"]) > d["bytes"] * (1 + 1e-9) else "") + ")")),
         ("speed of light", f"{d['sol_us']:.1f} µs at {d['read_bw'] / 1e12:.2f} TB/s"),
         ("predicted step", (f"{d['step_us']:.1f} µs  →  {d['tok_s']:.1f} tok/s, "
                            f"{d['sol_fraction']:.1%} of SOL"
