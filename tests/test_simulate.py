@@ -160,3 +160,27 @@ def test_the_predicted_speed_of_light_counts_the_experts_a_step_routes_to_on_ave
     assert 0 < d["sol_fraction"] < 1
     line = next(ln for ln in format_summary(d).splitlines() if ln.startswith("bytes read"))
     assert "as expected under random routing" in line and f"{d['bytes_every_slot'] / 1e9:.2f} GB" in line
+
+
+def test_the_unused_bandwidth_and_the_bytes_make_the_simulated_step(tiny, tmp_path):
+    """predict's unused_bandwidth_us: the step is the bytes at the read bandwidth plus the unused
+    bandwidth (plus the launch), every entry names a stage of the model or a finished SM, and mkc
+    compile's summary and report.md show it, largest first."""
+    from mkc.compiler import compile_schedule
+    from mkc.schedule.profile import stage
+    from mkc.schedule.visualize import format_summary, summary, write_report
+
+    sc, _ = compile_schedule(tiny, 2, 40, 8)
+    u = sc.predicted["unused_bandwidth_us"]
+    d = summary(sc, tiny)
+    assert sum(x["us"] for x in u) + d["sol_us"] + H200.launch_in_graph * 1e6 == pytest.approx(d["step_us"], rel=1e-4)
+    assert [x["us"] for x in u] == sorted((x["us"] for x in u), reverse=True) and u[0]["us"] > 0
+    stages = {stage(t) for t in sc.tasks}
+    assert all(x["stage"] in stages and x["state"] in ("fixed time", "waiting for inputs") or
+               (x["stage"], x["state"]) in (("", "finished"), ("", "streams at their caps")) for x in u)
+    assert all(type(x["us"]) is float for x in u)
+    line = next(ln for ln in format_summary(d).splitlines() if ln.startswith("bandwidth unused"))
+    top = u[0]
+    assert f"{sum(x['us'] for x in u):.1f} µs" in line and f"{top['stage']} {top['state']} {top['us']:.1f}" in line
+    report = write_report(sc, tiny, tmp_path / "report.md").read_text()
+    assert "## Bandwidth left unused" in report and f"| {top['stage']} | {top['state']} | {top['us']:.1f} |" in report

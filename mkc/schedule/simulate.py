@@ -39,7 +39,7 @@ from __future__ import annotations
 import numpy as np
 
 from mkc.schedule.cost import DEFAULT_SIM_FIXED_US, H200, Ceilings, expected_weight_bytes
-from mkc.schedule.profile import blockers
+from mkc.schedule.profile import blockers, stage
 from mkc.schedule.schedule import Schedule
 
 
@@ -53,9 +53,19 @@ def fair_rates(caps: np.ndarray, total: float) -> np.ndarray:
     return rates
 
 
-def simulate(sc: Schedule, c: Ceilings = H200) -> tuple[np.ndarray, np.ndarray]:
+# what an SM that does not stream is doing, for simulate's ``unused`` (by the stage of its task)
+FIXED_TIME, WAITING, FINISHED, AT_CAP = "fixed time", "waiting for inputs", "finished", "streams at their caps"
+
+
+def simulate(sc: Schedule, c: Ceilings = H200,
+             unused: dict[tuple[str, str], float] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(start, end) of every task in µs, by task id, for the schedule's queues under shared
-    bandwidth (module doc)."""
+    bandwidth (module doc). With ``unused``, adds to it the bandwidth the step leaves unused, in µs
+    of the whole read bandwidth, by what the SMs that do not stream are doing: the unused share of
+    each moment split evenly between them, keyed (stage, FIXED_TIME) for an SM in its task's fixed
+    time, (stage, WAITING) for one whose task waits for its inputs (profile.stage: the task's op
+    within its layer, such as qkv or o_proj), ("", FINISHED) for one whose queue is done; ("",
+    AT_CAP) where every SM streams, each at its cap."""
     tasks = sc.tasks
     n, sms = len(tasks), len(sc.queues)
     producers, _ = blockers(sc)
@@ -105,6 +115,9 @@ def simulate(sc: Schedule, c: Ceilings = H200) -> tuple[np.ndarray, np.ndarray]:
             raise ValueError(f"simulate: no task can start (waiting forever: {', '.join(stuck)})")
         if len(streaming):
             left[streaming] -= rate * (nxt - now)
+        if unused is not None and nxt > now:
+            _add_unused(unused, (total - float(rate.sum())) / total * (nxt - now), phase, cur, tasks,
+                        WAIT, FIXED, STREAM)
         now = nxt
         for s in np.nonzero((phase == FIXED) & (fixed_end <= now + eps))[0]:
             phase[s], left[s], fixed_end[s] = STREAM, mb[cur[s]], np.inf
@@ -121,6 +134,22 @@ def simulate(sc: Schedule, c: Ceilings = H200) -> tuple[np.ndarray, np.ndarray]:
                 phase[s] = DONE
 
 
+def _add_unused(unused: dict[tuple[str, str], float], lost: float, phase: np.ndarray, cur: np.ndarray, tasks,
+                WAIT: int, FIXED: int, STREAM: int) -> None:
+    """simulate's accounting of ``lost`` µs of unused bandwidth over one interval."""
+    if lost <= 1e-12:
+        return
+    idle = np.nonzero(phase != STREAM)[0]
+    if not len(idle):
+        unused[("", AT_CAP)] = unused.get(("", AT_CAP), 0.0) + lost
+        return
+    share = lost / len(idle)
+    for s in idle:
+        key = ((stage(tasks[cur[s]]), FIXED_TIME) if phase[s] == FIXED else
+               (stage(tasks[cur[s]]), WAITING) if phase[s] == WAIT else ("", FINISHED))
+        unused[key] = unused.get(key, 0.0) + share
+
+
 def simulated_step_us(sc: Schedule, c: Ceilings = H200) -> float:
     """The step's span in µs under shared bandwidth (simulate), with the launch."""
     _, end = simulate(sc, c)
@@ -130,9 +159,11 @@ def simulated_step_us(sc: Schedule, c: Ceilings = H200) -> float:
 def predict(sc: Schedule, c: Ceilings = H200) -> Schedule:
     """Put the simulation's timeline in ``sc.predicted`` (start_us, end_us, step_us, sm_busy_us), in
     place of the list scheduler's estimate, whose step stays as ``placement_step_us``: what mkc
-    compile reports and its trace shows. The queues, counters and critical path are unchanged.
-    Returns ``sc``."""
-    start, end = simulate(sc, c)
+    compile reports and its trace shows, and ``unused_bandwidth_us``: the read bandwidth the step
+    leaves unused, in µs, by stage and what its SMs do instead (simulate's ``unused``), largest
+    first. The queues, counters and critical path are unchanged. Returns ``sc``."""
+    unused: dict[tuple[str, str], float] = {}
+    start, end = simulate(sc, c, unused)
     p = sc.predicted
     p.setdefault("placement_step_us", p.get("step_us"))
     p["start_us"] = [round(float(x), 3) for x in start]
@@ -142,5 +173,7 @@ def predict(sc: Schedule, c: Ceilings = H200) -> Schedule:
     for s, q in enumerate(sc.queues):
         busy[s] = float(sum(end[t] - start[t] for t in q))
     p["sm_busy_us"] = [round(float(x), 3) for x in busy]
+    p["unused_bandwidth_us"] = [{"stage": name, "state": state, "us": round(float(us), 3)}
+                                for (name, state), us in sorted(unused.items(), key=lambda kv: -kv[1])]
     p["timeline"] = "shared-bandwidth simulation (mkc/schedule/simulate.py)"
     return sc

@@ -152,6 +152,7 @@ def summary(sc: Schedule, spec: ModelSpec) -> dict[str, Any]:
         "sol_fraction": sol_us / step_us if step_us > 0 else 0.0,
         "utilisation": sum(busy) / (sc.num_sms * step_us) if step_us > 0 else 0.0,
         "tok_s": sc.batch / step_us * 1e6 if step_us > 0 else 0.0,
+        "unused_bandwidth_us": p.get("unused_bandwidth_us"),
     }
 
 
@@ -189,7 +190,21 @@ def _summary_rows(d: dict[str, Any]) -> list[tuple[str, str]]:
                            f"{d['sol_fraction']:.1%} of SOL"
                            + (f"  (simulated under shared bandwidth; the list scheduler's placement estimate "
                               f"{d['placement_step_us']:.1f} µs)" if d.get("placement_step_us") else ""))),
+        *([("bandwidth unused", _unused_row(d))] if d.get("unused_bandwidth_us") else []),
     ]
+
+
+def _unused_row(d: dict[str, Any]) -> str:
+    """The simulated step's unused read bandwidth and its largest causes (simulate.py)."""
+    u = d["unused_bandwidth_us"]
+    total = sum(x["us"] for x in u)
+    top = ", ".join(f"{_unused_label(x)} {x['us']:.1f}" for x in u[:4])
+    return (f"{total:.1f} µs of the simulated step in all (SMs not streaming), largest while the SMs are in: "
+            f"{top} (report.md lists all)")
+
+
+def _unused_label(x: dict[str, Any]) -> str:
+    return f"{x['stage']} {x['state']}" if x["stage"] else x["state"]
 
 
 def _expert_up_row(d: dict[str, Any]) -> str:
@@ -401,8 +416,23 @@ def write_report(sc: Schedule, spec: ModelSpec, path: str | Path) -> Path:
              sm[t], f"{start[t]:.1f}", f"{cost[t]:.2f}"] for i, t in enumerate(crit)]
     lines += _table(["#", "op", "layer", "tile", "SM", "start µs", "µs"], rows, "rlllrrr")
 
+    if d.get("unused_bandwidth_us"):
+        u = d["unused_bandwidth_us"]
+        lines += ["", "## Bandwidth left unused", "",
+                  ("The simulated step (mkc/schedule/simulate.py) streams its bytes at most at the read "
+                   f"bandwidth, {d['read_bw'] / 1e12:.2f} TB/s. Where it streams less, the shortfall, in µs of "
+                   "the whole bandwidth, is split evenly between the SMs not streaming at that moment, by the "
+                   "stage of their task and what it is doing: its fixed time (dispatch, staging, routing, "
+                   "reductions) or waiting for its inputs. Together with the bytes at that bandwidth, "
+                   f"{d['sol_us']:.1f} µs, and the launch, it makes the step."), ""]
+        rows = [[x["stage"] or "–", x["state"], f"{x['us']:.1f}", f"{x['us'] / step:.1%}" if step > 0 else "–"]
+                for x in u]
+        rows.append(["**total**", "", f"{sum(x['us'] for x in u):.1f}",
+                     f"{sum(x['us'] for x in u) / step:.1%}" if step > 0 else "–"])
+        lines += _table(["stage", "SMs", "µs", "% of step"], rows, "llrr")
+
     busy = sc.predicted.get("sm_busy_us") or [0.0] * nsm
-    sm_bytes = [0] * nsm
+    sm_bytes = [0.0] * nsm
     for t in sc.tasks:
         sm_bytes[sm[t.id]] += t.weight_bytes + t.act_bytes
     lines += ["", "## Per-SM load", "",
