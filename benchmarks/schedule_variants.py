@@ -85,9 +85,6 @@ VARIANTS = {
     "tail-first-5": dataclasses.replace(H200, attention_tail_first_us=5.0),
     "tail-first-20": dataclasses.replace(H200, attention_tail_first_us=20.0),
     "tail-first-100": dataclasses.replace(H200, attention_tail_first_us=100.0),
-    # a routing slot's expert tiles placed by their expected bytes (Ceilings.expected_slot_bytes: the
-    # slots past the step's distinct experts stream nothing); a tuned raise and spread apply too
-    "expected-slots": dataclasses.replace(H200, expected_slot_bytes=True),
 }
 
 

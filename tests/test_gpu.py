@@ -547,7 +547,7 @@ def test_nmc_global_attention_sms_match_mirror(nmc_weights, num_sms, batch, cont
     check_rerun_and_mirror(dec, spec, weights, batch, context, f"NMC global attention SMs {count} b{batch} ctx {context}")
 
 
-@pytest.mark.parametrize("batch, context", [(2, 32768), (2, 131072), (4, 32768), (4, 131072), (1, 65536)])
+@pytest.mark.parametrize("batch, context", [(2, 32768), (2, 131072), (4, 32768), (4, 131072), (8, 32768), (1, 65536)])
 def test_nmc_tuned_long_context_entries_match_mirror(nmc_weights, num_sms, batch, context):
     """The shipped table's plan at a long context (configs/tuning/h200.json: attention SMs, raise,
     spread, residual in the O-projection and the global layers' split count, as measured on an

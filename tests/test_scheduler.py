@@ -4,7 +4,6 @@ import itertools
 from collections import Counter
 
 import networkx as nx
-import pytest
 
 from mkc.ir.lower import lower
 from mkc.ir.spec import load_spec
@@ -276,32 +275,3 @@ def test_attention_tail_placed_ahead_of_the_expert_down_tiles():
     assert sorted(t for q in first.queues for t in q) == list(range(len(prog.tasks)))
     assert validate(first) == []
 
-
-def test_expert_tiles_placed_by_their_expected_bytes():
-    """Ceilings.expected_slot_bytes: North Mini Code at batch 8 predicts the tiles of the slots past
-    the distinct experts a step routes to on average (51.6 of 64) at about their fixed time, so
-    each layer's last slots' tiles end far sooner than slot 0's; the queues differ from the
-    default's, every task is placed once and the validator accepts the schedule. Off, the queues
-    are the default's."""
-    import dataclasses
-
-    from mkc.schedule.cost import H200
-    from mkc.schedule.validator import validate
-
-    spec = load_spec("configs/north_mini_code.yaml")
-    prog = lower(spec, 8, 8192, 132, attention_sms=64)
-    default = schedule(prog, spec.name)
-    assert schedule(prog, spec.name, dataclasses.replace(H200, expected_slot_bytes=False)).queues == default.queues
-    expected = schedule(prog, spec.name, dataclasses.replace(H200, expected_slot_bytes=True))
-
-    def up_run_us(sc: Schedule, slot: int) -> float:
-        start, end = sc.predicted["start_us"], sc.predicted["end_us"]
-        return max(end[t.id] - start[t.id] for t in sc.tasks
-                   if t.layer == 10 and t.op.name == "EXPERT_SWIGLU" and t.arg("slot") == slot)
-
-    assert up_run_us(default, 63) == pytest.approx(up_run_us(default, 0))
-    assert up_run_us(expected, 63) < 0.1 * up_run_us(expected, 0)
-    assert up_run_us(expected, 0) == pytest.approx(up_run_us(default, 0))
-    assert expected.queues != default.queues
-    assert sorted(t for q in expected.queues for t in q) == list(range(len(prog.tasks)))
-    assert validate(expected) == []

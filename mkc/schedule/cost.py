@@ -142,13 +142,6 @@ class Ceilings:
     split_stream_cap: float = 40e9
     sim_hop: float = 0.8e-6
     sim_fixed_us: dict[str, float] = field(default_factory=lambda: dict(SIM_FIXED_US))
-    # Place a routing slot's expert tiles by their expected bytes (expected_weight_bytes: the
-    # weights times the probability that the step routes to that many distinct experts) instead of
-    # every slot's full bytes. At batch 8 about 12 of North Mini Code's 64 slots run no expert in a
-    # step (random routing), so their SMs end early. Off until measured: the shared-bandwidth
-    # simulation puts it at -2.4% / -1.8% at batch 8 (8K / 32K), -1.0% at batch 4 and 8K, +0.8% at
-    # batch 4 and 32K, +0.2% at batch 2 and 8K (2026-12-05, CPU), all under what it ranks reliably.
-    expected_slot_bytes: bool = False
 
 
 H200 = Ceilings()
@@ -204,16 +197,14 @@ def expected_weight_bytes(tasks: list[Task], buffers: dict[str, Buffer], batch: 
     return out
 
 
-def task_time(t: Task, num_sms: int, c: Ceilings = H200, weight_bytes: float | None = None) -> float:
-    """Seconds for task t on one SM while all num_sms SMs stream (``weight_bytes``: in place of
-    the task's own, e.g. expected_weight_bytes)."""
+def task_time(t: Task, num_sms: int, c: Ceilings = H200) -> float:
+    """Seconds for task t on one SM while all num_sms SMs stream."""
     per_sm_bw = c.read_bw / max(num_sms, 1)
     if c.split_bw and t.op.name == "ATTN_SPLIT":
         per_sm_bw = min(per_sm_bw, c.split_bw)
     per_sm_flops = c.tensor_flops / c.sms
     fixed = c.op_fixed_us.get(t.op.name, DEFAULT_FIXED_US) * 1e-6
-    weights = t.weight_bytes if weight_bytes is None else weight_bytes
-    return max((weights + t.act_bytes) / per_sm_bw, t.flops / per_sm_flops) + fixed
+    return max((t.weight_bytes + t.act_bytes) / per_sm_bw, t.flops / per_sm_flops) + fixed
 
 
 def prefetchable_time(t: Task, num_sms: int, c: Ceilings = H200) -> float:

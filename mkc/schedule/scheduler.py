@@ -9,9 +9,12 @@ Rules, in the order they apply:
    Ceilings.attention_tail_first_us, the attention combines and their consumers come that much
    earlier in the order, their rank unchanged (their inputs keep theirs), taken in a topological
    order (priority_order: the ready task of the highest key first).
-   With Ceilings.expected_slot_bytes, a routing slot's expert tiles are predicted at their
-   expected bytes (cost.expected_weight_bytes: the slots past the step's distinct experts stream
-   nothing) instead of their expert's full bytes, in the rank and in placement alike.
+   A routing slot's expert tiles are predicted at their expert's full bytes, though the slots past
+   the step's distinct experts stream nothing: placed by their expected bytes
+   (cost.expected_weight_bytes) instead, North Mini Code's steps measured 5-7% slower on an H200
+   (batch 4 and 8, 2026-12-05, BENCHMARKS.md), likely as the slots live in some steps only were
+   stacked as cheap and end the layer when live; the simulation, which streams the expected bytes,
+   had put that placement 1-2.4% faster.
 2. List scheduling: tasks are taken in priority order (which is a topological order) and each is
    placed on the SM where it can start earliest, preferring, among SMs already idle when its
    inputs are ready, the one that went idle last (it wastes the least). A task's start may
@@ -49,7 +52,7 @@ from collections import defaultdict
 import networkx as nx
 
 from mkc.ir.graph import Program, Task
-from mkc.schedule.cost import H200, ROUTING_OPS, Ceilings, expected_weight_bytes, prefetchable_time, task_time
+from mkc.schedule.cost import H200, ROUTING_OPS, Ceilings, prefetchable_time, task_time
 from mkc.schedule.profile import stage
 from mkc.schedule.schedule import Counter, Schedule, logits_operand, routing_edge
 
@@ -85,11 +88,7 @@ def schedule(program: Program, model: str, ceilings: Ceilings = H200) -> Schedul
     tasks = program.tasks
     n_sm = int(program.options["num_sms"])
     hop = ceilings.task_overhead
-    if ceilings.expected_slot_bytes:
-        weights = expected_weight_bytes(tasks, program.buffers, int(program.options["batch"]))
-        cost = [task_time(t, n_sm, ceilings, w) for t, w in zip(tasks, weights)]
-    else:
-        cost = [task_time(t, n_sm, ceilings) for t in tasks]
+    cost = [task_time(t, n_sm, ceilings) for t in tasks]
     pre = [prefetchable_time(t, n_sm, ceilings) for t in tasks]
     boost = ceilings.attention_inputs_first_us * 1e-6
     raised = [boost > 0 and (any(tasks[s].op.name == "ATTN_SPLIT" for s in g.successors(t.id))
