@@ -594,7 +594,7 @@ def test_tune_leaves_out_the_counts_the_simulation_puts_far_behind(nmc, tuning_f
     attention SMs: 5-28 ms a step on an H200, against 4 ms) are not timed; the log and the entry
     say so with their simulated steps, and mkc compile's summary names them. 32, the next count
     below the fastest, is still timed beneath the global layers' splits (the pair measured fastest
-    on an H200). With every_count, every count is timed."""
+    on an H200)."""
     from mkc.schedule.plan import choose_attention_sms
     from mkc.schedule.visualize import format_summary, summary
 
@@ -624,11 +624,36 @@ def test_tune_leaves_out_the_counts_the_simulation_puts_far_behind(nmc, tuning_f
     assert any("4 attention SMs not timed: its simulated probe step" in ln for ln in logs)
     text = format_summary(summary(plan(nmc, 1, 131072, 132), nmc))
     assert "not timed, their probe's simulated step far slower (µs by attention SMs: 4: " in text
-    asked.clear()
+
+
+def test_tune_every_count_times_the_counts_the_simulation_puts_far_behind(tiny, tuning_file, timed_on_an_h200,
+                                                                          monkeypatch):
+    """The tiny model with a simulation that puts 8 attention SMs 50% behind the others: left out
+    of the first times by default, timed with every_count (mkc bench --tune-every-count)."""
+    from mkc.schedule import plan as plan_mod
+
+    candidates = attention_sms_candidates(tiny, 2, 16)
+    assert 8 in candidates
+    monkeypatch.setattr(plan_mod, "choose_attention_sms",
+                        lambda *a, **kw: (0, {c: 150.0 if c == 8 else 100.0 for c in candidates}))
+    firsts = []
+
+    def fake_row(spec, w, b, c, *, attention_sms, ceilings=None, **kw):
+        if not (ceilings and (ceilings.attention_inputs_first_us or ceilings.spread_siblings)) and not kw.get(
+                "residual_in_o_proj") and not kw.get("global_attention_sms"):
+            firsts.append(attention_sms)
+        return bench.row("mkc", b, c, [1e-4 * (1 + attention_sms)], 10**6, 4e12)
+
+    timed_on_an_h200(fake_row)
+    key = tuning.tuning_key(tiny, 2, 40, 16)
+    bench.tune_attention_sms(tiny, {}, 2, 40, sms=16, bw=4e12, reps=3, log=lambda line: None)
+    assert 8 not in firsts and set(firsts) == set(candidates) - {8}
+    assert json.loads(tuning_file.read_text())[key]["not_timed_simulated_us"] == {"8": 150.0}
+    firsts.clear()
     tuning_file.unlink()
-    bench.tune_attention_sms(nmc, {}, 1, 131072, sms=132, bw=4e12, reps=3, log=lambda line: None, every_count=True)
-    assert far <= {a for a, wide in asked if not wide}
-    assert "not_timed_simulated_us" not in json.loads(tuning_file.read_text())[tuning.tuning_key(nmc, 1, 131072, 132)]
+    bench.tune_attention_sms(tiny, {}, 2, 40, sms=16, bw=4e12, reps=3, log=lambda line: None, every_count=True)
+    assert set(firsts) == set(candidates)
+    assert "not_timed_simulated_us" not in json.loads(tuning_file.read_text())[key]
 
 
 def test_tune_skips_a_point_with_one_candidate(monkeypatch, tuning_file):
