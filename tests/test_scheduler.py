@@ -274,4 +274,3 @@ def test_attention_tail_placed_ahead_of_the_expert_down_tiles():
     assert o_proj_delay(first) < o_proj_delay(default)
     assert sorted(t for q in first.queues for t in q) == list(range(len(prog.tasks)))
     assert validate(first) == []
-

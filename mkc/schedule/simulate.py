@@ -55,6 +55,8 @@ def fair_rates(caps: np.ndarray, total: float) -> np.ndarray:
 
 # what an SM that does not stream is doing, for simulate's ``unused`` (by the stage of its task)
 FIXED_TIME, WAITING, FINISHED, AT_CAP = "fixed time", "waiting for inputs", "finished", "streams at their caps"
+# an SM's phase in simulate: waiting for its task's inputs, in its fixed time, streaming, queue done
+_WAIT, _FIXED, _STREAM, _DONE = range(4)
 
 
 def simulate(sc: Schedule, c: Ceilings = H200,
@@ -82,8 +84,7 @@ def simulate(sc: Schedule, c: Ceilings = H200,
     fixed = np.array([c.sim_fixed_us.get(t.op.name, DEFAULT_SIM_FIXED_US) for t in tasks])
     cap = np.array([c.split_stream_cap if t.op.name == "ATTN_SPLIT" else c.sm_stream_cap for t in tasks]) / 1e12
     total, hop = c.read_bw / 1e12, c.sim_hop * 1e6
-    WAIT, FIXED, STREAM, DONE = range(4)
-    phase = np.full(sms, WAIT)
+    phase = np.full(sms, _WAIT)
     cur = np.full(sms, -1)
     pos = np.zeros(sms, dtype=np.int64)
     fixed_end = np.full(sms, np.inf)
@@ -93,35 +94,34 @@ def simulate(sc: Schedule, c: Ceilings = H200,
         if sc.queues[s]:
             cur[s] = sc.queues[s][0]
         else:
-            phase[s] = DONE
+            phase[s] = _DONE
     now, eps = 0.0, 1e-9
     while True:
-        for s in np.nonzero(phase == WAIT)[0]:
+        for s in np.nonzero(phase == _WAIT)[0]:
             t = cur[s]
             if pending[t] == 0 and ready_at[t] <= now + eps:
-                phase[s], start[t], fixed_end[s] = FIXED, now, now + fixed[t]
-        if (phase == DONE).all():
+                phase[s], start[t], fixed_end[s] = _FIXED, now, now + fixed[t]
+        if (phase == _DONE).all():
             return start, end
-        streaming = np.nonzero(phase == STREAM)[0]
+        streaming = np.nonzero(phase == _STREAM)[0]
         rate = fair_rates(cap[cur[streaming]], total) if len(streaming) else np.zeros(0)
-        nxt = min([fixed_end[phase == FIXED].min()] if (phase == FIXED).any() else [np.inf])
+        nxt = min([fixed_end[phase == _FIXED].min()] if (phase == _FIXED).any() else [np.inf])
         if len(streaming):
             nxt = min(nxt, now + float((left[streaming] / rate).min()))
-        waiting = [cur[s] for s in np.nonzero(phase == WAIT)[0] if pending[cur[s]] == 0]
+        waiting = [cur[s] for s in np.nonzero(phase == _WAIT)[0] if pending[cur[s]] == 0]
         if waiting:
             nxt = min(nxt, float(ready_at[waiting].min()))
         if nxt == np.inf:  # the validator rejects such a schedule; say which tasks never start
-            stuck = sorted(tasks[cur[s]].name for s in np.nonzero(phase == WAIT)[0])[:4]
+            stuck = sorted(tasks[cur[s]].name for s in np.nonzero(phase == _WAIT)[0])[:4]
             raise ValueError(f"simulate: no task can start (waiting forever: {', '.join(stuck)})")
         if len(streaming):
             left[streaming] -= rate * (nxt - now)
         if unused is not None and nxt > now:
-            _add_unused(unused, (total - float(rate.sum())) / total * (nxt - now), phase, cur, tasks,
-                        WAIT, FIXED, STREAM)
+            _add_unused(unused, (total - float(rate.sum())) / total * (nxt - now), phase, cur, tasks)
         now = nxt
-        for s in np.nonzero((phase == FIXED) & (fixed_end <= now + eps))[0]:
-            phase[s], left[s], fixed_end[s] = STREAM, mb[cur[s]], np.inf
-        for s in np.nonzero((phase == STREAM) & (left <= eps))[0]:
+        for s in np.nonzero((phase == _FIXED) & (fixed_end <= now + eps))[0]:
+            phase[s], left[s], fixed_end[s] = _STREAM, mb[cur[s]], np.inf
+        for s in np.nonzero((phase == _STREAM) & (left <= eps))[0]:
             t = cur[s]
             end[t] = now
             for u in succs[t]:
@@ -129,24 +129,24 @@ def simulate(sc: Schedule, c: Ceilings = H200,
                 ready_at[u] = max(ready_at[u], now + hop)
             pos[s] += 1
             if pos[s] < len(sc.queues[s]):
-                cur[s], phase[s] = sc.queues[s][pos[s]], WAIT
+                cur[s], phase[s] = sc.queues[s][pos[s]], _WAIT
             else:
-                phase[s] = DONE
+                phase[s] = _DONE
 
 
-def _add_unused(unused: dict[tuple[str, str], float], lost: float, phase: np.ndarray, cur: np.ndarray, tasks,
-                WAIT: int, FIXED: int, STREAM: int) -> None:
+def _add_unused(unused: dict[tuple[str, str], float], lost: float, phase: np.ndarray, cur: np.ndarray,
+                tasks) -> None:
     """simulate's accounting of ``lost`` µs of unused bandwidth over one interval."""
     if lost <= 1e-12:
         return
-    idle = np.nonzero(phase != STREAM)[0]
+    idle = np.nonzero(phase != _STREAM)[0]
     if not len(idle):
         unused[("", AT_CAP)] = unused.get(("", AT_CAP), 0.0) + lost
         return
     share = lost / len(idle)
     for s in idle:
-        key = ((stage(tasks[cur[s]]), FIXED_TIME) if phase[s] == FIXED else
-               (stage(tasks[cur[s]]), WAITING) if phase[s] == WAIT else ("", FINISHED))
+        key = ((stage(tasks[cur[s]]), FIXED_TIME) if phase[s] == _FIXED else
+               (stage(tasks[cur[s]]), WAITING) if phase[s] == _WAIT else ("", FINISHED))
         unused[key] = unused.get(key, 0.0) + share
 
 

@@ -153,6 +153,7 @@ def summary(sc: Schedule, spec: ModelSpec) -> dict[str, Any]:
         "utilisation": sum(busy) / (sc.num_sms * step_us) if step_us > 0 else 0.0,
         "tok_s": sc.batch / step_us * 1e6 if step_us > 0 else 0.0,
         "unused_bandwidth_us": p.get("unused_bandwidth_us"),
+        "bytes_by_sm": sm_bytes,
     }
 
 
@@ -432,9 +433,7 @@ def write_report(sc: Schedule, spec: ModelSpec, path: str | Path) -> Path:
         lines += _table(["stage", "SMs", "µs", "% of step"], rows, "llrr")
 
     busy = sc.predicted.get("sm_busy_us") or [0.0] * nsm
-    sm_bytes = [0.0] * nsm
-    for t in sc.tasks:
-        sm_bytes[sm[t.id]] += t.weight_bytes + t.act_bytes
+    sm_bytes = d["bytes_by_sm"]
     lines += ["", "## Per-SM load", "",
               (f"tasks {d['tasks_per_sm']['min']} / {d['tasks_per_sm']['mean']:.1f} / "
               f"{d['tasks_per_sm']['max']}, busy {d['busy_us_per_sm']['min']:.1f} / "
