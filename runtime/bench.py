@@ -405,7 +405,8 @@ def tune_attention_sms(spec: ModelSpec, weights: dict[str, torch.Tensor], batch:
     decision times its options in turn that many times, the option chosen before included, and
     compares medians (the entry's measured times are those medians). With ``tiles``, last, the
     expert tiles' rows (expert_tile_candidates): each slot's gate/up tiles, then the expert-down
-    tiles with the gate/up tiles chosen; else an entry's rows that another tool measured stay."""
+    tiles with the gate/up tiles chosen; else an entry's rows that another tool measured stay, and
+    every schedule is timed with them."""
     best = _tune(spec, weights, batch, context, sms=sms, bw=bw, reps=reps, page_size=page_size, log=log,
                  rounds=rounds, tiles=tiles, every_count=every_count)
     return best[0] if best else None
@@ -485,6 +486,18 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
     # what another tool measured and this tune does not time (the expert tiles' rows, plan.py) stays
     rows_kept = {k: v for k, v in (tuning.lookup(key) or {}).items()
                  if k.startswith((EXPERT_DOWN_ROWS, EXPERT_UP_ROWS))}
+    # and every schedule below is timed with those rows, so that the entry records a schedule that ran
+    # (on 2026-12-05 batch 8 at 8K's re-tune, timed with the rule's rows and recorded beside another
+    # tool's, ran 2.9% slower than its old entry; BENCHMARKS.md). With ``tiles`` the rows are timed
+    # last, from the rule's.
+    kept_rows: tuple = () if tiles or not rows_kept else (
+        tuple(rows_kept.get(EXPERT_UP_ROWS) or ()), int(rows_kept.get(EXPERT_DOWN_ROWS) or 0))
+
+    def sched(*choices) -> tuple:
+        """A schedule key: (count, raise µs, splits raised too, spread, residual in the O-projection,
+        global layers' SMs' worth) and the rows kept."""
+        return (*choices, *kept_rows)
+
     decided: dict[str, object] = {}  # the entry so far: each decision is recorded as it is made
 
     def record(done: str | None, **choices) -> Path:
@@ -496,8 +509,8 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
                                    "rounds": rounds, "lowering": dict(DEFAULT_LOWERING),
                                    "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")})
 
-    decide({(a, 0.0, False, False, False, 0): f"{a} attention SMs" for a in candidates})
-    measured = {a: median((a, 0.0, False, False, False, 0)) for a in candidates}
+    decide({sched(a, 0.0, False, False, False, 0): f"{a} attention SMs" for a in candidates})
+    measured = {a: median(sched(a, 0.0, False, False, False, 0)) for a in candidates}
     best = min(candidates, key=lambda a: (measured[a], a))
     record("the attention SMs", attention_sms=best, measured_us={str(a): round(t, 1) for a, t in measured.items()},
            **({"not_timed_simulated_us": {str(a): t for a, t in not_timed.items()}} if not_timed else {}))
@@ -510,7 +523,7 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
     def queues(*choice) -> list[list[int]]:
         if choice not in placed:
             placed[choice] = plan(spec, batch, context, sms, page_size=page_size, attention_sms=best,
-                                  ceilings=ceilings_of(*choice)).queues
+                                  ceilings=ceilings_of(*choice), **time_lowering(sched(best, *choice, False, 0))).queues
         return placed[choice]
 
     raises = [(us, False) for us in INPUTS_FIRST_CANDIDATES] + [(INPUTS_FIRST_CANDIDATES[-1], True)]
@@ -518,19 +531,19 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
     for us, splits in raises[1:]:
         if not any(queues(us, splits, False) == queues(*r, False) for r in kept):
             kept.append((us, splits))
-    decide({(best, us, splits, False, False, 0): (f"{best} attention SMs" if not us else
+    decide({sched(best, us, splits, False, False, 0): (f"{best} attention SMs" if not us else
                                                f"{best} attention SMs, the splits' inputs"
                                                + (" and the splits" if splits else "") + f" ranked {us:g} µs higher")
             for us, splits in kept})
-    first = {r: median((best, *r, False, False, 0)) for r in kept}
+    first = {r: median(sched(best, *r, False, False, 0)) for r in kept}
     raise_us, splits_first = min(first, key=lambda r: (first[r], r))
     record("the splits' inputs' raise", **{
         INPUTS_FIRST: raise_us, SPLITS_FIRST: splits_first,
         INPUTS_FIRST + "_measured_us": {(SPLITS_FIRST_KEY if splits else f"{us:g}"): round(t, 1)
                                          for (us, splits), t in first.items()}})
-    spread_keys = {False: (best, raise_us, splits_first, False, False, 0)}
+    spread_keys = {False: sched(best, raise_us, splits_first, False, False, 0)}
     if queues(raise_us, splits_first, True) != queues(raise_us, splits_first, False):
-        spread_keys[True] = (best, raise_us, splits_first, True, False, 0)
+        spread_keys[True] = sched(best, raise_us, splits_first, True, False, 0)
     decide({k: ("the same with sibling tiles spread over SMs" if on else "the same, sibling tiles not spread")
             for on, k in spread_keys.items()})
     spread = {on: median(k) for on, k in spread_keys.items()}
@@ -539,7 +552,7 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
         SPREAD: spread_on, SPREAD + "_measured_us": {("on" if on else "off"): round(t, 1) for on, t in spread.items()}})
     # last, the O-projection ending the layer (LowerOptions.residual_in_o_proj): another lowering,
     # so another placement, always timed
-    unfolded, folded = ((best, raise_us, splits_first, spread_on, on, 0) for on in (False, True))
+    unfolded, folded = (sched(best, raise_us, splits_first, spread_on, on, 0) for on in (False, True))
     fold_keys = {False: unfolded}
     try:
         decide({unfolded: "the same, residual tiles", folded: "the same with the residual added by the O-projection"})
@@ -567,7 +580,7 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
         tied = [a for a in candidates if a != best and measured[a] <= measured[best] * (1 + TUNE_TIE)]
         for a in sorted(set(tied) | ({smaller} if smaller else set()), key=every.index):
             pairs += [(a, w) for w in global_attention_sms_candidates(spec, batch, context, sms, a) if w]
-    wide_keys = {(a, w): (a, raise_us, splits_first, spread_on, fold_on, w) for a, w in pairs}
+    wide_keys = {(a, w): sched(a, raise_us, splits_first, spread_on, fold_on, w) for a, w in pairs}
     decide({k: ("the same, as many splits in the layers of global attention" if not w else
                 f"the same with {w} SMs' worth of splits in the layers of global attention"
                 + (f" and {a} attention SMs" if a != best else "")) for (a, w), k in wide_keys.items()})

@@ -365,9 +365,15 @@ def test_tune_times_every_candidate_and_records_the_fastest(tiny, tuning_file, t
 
 def test_tune_keeps_the_expert_tile_rows_another_tool_measured(tiny, tuning_file, timed_on_an_h200):
     """mkc bench --tune rewrites its point's entry but keeps the expert-down and gate/up tile rows
-    (and who measured them), which it does not time itself."""
-    timed_on_an_h200(lambda spec, w, b, c, *, attention_sms, **kw: bench.row(
-        "mkc", b, c, [1e-4 * (1 + abs(attention_sms - 4))], 10**6, 4e12))
+    (and who measured them), which it does not choose itself, and times every schedule with them:
+    the entry it records is a schedule that ran."""
+    timed_rows = []
+
+    def fake_row(spec, w, b, c, *, attention_sms, **kw):
+        timed_rows.append((tuple(kw.get("expert_up_rows", ())), kw.get("expert_down_rows", 0)))
+        return bench.row("mkc", b, c, [1e-4 * (1 + abs(attention_sms - 4))], 10**6, 4e12)
+
+    timed_on_an_h200(fake_row)
     key = tuning.tuning_key(tiny, 2, 40, 16)
     up = [16] * (tiny.moe.intermediate // 16)
     tuning.record(key, {**entry(8), "expert_down_rows": 16, "expert_down_rows_by": "a test",
@@ -379,6 +385,7 @@ def test_tune_keeps_the_expert_tile_rows_another_tool_measured(tiny, tuning_file
     assert rec["expert_down_rows_measured_us"] == {"0": 2.0, "16": 1.0}
     assert rec["expert_up_rows"] == up and rec["expert_up_rows_by"] == "a test"
     assert rec["expert_up_rows_measured_us"] == {"rule": 2.0}
+    assert len(timed_rows) > 1 and set(timed_rows) == {(tuple(up), 16)}
 
 
 def test_tune_tiles_times_the_expert_tiles_rows_last_and_records_the_fastest(tiny, tuning_file, timed_on_an_h200):
@@ -416,10 +423,10 @@ def test_tune_tiles_times_the_expert_tiles_rows_last_and_records_the_fastest(tin
     assert {t.arg("rows") for t in sc.tasks if t.op == Opcode.EXPERT_DOWN} == {64}
     assert "each slot's rows in 2 tiles of 32; measured fastest by mkc bench --tune --tune-tiles" in format_summary(
         summary(sc, tiny))
-    # without --tune-tiles the tune keeps them (the test above) and times nothing of the kind
+    # without --tune-tiles the tune keeps them (the test above) and times every schedule with them
     timed.clear()
     assert bench.tune_attention_sms(tiny, {}, 2, 40, sms=16, bw=4e12, reps=3, log=logs.append) == 4
-    assert all(up == () and down == 0 for _, up, down in timed)
+    assert timed and all(up == (32, 32) and down == 64 for _, up, down in timed)
 
 
 def test_tune_rounds_time_each_decisions_options_in_turn(tiny, tuning_file, timed_on_an_h200):
@@ -719,7 +726,7 @@ SHIPPED_H200 = {
     (4, 8192): (64, 100.0, True, False, 0),
     (8, 8192): (64, "100+splits", False, False, 0),
     (1, 32768): (32, 0.0, False, False, 64),
-    (2, 32768): (64, 100.0, False, True, 256),
+    (2, 32768): (64, 100.0, False, False, 256),
     (4, 32768): (64, 100.0, True, False, 256),
     (8, 32768): (64, "100+splits", True, False, 256),
     (1, 131072): (32, "100+splits", False, False, 256),
