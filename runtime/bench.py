@@ -427,6 +427,7 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
         GLOBAL_ATTENTION_SMS,
         INPUTS_FIRST,
         INPUTS_FIRST_CANDIDATES,
+        KEPT_OVER_RETUNE,
         RESIDUAL_IN_O_PROJ,
         SPLITS_FIRST,
         SPLITS_FIRST_KEY,
@@ -435,6 +436,7 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
         choose_attention_sms,
         global_attention_sms_candidates,
         plan,
+        plan_choices,
     )
 
     every = candidates = attention_sms_candidates(spec, batch, sms)
@@ -483,15 +485,24 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
                 time_once(key, options[key])
 
     key = tuning.tuning_key(spec, batch, context, sms, page_size)
+    # The entry measured at this point before this tune (not one moved from another context): its
+    # schedule is timed against the tune's choice at the end, in turn, and stays unless the tune's
+    # is faster (see keep_the_faster).
+    entry_before = tuning.lookup(key)
+    a0, c0, how0 = plan_choices(spec, batch, context, sms, page_size) if entry_before else (0, H200, {})
+    measured_here = how0.get("chosen_by") == "measured" and "measured_at_context" not in how0
+    # its expert tile rows as the planner applies them
+    rows_before = (tuple(how0.get(EXPERT_UP_ROWS, ())), int(how0.get(EXPERT_DOWN_ROWS, 0)))
+    incumbent: tuple | None = (a0, c0.attention_inputs_first_us, c0.splits_first, c0.spread_siblings,
+                               bool(how0.get(RESIDUAL_IN_O_PROJ)), int(how0.get(GLOBAL_ATTENTION_SMS, 0)),
+                               *rows_before) if measured_here else None
     # what another tool measured and this tune does not time (the expert tiles' rows, plan.py) stays
-    rows_kept = {k: v for k, v in (tuning.lookup(key) or {}).items()
-                 if k.startswith((EXPERT_DOWN_ROWS, EXPERT_UP_ROWS))}
+    rows_kept = {k: v for k, v in (entry_before or {}).items() if k.startswith((EXPERT_DOWN_ROWS, EXPERT_UP_ROWS))}
     # and every schedule below is timed with those rows, so that the entry records a schedule that ran
     # (on 2026-12-05 batch 8 at 8K's re-tune, timed with the rule's rows and recorded beside another
     # tool's, ran 2.9% slower than its old entry; BENCHMARKS.md). With ``tiles`` the rows are timed
     # last, from the rule's.
-    kept_rows: tuple = () if tiles or not rows_kept else (
-        tuple(rows_kept.get(EXPERT_UP_ROWS) or ()), int(rows_kept.get(EXPERT_DOWN_ROWS) or 0))
+    kept_rows: tuple = () if tiles or not rows_kept else rows_before
 
     def sched(*choices) -> tuple:
         """A schedule key: (count, raise µs, splits raised too, spread, residual in the O-projection,
@@ -508,6 +519,32 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
         return tuning.record(key, {**rows_kept, **decided, **by, "gpu": torch.cuda.get_device_name(0), "reps": reps,
                                    "rounds": rounds, "lowering": dict(DEFAULT_LOWERING),
                                    "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")})
+
+    def with_rows(k: tuple) -> tuple:
+        """A schedule key with its rows written out (the rule's: (), 0), to compare two keys."""
+        return (*k[:6], *(k[6:] or ((), 0)))
+
+    def keep_the_faster(before: tuple, chosen_key: tuple, turns: int) -> dict | None:
+        """Time the entry's schedule ``before`` and the tune's ``chosen_key`` in turn, ``turns`` times
+        each; None where the tune's is faster (by the medians of these runs alone: the tune's earlier
+        run was the fastest of its options, so it is biased low), else what the entry records of it.
+        On an H200 (2026-12-05, BENCHMARKS.md) re-tunes of one round chose schedules that ran 2.9%
+        (batch 8 at 8K) and 0.8% (batch 4 at 128K) slower than the entries they replaced."""
+        fresh: dict[tuple, list[float]] = {before: [], chosen_key: []}
+        what = {before: "the entry measured before this tune", chosen_key: "the tune's choice"}
+        try:
+            for k in in_turn([before, chosen_key], turns):
+                time_once(k, what[k] + ", side by side")
+                fresh[k].append(times[k][-1])
+        except (CodegenError, SpecError) as e:  # the old entry no longer builds: the tune's stays
+            log(f"batch {batch} context {context}: the entry measured before this tune cannot be built: {e}")
+            return None
+        entry_us, retuned_us = statistics.median(fresh[before]), statistics.median(fresh[chosen_key])
+        if retuned_us < entry_us:
+            return None
+        return {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+                "entry_us": round(entry_us, 1), "retuned_us": round(retuned_us, 1), "runs": turns,
+                "retuned": describe(chosen_key)}
 
     decide({sched(a, 0.0, False, False, False, 0): f"{a} attention SMs" for a in candidates})
     measured = {a: median(sched(a, 0.0, False, False, False, 0)) for a in candidates}
@@ -618,6 +655,14 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
             EXPERT_DOWN_ROWS: down_rows, EXPERT_DOWN_ROWS + "_by": "mkc bench --tune --tune-tiles",
             EXPERT_DOWN_ROWS + "_measured_us": {str(down): round(t, 1) for down, t in down_us.items()}}
     path = record(None, **wide_entry)
+    if incumbent is not None and with_rows(incumbent) != with_rows(final):
+        kept = keep_the_faster(incumbent, final, max(rounds, 2))
+        if kept:
+            path = tuning.record(key, {**entry_before, KEPT_OVER_RETUNE: kept})
+            log(f"batch {batch} context {context}: the entry measured before this tune stays: side by side, in turn, "
+                f"{kept['entry_us']:.1f} µs against {kept['retuned_us']:.1f} µs for the tune's choice "
+                f"(medians of {kept['runs']} runs each); recorded in {path}")
+            return incumbent[0], *runs[incumbent]
     log(f"batch {batch} context {context}: fastest with {chosen} attention SMs"
         + (f" and the splits' inputs{' and the splits' if splits_first else ''} ranked {raise_us:g} µs higher"
            if raise_us else "")
@@ -628,6 +673,23 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
         + (f" and expert-down tiles of {final[7]} rows" if len(final) > 6 and final[7] else "")
         + f"; recorded in {path}")
     return chosen, *runs[final]
+
+
+def describe(key: tuple) -> str:
+    """A tuning schedule key (time_lowering's) in words."""
+    from mkc.schedule import tuning
+
+    a, raise_us, splits, spread, fold, wide, *rows = key
+    up, down = rows or ((), 0)
+    parts = [f"{a} attention SMs"]
+    if raise_us:
+        parts.append(f"the splits' inputs{' and the splits' if splits else ''} ranked {raise_us:g} µs higher")
+    parts += (["sibling tiles spread over SMs"] if spread else []) + (["the residual added by the O-projection"]
+                                                                     if fold else [])
+    parts += [f"{wide} SMs' worth of splits in the layers of global attention"] if wide else []
+    parts += [f"expert gate/up tiles of {tuning.rows_label(up)} rows"] if up else []
+    parts += [f"expert-down tiles of {down} rows"] if down else []
+    return ", ".join(parts)
 
 
 def time_lowering(key: tuple) -> dict:

@@ -363,6 +363,63 @@ def test_tune_times_every_candidate_and_records_the_fastest(tiny, tuning_file, t
     assert plan(tiny, 2, 40, 16, global_attention_sms=0).meta["global_attention_sms"] == 0
 
 
+def test_a_re_tune_keeps_the_entry_its_choice_does_not_beat_side_by_side(tiny, tuning_file, timed_on_an_h200, tmp_path):
+    """A tune at a point with an entry times the entry's schedule and its own choice in turn at the
+    end (two runs each) and keeps the entry unless its choice runs faster there: here its choice, 8
+    SMs' worth of global splits, was fast only in the run that chose it (noise), so the entry (16)
+    stays, with a record of the side by side that the planner and mkc compile name. A choice that is
+    faster side by side replaces the entry."""
+    calls = {"lucky": 0}
+
+    def timer(lucky: bool):
+        def fake_row(spec, w, b, c, *, attention_sms, **kw):
+            us = 100 * (1 + abs(attention_sms - 4)) * (0.9 if kw.get("residual_in_o_proj") else 1.0)
+            wide = kw.get("global_attention_sms", 0)
+            if wide == 16:
+                us *= 0.95
+            if wide == 8 and lucky:
+                calls["lucky"] += 1
+                us *= 0.9 if calls["lucky"] == 1 else 1.0  # only its first run: noise
+            if wide == 8 and not lucky:
+                us *= 0.9
+            return bench.row("mkc", b, c, [us * 1e-6], 10**6, 4e12)
+        return fake_row
+
+    key = tuning.tuning_key(tiny, 2, 40, 16)
+    timed_on_an_h200(timer(lucky=False))
+    bench.tune_attention_sms(tiny, {}, 2, 40, sms=16, bw=4e12, reps=3, log=lambda line: None)
+    first = json.loads(tuning_file.read_text())[key]
+    assert first["global_attention_sms"] == 8  # no entry before: nothing side by side
+    tuning.record(key, {**first, "global_attention_sms": 16})  # as if an earlier tune had chosen 16
+
+    timed_on_an_h200(timer(lucky=True))
+    logs = []
+    assert bench.tune_attention_sms(tiny, {}, 2, 40, sms=16, bw=4e12, reps=3, log=logs.append) == 4
+    assert calls["lucky"] == 3  # chosen in one run, then two more side by side
+    rec = json.loads(tuning_file.read_text())[key]
+    assert rec["global_attention_sms"] == 16 and rec["global_attention_sms_measured_us"] == \
+        first["global_attention_sms_measured_us"]
+    kept = rec["kept_over_retune"]
+    assert kept["entry_us"] == pytest.approx(0.9 * 0.95 * 100, abs=0.06) and kept["retuned_us"] == pytest.approx(90.0)
+    assert kept["runs"] == 2 and "8 SMs' worth of splits in the layers of global attention" in kept["retuned"]
+    assert any("the entry measured before this tune stays" in ln for ln in logs)
+    assert not any("fastest with" in ln for ln in logs)
+    sc = plan(tiny, 2, 40, 16)
+    assert sc.meta["global_attention_sms"] == 16 and sc.meta["attention_sms"]["kept_over_retune"] == kept
+    r = subprocess.run([sys.executable, "-m", "mkc.cli", "compile", "configs/tiny.yaml", "-o", str(tmp_path / "out"),
+                        "--batch", "2", "--context", "40", "--num-sms", "16", "--no-kernel"],
+                       capture_output=True, text=True, cwd=ROOT, check=False)
+    assert r.returncode == 0, r.stderr
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("attention SMs"))
+    assert f"kept over a re-tune on {kept['date']}" in line
+
+    # its choice faster side by side: the tune's entry replaces it
+    timed_on_an_h200(timer(lucky=False))
+    bench.tune_attention_sms(tiny, {}, 2, 40, sms=16, bw=4e12, reps=3, log=logs.append)
+    rec = json.loads(tuning_file.read_text())[key]
+    assert rec["global_attention_sms"] == 8 and "kept_over_retune" not in rec
+
+
 def test_tune_keeps_the_expert_tile_rows_another_tool_measured(tiny, tuning_file, timed_on_an_h200):
     """mkc bench --tune rewrites its point's entry but keeps the expert-down and gate/up tile rows
     (and who measured them), which it does not choose itself, and times every schedule with them:
@@ -719,7 +776,7 @@ def test_compile_says_the_choice_was_measured(tiny, tuning_file, tmp_path):
 # the sliding layers). Batch 1 at 32K: the first stage measured 64 attention SMs fastest, the last
 # 32 for the sliding layers beneath 64 SMs' worth of splits in the global ones ("64@32"); batch 1
 # at 128K likewise, 32 beneath 256 ("256@32", 2026-12-05). Batch 2 at 128K and batch 8 at 32K were
-# re-tuned on 2026-12-05 10:13-10:17 UTC (the first stage pruned by the simulation).
+# re-tuned on 2026-12-05 10:13-10:17 UTC (the first stage pruned by the simulation), batch 2 at 32K at 12:14.
 SHIPPED_H200 = {
     (1, 8192): (32, 0.0, False, True, 0),
     (2, 8192): (32, 0.0, True, False, 0),

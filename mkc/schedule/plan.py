@@ -120,6 +120,9 @@ EXPERT_DOWN_ROWS = "expert_down_rows"
 # UTC, benchmarks/schedule_variants.py: means 5311.0 against 5356.8 µs); 64, 96, 256 and 384 rows
 # slower or tied there, and other sizes slower at batch 1, 2 and 8 (BENCHMARKS.md).
 EXPERT_UP_ROWS = "expert_up_rows"
+# An entry that a later `mkc bench --tune` at its point timed side by side against its own choice,
+# and that ran faster, stays with this record of that run (runtime/bench.py: keep_the_faster).
+KEPT_OVER_RETUNE = "kept_over_retune"
 DEFAULT_LOWERING = {f.name: f.default for f in dataclasses.fields(LowerOptions) if f.name in LOWERING_CHOICES}
 
 
@@ -267,6 +270,8 @@ def plan_choices(spec: ModelSpec, batch: int, context: int, num_sms: int, page_s
            "measured_lowering": measured.get("lowering"), "measured_by": measured.get("by")}
     if measured.get("not_timed_simulated_us"):  # counts mkc bench --tune left out (runtime/bench.py)
         how["not_timed_simulated_us"] = measured["not_timed_simulated_us"]
+    if isinstance(measured.get(KEPT_OVER_RETUNE), dict):
+        how[KEPT_OVER_RETUNE] = measured[KEPT_OVER_RETUNE]
     if measured_context != context:
         how["measured_at_context"] = measured_context
     # the priority raise of the attention splits' inputs (and splits) and the spread of sibling

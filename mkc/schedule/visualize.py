@@ -289,6 +289,10 @@ def _attention_sms_row(d: dict[str, Any]) -> str:
             left = ", ".join(f"{k}: {v:.1f}" for k, v in sorted(a["not_timed_simulated_us"].items(),
                                                                 key=lambda kv: int(kv[0])))
             row += f"; not timed, their probe's simulated step far slower (µs by attention SMs: {left})"
+        if a.get("kept_over_retune"):
+            k = a["kept_over_retune"]
+            row += (f"; kept over a re-tune on {k.get('date', '?')}: side by side {k.get('entry_us', '?')} µs "
+                    f"against {k.get('retuned_us', '?')} for its choice ({k.get('retuned', '?')})")
         fastest = min(a["measured_us"], key=a["measured_us"].get, default=None)
         if "global_attention_sms" in a and fastest is not None and fastest != str(n):
             row += (f", then with the layers of global attention on {fastest}'s splits or more, {n} measured faster "
