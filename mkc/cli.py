@@ -276,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "the scheduler's priority raises and sibling spread, then the residual added by the "
                         "O-projection, then more splits in the layers of global attention where the context is "
                         "longer than the sliding window (the sliding layers on that count or the next smaller), "
-                        "and record the fastest "
+                        "and record the fastest, unless the point's entry runs as fast side by side (then it stays) "
                         "(MKC_TUNING_FILE, default tuning.json in the kernel cache); later compiles, benches and "
                         "servers at the same point use it instead of the cost model's prediction")
     b.add_argument("--tune-rounds", type=_positive, default=1,
