@@ -694,8 +694,9 @@ def describe(key: tuple) -> str:
 
 def time_lowering(key: tuple) -> dict:
     """The lowering choices of a tuning schedule key (count, raise, splits, spread, residual in the
-    O-projection, global layers' splits[, gate/up rows, down rows: with --tune-tiles; () and 0 are the
-    rule's]) beside its count and ceilings: those that differ from the default lowering."""
+    O-projection, global layers' splits[, gate/up rows, down rows: with --tune-tiles, or an entry's
+    kept; () and 0 are the rule's]) beside its count and ceilings: those that differ from the default
+    lowering."""
     from mkc.schedule.plan import EXPERT_DOWN_ROWS, EXPERT_UP_ROWS, GLOBAL_ATTENTION_SMS, RESIDUAL_IN_O_PROJ
 
     _, _, _, _, fold, wide, *rows = key
