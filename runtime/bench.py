@@ -663,20 +663,12 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
                 f"{kept['entry_us']:.1f} µs against {kept['retuned_us']:.1f} µs for the tune's choice "
                 f"(medians of {kept['runs']} runs each); recorded in {path}")
             return incumbent[0], *runs[incumbent]
-    log(f"batch {batch} context {context}: fastest with {chosen} attention SMs"
-        + (f" and the splits' inputs{' and the splits' if splits_first else ''} ranked {raise_us:g} µs higher"
-           if raise_us else "")
-        + (" and sibling tiles spread over SMs" if spread_on else "")
-        + (" and the residual added by the O-projection" if fold_on else "")
-        + (f" and {wide_sms} SMs' worth of splits in the layers of global attention" if wide_sms else "")
-        + (f" and expert gate/up tiles of {tuning.rows_label(final[6])} rows" if len(final) > 6 and final[6] else "")
-        + (f" and expert-down tiles of {final[7]} rows" if len(final) > 6 and final[7] else "")
-        + f"; recorded in {path}")
+    log(f"batch {batch} context {context}: fastest with {describe(final)}; recorded in {path}")
     return chosen, *runs[final]
 
 
 def describe(key: tuple) -> str:
-    """A tuning schedule key (time_lowering's) in words."""
+    """A tuning schedule key (time_lowering's) in words, as mkc bench --tune logs its choice."""
     from mkc.schedule import tuning
 
     a, raise_us, splits, spread, fold, wide, *rows = key
@@ -689,7 +681,7 @@ def describe(key: tuple) -> str:
     parts += [f"{wide} SMs' worth of splits in the layers of global attention"] if wide else []
     parts += [f"expert gate/up tiles of {tuning.rows_label(up)} rows"] if up else []
     parts += [f"expert-down tiles of {down} rows"] if down else []
-    return ", ".join(parts)
+    return " and ".join(parts)
 
 
 def time_lowering(key: tuple) -> dict:
