@@ -542,9 +542,11 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
         entry_us, retuned_us = statistics.median(fresh[before]), statistics.median(fresh[chosen_key])
         if retuned_us < entry_us:
             return None
+        # the GPU these runs were on: a shipped entry may have been measured on another card (the key
+        # names none), and the side by side holds for this one
         return {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-                "entry_us": round(entry_us, 1), "retuned_us": round(retuned_us, 1), "runs": turns,
-                "retuned": describe(chosen_key)}
+                "gpu": torch.cuda.get_device_name(0), "entry_us": round(entry_us, 1),
+                "retuned_us": round(retuned_us, 1), "runs": turns, "retuned": describe(chosen_key)}
 
     decide({sched(a, 0.0, False, False, False, 0): f"{a} attention SMs" for a in candidates})
     measured = {a: median(sched(a, 0.0, False, False, False, 0)) for a in candidates}

@@ -402,6 +402,7 @@ def test_a_re_tune_keeps_the_entry_its_choice_does_not_beat_side_by_side(tiny, t
     kept = rec["kept_over_retune"]
     assert kept["entry_us"] == pytest.approx(0.9 * 0.95 * 100, abs=0.06) and kept["retuned_us"] == pytest.approx(90.0)
     assert kept["runs"] == 2 and "8 SMs' worth of splits in the layers of global attention" in kept["retuned"]
+    assert kept["gpu"] == "NVIDIA H200"  # the card the side by side ran on
     assert any("the entry measured before this tune stays" in ln for ln in logs)
     assert not any("fastest with" in ln for ln in logs)
     sc = plan(tiny, 2, 40, 16)
@@ -411,7 +412,7 @@ def test_a_re_tune_keeps_the_entry_its_choice_does_not_beat_side_by_side(tiny, t
                        capture_output=True, text=True, cwd=ROOT, check=False)
     assert r.returncode == 0, r.stderr
     line = next(ln for ln in r.stdout.splitlines() if ln.startswith("attention SMs"))
-    assert f"kept over a re-tune on {kept['date']}" in line
+    assert f"kept over a re-tune on {kept['date']} (NVIDIA H200)" in line
 
     # its choice faster side by side: the tune's entry replaces it
     timed_on_an_h200(timer(lucky=False))

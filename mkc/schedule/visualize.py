@@ -291,7 +291,8 @@ def _attention_sms_row(d: dict[str, Any]) -> str:
             row += f"; not timed, their probe's simulated step far slower (µs by attention SMs: {left})"
         if a.get("kept_over_retune"):
             k = a["kept_over_retune"]
-            row += (f"; kept over a re-tune on {k.get('date', '?')}: side by side {k.get('entry_us', '?')} µs "
+            on = f" ({k['gpu']})" if k.get("gpu") else ""
+            row += (f"; kept over a re-tune on {k.get('date', '?')}{on}: side by side {k.get('entry_us', '?')} µs "
                     f"against {k.get('retuned_us', '?')} for its choice ({k.get('retuned', '?')})")
         fastest = min(a["measured_us"], key=a["measured_us"].get, default=None)
         if "global_attention_sms" in a and fastest is not None and fastest != str(n):
