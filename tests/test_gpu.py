@@ -447,7 +447,13 @@ def test_watchdog_names_the_router_under_tagged_logits(tiny, num_sms, monkeypatc
 @pytest.fixture(scope="module")
 def nmc_weights(num_sms):
     """Random bf16 weights made directly on the GPU (61 GB: never on the CPU). Same recipe as
-    runtime.weights.random_weights: normal(0, 0.02), norm weights 1 + normal(0, 0.05)."""
+    runtime.weights.random_weights: normal(0, 0.02), norm weights 1 + normal(0, 0.05).
+
+    The kernel's GEMV weights are put into tile order in their own storage once, for the module
+    (``TiledWeights``), so every decoder takes them as they are and the weights are held once: with a
+    tile-ordered copy beside them (122 GB) every test here failed for memory on an 80 GB H100
+    (2026-12-05). The mirror reads them row-major (``row_major``), one matrix at a time."""
+    from mkc.codegen.weight_tiles import TiledWeights, tiled_weights, to_tiles
     from mkc.runtime.weights import weight_shapes
 
     spec = load_spec(NMC)
@@ -456,9 +462,46 @@ def nmc_weights(num_sms):
     for name, shape in weight_shapes(spec).items():
         x = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g)
         out[name] = x.mul_(0.05).add_(1.0) if name.endswith("norm") else x.mul_(0.02)
-    yield spec, out
+    tiled = tiled_weights(plan(spec, 1, 1024, num_sms))  # every GEMV's weights (nmc_decoder checks each plan's)
+    for name in tiled:
+        out[name].copy_(to_tiles(out[name]))
+    yield spec, TiledWeights(out, tiled)
     out.clear()
     torch.cuda.empty_cache()
+
+
+def row_major(weights):
+    """The weights as PyTorch code reads them (the mirror): row-major, those held in tile order
+    reordered back on each access, one matrix (or one expert's) at a time."""
+    from mkc.runtime.cuda_backend import LogicalWeights
+
+    tiled = getattr(weights, "tiled", frozenset())
+    return LogicalWeights(weights, list(weights), tiled) if tiled else weights
+
+
+def fits_beside_the_weights(spec, batch: int, context: int) -> None:
+    """Skip, saying why, where the point's KV cache does not fit beside the 61 GB of weights on this
+    GPU (an 80 GB H100 at batch 4 and 128K: 52.6 GB of KV cache); an H200 holds every point here."""
+    from mkc.runtime import bench
+
+    why = bench.memory_skip(bench.memory_estimate(spec, batch, context), "mkc", bench.free_memory())
+    if why:
+        pytest.skip(f"batch {batch} at context {context}: {why} on {torch.cuda.get_device_name(0)}")
+
+
+def decoder_over(sc, spec, weights, options=None, artifact=None):
+    """A CudaDecoder for schedule ``sc`` over the module's weights, which it must read in the layout
+    they are held in (a decoder that reordered a copy of its own would hold them twice)."""
+    from mkc.codegen import build_kernel
+    from mkc.codegen.weight_tiles import tiled_weights
+    from mkc.runtime.cuda_backend import CudaDecoder
+
+    fits_beside_the_weights(spec, sc.batch, sc.context)
+    art = artifact or build_kernel(sc, spec, options)
+    wants = tiled_weights(sc) if art.config.weights_tiled else frozenset()
+    assert wants == weights.tiled, (f"this decoder reads {sorted(wants ^ weights.tiled)} in another layout than "
+                                    f"nmc_weights holds them (tile order: {sorted(weights.tiled)})")
+    return CudaDecoder(sc, spec, weights, artifact=art)
 
 
 def nmc_positions(batch: int, context: int) -> torch.Tensor:
@@ -481,9 +524,7 @@ def nmc_decoder(spec, weights, batch: int, context: int, num_sms: int, options=N
     H200 at that point, else the cost model's; the tests otherwise read an empty tuning file); the
     default kernel unless ``options`` (CodegenOptions) are given, the default lowering unless
     ``lowering`` (plan's LOWERING_CHOICES) says otherwise."""
-    from mkc.runtime.cuda_backend import CudaDecoder
-
-    dec = CudaDecoder(shipped_plan(spec, batch, context, num_sms, **lowering), spec, weights, options=options)
+    dec = decoder_over(shipped_plan(spec, batch, context, num_sms, **lowering), spec, weights, options)
     g = torch.Generator(device="cuda").manual_seed(batch * 100003 + context)
     for layer in range(spec.num_layers):
         for t in dec.kv_cache(layer):
@@ -553,13 +594,9 @@ def test_nmc_tuned_long_context_entries_match_mirror(nmc_weights, num_sms, batch
     spread, residual in the O-projection and the global layers' split count, as measured on an
     H200), as `mkc bench` and the server run it; at 64K, which has no entry, the choices of the
     nearest measured context (32K) with its global layers' splits scaled. The plan must be the
-    entry's, and its step the mirror's, reruns bitwise the same. The weights are held once, put into tile order in place for
-    the steps (runtime.bench.decoder_in_place's way): a tile-ordered copy of the 61 GB does not fit
-    beside 26-52 GB of KV cache; the mirror reads them row-major again after the block."""
-    from mkc.codegen import build_kernel
-    from mkc.codegen.weight_tiles import tile_ordered_in_place, tiled_weights
+    entry's, and its step the mirror's, reruns bitwise the same (beside 26-52 GB of KV cache: the
+    weights are held once, nmc_weights)."""
     from mkc.runtime import bench
-    from mkc.runtime.cuda_backend import CudaDecoder
     from mkc.schedule import tuning
 
     spec, weights = nmc_weights
@@ -576,16 +613,14 @@ def test_nmc_tuned_long_context_entries_match_mirror(nmc_weights, num_sms, batch
     else:
         assert sc.meta["global_attention_sms"] == entry["global_attention_sms"]
     assert (not any(t.op.name == "RESIDUAL" for t in sc.tasks)) == bool(entry.get("residual_in_o_proj"))
-    art = build_kernel(sc, spec)
     tokens = torch.randint(0, spec.vocab_size, (batch,), dtype=torch.int32)
     positions = nmc_positions(batch, context)
     dec = None
     try:
-        with tile_ordered_in_place(weights, tiled_weights(sc) if art.config.weights_tiled else ()) as tw:
-            dec = CudaDecoder(sc, spec, tw, artifact=art)
-            bench.fill_random_kv(dec, spec, torch.Generator(device="cuda").manual_seed(batch * 100003 + context))
-            lg, nt = dec.step(tokens, positions)
-            again, nt2 = dec.step(tokens, positions)
+        dec = decoder_over(sc, spec, weights)
+        bench.fill_random_kv(dec, spec, torch.Generator(device="cuda").manual_seed(batch * 100003 + context))
+        lg, nt = dec.step(tokens, positions)
+        again, nt2 = dec.step(tokens, positions)
         assert torch.equal(lg, again) and torch.equal(nt, nt2), "a rerun differs"
         check_against_mirror(dec, spec, weights, tokens, positions, lg, nt, f"NMC tuned b{batch} ctx {context}")
     finally:
@@ -707,6 +742,7 @@ def check_against_mirror(dec, spec, weights, tokens, positions, lg, nt, what: st
     kv = [dec.kv_cache(i) for i in range(L)]  # rows below each position are not written by a step
     forced = {i: routing(dec, spec, i) for i, ls in enumerate(spec.layers) if ls.mlp == "moe"}
     xs = [residual_stream(dec, i) for i in range(L + 1)]
+    weights = row_major(weights)
     res = mirror_step(spec, weights, kv, tokens.cuda(), positions.cuda(), forced=forced, layer_inputs=xs)
     flips = check_routing_flips(res.route_flips, res, what)
     upd = [rel_err(xs[i + 1] - xs[i], res.x[i] - xs[i]) for i in range(L)]
