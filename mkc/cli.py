@@ -114,7 +114,8 @@ def cmd_compile(a: argparse.Namespace) -> int:
     if a.global_attention_sms is not None:
         lowering["global_attention_sms"] = a.global_attention_sms
     res = compile_to_folder(a.config, out, batch=a.batch, context=a.context, num_sms=a.num_sms,
-                            page_size=a.page_size, attention_sms=a.attention_sms, kernel=not a.no_kernel, **lowering)
+                            page_size=a.page_size, attention_sms=a.attention_sms, kernel=not a.no_kernel, gpu=a.gpu,
+                            **lowering)
     wall = time.perf_counter() - t0
     print(visualize.format_summary(visualize.summary(res.schedule, res.spec)))
     if "kernel.json" in res.files:
@@ -242,6 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on: the O-projection tiles add the residual stream and the MLP's output and end the "
                         "layer, no residual tiles; off: residual tiles sum them (default auto: what mkc bench "
                         "--tune measured faster at this point, else off; docs/tiling.md)")
+    c.add_argument("--gpu", choices=["h200", "h100"], default="h200",
+                   help="the GPU whose read bandwidth the predicted step and its speed-of-light fraction are "
+                        "simulated at (default h200: 4.25 TB/s; h100: 3.05 TB/s). The schedule and the kernel are "
+                        "the same for both: the H200's cost model and tuning table place it")
     c.add_argument("--no-kernel", action="store_true", help="skip rendering and compiling the CUDA kernel")
     c.set_defaults(fn=cmd_compile)
 

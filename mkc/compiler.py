@@ -24,10 +24,12 @@ class CompileResult:
 
 
 def compile_schedule(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int = 0,
-                     attention_sms: int | None = None, **lowering) -> tuple[Schedule, dict[str, float]]:
+                     attention_sms: int | None = None, gpu: str = "h200", **lowering) -> tuple[Schedule, dict[str, float]]:
     """Lower, schedule (choosing the attention SMs unless given: mkc/schedule/plan.py) and
     validate; raises SpecError or ScheduleError. ``lowering``: plan's LOWERING_CHOICES (default:
-    the planner's)."""
+    the planner's). ``gpu`` (a name of cost.GPUS) is the card whose read bandwidth the step is
+    predicted at; the schedule does not depend on it."""
+    from mkc.schedule.cost import GPUS
     from mkc.schedule.simulate import predict
     from mkc.schedule.validator import check
 
@@ -37,9 +39,9 @@ def compile_schedule(spec: ModelSpec, batch: int, context: int, num_sms: int, pa
     t1 = time.perf_counter()
     check(sc)
     t2 = time.perf_counter()
-    predict(sc)  # the step's timeline under shared bandwidth, as reported (simulate.py)
+    predict(sc, GPUS[gpu], gpu)  # the step's timeline under shared bandwidth, as reported (simulate.py)
     times.update(plan=t1 - t0, validate=t2 - t1, simulate=time.perf_counter() - t2)
-    sc.meta.update(options={"batch": batch, "context": context, "num_sms": num_sms, "page_size": page_size,
+    sc.meta.update(options={"batch": batch, "context": context, "num_sms": num_sms, "page_size": page_size, "gpu": gpu,
                             "attention_sms": sc.meta["attention_sms"]["chosen"],
                             **{k: sc.meta[k] for k in LOWERING_CHOICES}})
     return sc, times
@@ -58,13 +60,13 @@ def _check_kernel_resources(sc: Schedule, kernel_json: Path) -> None:
 
 def compile_to_folder(spec_path: str | Path, out_dir: str | Path, *, batch: int = 1, context: int = 8192,
                       num_sms: int = 132, page_size: int = 0, attention_sms: int | None = None,
-                      kernel: bool = True, **lowering) -> CompileResult:
+                      kernel: bool = True, gpu: str = "h200", **lowering) -> CompileResult:
     """Run the whole pipeline and write every artifact into out_dir (``lowering``: as
     compile_schedule)."""
     from mkc.schedule import visualize
 
     spec = load_spec(spec_path)
-    sc, times = compile_schedule(spec, batch, context, num_sms, page_size, attention_sms, **lowering)
+    sc, times = compile_schedule(spec, batch, context, num_sms, page_size, attention_sms, gpu, **lowering)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()

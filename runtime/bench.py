@@ -25,7 +25,7 @@ import torch
 
 from mkc.ir.kv_layout import pages_per_seq
 from mkc.ir.spec import ModelSpec
-from mkc.schedule.cost import H200, Ceilings
+from mkc.schedule.cost import GPUS, H200, Ceilings, gpu_name
 
 T = TypeVar("T")
 
@@ -818,8 +818,10 @@ def write_profile(sc, tl: dict, path: Path) -> None:
     events.insert(0, {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "measured step"}})
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ns"}))
-    # the predicted step beside it: the shared-bandwidth simulation's timeline (as mkc compile's)
-    visualize.write_trace(predict(dataclasses.replace(sc, predicted=dict(sc.predicted))),
+    # the predicted step beside it: the shared-bandwidth simulation's timeline (as mkc compile's) on
+    # this GPU's read bandwidth
+    gpu = gpu_name(torch.cuda.get_device_name(0))
+    visualize.write_trace(predict(dataclasses.replace(sc, predicted=dict(sc.predicted)), GPUS[gpu], gpu),
                           path.with_suffix(".predicted.json"))
     layers = sorted({t.layer for t in sc.tasks if t.layer >= 0})
     middle = f"\n\n{format_layer(sc, tl, layers[len(layers) // 2])}" if layers else ""

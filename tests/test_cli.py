@@ -62,6 +62,20 @@ def test_compile_ends_the_layer_as_asked(compiled, tmp_path):
     assert not any(t["op"] == "RESIDUAL" for t in sc["tasks"])
 
 
+def test_compile_predicts_the_step_on_the_gpu_asked(compiled, tmp_path):
+    """--gpu h100: the same schedule, its step and speed of light at an H100's read bandwidth."""
+    r = mkc("compile", "configs/tiny.yaml", "-o", tmp_path, "--batch", 2, "--context", 64, "--num-sms", 8,
+            "--no-kernel", "--gpu", "h100")
+    assert r.returncode == 0, r.stderr
+    assert "at 3.05 TB/s (an H100's read bandwidth)" in r.stdout
+    assert "at 4.25 TB/s (an H200's read bandwidth)" in compiled[1]
+    h100, h200 = (json.loads((d / "schedule.json").read_text()) for d in (tmp_path, compiled[0]))
+    assert h100["queues"] == h200["queues"]
+    assert h100["predicted"]["simulated_on"] == {"gpu": "h100", "read_bw": 3.05e12}
+    bad = mkc("compile", "configs/tiny.yaml", "-o", tmp_path, "--no-kernel", "--gpu", "a100")
+    assert bad.returncode == 2 and "--gpu: invalid choice: 'a100'" in bad.stderr
+
+
 def test_check_accepts_the_compiled_schedule(compiled):
     out, _ = compiled
     r = mkc("check", out / "schedule.json")

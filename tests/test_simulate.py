@@ -184,3 +184,30 @@ def test_the_unused_bandwidth_and_the_bytes_make_the_simulated_step(tiny, tmp_pa
     assert f"{sum(x['us'] for x in u):.1f} µs" in line and f"{top['stage']} {top['state']} {top['us']:.1f}" in line
     report = write_report(sc, tiny, tmp_path / "report.md").read_text()
     assert "## Bandwidth left unused" in report and f"| {top['stage']} | {top['state']} | {top['us']:.1f} |" in report
+
+
+def test_mkc_compile_predicts_an_h100_at_its_read_bandwidth(nmc):
+    """compile_schedule(gpu="h100"): the same schedule, simulated at the H100's read bandwidth
+    (cost.H100; on 2026-12-05 this put North Mini Code's step at 8K within 1.8% of the H100's
+    measured ones at batch 1-8), its speed of light taken at that bandwidth too, and the summary
+    names the card."""
+    from mkc.compiler import compile_schedule
+    from mkc.schedule.cost import GPUS, H100, gpu_name
+    from mkc.schedule.visualize import format_summary, summary
+
+    h200, _ = compile_schedule(nmc, 1, 8192, 132, attention_sms=32)
+    h100, _ = compile_schedule(nmc, 1, 8192, 132, attention_sms=32, gpu="h100")
+    assert h100.queues == h200.queues and h100.counters == h200.counters
+    assert h100.predicted["simulated_on"] == {"gpu": "h100", "read_bw": H100.read_bw}
+    assert h200.predicted["simulated_on"] == {"gpu": "h200", "read_bw": H200.read_bw}
+    assert h100.predicted["step_us"] == pytest.approx(simulated_step_us(h200, H100), abs=1e-3)
+    assert h100.predicted["step_us"] > h200.predicted["step_us"]  # fewer bytes per µs, the same fixed times
+    assert h100.meta["options"]["gpu"] == "h100"
+    d = summary(h100, nmc)
+    assert d["read_bw"] == H100.read_bw and d["sol_us"] == pytest.approx(d["bytes"] / H100.read_bw * 1e6)
+    unused = sum(x["us"] for x in h100.predicted["unused_bandwidth_us"])
+    assert unused + d["sol_us"] + H100.launch_in_graph * 1e6 == pytest.approx(d["step_us"], rel=1e-4)
+    line = next(ln for ln in format_summary(d).splitlines() if ln.startswith("speed of light"))
+    assert "at 3.05 TB/s (an H100's read bandwidth)" in line
+    assert gpu_name("NVIDIA H100 80GB HBM3") == "h100" and gpu_name("NVIDIA H200") == "h200"
+    assert set(GPUS) == {"h100", "h200"}

@@ -145,6 +145,20 @@ class Ceilings:
 
 
 H200 = Ceilings()
+# An H100 (80 GB HBM3, 132 SMs): its read bandwidth measured by mkc bench (torch sum over 4 GiB,
+# 2.95-3.05 TB/s on 2026-12-05); the rest as the H200's, whose Hopper SMs it shares. With only the
+# bandwidth changed, the simulation (simulate.py) of the schedules planned for the H200 put North
+# Mini Code's step at 8K within 1.8% of the H100's measured ones at batch 1, 2, 4 and 8 (BENCHMARKS.md,
+# 2026-12-05). Only the prediction uses it (mkc compile --gpu h100); placement and the tuning table
+# stay the H200's, which a re-tune on the H100 kept at batch 8.
+H100 = Ceilings(read_bw=3.05e12)
+# the GPUs mkc compile predicts a step for, by the name --gpu takes
+GPUS: dict[str, Ceilings] = {"h200": H200, "h100": H100}
+
+
+def gpu_name(device_name: str) -> str:
+    """The name in GPUS of a device as CUDA names it ("NVIDIA H100 80GB HBM3": h100); h200 otherwise."""
+    return "h100" if "H100" in device_name.upper() else "h200"
 
 # The opcodes whose tasks derive the routing of their router logits (ops.cuh: route_tokens), so
 # the SM holds it for the next one of the same logits.

@@ -156,15 +156,18 @@ def simulated_step_us(sc: Schedule, c: Ceilings = H200) -> float:
     return float(end.max(initial=0.0)) + c.launch_in_graph * 1e6
 
 
-def predict(sc: Schedule, c: Ceilings = H200) -> Schedule:
+def predict(sc: Schedule, c: Ceilings = H200, gpu: str = "h200") -> Schedule:
     """Put the simulation's timeline in ``sc.predicted`` (start_us, end_us, step_us, sm_busy_us), in
     place of the list scheduler's estimate, whose step stays as ``placement_step_us``: what mkc
     compile reports and its trace shows, and ``unused_bandwidth_us``: the read bandwidth the step
     leaves unused, in µs, by stage and what its SMs do instead (simulate's ``unused``), largest
-    first. The queues, counters and critical path are unchanged. Returns ``sc``."""
+    first; ``simulated_on``: the GPU (``gpu``, a name of cost.GPUS) and the read bandwidth ``c`` it
+    was simulated at, which the speed-of-light fraction is then taken against. The queues,
+    counters and critical path are unchanged. Returns ``sc``."""
     unused: dict[tuple[str, str], float] = {}
     start, end = simulate(sc, c, unused)
     p = sc.predicted
+    p["simulated_on"] = {"gpu": gpu, "read_bw": c.read_bw}
     p.setdefault("placement_step_us", p.get("step_us"))
     p["start_us"] = [round(float(x), 3) for x in start]
     p["end_us"] = [round(float(x), 3) for x in end]

@@ -132,7 +132,8 @@ def summary(sc: Schedule, spec: ModelSpec) -> dict[str, Any]:
     wbytes = sum(expected)
     abytes = sum(t.act_bytes for t in sc.tasks)
     every_slot = sum(t.weight_bytes for t in sc.tasks) + abytes
-    read_bw = _ceilings(sc).read_bw
+    on = p.get("simulated_on") or {}  # the GPU the step was simulated at (simulate.predict)
+    read_bw = float(on.get("read_bw") or _ceilings(sc).read_bw)
     sol_us = (wbytes + abytes) / read_bw * 1e6
     busy = p.get("sm_busy_us") or [0.0] * sc.num_sms
     return {
@@ -147,7 +148,7 @@ def summary(sc: Schedule, spec: ModelSpec) -> dict[str, Any]:
         "attention_sms": sc.meta.get("attention_sms"),
         "lowering": {k: sc.meta.get(k) for k in LOWERING_CHOICES},
         "bytes": wbytes + abytes, "weight_bytes": wbytes, "act_bytes": abytes, "bytes_every_slot": every_slot,
-        "read_bw": read_bw,
+        "read_bw": read_bw, "gpu": on.get("gpu"),
         "sol_us": sol_us,
         "sol_fraction": sol_us / step_us if step_us > 0 else 0.0,
         "utilisation": sum(busy) / (sc.num_sms * step_us) if step_us > 0 else 0.0,
@@ -186,7 +187,8 @@ def _summary_rows(d: dict[str, Any]) -> list[tuple[str, str]]:
                        + (f"; the routing slots' experts as expected under random routing, "
                           f"{_fmt_bytes(d['bytes_every_slot'])} with every slot live"
                           if d.get("bytes_every_slot", d["bytes"]) > d["bytes"] * (1 + 1e-9) else "") + ")")),
-        ("speed of light", f"{d['sol_us']:.1f} µs at {d['read_bw'] / 1e12:.2f} TB/s"),
+        ("speed of light", f"{d['sol_us']:.1f} µs at {d['read_bw'] / 1e12:.2f} TB/s"
+                           + (f" (an {d['gpu'].upper()}'s read bandwidth)" if d.get("gpu") else "")),
         ("predicted step", (f"{d['step_us']:.1f} µs  →  {d['tok_s']:.1f} tok/s, "
                            f"{d['sol_fraction']:.1%} of SOL"
                            + (f"  (simulated under shared bandwidth; the list scheduler's placement estimate "
