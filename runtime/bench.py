@@ -819,8 +819,8 @@ def write_profile(sc, tl: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ns"}))
     # the predicted step beside it: the shared-bandwidth simulation's timeline (as mkc compile's) on
-    # this GPU's read bandwidth
-    gpu = gpu_name(torch.cuda.get_device_name(0))
+    # this GPU's read bandwidth (an H200's where none is here: a profile written from a saved timeline)
+    gpu = gpu_name(torch.cuda.get_device_name(0)) if torch.cuda.is_available() else "h200"
     visualize.write_trace(predict(dataclasses.replace(sc, predicted=dict(sc.predicted)), GPUS[gpu], gpu),
                           path.with_suffix(".predicted.json"))
     layers = sorted({t.layer for t in sc.tasks if t.layer >= 0})

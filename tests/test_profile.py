@@ -10,6 +10,7 @@ import re
 
 import numpy as np
 import pytest
+import torch
 
 from mkc.ir.lower import lower
 from mkc.ir.spec import load_spec
@@ -202,10 +203,17 @@ def test_stage_ends_are_each_stage_last_end_from_its_layer_start(sc_tl):
     assert "each stage's last end" in format_profile(sc, {"start": start, "end": end})
 
 
-def test_write_profile_files(sc_tl, tmp_path):
+def test_write_profile_files(sc_tl, tmp_path, monkeypatch):
     sc, tl = sc_tl
     path = tmp_path / "trace-b2-c32.json"
+    write_profile(sc, tl, path)  # no GPU here: the predicted step is an H200's
+    assert json.loads(path.with_suffix(".predicted.json").read_text())["otherData"]["simulated_on"]["gpu"] == "h200"
+    # profiled on an H100: the predicted step beside it is simulated at that card's read bandwidth
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
     write_profile(sc, tl, path)
+    assert json.loads(path.with_suffix(".predicted.json").read_text())["otherData"]["simulated_on"] == {
+        "gpu": "h100", "read_bw": 3.05e12}
     events = json.loads(path.read_text())["traceEvents"]
     chain_track = [e for e in events if e.get("tid") == len(sc.queues) and e["ph"] == "X"]
     assert len(chain_track) == len(critical_chain(sc, tl["start"], tl["end"]).tasks)

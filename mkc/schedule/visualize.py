@@ -508,6 +508,7 @@ def write_trace(sc: Schedule, path: str | Path) -> Path:
     doc = {"traceEvents": trace_events(sc), "displayTimeUnit": "ns",
            "otherData": {"model": sc.model, "batch": sc.batch, "context": sc.context, "num_sms": sc.num_sms,
                          "step_us": sc.predicted["step_us"],
+                         **({"simulated_on": sc.predicted["simulated_on"]} if "simulated_on" in sc.predicted else {}),
                          "source": ("mkc shared-bandwidth simulation (predicted)" if "timeline" in sc.predicted
                                     else "mkc cost model (predicted)")}}
     return _write_text(path, json.dumps(doc, separators=(",", ":")))
