@@ -8,6 +8,13 @@
 #   OUT=/path bash benchmarks/gpu_session.sh --bench     # timing only
 #   OUT=/path bash benchmarks/gpu_session.sh --long      # long-context mode
 #
+# Kernels compile on the device (NVRTC, 12-15 s each) unless MKC_CACHE_DIR names a kernel cache
+# built on the CPU machine beforehand and sent along: `MKC_CACHE_DIR=$PWD/.mkc-cache/h mkc compile
+# configs/north_mini_code.yaml --batch B [--context C] [--residual-in-o-proj on|off]` builds the
+# kernel a point plans (the key hashes the source, the templates and the NVRTC version: the CPU
+# machine's cuda-python NVRTC and the device's matched on 2026-12-05, so those builds were found
+# there), then run this with the same MKC_CACHE_DIR and the folder carried.
+#
 # Default mode (limits 20 + 380 + 100 + 60 = 560 s):
 #   pip          the package installed in place, no network, no dependencies (python3 -m pip
 #                install --no-deps --no-build-isolation -e .): the device machine has torch and the
