@@ -115,6 +115,19 @@ class Row:
     bytes: int  # the step had to read
     read_bw: float  # bytes/s measured in the same run
     sol_fraction: float
+    # mkc: the step mkc compile's simulation predicts for the schedule timed, at this run's read
+    # bandwidth (predicted_step_us), so each run checks the cost model; None for the baseline
+    predicted_us: float | None = None
+
+
+def predicted_step_us(sc, read_bw: float) -> float:
+    """The step the shared-bandwidth simulation (mkc/schedule/simulate.py, what mkc compile reports)
+    predicts for schedule ``sc`` at ``read_bw`` bytes/s, the H200's ceilings otherwise: a run's
+    measured read bandwidth makes it the prediction for the card the run is on (on 2026-12-05 an
+    H100's steps at 8K were within 1.8% of it, an H200's within 4.9%)."""
+    from mkc.schedule.simulate import simulated_step_us
+
+    return simulated_step_us(sc, dataclasses.replace(H200, read_bw=read_bw))
 
 
 def row(engine: str, batch: int, context: int, times: list[float], nbytes: int, bw: float) -> Row:
@@ -764,7 +777,11 @@ def _time_decoder(dec, sc, spec: ModelSpec, tokens, positions, *, bw: float, rep
         + (f" at context {att['measured_at_context']}" if "measured_at_context" in att else "") + ")")
     if profile_dir is not None:
         _write_profile(dec, sc, spec, Path(profile_dir) / f"trace-b{batch}-c{context}.json")
-    return row("mkc", batch, context, times, step_bytes(spec, batch, context, routed), bw)
+    r = row("mkc", batch, context, times, step_bytes(spec, batch, context, routed), bw)
+    r.predicted_us = round(predicted_step_us(sc, bw), 1)
+    log(f"batch {batch} context {context}: mkc compile's simulated step at this run's {bw / 1e12:.2f} TB/s: "
+        f"{r.predicted_us:.1f} µs, {r.predicted_us / r.step_us - 1:+.1%} against the measured {r.step_us:.1f} µs")
+    return r
 
 
 def _baseline_row(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context: int, *, bw: float,

@@ -211,3 +211,24 @@ def test_mkc_compile_predicts_an_h100_at_its_read_bandwidth(nmc):
     assert "at 3.05 TB/s (an H100's read bandwidth)" in line
     assert gpu_name("NVIDIA H100 80GB HBM3") == "h100" and gpu_name("NVIDIA H200") == "h200"
     assert set(GPUS) == {"h100", "h200"}
+
+
+def test_mkc_bench_records_the_simulated_step_at_its_runs_bandwidth(tiny_schedule, tmp_path):
+    """runtime/bench.py: each timed megakernel row carries what mkc compile's simulation predicts for
+    the schedule it timed at the run's measured read bandwidth (predicted_us, in bench.json); the
+    baseline's rows carry none."""
+    import json
+
+    from mkc.runtime import bench
+    from mkc.schedule.cost import H100
+
+    assert bench.predicted_step_us(tiny_schedule, H200.read_bw) == pytest.approx(simulated_step_us(tiny_schedule))
+    assert bench.predicted_step_us(tiny_schedule, H100.read_bw) == pytest.approx(
+        simulated_step_us(tiny_schedule, H100))
+    base = bench.row("torch+graph", 2, 40, [1e-3], 10**6, 3e12)
+    assert base.predicted_us is None
+    mk = bench.row("mkc", 2, 40, [1e-4], 10**6, 3e12)
+    mk.predicted_us = 101.5
+    bench.write_json([mk, base], tmp_path / "bench.json", {})
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert [r["predicted_us"] for r in rows] == [101.5, None]
