@@ -482,7 +482,7 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
         a, raise_us, splits, spread_on = key[:4]
         lines: list[str] = []
         r = _megakernel_row(spec, weights, batch, context, sms=sms, bw=bw, reps=reps, page_size=page_size,
-                            profile_dir=None, log=lines.append, attention_sms=a,
+                            profile_dir=None, log=lines.append, attention_sms=a, predict=False,
                             ceilings=ceilings_of(raise_us, splits, spread_on), **time_lowering(key))
         times.setdefault(key, []).append(r.step_us)
         runs[key] = (r, lines)
@@ -740,11 +740,13 @@ def expert_tile_candidates(sc) -> tuple[list[tuple[int, ...]], list[int]] | None
 
 def _megakernel_row(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context: int, *, sms: int,
                     bw: float, reps: int, page_size: int, profile_dir: Path | None, log,
-                    attention_sms: int | None = None, ceilings: Ceilings = H200, **lowering) -> Row:
+                    attention_sms: int | None = None, ceilings: Ceilings = H200, predict: bool = True,
+                    **lowering) -> Row:
     """Time the megakernel at one point (random KV cache, every sequence at position context - 1;
     the same tokens for a batch size every time); its buffers are freed on return. ``ceilings``:
     the scheduler's (the planner applies a tuned raise only under the default); ``lowering``: plan's
-    LOWERING_CHOICES (default: the planner's)."""
+    LOWERING_CHOICES (default: the planner's); ``predict``: the row's predicted_us (about a second
+    of simulation, which a tune's many timings skip)."""
     from mkc.codegen import build_kernel
     from mkc.schedule.plan import plan
 
@@ -754,11 +756,12 @@ def _megakernel_row(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: in
               **lowering)
     art = build_kernel(sc, spec)
     with decoder_in_place(sc, spec, weights, artifact=art) as dec:
-        return _time_decoder(dec, sc, spec, tokens, positions, bw=bw, reps=reps, profile_dir=profile_dir, log=log)
+        return _time_decoder(dec, sc, spec, tokens, positions, bw=bw, reps=reps, profile_dir=profile_dir, log=log,
+                             predict=predict)
 
 
 def _time_decoder(dec, sc, spec: ModelSpec, tokens, positions, *, bw: float, reps: int, profile_dir: Path | None,
-                  log) -> Row:
+                  log, predict: bool = True) -> Row:
     """Time a decoder built at one point (random KV cache, every sequence at position context - 1);
     its owner (decoder_in_place) closes it."""
     batch, context = sc.batch, sc.context
@@ -778,6 +781,8 @@ def _time_decoder(dec, sc, spec: ModelSpec, tokens, positions, *, bw: float, rep
     if profile_dir is not None:
         _write_profile(dec, sc, spec, Path(profile_dir) / f"trace-b{batch}-c{context}.json")
     r = row("mkc", batch, context, times, step_bytes(spec, batch, context, routed), bw)
+    if not predict:
+        return r
     r.predicted_us = round(predicted_step_us(sc, bw), 1)
     log(f"batch {batch} context {context}: mkc compile's simulated step at this run's {bw / 1e12:.2f} TB/s: "
         f"{r.predicted_us:.1f} µs, {r.predicted_us / r.step_us - 1:+.1%} against the measured {r.step_us:.1f} µs")
