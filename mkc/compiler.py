@@ -29,7 +29,6 @@ def compile_schedule(spec: ModelSpec, batch: int, context: int, num_sms: int, pa
     validate; raises SpecError or ScheduleError. ``lowering``: plan's LOWERING_CHOICES (default:
     the planner's). ``gpu`` (a name of cost.GPUS) is the card whose read bandwidth the step is
     predicted at; the schedule does not depend on it."""
-    from mkc.schedule.cost import GPUS
     from mkc.schedule.simulate import predict
     from mkc.schedule.validator import check
 
@@ -39,7 +38,7 @@ def compile_schedule(spec: ModelSpec, batch: int, context: int, num_sms: int, pa
     t1 = time.perf_counter()
     check(sc)
     t2 = time.perf_counter()
-    predict(sc, GPUS[gpu], gpu)  # the step's timeline under shared bandwidth, as reported (simulate.py)
+    predict(sc, gpu)  # the step's timeline under shared bandwidth, as reported (simulate.py)
     times.update(plan=t1 - t0, validate=t2 - t1, simulate=time.perf_counter() - t2)
     sc.meta.update(options={"batch": batch, "context": context, "num_sms": num_sms, "page_size": page_size, "gpu": gpu,
                             "attention_sms": sc.meta["attention_sms"]["chosen"],

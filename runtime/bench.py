@@ -25,7 +25,7 @@ import torch
 
 from mkc.ir.kv_layout import pages_per_seq
 from mkc.ir.spec import ModelSpec
-from mkc.schedule.cost import GPUS, H200, Ceilings, gpu_name
+from mkc.schedule.cost import H200, Ceilings, gpu_name
 
 T = TypeVar("T")
 
@@ -843,7 +843,7 @@ def write_profile(sc, tl: dict, path: Path) -> None:
     # the predicted step beside it: the shared-bandwidth simulation's timeline (as mkc compile's) on
     # this GPU's read bandwidth (an H200's where none is here: a profile written from a saved timeline)
     gpu = gpu_name(torch.cuda.get_device_name(0)) if torch.cuda.is_available() else "h200"
-    visualize.write_trace(predict(dataclasses.replace(sc, predicted=dict(sc.predicted)), GPUS[gpu], gpu),
+    visualize.write_trace(predict(dataclasses.replace(sc, predicted=dict(sc.predicted)), gpu),
                           path.with_suffix(".predicted.json"))
     layers = sorted({t.layer for t in sc.tasks if t.layer >= 0})
     middle = f"\n\n{format_layer(sc, tl, layers[len(layers) // 2])}" if layers else ""

@@ -489,7 +489,7 @@ def fits_beside_the_weights(spec, batch: int, context: int) -> None:
         pytest.skip(f"batch {batch} at context {context}: {why} on {torch.cuda.get_device_name(0)}")
 
 
-def decoder_over(sc, spec, weights, options=None, artifact=None):
+def decoder_over(sc, spec, weights, options=None):
     """A CudaDecoder for schedule ``sc`` over the module's weights, which it must read in the layout
     they are held in (a decoder that reordered a copy of its own would hold them twice)."""
     from mkc.codegen import build_kernel
@@ -497,7 +497,7 @@ def decoder_over(sc, spec, weights, options=None, artifact=None):
     from mkc.runtime.cuda_backend import CudaDecoder
 
     fits_beside_the_weights(spec, sc.batch, sc.context)
-    art = artifact or build_kernel(sc, spec, options)
+    art = build_kernel(sc, spec, options)
     wants = tiled_weights(sc) if art.config.weights_tiled else frozenset()
     assert wants == weights.tiled, (f"this decoder reads {sorted(wants ^ weights.tiled)} in another layout than "
                                     f"nmc_weights holds them (tile order: {sorted(weights.tiled)})")

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mkc.schedule.cost import DEFAULT_SIM_FIXED_US, H200, Ceilings, expected_weight_bytes
+from mkc.schedule.cost import DEFAULT_SIM_FIXED_US, GPUS, H200, Ceilings, expected_weight_bytes
 from mkc.schedule.profile import blockers, stage
 from mkc.schedule.schedule import Schedule
 
@@ -156,14 +156,15 @@ def simulated_step_us(sc: Schedule, c: Ceilings = H200) -> float:
     return float(end.max(initial=0.0)) + c.launch_in_graph * 1e6
 
 
-def predict(sc: Schedule, c: Ceilings = H200, gpu: str = "h200") -> Schedule:
+def predict(sc: Schedule, gpu: str = "h200") -> Schedule:
     """Put the simulation's timeline in ``sc.predicted`` (start_us, end_us, step_us, sm_busy_us), in
     place of the list scheduler's estimate, whose step stays as ``placement_step_us``: what mkc
     compile reports and its trace shows, and ``unused_bandwidth_us``: the read bandwidth the step
     leaves unused, in µs, by stage and what its SMs do instead (simulate's ``unused``), largest
-    first; ``simulated_on``: the GPU (``gpu``, a name of cost.GPUS) and the read bandwidth ``c`` it
-    was simulated at, which the speed-of-light fraction is then taken against. The queues,
+    first; ``simulated_on``: the GPU (``gpu``, a name of cost.GPUS, whose ceilings it is simulated
+    at) and its read bandwidth, which the speed-of-light fraction is then taken against. The queues,
     counters and critical path are unchanged. Returns ``sc``."""
+    c = GPUS[gpu]
     unused: dict[tuple[str, str], float] = {}
     start, end = simulate(sc, c, unused)
     p = sc.predicted
