@@ -712,3 +712,38 @@ def test_signal_and_routing_options_are_checked(tiny):
     assert cfg.signal_last_warp and cfg.routing_redux and not cfg.routing_rank and not cfg.norm_beside_routing
     cfg = kernel_config(sc, spec, CodegenOptions(signal_warp="first", routing_argmax="shuffle"))
     assert not cfg.signal_last_warp and not cfg.routing_redux
+
+
+def _sm_stream():
+    import importlib.util
+
+    spec_ = importlib.util.spec_from_file_location("sm_stream", ROOT / "benchmarks" / "sm_stream.py")
+    mod = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(mod)
+    return mod
+
+
+def test_sm_stream_kernels_compile_without_spills():
+    """benchmarks/sm_stream.py (the per-SM read rate, run on a GPU): its kernels build for sm_90a with
+    nothing spilled (a spill would add local-memory traffic to the bytes it times)."""
+    from mkc.codegen.nvrtc import parse_resources
+
+    mod = _sm_stream()
+    cubin, log = mod.compile_kernels()
+    assert cubin
+    for kernel in [f"stream_ldg_{d}" for d in mod.LDG_DEPTHS] + ["stream_bulk"]:
+        res = parse_resources(log, kernel)
+        assert res.regs > 0 and res.spills == 0, (kernel, res)
+
+
+@pytest.mark.parametrize("text, why", [("ldg 3", "ldg D"), ("bulk 1000 4", "multiple of 16"),
+                                       ("bulk 65536 8", "200 KiB"), ("tma 4", "expected")])
+def test_sm_stream_rejects_bad_ways(text, why):
+    with pytest.raises(ValueError, match=why):
+        _sm_stream().parse_way(text)
+
+
+def test_sm_stream_bytes_in_flight():
+    mod = _sm_stream()
+    assert mod.in_flight(mod.parse_way("ldg 8")) == 256 * 16 * 8 * 2  # two register batches
+    assert mod.in_flight(mod.parse_way("bulk 16384 8")) == 128 * 1024

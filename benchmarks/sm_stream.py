@@ -1,0 +1,250 @@
+"""How fast can A SMs read HBM, and how many bytes must each keep in flight? (GPU, one call)
+
+Every GEMV tile of the megakernel streams its weights on one SM, and at batch 1-8 a layer's phases
+run on fewer than all SMs (at batch 1 the expert gate/up tiles on ~96 of 132, beside the attention
+splits). So a phase's read rate is bounded by (SMs streaming) x (what one SM can pull), not only by
+the HBM. This measures both, away from the megakernel: one CTA per SM (256 threads, the kernel's
+size), `active` of them each reading its own contiguous region of `--mib-per-sm` MiB (the rest exit
+at once), timed with CUDA events (median of `--reps` launches after one warm-up); the regions
+together are several times the L2, so every byte comes from HBM.
+
+Ways to read, each the shape of a path the megakernel has or could have:
+
+* ``ldg D``: 16-byte ``ld.global.nc.L1::no_allocate`` loads in two register batches of D per thread
+  (the GEMV's software pipeline: batch i + 1 is issued before batch i is used), so 256 x 16 x D to
+  2 x that many bytes are in flight per SM.
+* ``bulk C S``: one thread keeps S bulk copies (``cp.async.bulk``, TMA) of C bytes each in flight
+  into a shared-memory ring, completing on one mbarrier per stage; every thread reads its share of
+  a landed stage before the stage is refilled (C x S bytes in flight per SM).
+
+    python benchmarks/sm_stream.py [--active 1,16,32,64,96,132] [--ways "ldg 4,ldg 8,bulk 16384 8"]
+        [--mib-per-sm 8] [--reps 5] [--json OUT.json]
+
+Prints a table of GB/s per SM and TB/s in all, per way and active SM count. The sum of every byte
+read is checked against torch's (a wrong address or a stage read before it landed shows up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import sys
+from pathlib import Path
+
+THREADS = 256
+SMEM = 200 * 1024  # dynamic shared memory of every launch
+
+SOURCE = r"""
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+__device__ __forceinline__ uint4 ldg16(const void* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ u32 fold(uint4 v) { return v.x + v.y + v.z + v.w; }
+
+// The wrapping sum of every 32-bit word each active CTA read, into sums[blockIdx.x].
+template <int D>
+__device__ void read_ldg(const uint4* base, size_t vecs, u32* sums) {
+    u32 s = 0;
+    uint4 a[D], b[D];
+    const size_t step = (size_t)D * blockDim.x;  // vectors per batch
+#pragma unroll
+    for (int j = 0; j < D; ++j) a[j] = ldg16(base + j * blockDim.x + threadIdx.x);
+    for (size_t i = step; i < vecs; i += 2 * step) {
+#pragma unroll
+        for (int j = 0; j < D; ++j) b[j] = ldg16(base + i + j * blockDim.x + threadIdx.x);
+#pragma unroll
+        for (int j = 0; j < D; ++j) s += fold(a[j]);
+        if (i + step < vecs) {
+#pragma unroll
+            for (int j = 0; j < D; ++j) a[j] = ldg16(base + i + step + j * blockDim.x + threadIdx.x);
+        } else {
+#pragma unroll
+            for (int j = 0; j < D; ++j) a[j] = make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int j = 0; j < D; ++j) s += fold(b[j]);
+    }
+#pragma unroll
+    for (int j = 0; j < D; ++j) s += fold(a[j]);
+    atomicAdd(sums + blockIdx.x, s);
+}
+
+#define LDG_KERNEL(D) \
+extern "C" __global__ void __launch_bounds__(256, 1) stream_ldg_##D(const uint4* data, size_t vecs, int active, u32* sums) { \
+    if (blockIdx.x >= active) return; \
+    read_ldg<D>(data + (size_t)blockIdx.x * vecs, vecs, sums); \
+}
+LDG_KERNEL(2)
+LDG_KERNEL(4)
+LDG_KERNEL(8)
+LDG_KERNEL(16)
+
+__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+extern "C" __global__ void __launch_bounds__(256, 1) stream_bulk(const unsigned char* data, size_t bytes, int active,
+                                                                  u32* sums, u32 chunk, u32 stages) {
+    extern __shared__ __align__(128) unsigned char ring[];
+    __shared__ __align__(8) u64 bar[32];
+    if (blockIdx.x >= active) return;
+    const unsigned char* base = data + (size_t)blockIdx.x * bytes;
+    const u32 chunks = (u32)(bytes / chunk);
+    if (threadIdx.x < stages)
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar + threadIdx.x)) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    __syncthreads();
+    auto issue = [&](u32 c) {  // chunk c into stage c % stages
+        const u32 st = c % stages;
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar + st)), "r"(chunk)
+                     : "memory");
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                     ::"r"(smem_addr(ring + (size_t)st * chunk)), "l"(base + (size_t)c * chunk), "r"(chunk),
+                     "r"(smem_addr(bar + st)) : "memory");
+    };
+    if (threadIdx.x == 0)
+        for (u32 c = 0; c < stages && c < chunks; ++c) issue(c);
+    u32 s = 0;
+    for (u32 c = 0; c < chunks; ++c) {
+        const u32 st = c % stages, parity = (c / stages) & 1u;
+        for (;;) {
+            u32 done;
+            asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                         " selp.u32 %0, 1, 0, p;\n}" : "=r"(done) : "r"(smem_addr(bar + st)), "r"(parity) : "memory");
+            if (done) break;
+        }
+        const uint4* v = reinterpret_cast<const uint4*>(ring + (size_t)st * chunk);
+        for (u32 i = threadIdx.x; i < chunk / 16; i += blockDim.x) s += fold(v[i]);
+        __syncthreads();  // every thread has read stage st
+        if (threadIdx.x == 0 && c + stages < chunks) issue(c + stages);
+    }
+    atomicAdd(sums + blockIdx.x, s);
+}
+"""
+
+LDG_DEPTHS = (2, 4, 8, 16)
+
+
+def _check(result, what):
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if int(err) != 0:
+        raise RuntimeError(f"{what} failed: {err}")
+    return rest[0] if len(rest) == 1 else rest
+
+
+def parse_way(text: str) -> tuple:
+    parts = text.split()
+    if parts[0] == "ldg" and len(parts) == 2 and int(parts[1]) in LDG_DEPTHS:
+        return ("ldg", int(parts[1]))
+    if parts[0] == "bulk" and len(parts) == 3:
+        chunk, stages = int(parts[1]), int(parts[2])
+        if chunk % 16 or not 1 <= stages <= 32 or chunk * stages > 200 * 1024:
+            raise ValueError(f"bulk {chunk} {stages}: chunk a multiple of 16 bytes, 1-32 stages, "
+                             f"at most 200 KiB of ring")
+        return ("bulk", chunk, stages)
+    raise ValueError(f"way {text!r}: expected 'ldg D' (D in {LDG_DEPTHS}) or 'bulk CHUNK_BYTES STAGES'")
+
+
+def in_flight(way: tuple) -> int:
+    return THREADS * 16 * way[1] * 2 if way[0] == "ldg" else way[1] * way[2]
+
+
+def compile_kernels() -> tuple[bytes, str]:
+    """(cubin, ptxas log) of SOURCE for sm_90a, by NVRTC (no GPU needed)."""
+    from mkc.codegen import nvrtc
+
+    return nvrtc.compile_cubin(SOURCE, "sm_stream", nvrtc.options(Path(__file__).parent), None)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--active", default="1,16,32,64,96,112,132")
+    ap.add_argument("--ways", default="ldg 2,ldg 4,ldg 8,ldg 16,bulk 2048 16,bulk 16384 4,bulk 16384 8,"
+                                      "bulk 32768 4,bulk 32768 6")
+    ap.add_argument("--mib-per-sm", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args(argv)
+    ways = [parse_way(w.strip()) for w in a.ways.split(",")]
+    actives = [int(x) for x in a.active.split(",")]
+
+    import torch
+    from cuda.bindings import driver
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    actives = [min(n, sms) for n in actives]
+    torch.zeros(1, device="cuda")
+    _check(driver.cuInit(0), "cuInit")
+    ctx = _check(driver.cuDevicePrimaryCtxRetain(_check(driver.cuDeviceGet(0), "cuDeviceGet")), "retain")
+    _check(driver.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    cubin, _ = compile_kernels()
+    module = _check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
+    funcs = {d: _check(driver.cuModuleGetFunction(module, f"stream_ldg_{d}".encode()), "get") for d in LDG_DEPTHS}
+    bulk = _check(driver.cuModuleGetFunction(module, b"stream_bulk"), "get")
+    for f in (*funcs.values(), bulk):  # 200 KiB of shared memory each: one CTA per SM, as the megakernel
+        _check(driver.cuFuncSetAttribute(f, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                         SMEM), "smem attribute")
+
+    per_sm = a.mib_per_sm << 20
+    data = torch.randint(-2**31, 2**31 - 1, (sms * per_sm // 4,), dtype=torch.int32, device="cuda")
+    words = data.view(sms, per_sm // 4).to(torch.int64)
+    expect = (words.sum(dim=1) % 2**32).cpu()  # the wrapping u32 sum of each CTA's region
+    del words
+    sums = torch.zeros(sms, dtype=torch.int32, device="cuda")
+    stream = driver.CUstream(torch.cuda.current_stream().cuda_stream)
+    gpu = torch.cuda.get_device_name(0)
+
+    def launch(way, active):
+        sums.zero_()
+        if way[0] == "ldg":
+            args = [ctypes.c_void_p(data.data_ptr()), ctypes.c_size_t(per_sm // 16), ctypes.c_int(active),
+                    ctypes.c_void_p(sums.data_ptr())]
+            func = funcs[way[1]]
+        else:
+            args = [ctypes.c_void_p(data.data_ptr()), ctypes.c_size_t(per_sm), ctypes.c_int(active),
+                    ctypes.c_void_p(sums.data_ptr()), ctypes.c_uint32(way[1]), ctypes.c_uint32(way[2])]
+            func = bulk
+        ptrs = (ctypes.c_void_p * len(args))(*(ctypes.addressof(x) for x in args))
+        _check(driver.cuLaunchKernel(func, sms, 1, 1, THREADS, 1, 1, SMEM, stream, ctypes.addressof(ptrs), 0),
+               "cuLaunchKernel")
+
+    rows = []
+    print(f"{gpu}: {sms} SMs, {a.mib_per_sm} MiB per SM, {THREADS} threads, median of {a.reps}")
+    print(f"{'way':<16} {'in flight':>10} " + " ".join(f"{n:>13}" for n in actives))
+    for way in ways:
+        cells = []
+        for active in actives:
+            launch(way, active)
+            torch.cuda.synchronize()
+            got = (sums.cpu().to(torch.int64) % 2**32)[:active]
+            if not torch.equal(got, expect[:active]):
+                raise SystemExit(f"{way}: the sums of what was read differ from torch's: a read went wrong")
+            times = []
+            for _ in range(a.reps):
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                launch(way, active)
+                e1.record()
+                torch.cuda.synchronize()
+                times.append(e0.elapsed_time(e1) * 1e-3)
+            t = sorted(times)[len(times) // 2]
+            total = active * per_sm / t
+            cells.append(f"{total / active / 1e9:6.1f} {total / 1e12:5.2f}")
+            rows.append({"way": " ".join(map(str, way)), "in_flight_bytes": in_flight(way), "active_sms": active,
+                         "seconds": t, "gb_per_s_per_sm": total / active / 1e9, "tb_per_s": total / 1e12})
+        name = " ".join(map(str, way))
+        print(f"{name:<16} {in_flight(way) // 1024:>8} K " + " ".join(f"{c:>13}" for c in cells), flush=True)
+    print("each cell: GB/s per SM, TB/s in all")
+    if a.json:
+        a.json.write_text(json.dumps({"gpu": gpu, "sms": sms, "mib_per_sm": a.mib_per_sm, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
