@@ -1,12 +1,17 @@
-"""How fast can A SMs read HBM, and how many bytes must each keep in flight? (GPU, one call)
+"""How fast can A SMs read HBM, and does it matter which SMs? (GPU, one call)
 
 Every GEMV tile of the megakernel streams its weights on one SM, and at batch 1-8 a layer's phases
 run on fewer than all SMs (at batch 1 the expert gate/up tiles on ~96 of 132, beside the attention
-splits). So a phase's read rate is bounded by (SMs streaming) x (what one SM can pull), not only by
-the HBM. This measures both, away from the megakernel: one CTA per SM (256 threads, the kernel's
-size), `active` of them each reading its own contiguous region of `--mib-per-sm` MiB (the rest exit
-at once), timed with CUDA events (median of `--reps` launches after one warm-up); the regions
-together are several times the L2, so every byte comes from HBM.
+splits). So a phase's read rate is bounded by what its SMs can pull, not only by the HBM. This
+measures that away from the megakernel: one CTA per SM (256 threads and 200 KiB of shared memory,
+the kernel's shape); the CTAs on the SMs picked each read their own contiguous region of
+`--mib-per-sm` MiB, the rest exit at once; CUDA events, the median of `--reps` launches after one
+checked launch; the regions together are several times the L2, so every byte comes from HBM.
+
+Which SMs: first the GPCs are found (a cluster's CTAs run in one GPC: CTAs launched in clusters of
+four, SMs that ran one cluster joined over 40 launches), then A SMs are picked "packed" (filling one
+GPC after another) or "spread" (one SM of each GPC in turn). It also prints where a plain launch
+puts CTA i (the megakernel's queue i).
 
 Ways to read, each the shape of a path the megakernel has or could have:
 
@@ -15,13 +20,15 @@ Ways to read, each the shape of a path the megakernel has or could have:
   2 x that many bytes are in flight per SM.
 * ``bulk C S``: one thread keeps S bulk copies (``cp.async.bulk``, TMA) of C bytes each in flight
   into a shared-memory ring, completing on one mbarrier per stage; every thread reads its share of
-  a landed stage before the stage is refilled (C x S bytes in flight per SM).
+  a landed stage and the CTA syncs before the stage is refilled (C x S bytes in flight per SM; the
+  sync per stage costs small stages their rate).
 
-    python benchmarks/sm_stream.py [--active 1,16,32,64,96,132] [--ways "ldg 4,ldg 8,bulk 16384 8"]
-        [--mib-per-sm 8] [--reps 5] [--json OUT.json]
+    python benchmarks/sm_stream.py [--active 8,16,32,64,96,132] [--ways "ldg 8,bulk 32768 4"]
+        [--patterns packed,spread] [--mib-per-sm 8] [--reps 5] [--json OUT.json]
 
-Prints a table of GB/s per SM and TB/s in all, per way and active SM count. The sum of every byte
-read is checked against torch's (a wrong address or a stage read before it landed shows up).
+Prints the GPCs, then a table of GB/s per SM and TB/s in all, per way, pattern and SM count. The
+sum of every byte read is checked against torch's (a wrong address or a stage read before it
+landed shows up).
 """
 
 from __future__ import annotations
@@ -76,9 +83,20 @@ __device__ void read_ldg(const uint4* base, size_t vecs, u32* sums) {
     atomicAdd(sums + blockIdx.x, s);
 }
 
+__device__ __forceinline__ u32 smid() {
+    u32 id;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
+    return id;
+}
+
+// Whether this CTA streams: the SM it landed on is picked (pick[smid] != 0). Its region is its
+// blockIdx's, so the regions stay disjoint whichever SMs are picked.
+__device__ __forceinline__ bool picked(const unsigned char* pick) { return pick[smid()] != 0; }
+
 #define LDG_KERNEL(D) \
-extern "C" __global__ void __launch_bounds__(256, 1) stream_ldg_##D(const uint4* data, size_t vecs, int active, u32* sums) { \
-    if (blockIdx.x >= active) return; \
+extern "C" __global__ void __launch_bounds__(256, 1) stream_ldg_##D(const uint4* data, size_t vecs, \
+                                                                   const unsigned char* pick, u32* sums) { \
+    if (!picked(pick)) return; \
     read_ldg<D>(data + (size_t)blockIdx.x * vecs, vecs, sums); \
 }
 LDG_KERNEL(2)
@@ -88,11 +106,12 @@ LDG_KERNEL(16)
 
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
-extern "C" __global__ void __launch_bounds__(256, 1) stream_bulk(const unsigned char* data, size_t bytes, int active,
-                                                                  u32* sums, u32 chunk, u32 stages) {
+extern "C" __global__ void __launch_bounds__(256, 1) stream_bulk(const unsigned char* data, size_t bytes,
+                                                                  const unsigned char* pick, u32* sums, u32 chunk,
+                                                                  u32 stages) {
     extern __shared__ __align__(128) unsigned char ring[];
     __shared__ __align__(8) u64 bar[32];
-    if (blockIdx.x >= active) return;
+    if (!picked(pick)) return;
     const unsigned char* base = data + (size_t)blockIdx.x * bytes;
     const u32 chunks = (u32)(bytes / chunk);
     if (threadIdx.x < stages)
@@ -125,6 +144,17 @@ extern "C" __global__ void __launch_bounds__(256, 1) stream_bulk(const unsigned 
         if (threadIdx.x == 0 && c + stages < chunks) issue(c + stages);
     }
     atomicAdd(sums + blockIdx.x, s);
+}
+
+// Where each CTA ran: smid[blockIdx] (a plain launch: the megakernel's queue -> SM map)
+extern "C" __global__ void where_ctas_run(u32* sm_of) {
+    if (threadIdx.x == 0) sm_of[blockIdx.x] = smid();
+}
+
+// The same in clusters of four: a cluster's CTAs run on SMs of one GPC, so SMs that share a cluster
+// share a GPC (the host joins them over many launches).
+extern "C" __global__ void __cluster_dims__(4, 1, 1) where_clusters_run(u32* sm_of) {
+    if (threadIdx.x == 0) sm_of[blockIdx.x] = smid();
 }
 """
 
@@ -162,17 +192,54 @@ def compile_kernels() -> tuple[bytes, str]:
     return nvrtc.compile_cubin(SOURCE, "sm_stream", nvrtc.options(Path(__file__).parent), None)
 
 
+def gpcs_from_clusters(sm_of_launches: list[list[int]], cluster: int = 4) -> list[list[int]]:
+    """SMs grouped by GPC: SMs that ran CTAs of one cluster (blockIdx // cluster) share a GPC, and
+    sharing is transitive; the groups sorted by their smallest SM."""
+    parent: dict[int, int] = {}
+
+    def root(x: int) -> int:
+        parent.setdefault(x, x)
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for sm_of in sm_of_launches:
+        for c in range(0, len(sm_of) - cluster + 1, cluster):
+            first = root(sm_of[c])
+            for sm in sm_of[c + 1:c + cluster]:
+                parent[root(sm)] = first
+    groups: dict[int, list[int]] = {}
+    for sm in parent:
+        groups.setdefault(root(sm), []).append(sm)
+    return sorted((sorted(g) for g in groups.values()), key=lambda g: g[0])
+
+
+def pick_sms(gpcs: list[list[int]], count: int, pattern: str) -> list[int]:
+    """``count`` SMs: "packed" fills one GPC after another, "spread" takes one SM of each GPC in turn."""
+    if pattern == "packed":
+        return [sm for g in gpcs for sm in g][:count]
+    if pattern == "spread":
+        out, depth = [], 0
+        while len(out) < count:
+            out += [g[depth] for g in gpcs if depth < len(g)][:count - len(out)]
+            depth += 1
+        return out
+    raise ValueError(f"pattern {pattern!r}: expected 'packed' or 'spread'")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--active", default="1,16,32,64,96,112,132")
-    ap.add_argument("--ways", default="ldg 2,ldg 4,ldg 8,ldg 16,bulk 2048 16,bulk 16384 4,bulk 16384 8,"
-                                      "bulk 32768 4,bulk 32768 6")
+    ap.add_argument("--active", default="8,16,32,48,64,96,132")
+    ap.add_argument("--ways", default="ldg 4,ldg 8,ldg 16,bulk 32768 4")
+    ap.add_argument("--patterns", default="packed,spread")
     ap.add_argument("--mib-per-sm", type=int, default=8)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
     ways = [parse_way(w.strip()) for w in a.ways.split(",")]
     actives = [int(x) for x in a.active.split(",")]
+    patterns = a.patterns.split(",")
 
     import torch
     from cuda.bindings import driver
@@ -185,11 +252,46 @@ def main(argv=None) -> int:
     _check(driver.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
     cubin, _ = compile_kernels()
     module = _check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
-    funcs = {d: _check(driver.cuModuleGetFunction(module, f"stream_ldg_{d}".encode()), "get") for d in LDG_DEPTHS}
-    bulk = _check(driver.cuModuleGetFunction(module, b"stream_bulk"), "get")
-    for f in (*funcs.values(), bulk):  # 200 KiB of shared memory each: one CTA per SM, as the megakernel
+
+    def func(name: str):
+        f = _check(driver.cuModuleGetFunction(module, name.encode()), "cuModuleGetFunction")
+        # 200 KiB of shared memory each: one CTA per SM, as the megakernel
         _check(driver.cuFuncSetAttribute(f, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                          SMEM), "smem attribute")
+        return f
+
+    funcs = {d: func(f"stream_ldg_{d}") for d in LDG_DEPTHS}
+    bulk, where, where_clusters = func("stream_bulk"), func("where_ctas_run"), func("where_clusters_run")
+    stream = driver.CUstream(torch.cuda.current_stream().cuda_stream)
+
+    def launch(f, args, grid=sms):
+        ptrs = (ctypes.c_void_p * len(args))(*(ctypes.addressof(x) for x in args))
+        _check(driver.cuLaunchKernel(f, grid, 1, 1, THREADS, 1, 1, SMEM, stream, ctypes.addressof(ptrs), 0),
+               "cuLaunchKernel")
+
+    sm_of = torch.zeros(sms, dtype=torch.int32, device="cuda")
+    maps = []
+    for _ in range(3):
+        launch(where, [ctypes.c_void_p(sm_of.data_ptr())])
+        maps.append(sm_of.tolist())
+    clustered = []
+    grid4 = sms // 4 * 4
+    try:
+        for _ in range(40):
+            launch(where_clusters, [ctypes.c_void_p(sm_of.data_ptr())], grid4)
+            clustered.append(sm_of.tolist()[:grid4])
+        gpcs = gpcs_from_clusters(clustered)
+    except RuntimeError as e:  # no cluster launch: SM ids in runs of 16 stand in for GPCs
+        print(f"the launch in clusters failed ({e}); GPCs taken as runs of 16 SM ids instead")
+        ids = sorted(set(maps[0]))
+        gpcs = [ids[i:i + 16] for i in range(0, len(ids), 16)]
+    gpu = torch.cuda.get_device_name(0)
+    print(f"{gpu}: {sms} SMs; a plain launch puts CTA i on SM {maps[0][:16]} ... "
+          f"({'the same' if maps[0] == maps[1] == maps[2] else 'not the same'} in 3 launches)")
+    print(f"GPCs (SMs that ran one cluster of 4, joined over 40 launches; {sum(map(len, gpcs))} SMs): "
+          f"{len(gpcs)} of sizes {[len(g) for g in gpcs]}")
+    for g in gpcs:
+        print("  ", g)
 
     per_sm = a.mib_per_sm << 20
     data = torch.randint(-2**31, 2**31 - 1, (sms * per_sm // 4,), dtype=torch.int32, device="cuda")
@@ -197,52 +299,54 @@ def main(argv=None) -> int:
     expect = (words.sum(dim=1) % 2**32).cpu()  # the wrapping u32 sum of each CTA's region
     del words
     sums = torch.zeros(sms, dtype=torch.int32, device="cuda")
-    stream = driver.CUstream(torch.cuda.current_stream().cuda_stream)
-    gpu = torch.cuda.get_device_name(0)
+    pick = torch.zeros(256, dtype=torch.uint8, device="cuda")
 
-    def launch(way, active):
+    def run(way):
         sums.zero_()
         if way[0] == "ldg":
-            args = [ctypes.c_void_p(data.data_ptr()), ctypes.c_size_t(per_sm // 16), ctypes.c_int(active),
-                    ctypes.c_void_p(sums.data_ptr())]
-            func = funcs[way[1]]
+            launch(funcs[way[1]], [ctypes.c_void_p(data.data_ptr()), ctypes.c_size_t(per_sm // 16),
+                                   ctypes.c_void_p(pick.data_ptr()), ctypes.c_void_p(sums.data_ptr())])
         else:
-            args = [ctypes.c_void_p(data.data_ptr()), ctypes.c_size_t(per_sm), ctypes.c_int(active),
-                    ctypes.c_void_p(sums.data_ptr()), ctypes.c_uint32(way[1]), ctypes.c_uint32(way[2])]
-            func = bulk
-        ptrs = (ctypes.c_void_p * len(args))(*(ctypes.addressof(x) for x in args))
-        _check(driver.cuLaunchKernel(func, sms, 1, 1, THREADS, 1, 1, SMEM, stream, ctypes.addressof(ptrs), 0),
-               "cuLaunchKernel")
+            launch(bulk, [ctypes.c_void_p(data.data_ptr()), ctypes.c_size_t(per_sm), ctypes.c_void_p(pick.data_ptr()),
+                          ctypes.c_void_p(sums.data_ptr()), ctypes.c_uint32(way[1]), ctypes.c_uint32(way[2])])
 
     rows = []
-    print(f"{gpu}: {sms} SMs, {a.mib_per_sm} MiB per SM, {THREADS} threads, median of {a.reps}")
-    print(f"{'way':<16} {'in flight':>10} " + " ".join(f"{n:>13}" for n in actives))
+    print(f"{a.mib_per_sm} MiB per SM, {THREADS} threads, median of {a.reps}; each cell: GB/s per SM, TB/s in all")
+    print(f"{'way':<16} {'SMs picked':<10} {'in flight':>10} " + " ".join(f"{n:>13}" for n in actives))
     for way in ways:
-        cells = []
-        for active in actives:
-            launch(way, active)
-            torch.cuda.synchronize()
-            got = (sums.cpu().to(torch.int64) % 2**32)[:active]
-            if not torch.equal(got, expect[:active]):
-                raise SystemExit(f"{way}: the sums of what was read differ from torch's: a read went wrong")
-            times = []
-            for _ in range(a.reps):
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                launch(way, active)
-                e1.record()
+        for pattern in patterns:
+            cells = []
+            for active in actives:
+                chosen = pick_sms(gpcs, active, pattern)
+                pick.zero_()
+                pick[torch.tensor(chosen, dtype=torch.long)] = 1
+                run(way)
                 torch.cuda.synchronize()
-                times.append(e0.elapsed_time(e1) * 1e-3)
-            t = sorted(times)[len(times) // 2]
-            total = active * per_sm / t
-            cells.append(f"{total / active / 1e9:6.1f} {total / 1e12:5.2f}")
-            rows.append({"way": " ".join(map(str, way)), "in_flight_bytes": in_flight(way), "active_sms": active,
-                         "seconds": t, "gb_per_s_per_sm": total / active / 1e9, "tb_per_s": total / 1e12})
-        name = " ".join(map(str, way))
-        print(f"{name:<16} {in_flight(way) // 1024:>8} K " + " ".join(f"{c:>13}" for c in cells), flush=True)
-    print("each cell: GB/s per SM, TB/s in all")
+                got = sums.cpu().to(torch.int64) % 2**32
+                ran = got != 0
+                if int(ran.sum()) != len(chosen) or not torch.equal(got[ran], expect[ran]):
+                    raise SystemExit(f"{way} {pattern} {active}: {int(ran.sum())} CTAs read, {len(chosen)} picked, "
+                                     f"or their sums differ from torch's: a read went wrong")
+                times = []
+                for _ in range(a.reps):
+                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    e0.record()
+                    run(way)
+                    e1.record()
+                    torch.cuda.synchronize()
+                    times.append(e0.elapsed_time(e1) * 1e-3)
+                t = sorted(times)[len(times) // 2]
+                total = len(chosen) * per_sm / t
+                cells.append(f"{total / len(chosen) / 1e9:6.1f} {total / 1e12:5.2f}")
+                rows.append({"way": " ".join(map(str, way)), "pattern": pattern, "in_flight_bytes": in_flight(way),
+                             "active_sms": len(chosen), "seconds": t, "gb_per_s_per_sm": total / len(chosen) / 1e9,
+                             "tb_per_s": total / 1e12})
+            name = " ".join(map(str, way))
+            print(f"{name:<16} {pattern:<10} {in_flight(way) // 1024:>8} K " + " ".join(f"{c:>13}" for c in cells),
+                  flush=True)
     if a.json:
-        a.json.write_text(json.dumps({"gpu": gpu, "sms": sms, "mib_per_sm": a.mib_per_sm, "rows": rows}, indent=1))
+        a.json.write_text(json.dumps({"gpu": gpu, "sms": sms, "mib_per_sm": a.mib_per_sm, "cta_sm": maps[0],
+                                      "gpcs": gpcs, "rows": rows}, indent=1))
     return 0
 
 
