@@ -9,9 +9,9 @@ the kernel's shape); the CTAs on the SMs picked each read their own contiguous r
 checked launch; the regions together are several times the L2, so every byte comes from HBM.
 
 Which SMs: first the GPCs are found (a cluster's CTAs run in one GPC: CTAs launched in clusters of
-four, SMs that ran one cluster joined over 40 launches), then A SMs are picked "packed" (filling one
-GPC after another) or "spread" (one SM of each GPC in turn). It also prints where a plain launch
-puts CTA i (the megakernel's queue i).
+4 and of 16, SMs that ran one cluster joined), then A SMs are picked "packed" (filling one GPC after
+another), "spread" (one SM of each GPC in turn) or "low" (the lowest SM ids). It also prints where
+a plain launch puts CTA i (the megakernel's queue i).
 
 Ways to read, each the shape of a path the megakernel has or could have:
 
@@ -151,9 +151,12 @@ extern "C" __global__ void where_ctas_run(u32* sm_of) {
     if (threadIdx.x == 0) sm_of[blockIdx.x] = smid();
 }
 
-// The same in clusters of four: a cluster's CTAs run on SMs of one GPC, so SMs that share a cluster
-// share a GPC (the host joins them over many launches).
+// The same in clusters of four, and of sixteen (a non-portable size): a cluster's CTAs run on SMs of
+// one GPC, so SMs that share a cluster share a GPC (the host joins them over the launches).
 extern "C" __global__ void __cluster_dims__(4, 1, 1) where_clusters_run(u32* sm_of) {
+    if (threadIdx.x == 0) sm_of[blockIdx.x] = smid();
+}
+extern "C" __global__ void __cluster_dims__(16, 1, 1) where_clusters16_run(u32* sm_of) {
     if (threadIdx.x == 0) sm_of[blockIdx.x] = smid();
 }
 """
@@ -216,23 +219,25 @@ def gpcs_from_clusters(sm_of_launches: list[list[int]], cluster: int = 4) -> lis
 
 
 def pick_sms(gpcs: list[list[int]], count: int, pattern: str) -> list[int]:
-    """``count`` SMs: "packed" fills one GPC after another, "spread" takes one SM of each GPC in turn."""
+    """``count`` SMs (fewer where the GPCs hold fewer): "packed" fills one GPC after another, "spread"
+    takes one SM of each GPC in turn, "low" the lowest SM ids."""
     if pattern == "packed":
         return [sm for g in gpcs for sm in g][:count]
     if pattern == "spread":
-        out, depth = [], 0
-        while len(out) < count:
-            out += [g[depth] for g in gpcs if depth < len(g)][:count - len(out)]
-            depth += 1
-        return out
-    raise ValueError(f"pattern {pattern!r}: expected 'packed' or 'spread'")
+        out = []
+        for depth in range(max(map(len, gpcs))):
+            out += [g[depth] for g in gpcs if depth < len(g)]
+        return out[:count]
+    if pattern == "low":
+        return sorted(sm for g in gpcs for sm in g)[:count]
+    raise ValueError(f"pattern {pattern!r}: expected 'packed', 'spread' or 'low'")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--active", default="8,16,32,48,64,96,132")
-    ap.add_argument("--ways", default="ldg 4,ldg 8,ldg 16,bulk 32768 4")
-    ap.add_argument("--patterns", default="packed,spread")
+    ap.add_argument("--active", default="1,8,16,32,64,96,132")
+    ap.add_argument("--ways", default="ldg 8,ldg 16")
+    ap.add_argument("--patterns", default="packed,spread,low")
     ap.add_argument("--mib-per-sm", type=int, default=8)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", type=Path)
@@ -261,7 +266,8 @@ def main(argv=None) -> int:
         return f
 
     funcs = {d: func(f"stream_ldg_{d}") for d in LDG_DEPTHS}
-    bulk, where, where_clusters = func("stream_bulk"), func("where_ctas_run"), func("where_clusters_run")
+    bulk, where = func("stream_bulk"), func("where_ctas_run")
+    where_clusters, where_clusters16 = func("where_clusters_run"), func("where_clusters16_run")
     stream = driver.CUstream(torch.cuda.current_stream().cuda_stream)
 
     def launch(f, args, grid=sms):
@@ -274,21 +280,33 @@ def main(argv=None) -> int:
     for _ in range(3):
         launch(where, [ctypes.c_void_p(sm_of.data_ptr())])
         maps.append(sm_of.tolist())
-    clustered = []
-    grid4 = sms // 4 * 4
-    try:
-        for _ in range(40):
-            launch(where_clusters, [ctypes.c_void_p(sm_of.data_ptr())], grid4)
-            clustered.append(sm_of.tolist()[:grid4])
-        gpcs = gpcs_from_clusters(clustered)
-    except RuntimeError as e:  # no cluster launch: SM ids in runs of 16 stand in for GPCs
-        print(f"the launch in clusters failed ({e}); GPCs taken as runs of 16 SM ids instead")
-        ids = sorted(set(maps[0]))
-        gpcs = [ids[i:i + 16] for i in range(0, len(ids), 16)]
+    clustered: list[tuple[int, list[int]]] = []
+    for f, size in ((where_clusters, 4), (where_clusters16, 16)):
+        grid = sms // size * size
+        try:
+            if size > 8:
+                _check(driver.cuFuncSetAttribute(
+                    f, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1), "attr")
+            for _ in range(4):
+                launch(f, [ctypes.c_void_p(sm_of.data_ptr())], grid)
+                torch.cuda.synchronize()
+                clustered.append((size, sm_of.tolist()[:grid]))
+        except RuntimeError as e:
+            print(f"the launch in clusters of {size} failed: {e}")
+    gpcs = []
+    for size in (4, 16):
+        launches = [m for s, m in clustered if s == size]
+        if launches:
+            print(f"clusters of {size}: {[len(g) for g in gpcs_from_clusters(launches, size)]} SMs a group")
+    if clustered:  # the groups of both sizes joined; SMs no cluster ran on, one group each
+        joined = [m[c:c + s] * (16 // s) for s, m in clustered for c in range(0, len(m), s)]
+        gpcs = gpcs_from_clusters(joined, 16)
+    seen = {sm for g in gpcs for sm in g}
+    gpcs += [[sm] for sm in sorted(set(maps[0]) - seen)]
     gpu = torch.cuda.get_device_name(0)
     print(f"{gpu}: {sms} SMs; a plain launch puts CTA i on SM {maps[0][:16]} ... "
           f"({'the same' if maps[0] == maps[1] == maps[2] else 'not the same'} in 3 launches)")
-    print(f"GPCs (SMs that ran one cluster of 4, joined over 40 launches; {sum(map(len, gpcs))} SMs): "
+    print(f"GPCs (SMs that ran one cluster, joined over the launches; {sum(map(len, gpcs))} SMs): "
           f"{len(gpcs)} of sizes {[len(g) for g in gpcs]}")
     for g in gpcs:
         print("  ", g)

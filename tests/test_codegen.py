@@ -758,6 +758,7 @@ def test_sm_stream_gpcs_and_picks():
     assert gpcs == [[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11]]
     assert mod.pick_sms(gpcs, 3, "packed") == [0, 1, 2]
     assert mod.pick_sms(gpcs, 3, "spread") == [0, 6, 1]
-    assert sorted(mod.pick_sms([[0, 1, 2], [3]], 4, "spread")) == [0, 1, 2, 3]
+    assert sorted(mod.pick_sms([[0, 1, 2], [3]], 9, "spread")) == [0, 1, 2, 3]  # as many as there are
+    assert mod.pick_sms(gpcs, 3, "low") == [0, 1, 2]
     with pytest.raises(ValueError, match="packed"):
         mod.pick_sms(gpcs, 2, "random")
