@@ -94,10 +94,10 @@ __device__ __forceinline__ u32 smid() {
 __device__ __forceinline__ bool picked(const unsigned char* pick) { return pick[smid()] != 0; }
 
 #define LDG_KERNEL(D) \
-extern "C" __global__ void __launch_bounds__(256, 1) stream_ldg_##D(const uint4* data, size_t vecs, \
+extern "C" __global__ void __launch_bounds__(256, 1) stream_ldg_##D(const uint4* data, size_t vecs, size_t stride, \
                                                                    const unsigned char* pick, u32* sums) { \
     if (!picked(pick)) return; \
-    read_ldg<D>(data + (size_t)blockIdx.x * vecs, vecs, sums); \
+    read_ldg<D>(data + (size_t)blockIdx.x * stride, vecs, sums); \
 }
 LDG_KERNEL(2)
 LDG_KERNEL(4)
@@ -107,12 +107,13 @@ LDG_KERNEL(16)
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
 extern "C" __global__ void __launch_bounds__(256, 1) stream_bulk(const unsigned char* data, size_t bytes,
-                                                                  const unsigned char* pick, u32* sums, u32 chunk,
+                                                                  size_t stride, const unsigned char* pick,
+                                                                  u32* sums, u32 chunk,
                                                                   u32 stages) {
     extern __shared__ __align__(128) unsigned char ring[];
     __shared__ __align__(8) u64 bar[32];
     if (!picked(pick)) return;
-    const unsigned char* base = data + (size_t)blockIdx.x * bytes;
+    const unsigned char* base = data + (size_t)blockIdx.x * stride;
     const u32 chunks = (u32)(bytes / chunk);
     if (threadIdx.x < stages)
         asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar + threadIdx.x)) : "memory");
@@ -237,7 +238,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--active", default="1,8,16,32,64,96,132")
     ap.add_argument("--ways", default="ldg 8,ldg 16")
-    ap.add_argument("--patterns", default="packed,spread,low")
+    ap.add_argument("--patterns", default="low")
+    ap.add_argument("--skews", default="0,4352,69632,1118208",
+                    help="bytes between one SM's region and the next beyond their size (0: regions back to back, "
+                         "each at a multiple of the size)")
     ap.add_argument("--mib-per-sm", type=int, default=8)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", type=Path)
@@ -312,56 +316,62 @@ def main(argv=None) -> int:
         print("  ", g)
 
     per_sm = a.mib_per_sm << 20
-    data = torch.randint(-2**31, 2**31 - 1, (sms * per_sm // 4,), dtype=torch.int32, device="cuda")
-    words = data.view(sms, per_sm // 4).to(torch.int64)
-    expect = (words.sum(dim=1) % 2**32).cpu()  # the wrapping u32 sum of each CTA's region
-    del words
     sums = torch.zeros(sms, dtype=torch.int32, device="cuda")
     pick = torch.zeros(256, dtype=torch.uint8, device="cuda")
-
-    def run(way):
-        sums.zero_()
-        if way[0] == "ldg":
-            launch(funcs[way[1]], [ctypes.c_void_p(data.data_ptr()), ctypes.c_size_t(per_sm // 16),
-                                   ctypes.c_void_p(pick.data_ptr()), ctypes.c_void_p(sums.data_ptr())])
-        else:
-            launch(bulk, [ctypes.c_void_p(data.data_ptr()), ctypes.c_size_t(per_sm), ctypes.c_void_p(pick.data_ptr()),
-                          ctypes.c_void_p(sums.data_ptr()), ctypes.c_uint32(way[1]), ctypes.c_uint32(way[2])])
-
     rows = []
     print(f"{a.mib_per_sm} MiB per SM, {THREADS} threads, median of {a.reps}; each cell: GB/s per SM, TB/s in all")
-    print(f"{'way':<16} {'SMs picked':<10} {'in flight':>10} " + " ".join(f"{n:>13}" for n in actives))
-    for way in ways:
-        for pattern in patterns:
-            cells = []
-            for active in actives:
-                chosen = pick_sms(gpcs, active, pattern)
-                pick.zero_()
-                pick[torch.tensor(chosen, dtype=torch.long)] = 1
-                run(way)
-                torch.cuda.synchronize()
-                got = sums.cpu().to(torch.int64) % 2**32
-                ran = got != 0
-                if int(ran.sum()) != len(chosen) or not torch.equal(got[ran], expect[ran]):
-                    raise SystemExit(f"{way} {pattern} {active}: {int(ran.sum())} CTAs read, {len(chosen)} picked, "
-                                     f"or their sums differ from torch's: a read went wrong")
-                times = []
-                for _ in range(a.reps):
-                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    e0.record()
+    print(f"{'way':<16} {'SMs picked':<10} {'skew':>8} {'in flight':>10} " + " ".join(f"{n:>13}" for n in actives))
+    for skew in (int(x) for x in a.skews.split(",")):
+        if skew % 16:
+            raise SystemExit(f"--skews: {skew} is not a multiple of 16 bytes")
+        stride = per_sm + skew
+        data = torch.randint(-2**31, 2**31 - 1, (sms * stride // 4,), dtype=torch.int32, device="cuda")
+        words = data.view(sms, stride // 4)[:, :per_sm // 4].to(torch.int64)
+        expect = (words.sum(dim=1) % 2**32).cpu()  # the wrapping u32 sum of each CTA's region
+        del words
+
+        def run(way, data=data, stride=stride):
+            sums.zero_()
+            common = [ctypes.c_void_p(data.data_ptr())]
+            if way[0] == "ldg":
+                launch(funcs[way[1]], common + [ctypes.c_size_t(per_sm // 16), ctypes.c_size_t(stride // 16),
+                                                ctypes.c_void_p(pick.data_ptr()), ctypes.c_void_p(sums.data_ptr())])
+            else:
+                launch(bulk, common + [ctypes.c_size_t(per_sm), ctypes.c_size_t(stride), ctypes.c_void_p(pick.data_ptr()),
+                                       ctypes.c_void_p(sums.data_ptr()), ctypes.c_uint32(way[1]),
+                                       ctypes.c_uint32(way[2])])
+
+        for way in ways:
+            for pattern in patterns:
+                cells = []
+                for active in actives:
+                    chosen = pick_sms(gpcs, active, pattern)
+                    pick.zero_()
+                    pick[torch.tensor(chosen, dtype=torch.long)] = 1
                     run(way)
-                    e1.record()
                     torch.cuda.synchronize()
-                    times.append(e0.elapsed_time(e1) * 1e-3)
-                t = sorted(times)[len(times) // 2]
-                total = len(chosen) * per_sm / t
-                cells.append(f"{total / len(chosen) / 1e9:6.1f} {total / 1e12:5.2f}")
-                rows.append({"way": " ".join(map(str, way)), "pattern": pattern, "in_flight_bytes": in_flight(way),
-                             "active_sms": len(chosen), "seconds": t, "gb_per_s_per_sm": total / len(chosen) / 1e9,
-                             "tb_per_s": total / 1e12})
-            name = " ".join(map(str, way))
-            print(f"{name:<16} {pattern:<10} {in_flight(way) // 1024:>8} K " + " ".join(f"{c:>13}" for c in cells),
-                  flush=True)
+                    got = sums.cpu().to(torch.int64) % 2**32
+                    ran = got != 0
+                    if int(ran.sum()) != len(chosen) or not torch.equal(got[ran], expect[ran]):
+                        raise SystemExit(f"{way} {pattern} {active}: {int(ran.sum())} CTAs read, {len(chosen)} "
+                                         f"picked, or their sums differ from torch's: a read went wrong")
+                    times = []
+                    for _ in range(a.reps):
+                        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        e0.record()
+                        run(way)
+                        e1.record()
+                        torch.cuda.synchronize()
+                        times.append(e0.elapsed_time(e1) * 1e-3)
+                    t = sorted(times)[len(times) // 2]
+                    total = len(chosen) * per_sm / t
+                    cells.append(f"{total / len(chosen) / 1e9:6.1f} {total / 1e12:5.2f}")
+                    rows.append({"way": " ".join(map(str, way)), "pattern": pattern, "skew": skew,
+                                 "in_flight_bytes": in_flight(way), "active_sms": len(chosen), "seconds": t,
+                                 "gb_per_s_per_sm": total / len(chosen) / 1e9, "tb_per_s": total / 1e12})
+                name = " ".join(map(str, way))
+                print(f"{name:<16} {pattern:<10} {skew:>8} {in_flight(way) // 1024:>8} K "
+                      + " ".join(f"{c:>13}" for c in cells), flush=True)
     if a.json:
         a.json.write_text(json.dumps({"gpu": gpu, "sms": sms, "mib_per_sm": a.mib_per_sm, "cta_sm": maps[0],
                                       "gpcs": gpcs, "rows": rows}, indent=1))
