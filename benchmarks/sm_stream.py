@@ -99,6 +99,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) stream_ldg_##D(const uint4*
     if (!picked(pick)) return; \
     read_ldg<D>(data + (size_t)blockIdx.x * stride, vecs, sums); \
 }
+// The same at 512 threads (the warps of two 256-thread CTAs on one SM)
+#define LDG512_KERNEL(D) \
+extern "C" __global__ void __launch_bounds__(512, 1) stream_ldg512_##D(const uint4* data, size_t vecs, \
+                                                                      size_t stride, const unsigned char* pick, \
+                                                                      u32* sums) { \
+    if (!picked(pick)) return; \
+    read_ldg<D>(data + (size_t)blockIdx.x * stride, vecs, sums); \
+}
+LDG512_KERNEL(4)
+LDG512_KERNEL(8)
 LDG_KERNEL(2)
 LDG_KERNEL(4)
 LDG_KERNEL(8)
@@ -163,6 +173,7 @@ extern "C" __global__ void __cluster_dims__(16, 1, 1) where_clusters16_run(u32* 
 """
 
 LDG_DEPTHS = (2, 4, 8, 16)
+LDG512_DEPTHS = (4, 8)  # ldg512: 512 threads
 
 
 def _check(result, what):
@@ -176,17 +187,26 @@ def parse_way(text: str) -> tuple:
     parts = text.split()
     if parts[0] == "ldg" and len(parts) == 2 and int(parts[1]) in LDG_DEPTHS:
         return ("ldg", int(parts[1]))
+    if parts[0] == "ldg512" and len(parts) == 2 and int(parts[1]) in LDG512_DEPTHS:
+        return ("ldg512", int(parts[1]))
     if parts[0] == "bulk" and len(parts) == 3:
         chunk, stages = int(parts[1]), int(parts[2])
         if chunk % 16 or not 1 <= stages <= 32 or chunk * stages > 200 * 1024:
             raise ValueError(f"bulk {chunk} {stages}: chunk a multiple of 16 bytes, 1-32 stages, "
                              f"at most 200 KiB of ring")
         return ("bulk", chunk, stages)
-    raise ValueError(f"way {text!r}: expected 'ldg D' (D in {LDG_DEPTHS}) or 'bulk CHUNK_BYTES STAGES'")
+    raise ValueError(f"way {text!r}: expected 'ldg D' (D in {LDG_DEPTHS}), 'ldg512 D' (512 threads, D in "
+                     f"{LDG512_DEPTHS}) or 'bulk CHUNK_BYTES STAGES'")
 
 
 def in_flight(way: tuple) -> int:
-    return THREADS * 16 * way[1] * 2 if way[0] == "ldg" else way[1] * way[2]
+    if way[0] == "bulk":
+        return way[1] * way[2]
+    return threads_of(way) * 16 * way[1] * 2
+
+
+def threads_of(way: tuple) -> int:
+    return 512 if way[0] == "ldg512" else THREADS
 
 
 def compile_kernels() -> tuple[bytes, str]:
@@ -269,14 +289,15 @@ def main(argv=None) -> int:
                                          SMEM), "smem attribute")
         return f
 
-    funcs = {d: func(f"stream_ldg_{d}") for d in LDG_DEPTHS}
+    funcs = {("ldg", d): func(f"stream_ldg_{d}") for d in LDG_DEPTHS}
+    funcs |= {("ldg512", d): func(f"stream_ldg512_{d}") for d in LDG512_DEPTHS}
     bulk, where = func("stream_bulk"), func("where_ctas_run")
     where_clusters, where_clusters16 = func("where_clusters_run"), func("where_clusters16_run")
     stream = driver.CUstream(torch.cuda.current_stream().cuda_stream)
 
-    def launch(f, args, grid=sms):
+    def launch(f, args, grid=sms, threads=THREADS):
         ptrs = (ctypes.c_void_p * len(args))(*(ctypes.addressof(x) for x in args))
-        _check(driver.cuLaunchKernel(f, grid, 1, 1, THREADS, 1, 1, SMEM, stream, ctypes.addressof(ptrs), 0),
+        _check(driver.cuLaunchKernel(f, grid, 1, 1, threads, 1, 1, SMEM, stream, ctypes.addressof(ptrs), 0),
                "cuLaunchKernel")
 
     sm_of = torch.zeros(sms, dtype=torch.int32, device="cuda")
@@ -333,9 +354,10 @@ def main(argv=None) -> int:
         def run(way, data=data, stride=stride):
             sums.zero_()
             common = [ctypes.c_void_p(data.data_ptr())]
-            if way[0] == "ldg":
-                launch(funcs[way[1]], common + [ctypes.c_size_t(per_sm // 16), ctypes.c_size_t(stride // 16),
-                                                ctypes.c_void_p(pick.data_ptr()), ctypes.c_void_p(sums.data_ptr())])
+            if way[0] != "bulk":
+                launch(funcs[way], common + [ctypes.c_size_t(per_sm // 16), ctypes.c_size_t(stride // 16),
+                                             ctypes.c_void_p(pick.data_ptr()), ctypes.c_void_p(sums.data_ptr())],
+                       threads=threads_of(way))
             else:
                 launch(bulk, common + [ctypes.c_size_t(per_sm), ctypes.c_size_t(stride), ctypes.c_void_p(pick.data_ptr()),
                                        ctypes.c_void_p(sums.data_ptr()), ctypes.c_uint32(way[1]),

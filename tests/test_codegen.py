@@ -731,7 +731,8 @@ def test_sm_stream_kernels_compile_without_spills():
     mod = _sm_stream()
     cubin, log = mod.compile_kernels()
     assert cubin
-    for kernel in [f"stream_ldg_{d}" for d in mod.LDG_DEPTHS] + ["stream_bulk"]:
+    for kernel in ([f"stream_ldg_{d}" for d in mod.LDG_DEPTHS] + [f"stream_ldg512_{d}" for d in mod.LDG512_DEPTHS]
+                   + ["stream_bulk"]):
         res = parse_resources(log, kernel)
         assert res.regs > 0 and res.spills == 0, (kernel, res)
 
@@ -747,6 +748,7 @@ def test_sm_stream_bytes_in_flight():
     mod = _sm_stream()
     assert mod.in_flight(mod.parse_way("ldg 8")) == 256 * 16 * 8 * 2  # two register batches
     assert mod.in_flight(mod.parse_way("bulk 16384 8")) == 128 * 1024
+    assert mod.in_flight(mod.parse_way("ldg512 4")) == 512 * 16 * 4 * 2
 
 
 def test_sm_stream_gpcs_and_picks():
