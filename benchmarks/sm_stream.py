@@ -56,21 +56,28 @@ __device__ __forceinline__ uint4 ldg16(const void* p) {
 __device__ __forceinline__ u32 fold(uint4 v) { return v.x + v.y + v.z + v.w; }
 
 // The wrapping sum of every 32-bit word each active CTA read, into sums[blockIdx.x].
-template <int D>
+// WARPS: each warp streams its own contiguous part of the region (as the GEMV's warps each stream a
+// 16-row group), else the CTA sweeps the region as one stream.
+template <int D, bool WARPS = false>
 __device__ void read_ldg(const uint4* base, size_t vecs, u32* sums) {
     u32 s = 0;
     uint4 a[D], b[D];
-    const size_t step = (size_t)D * blockDim.x;  // vectors per batch
+    const int lanes = WARPS ? 32 : blockDim.x, lane = WARPS ? threadIdx.x % 32 : threadIdx.x;
+    if (WARPS) {
+        vecs /= blockDim.x / 32;
+        base += (threadIdx.x / 32) * vecs;
+    }
+    const size_t step = (size_t)D * lanes;  // vectors per batch
 #pragma unroll
-    for (int j = 0; j < D; ++j) a[j] = ldg16(base + j * blockDim.x + threadIdx.x);
+    for (int j = 0; j < D; ++j) a[j] = ldg16(base + j * lanes + lane);
     for (size_t i = step; i < vecs; i += 2 * step) {
 #pragma unroll
-        for (int j = 0; j < D; ++j) b[j] = ldg16(base + i + j * blockDim.x + threadIdx.x);
+        for (int j = 0; j < D; ++j) b[j] = ldg16(base + i + j * lanes + lane);
 #pragma unroll
         for (int j = 0; j < D; ++j) s += fold(a[j]);
         if (i + step < vecs) {
 #pragma unroll
-            for (int j = 0; j < D; ++j) a[j] = ldg16(base + i + step + j * blockDim.x + threadIdx.x);
+            for (int j = 0; j < D; ++j) a[j] = ldg16(base + i + step + j * lanes + lane);
         } else {
 #pragma unroll
             for (int j = 0; j < D; ++j) a[j] = make_uint4(0, 0, 0, 0);
@@ -109,6 +116,15 @@ extern "C" __global__ void __launch_bounds__(512, 1) stream_ldg512_##D(const uin
 }
 LDG512_KERNEL(4)
 LDG512_KERNEL(8)
+// Each warp its own stream
+#define LDGW_KERNEL(D) \
+extern "C" __global__ void __launch_bounds__(256, 1) stream_ldgw_##D(const uint4* data, size_t vecs, size_t stride, \
+                                                                    const unsigned char* pick, u32* sums) { \
+    if (!picked(pick)) return; \
+    read_ldg<D, true>(data + (size_t)blockIdx.x * stride, vecs, sums); \
+}
+LDGW_KERNEL(8)
+LDGW_KERNEL(16)
 LDG_KERNEL(2)
 LDG_KERNEL(4)
 LDG_KERNEL(8)
@@ -174,6 +190,7 @@ extern "C" __global__ void __cluster_dims__(16, 1, 1) where_clusters16_run(u32* 
 
 LDG_DEPTHS = (2, 4, 8, 16)
 LDG512_DEPTHS = (4, 8)  # ldg512: 512 threads
+LDGW_DEPTHS = (8, 16)  # ldgw: a stream per warp
 
 
 def _check(result, what):
@@ -189,6 +206,8 @@ def parse_way(text: str) -> tuple:
         return ("ldg", int(parts[1]))
     if parts[0] == "ldg512" and len(parts) == 2 and int(parts[1]) in LDG512_DEPTHS:
         return ("ldg512", int(parts[1]))
+    if parts[0] == "ldgw" and len(parts) == 2 and int(parts[1]) in LDGW_DEPTHS:
+        return ("ldgw", int(parts[1]))
     if parts[0] == "bulk" and len(parts) == 3:
         chunk, stages = int(parts[1]), int(parts[2])
         if chunk % 16 or not 1 <= stages <= 32 or chunk * stages > 200 * 1024:
@@ -196,7 +215,7 @@ def parse_way(text: str) -> tuple:
                              f"at most 200 KiB of ring")
         return ("bulk", chunk, stages)
     raise ValueError(f"way {text!r}: expected 'ldg D' (D in {LDG_DEPTHS}), 'ldg512 D' (512 threads, D in "
-                     f"{LDG512_DEPTHS}) or 'bulk CHUNK_BYTES STAGES'")
+                     f"{LDG512_DEPTHS}), 'ldgw D' (a stream per warp, D in {LDGW_DEPTHS}) or 'bulk CHUNK_BYTES STAGES'")
 
 
 def in_flight(way: tuple) -> int:
@@ -291,6 +310,7 @@ def main(argv=None) -> int:
 
     funcs = {("ldg", d): func(f"stream_ldg_{d}") for d in LDG_DEPTHS}
     funcs |= {("ldg512", d): func(f"stream_ldg512_{d}") for d in LDG512_DEPTHS}
+    funcs |= {("ldgw", d): func(f"stream_ldgw_{d}") for d in LDGW_DEPTHS}
     bulk, where = func("stream_bulk"), func("where_ctas_run")
     where_clusters, where_clusters16 = func("where_clusters_run"), func("where_clusters16_run")
     stream = driver.CUstream(torch.cuda.current_stream().cuda_stream)
