@@ -137,7 +137,12 @@ class Ceilings:
     # Checked against North Mini Code's measured steps on an H200 (configs/tuning/h200.json, each
     # entry's time of every count; plan.py): caps of 60 / 40 GB/s pick the fastest count at 9 of 11
     # points, as 45 / 35, 80 / 40 and 60 / 60 do, and put the profiled batch-1 step at 8K (2374 µs
-    # on 2026-12-05) at 2305 µs, where the list scheduler's prediction says 2805.
+    # on 2026-12-05) at 2305 µs, where the list scheduler's prediction says 2805. Measured directly
+    # on an H100 (benchmarks/sm_stream.py, 2026-12-05 19:10-19:36 UTC, BENCHMARKS.md): an SM among 8
+    # to 32 that stream reads 45-57 GB/s, whatever its bytes in flight (32-128 KB), threads or GPC.
+    # Together A SMs reach the read bandwidth more gradually than this rule shares it (1.6 TB/s at
+    # 32 SMs, 2.5 at 64, against 1.92 and 3.04 here), but a saturation curve fitted to that put the
+    # simulated steps 5-17% high with these fixed times (fitted under this rule): not adopted.
     sm_stream_cap: float = 60e9
     split_stream_cap: float = 40e9
     sim_hop: float = 0.8e-6
