@@ -141,8 +141,9 @@ class Ceilings:
     # on an H100 (benchmarks/sm_stream.py, 2026-12-05 19:10-19:36 UTC, BENCHMARKS.md): an SM among 8
     # to 32 that stream reads 45-57 GB/s, whatever its bytes in flight (32-128 KB), threads or GPC.
     # Together A SMs reach the read bandwidth more gradually than this rule shares it (1.6 TB/s at
-    # 32 SMs, 2.5 at 64, against 1.92 and 3.04 here), but a saturation curve fitted to that put the
-    # simulated steps 5-17% high with these fixed times (fitted under this rule): not adopted.
+    # 32 SMs, 2.5 at 64, against 1.92 and 3.04 here), but no saturation curve that follows that
+    # measurement put the 15 measured steps nearer than this rule (mean 2.0%, worst 4.9%) in a grid
+    # over the curve, the caps, the fixed times and the hop (BENCHMARKS.md): not adopted.
     sm_stream_cap: float = 60e9
     split_stream_cap: float = 40e9
     sim_hop: float = 0.8e-6
