@@ -25,6 +25,12 @@ Ways to read, each the shape of a path the megakernel has or could have:
 
     python benchmarks/sm_stream.py [--active 8,16,32,64,96,132] [--ways "ldg 8,bulk 32768 4"]
         [--patterns packed,spread] [--mib-per-sm 8] [--reps 5] [--json OUT.json]
+    python benchmarks/sm_stream.py --l2 [--keep-kib-per-sm 160] [--stream-kib-per-sm 576]
+
+With ``--l2``, instead of the table: the L2's read rate (each SM re-reading 64 KiB of its own), and
+what share of a region read with an eviction priority (21 MB by default: a layer's QKV and router
+weights) is still in L2 after other bytes stream with one (78 MB: a batch-1 layer's expert weights),
+for the design in docs/kernel.md ("Next: the layer boundary off the chain").
 
 Prints the GPCs, then a table of GB/s per SM and TB/s in all, per way, pattern and SM count. The
 sum of every byte read is checked against torch's (a wrong address or a stage read before it
@@ -53,13 +59,35 @@ __device__ __forceinline__ uint4 ldg16(const void* p) {
     return v;
 }
 
+// The same with an L2 eviction priority (createpolicy): 1 evict-first, 2 evict-last.
+template <int POL>
+__device__ __forceinline__ uint4 ldg16(const void* p, u64 pol) {
+    if constexpr (POL == 0) {
+        return ldg16(p);
+    } else {
+        uint4 v;
+        asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(pol));
+        return v;
+    }
+}
+
+template <int POL>
+__device__ __forceinline__ u64 l2_policy() {
+    u64 pol = 0;
+    if constexpr (POL == 1) asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+    if constexpr (POL == 2) asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
+    return pol;
+}
+
 __device__ __forceinline__ u32 fold(uint4 v) { return v.x + v.y + v.z + v.w; }
 
 // The wrapping sum of every 32-bit word each active CTA read, into sums[blockIdx.x].
 // WARPS: each warp streams its own contiguous part of the region (as the GEMV's warps each stream a
 // 16-row group), else the CTA sweeps the region as one stream.
-template <int D, bool WARPS = false>
+template <int D, bool WARPS = false, int POL = 0>
 __device__ void read_ldg(const uint4* base, size_t vecs, u32* sums) {
+    const u64 pol = l2_policy<POL>();
     u32 s = 0;
     uint4 a[D], b[D];
     const int lanes = WARPS ? 32 : blockDim.x, lane = WARPS ? threadIdx.x % 32 : threadIdx.x;
@@ -69,15 +97,15 @@ __device__ void read_ldg(const uint4* base, size_t vecs, u32* sums) {
     }
     const size_t step = (size_t)D * lanes;  // vectors per batch
 #pragma unroll
-    for (int j = 0; j < D; ++j) a[j] = ldg16(base + j * lanes + lane);
+    for (int j = 0; j < D; ++j) a[j] = ldg16<POL>(base + j * lanes + lane, pol);
     for (size_t i = step; i < vecs; i += 2 * step) {
 #pragma unroll
-        for (int j = 0; j < D; ++j) b[j] = ldg16(base + i + j * lanes + lane);
+        for (int j = 0; j < D; ++j) b[j] = ldg16<POL>(base + i + j * lanes + lane, pol);
 #pragma unroll
         for (int j = 0; j < D; ++j) s += fold(a[j]);
         if (i + step < vecs) {
 #pragma unroll
-            for (int j = 0; j < D; ++j) a[j] = ldg16(base + i + step + j * lanes + lane);
+            for (int j = 0; j < D; ++j) a[j] = ldg16<POL>(base + i + step + j * lanes + lane, pol);
         } else {
 #pragma unroll
             for (int j = 0; j < D; ++j) a[j] = make_uint4(0, 0, 0, 0);
@@ -171,6 +199,18 @@ extern "C" __global__ void __launch_bounds__(256, 1) stream_bulk(const unsigned 
         if (threadIdx.x == 0 && c + stages < chunks) issue(c + stages);
     }
     atomicAdd(sums + blockIdx.x, s);
+}
+
+// Every CTA reads its region `passes` times with L2 eviction priority `policy` (0 none, 1 first,
+// 2 last): the L2's read rate (a region that fits, read again) and what stays in it (--l2).
+extern "C" __global__ void __launch_bounds__(256, 1) l2_read(const uint4* data, size_t vecs, size_t stride,
+                                                              int passes, int policy, u32* sums) {
+    const uint4* base = data + (size_t)blockIdx.x * stride;
+    for (int p = 0; p < passes; ++p) {
+        if (policy == 1) read_ldg<8, false, 1>(base, vecs, sums);
+        else if (policy == 2) read_ldg<8, false, 2>(base, vecs, sums);
+        else read_ldg<8, false, 0>(base, vecs, sums);
+    }
 }
 
 // Where each CTA ran: smid[blockIdx] (a plain launch: the megakernel's queue -> SM map)
@@ -273,6 +313,85 @@ def pick_sms(gpcs: list[list[int]], count: int, pattern: str) -> list[int]:
     raise ValueError(f"pattern {pattern!r}: expected 'packed', 'spread' or 'low'")
 
 
+L2_POLICIES = {0: "no hint", 1: "evict-first", 2: "evict-last"}
+
+
+def l2_report(torch, launch, sms: int, a) -> dict:
+    """--l2: every SM reads a region of its own with ``l2_read`` (8-deep register batches).
+
+    1. The L2's read rate: regions of 64 KiB per SM (8.4 MB on 132 SMs), read once, then 16 times
+       in one launch, timed.
+    2. What stays in L2: a region to keep (``--keep-kib-per-sm``) is read with an eviction priority,
+       then ``--stream-kib-per-sm`` of other bytes with one, then the kept region is read again and
+       timed, against the same read cold (after 1 GiB of other reads) and warm (read just before).
+       The share kept is (cold - after) / (cold - warm).
+    """
+    kib = 1024
+    sums = torch.zeros(sms, dtype=torch.int32, device="cuda")
+    bufs: dict[int, object] = {}
+
+    def buf(kib_per_sm: int):
+        if kib_per_sm not in bufs:
+            bufs[kib_per_sm] = torch.randint(-2**31, 2**31 - 1, (sms * kib_per_sm * kib // 4,), dtype=torch.int32,
+                                             device="cuda")
+        return bufs[kib_per_sm]
+
+    def read(kib_per_sm: int, passes: int = 1, policy: int = 0):
+        vecs = kib_per_sm * kib // 16
+        launch([ctypes.c_void_p(buf(kib_per_sm).data_ptr()), ctypes.c_size_t(vecs), ctypes.c_size_t(vecs),
+                ctypes.c_int(passes), ctypes.c_int(policy), ctypes.c_void_p(sums.data_ptr())])
+
+    def timed(fn, reps: int = a.reps) -> float:  # µs, median; fn sets up, then returns the timed call
+        times = []
+        for _ in range(reps):
+            call = fn()
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            call()
+            e1.record()
+            torch.cuda.synchronize()
+            times.append(e0.elapsed_time(e1) * 1e3)
+        return sorted(times)[len(times) // 2]
+
+    flush = 8 * kib  # KiB per SM: 1 GiB on 132 SMs
+    keep, stream = a.keep_kib_per_sm, a.stream_kib_per_sm
+    sums.zero_()
+    read(keep)
+    torch.cuda.synchronize()
+    want = (buf(keep).view(sms, -1).to(torch.int64).sum(dim=1) % 2**32).cpu()
+    if not torch.equal(sums.cpu().to(torch.int64) % 2**32, want):
+        raise SystemExit("--l2: the sums of what was read differ from torch's: a read went wrong")
+
+    read(64)
+    t = timed(lambda: (lambda: read(64, passes=16)))
+    rate = 64 * kib * 16 / (t * 1e-6)
+    print(f"L2 read rate: {sms} SMs each reading its 64 KiB 16 times: {t:.1f} µs, {rate / 1e9:.1f} GB/s per SM, "
+          f"{rate * sms / 1e12:.2f} TB/s in all")
+
+    def after(keep_policy: int, stream_policy: int | None):
+        def setup():
+            read(flush)
+            read(keep, policy=keep_policy)
+            if stream_policy is not None:
+                read(stream, policy=stream_policy)
+            return lambda: read(keep)
+        return setup
+
+    cold = timed(lambda: (read(flush), lambda: read(keep))[1])
+    warm = timed(after(0, None))
+    mb = sms * keep * kib / 1e6
+    print(f"kept region: {mb:.1f} MB ({keep} KiB per SM): cold {cold:.1f} µs, read again at once {warm:.1f} µs")
+    rows = []
+    for kp, sp in ((0, 0), (2, 0), (2, 1), (0, 1)):
+        t = timed(after(kp, sp))
+        share = (cold - t) / (cold - warm) if cold > warm else float("nan")
+        rows.append({"keep_policy": L2_POLICIES[kp], "stream_policy": L2_POLICIES[sp], "us": t, "kept_share": share})
+        print(f"  read {L2_POLICIES[kp]}, then {sms * stream * kib / 1e6:.1f} MB streamed {L2_POLICIES[sp]}: "
+              f"{t:.1f} µs, {share:.0%} kept")
+    return {"l2_read_gb_per_s_per_sm": rate / 1e9, "keep_mb": mb, "stream_mb": sms * stream * kib / 1e6,
+            "cold_us": cold, "warm_us": warm, "after_streams": rows}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--active", default="1,8,16,32,64,96,132")
@@ -283,6 +402,12 @@ def main(argv=None) -> int:
                          "each at a multiple of the size)")
     ap.add_argument("--mib-per-sm", type=int, default=8)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--l2", action="store_true",
+                    help="instead of the table: the L2's read rate and what stays in it under other streams")
+    ap.add_argument("--keep-kib-per-sm", type=int, default=160,
+                    help="--l2: the region to keep (160 KiB per SM: 21 MB, a layer's QKV and router weights)")
+    ap.add_argument("--stream-kib-per-sm", type=int, default=576,
+                    help="--l2: the bytes streamed in between (576 KiB per SM: 78 MB, a batch-1 layer's experts)")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
     ways = [parse_way(w.strip()) for w in a.ways.split(",")]
@@ -311,6 +436,7 @@ def main(argv=None) -> int:
     funcs = {("ldg", d): func(f"stream_ldg_{d}") for d in LDG_DEPTHS}
     funcs |= {("ldg512", d): func(f"stream_ldg512_{d}") for d in LDG512_DEPTHS}
     funcs |= {("ldgw", d): func(f"stream_ldgw_{d}") for d in LDGW_DEPTHS}
+    l2_read = func("l2_read")
     bulk, where = func("stream_bulk"), func("where_ctas_run")
     where_clusters, where_clusters16 = func("where_clusters_run"), func("where_clusters16_run")
     stream = driver.CUstream(torch.cuda.current_stream().cuda_stream)
@@ -356,6 +482,11 @@ def main(argv=None) -> int:
     for g in gpcs:
         print("  ", g)
 
+    if a.l2:
+        report = l2_report(torch, lambda args: launch(l2_read, args), sms, a)
+        if a.json:
+            a.json.write_text(json.dumps({"gpu": gpu, "sms": sms, **report}, indent=1))
+        return 0
     per_sm = a.mib_per_sm << 20
     sums = torch.zeros(sms, dtype=torch.int32, device="cuda")
     pick = torch.zeros(256, dtype=torch.uint8, device="cuda")

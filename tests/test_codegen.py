@@ -733,7 +733,7 @@ def test_sm_stream_kernels_compile_without_spills():
     assert cubin
     for kernel in ([f"stream_ldg_{d}" for d in mod.LDG_DEPTHS] + [f"stream_ldg512_{d}" for d in mod.LDG512_DEPTHS]
                    + [f"stream_ldgw_{d}" for d in mod.LDGW_DEPTHS]
-                   + ["stream_bulk"]):
+                   + ["stream_bulk", "l2_read"]):
         res = parse_resources(log, kernel)
         assert res.regs > 0 and res.spills == 0, (kernel, res)
 
