@@ -28,6 +28,8 @@
 # --quick: the default stages at batch 1 and 8 only.
 # --bench (limits 20 + 100 + 100 + 60 = 280 s): pip, bench, bench_paged (the same with the paged KV
 #   cache, --page-size 256), profile.
+# --reads (limits 20 + 120 + 120 = 260 s): pip, then benchmarks/sm_stream.py: what A SMs read
+#   (sm_stream) and the L2's read rate and what stays in it under other streams (sm_stream_l2).
 # --long (limits 20 + 270 + 270 = 560 s): pip, then mkc bench at batch 1 and 8 and contexts 32768
 #   and 131072, contiguous (bench_long) and paged (bench_long_paged). Before each engine allocates,
 #   bench compares its memory estimate with the GPU's free memory and skips it with what it needed
@@ -44,7 +46,8 @@ for arg in "$@"; do
     --quick) batches=1,8 ;;
     --bench) mode=bench ;;
     --long) mode=long ;;
-    *) echo "usage: OUT=DIR bash benchmarks/gpu_session.sh [--quick | --bench | --long]" >&2; exit 2 ;;
+    --reads) mode=reads ;;
+    *) echo "usage: OUT=DIR bash benchmarks/gpu_session.sh [--quick | --bench | --long | --reads]" >&2; exit 2 ;;
   esac
 done
 stage() {  # name, timeout (s), command...
@@ -61,6 +64,11 @@ bench() {  # stage name, timeout (s), mkc bench arguments...
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/env.log" 2>&1
 stage pip 20 python3 -m pip install -q --no-deps --no-build-isolation -e .
+if [ "$mode" = reads ]; then
+  stage sm_stream 120 python3 benchmarks/sm_stream.py --json "$OUT/sm_stream.json"
+  stage sm_stream_l2 120 python3 benchmarks/sm_stream.py --l2 --json "$OUT/sm_stream_l2.json"
+  exit 0
+fi
 if [ "$mode" = long ]; then
   bench bench_long 270 --batch 1,8 --context 32768,131072
   bench bench_long_paged 270 --batch 1,8 --context 32768,131072 --page-size 256

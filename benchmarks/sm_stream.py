@@ -397,7 +397,7 @@ def main(argv=None) -> int:
     ap.add_argument("--active", default="1,8,16,32,64,96,132")
     ap.add_argument("--ways", default="ldg 8,ldg 16")
     ap.add_argument("--patterns", default="low")
-    ap.add_argument("--skews", default="0,4352,69632,1118208",
+    ap.add_argument("--skews", default="0",
                     help="bytes between one SM's region and the next beyond their size (0: regions back to back, "
                          "each at a multiple of the size)")
     ap.add_argument("--mib-per-sm", type=int, default=8)
