@@ -29,8 +29,9 @@ Ways to read, each the shape of a path the megakernel has or could have:
 
 With ``--l2``, instead of the table: the L2's read rate (each SM re-reading 64 KiB of its own), and
 what share of a region read with an eviction priority (21 MB by default: a layer's QKV and router
-weights) is still in L2 after other bytes stream with one (78 MB: a batch-1 layer's expert weights),
-for the design in docs/kernel.md ("Next: the layer boundary off the chain").
+weights) is still in L2 after other bytes stream with one (78 MB: a batch-1 layer's expert weights):
+whether a layer's weights read once could be read again from L2 later in the step (docs/kernel.md,
+"The layer boundary off the chain").
 
 Prints the GPCs, then a table of GB/s per SM and TB/s in all, per way, pattern and SM count. The
 sum of every byte read is checked against torch's (a wrong address or a stage read before it
