@@ -276,9 +276,9 @@ def compile_kernels() -> tuple[bytes, str]:
     return nvrtc.compile_cubin(SOURCE, "sm_stream", nvrtc.options(Path(__file__).parent), None)
 
 
-def gpcs_from_clusters(sm_of_launches: list[list[int]], cluster: int = 4) -> list[list[int]]:
-    """SMs grouped by GPC: SMs that ran CTAs of one cluster (blockIdx // cluster) share a GPC, and
-    sharing is transitive; the groups sorted by their smallest SM."""
+def gpcs_from_clusters(clusters: list[list[int]]) -> list[list[int]]:
+    """SMs grouped by GPC: the SMs that ran one cluster's CTAs share a GPC, and sharing is
+    transitive; the groups sorted by their smallest SM."""
     parent: dict[int, int] = {}
 
     def root(x: int) -> int:
@@ -288,11 +288,10 @@ def gpcs_from_clusters(sm_of_launches: list[list[int]], cluster: int = 4) -> lis
             x = parent[x]
         return x
 
-    for sm_of in sm_of_launches:
-        for c in range(0, len(sm_of) - cluster + 1, cluster):
-            first = root(sm_of[c])
-            for sm in sm_of[c + 1:c + cluster]:
-                parent[root(sm)] = first
+    for cluster in clusters:
+        first = root(cluster[0])
+        for sm in cluster[1:]:
+            parent[root(sm)] = first
     groups: dict[int, list[int]] = {}
     for sm in parent:
         groups.setdefault(root(sm), []).append(sm)
@@ -312,6 +311,21 @@ def pick_sms(gpcs: list[list[int]], count: int, pattern: str) -> list[int]:
     if pattern == "low":
         return sorted(sm for g in gpcs for sm in g)[:count]
     raise ValueError(f"pattern {pattern!r}: expected 'packed', 'spread' or 'low'")
+
+
+def median_us(torch, reps: int, call, setup=lambda: None) -> float:
+    """The median over ``reps`` of ``call``'s time on the GPU in µs (CUDA events), ``setup`` enqueued
+    before each."""
+    times = []
+    for _ in range(reps):
+        setup()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        call()
+        e1.record()
+        torch.cuda.synchronize()
+        times.append(e0.elapsed_time(e1) * 1e3)
+    return sorted(times)[len(times) // 2]
 
 
 L2_POLICIES = {0: "no hint", 1: "evict-first", 2: "evict-last"}
@@ -342,18 +356,6 @@ def l2_report(torch, launch, sms: int, a) -> dict:
         launch([ctypes.c_void_p(buf(kib_per_sm).data_ptr()), ctypes.c_size_t(vecs), ctypes.c_size_t(vecs),
                 ctypes.c_int(passes), ctypes.c_int(policy), ctypes.c_void_p(sums.data_ptr())])
 
-    def timed(fn, reps: int = a.reps) -> float:  # µs, median; fn sets up, then returns the timed call
-        times = []
-        for _ in range(reps):
-            call = fn()
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            call()
-            e1.record()
-            torch.cuda.synchronize()
-            times.append(e0.elapsed_time(e1) * 1e3)
-        return sorted(times)[len(times) // 2]
-
     flush = 8 * kib  # KiB per SM: 1 GiB on 132 SMs
     keep, stream = a.keep_kib_per_sm, a.stream_kib_per_sm
     sums.zero_()
@@ -364,27 +366,26 @@ def l2_report(torch, launch, sms: int, a) -> dict:
         raise SystemExit("--l2: the sums of what was read differ from torch's: a read went wrong")
 
     read(64)
-    t = timed(lambda: (lambda: read(64, passes=16)))
+    t = median_us(torch, a.reps, lambda: read(64, passes=16))
     rate = 64 * kib * 16 / (t * 1e-6)
     print(f"L2 read rate: {sms} SMs each reading its 64 KiB 16 times: {t:.1f} µs, {rate / 1e9:.1f} GB/s per SM, "
           f"{rate * sms / 1e12:.2f} TB/s in all")
 
-    def after(keep_policy: int, stream_policy: int | None):
+    def after(keep_policy: int, stream_policy: int | None):  # the set-up before the kept region's read
         def setup():
             read(flush)
             read(keep, policy=keep_policy)
             if stream_policy is not None:
                 read(stream, policy=stream_policy)
-            return lambda: read(keep)
         return setup
 
-    cold = timed(lambda: (read(flush), lambda: read(keep))[1])
-    warm = timed(after(0, None))
+    cold = median_us(torch, a.reps, lambda: read(keep), lambda: read(flush))
+    warm = median_us(torch, a.reps, lambda: read(keep), after(0, None))
     mb = sms * keep * kib / 1e6
     print(f"kept region: {mb:.1f} MB ({keep} KiB per SM): cold {cold:.1f} µs, read again at once {warm:.1f} µs")
     rows = []
     for kp, sp in ((0, 0), (2, 0), (2, 1), (0, 1)):
-        t = timed(after(kp, sp))
+        t = median_us(torch, a.reps, lambda: read(keep), after(kp, sp))
         share = (cold - t) / (cold - warm) if cold > warm else float("nan")
         rows.append({"keep_policy": L2_POLICIES[kp], "stream_policy": L2_POLICIES[sp], "us": t, "kept_share": share})
         print(f"  read {L2_POLICIES[kp]}, then {sms * stream * kib / 1e6:.1f} MB streamed {L2_POLICIES[sp]}: "
@@ -447,12 +448,18 @@ def main(argv=None) -> int:
         _check(driver.cuLaunchKernel(f, grid, 1, 1, threads, 1, 1, SMEM, stream, ctypes.addressof(ptrs), 0),
                "cuLaunchKernel")
 
+    gpu = torch.cuda.get_device_name(0)
+    if a.l2:  # every SM reads: no GPCs needed
+        report = l2_report(torch, lambda args: launch(l2_read, args), sms, a)
+        if a.json:
+            a.json.write_text(json.dumps({"gpu": gpu, "sms": sms, **report}, indent=1))
+        return 0
     sm_of = torch.zeros(sms, dtype=torch.int32, device="cuda")
     maps = []
     for _ in range(3):
         launch(where, [ctypes.c_void_p(sm_of.data_ptr())])
         maps.append(sm_of.tolist())
-    clustered: list[tuple[int, list[int]]] = []
+    clusters: dict[int, list[list[int]]] = {4: [], 16: []}  # by size: the SMs each cluster ran on
     for f, size in ((where_clusters, 4), (where_clusters16, 16)):
         grid = sms // size * size
         try:
@@ -462,20 +469,16 @@ def main(argv=None) -> int:
             for _ in range(4):
                 launch(f, [ctypes.c_void_p(sm_of.data_ptr())], grid)
                 torch.cuda.synchronize()
-                clustered.append((size, sm_of.tolist()[:grid]))
+                ran = sm_of.tolist()
+                clusters[size] += [ran[c:c + size] for c in range(0, grid, size)]
         except RuntimeError as e:
             print(f"the launch in clusters of {size} failed: {e}")
-    gpcs = []
-    for size in (4, 16):
-        launches = [m for s, m in clustered if s == size]
-        if launches:
-            print(f"clusters of {size}: {[len(g) for g in gpcs_from_clusters(launches, size)]} SMs a group")
-    if clustered:  # the groups of both sizes joined; SMs no cluster ran on, one group each
-        joined = [m[c:c + s] * (16 // s) for s, m in clustered for c in range(0, len(m), s)]
-        gpcs = gpcs_from_clusters(joined, 16)
+    for size, cs in clusters.items():
+        if cs:
+            print(f"clusters of {size}: {[len(g) for g in gpcs_from_clusters(cs)]} SMs a group")
+    gpcs = gpcs_from_clusters(clusters[4] + clusters[16])  # both sizes joined; SMs no cluster ran on, one group each
     seen = {sm for g in gpcs for sm in g}
     gpcs += [[sm] for sm in sorted(set(maps[0]) - seen)]
-    gpu = torch.cuda.get_device_name(0)
     print(f"{gpu}: {sms} SMs; a plain launch puts CTA i on SM {maps[0][:16]} ... "
           f"({'the same' if maps[0] == maps[1] == maps[2] else 'not the same'} in 3 launches)")
     print(f"GPCs (SMs that ran one cluster, joined over the launches; {sum(map(len, gpcs))} SMs): "
@@ -483,11 +486,6 @@ def main(argv=None) -> int:
     for g in gpcs:
         print("  ", g)
 
-    if a.l2:
-        report = l2_report(torch, lambda args: launch(l2_read, args), sms, a)
-        if a.json:
-            a.json.write_text(json.dumps({"gpu": gpu, "sms": sms, **report}, indent=1))
-        return 0
     per_sm = a.mib_per_sm << 20
     sums = torch.zeros(sms, dtype=torch.int32, device="cuda")
     pick = torch.zeros(256, dtype=torch.uint8, device="cuda")
@@ -529,15 +527,7 @@ def main(argv=None) -> int:
                     if int(ran.sum()) != len(chosen) or not torch.equal(got[ran], expect[ran]):
                         raise SystemExit(f"{way} {pattern} {active}: {int(ran.sum())} CTAs read, {len(chosen)} "
                                          f"picked, or their sums differ from torch's: a read went wrong")
-                    times = []
-                    for _ in range(a.reps):
-                        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                        e0.record()
-                        run(way)
-                        e1.record()
-                        torch.cuda.synchronize()
-                        times.append(e0.elapsed_time(e1) * 1e-3)
-                    t = sorted(times)[len(times) // 2]
+                    t = median_us(torch, a.reps, lambda way=way: run(way)) * 1e-6  # seconds
                     total = len(chosen) * per_sm / t
                     cells.append(f"{total / len(chosen) / 1e9:6.1f} {total / 1e12:5.2f}")
                     rows.append({"way": " ".join(map(str, way)), "pattern": pattern, "skew": skew,

@@ -243,10 +243,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on: the O-projection tiles add the residual stream and the MLP's output and end the "
                         "layer, no residual tiles; off: residual tiles sum them (default auto: what mkc bench "
                         "--tune measured faster at this point, else off; docs/tiling.md)")
-    c.add_argument("--gpu", choices=["h200", "h100"], default="h200",
+    from mkc.schedule.cost import GPUS
+
+    c.add_argument("--gpu", choices=sorted(GPUS), default="h200",
                    help="the GPU whose read bandwidth the predicted step and its speed-of-light fraction are "
-                        "simulated at (default h200: 4.25 TB/s; h100: 3.05 TB/s). The schedule and the kernel are "
-                        "the same for both: the H200's cost model and tuning table place it")
+                        "simulated at (default h200; " + ", ".join(f"{g}: {ceil.read_bw / 1e12:.2f} TB/s"
+                                                                  for g, ceil in GPUS.items())
+                        + "). The schedule and the kernel are the same for each: the H200's cost model and "
+                          "tuning table place it")
     c.add_argument("--no-kernel", action="store_true", help="skip rendering and compiling the CUDA kernel")
     c.set_defaults(fn=cmd_compile)
 

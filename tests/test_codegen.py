@@ -756,8 +756,8 @@ def test_sm_stream_gpcs_and_picks():
     """SMs that ran one cluster share a GPC, transitively; "packed" fills GPCs in turn, "spread" takes
     one SM of each GPC in turn."""
     mod = _sm_stream()
-    launches = [[0, 1, 4, 5, 6, 7, 10, 11], [1, 2, 3, 0, 8, 9, 6, 7]]  # clusters of 4
-    gpcs = mod.gpcs_from_clusters(launches)
+    clusters = [[0, 1, 4, 5], [6, 7, 10, 11], [1, 2, 3, 0], [8, 9, 6, 7]]  # the SMs each cluster ran on
+    gpcs = mod.gpcs_from_clusters(clusters)
     assert gpcs == [[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11]]
     assert mod.pick_sms(gpcs, 3, "packed") == [0, 1, 2]
     assert mod.pick_sms(gpcs, 3, "spread") == [0, 6, 1]
