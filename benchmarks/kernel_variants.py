@@ -41,20 +41,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # "default" is today's default (CodegenOptions()); each other variant changes one or two options.
 VARIANTS: dict[str, CodegenOptions] = {
-    # the prefetch hints of the 2026-11-29 kernel: per-line GEMV L2 prefetch two batches ahead, a
-    # routed expert's first 256 KB asked of L2
-    "prefetch-hints": CodegenOptions(gemv_pf_batches=2, run_prefetch_bytes=256 * 1024),
     "default": CodegenOptions(),
     "unroll-4": CodegenOptions(gemv_unroll=4),
     "unroll-6": CodegenOptions(gemv_unroll=6),
     "unroll-12": CodegenOptions(gemv_unroll=12),  # 12 KB per warp per batch (batch 1: 255 registers, 8 B of spills)
     "rows": CodegenOptions(weight_layout="rows"),
-    "rows-ring-8k": CodegenOptions(weight_layout="rows", gemv_ring_bytes=8 * 1024),
-    "ring-8k": CodegenOptions(gemv_ring_bytes=8 * 1024),
-    "ring-16k": CodegenOptions(gemv_ring_bytes=16 * 1024),
-    # the ring's stages filled by bulk copies (TMA) completing on mbarriers (CodegenOptions.gemv_ring_bulk)
-    "ring-bulk-8k": CodegenOptions(gemv_ring_bytes=8 * 1024, gemv_ring_bulk=True),
-    "ring-bulk-16k": CodegenOptions(gemv_ring_bytes=16 * 1024, gemv_ring_bulk=True),
     "prefetch-128k": CodegenOptions(prefetch_bytes=128 * 1024),
     # attention: P.V loads V from global memory, key lanes reduced head by head (the default until
     # 2026-11-30 copies V chunks to shared memory ahead of P.V)
@@ -67,14 +58,9 @@ VARIANTS: dict[str, CodegenOptions] = {
     # one online softmax per warp, blocks streamed through a per-warp ring (CodegenOptions.attn_warp_stages)
     "attn-warps-2": CodegenOptions(attn_warp_stages=2),
     "attn-warps-3": CodegenOptions(attn_warp_stages=3),
-    # every ring stage of a warp split issued while it waits (CodegenOptions.attn_ring_before_wait);
-    # its query's RoPE sines and cosines computed after the wait (rope_before_wait off: the default
-    # until 2026-12-03)
-    "ring-before-wait": CodegenOptions(attn_ring_before_wait=True),
+    # a split's query's RoPE sines and cosines computed after the wait (rope_before_wait off: the
+    # default until 2026-12-03)
     "rope-after-wait": CodegenOptions(rope_before_wait=False),
-    # the RMSNorm staging's loops unrolled (CodegenOptions.norm_unroll; 1: loops)
-    "norm-unroll-4": CodegenOptions(norm_unroll=4),
-    "norm-unroll-8": CodegenOptions(norm_unroll=8),
     # LINEAR tiles wait for their inputs after issuing their first weight batch, expert-down tiles
     # after reading the routing (the default since 2026-11-30); off: the kernel loop waits first
     "weights-after-wait": CodegenOptions(weights_before_wait=False),
@@ -92,9 +78,6 @@ VARIANTS: dict[str, CodegenOptions] = {
     # the routing's picks by rank, one thread per (token, expert), instead of TOP_K arg-max rounds
     # (the same picks and weights: bitwise the same logits)
     "routing-rank": CodegenOptions(routing_argmax="rank", norm_beside_routing="off"),
-    # the RMSNorm staging over every warp (a different summation order: logits differ by rounding)
-    "norm-all-warps": CodegenOptions(norm_staging="all_warps", routing_argmax="redux"),
-    "rank-norm-all-warps": CodegenOptions(routing_argmax="rank", norm_staging="all_warps"),
     # an expert gate/up tile's input normalised by warps 1.. while warp 0 derives the routing, with
     # the arg-max rounds or the ranks (the default at batch 1: "auto"); "redux-after" is neither (the
     # default at batch 1 until 2026-12-03)
@@ -126,24 +109,9 @@ VARIANTS: dict[str, CodegenOptions] = {
     # out-of-line function (CodegenOptions.residual_epilogue; "auto" inlines it since 2026-12-01)
     "epilogue-inline": CodegenOptions(residual_epilogue="inline"),
     "epilogue-call": CodegenOptions(residual_epilogue="call"),
-    # two-row-set GEMVs (expert-up, SwiGLU) issue their first weight batch before the RMSNorm staging
-    "two-set-first": CodegenOptions(two_set_weights_first=True),
     # a normed GEMV skips its staging where the task before on its SM left the same input in shared
     # memory (CodegenOptions.reuse_staged_norm, off)
     "norm-reuse": CodegenOptions(reuse_staged_norm=True),
-    # a GEMV op whose tiles share their k split has it compiled in (CodegenOptions.gemv_split_compiled,
-    # off: chosen at run time)
-    "split-compiled": CodegenOptions(gemv_split_compiled=True),
-    # attention-combine tasks copy their partial outputs into shared memory before deriving their
-    # weights (CodegenOptions.combine_loads_first, off: loaded after them, a second round trip)
-    "combine-first": CodegenOptions(combine_loads_first=True),
-    # LINEAR or expert-down tiles issue their second register batch of weights before their wait
-    # ends too (CodegenOptions.second_batch_before_wait)
-    "linear-2-early": CodegenOptions(second_batch_before_wait="linear"),
-    "down-2-early": CodegenOptions(second_batch_before_wait="expert_down"),
-    # two-row-set tiles whose row groups leave warps idle under the power-of-two k split split k into
-    # parts that fill them (CodegenOptions.gemv_kparts)
-    "kparts": CodegenOptions(gemv_kparts=True),
     # L2 warm-up (CodegenOptions.l2_warm): waiting tasks ask L2 for weights a later tile of the
     # layer's chain streams; with or without the weight and KV streams marked evict-first
     # (CodegenOptions.weights_evict_first; both "auto": on at batch 2-4)

@@ -3,7 +3,7 @@
     python benchmarks/schedule_variants.py --batch 1 8 --context 8192 [--reps 20] [--variants NAME ...] \
         [--attention-sms 0 32 ...] [--rope-in-splits yes no] [--mlp-share rest bytes] [--mlp-waves 1 2] \
         [--residual-in-o-proj yes no] [--fused-experts yes no] [--qkv-tile-rows 0 48] [--residual-as-terms no yes]
-        [--global-attention-sms 0 128 256] [--expert-up-rows rule 80x6+48x6] [--kparts]
+        [--global-attention-sms 0 128 256] [--expert-up-rows rule 80x6+48x6]
         [--rounds 2] [--build-only]
 
 Every variant runs the default kernel over the same weights and KV cache; only the scheduler's
@@ -153,9 +153,6 @@ def main() -> None:
                     help="LowerOptions.late_slots and late_down_rows values to lower with, as SLOTSxROWS (the planner "
                          "gives the SLOTS routing slots of each layer whose expert-down tiles its first schedule ends "
                          "last tiles of ROWS rows) or off")
-    ap.add_argument("--kparts", action="store_true",
-                    help="build the kernels with CodegenOptions.gemv_kparts (two-row-set tiles whose row groups leave "
-                         "warps idle split k into parts that fill them; for --expert-up-rows of 80 or 48 rows)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time every variant this many times, in turn, every other round in reverse order (drift "
                          "between variants shows; a place in the round weighs on every variant alike)")
@@ -164,7 +161,7 @@ def main() -> None:
     a = ap.parse_args()
     a.attention_sms = [None if v == "auto" else int(v) for v in a.attention_sms]
     spec = load_spec(a.config)
-    options = CodegenOptions(gemv_kparts=a.kparts)
+    options = CodegenOptions()
     variants = [(att, chosen({"rope_in_splits": rope == "yes", "mlp_share": share, "mlp_waves": waves,
                               "residual_in_o_proj": fold, "fused_experts": fx == "yes", "qkv_tile_rows": qr,
                               "residual_as_terms": rt == "yes", "global_attention_sms": ga,
@@ -205,8 +202,6 @@ def main() -> None:
             label += f", qkv tile rows {lowering['qkv_tile_rows'] or 'rule'}"
             label += f", residual as terms {'yes' if lowering['residual_as_terms'] else 'no'}"
             label += f", global attention SMs {sc.meta['global_attention_sms'] or 'same'}"
-            if options.gemv_kparts:
-                label += ", kparts"
             if sc.meta["expert_down_rows"]:
                 label += f", expert-down tile rows {sc.meta['expert_down_rows']}"
             if sc.meta["late_slots"] and sc.meta["late_down_rows"]:

@@ -300,9 +300,8 @@ __device__ __forceinline__ void attw_issue(uint4* ring, int st, const AttnRows& 
 }
 
 // Blocks per warp issued before the key loop: ATTW_STAGES - 1, so that the loop's first pass issues
-// the next into the last stage; with ATTN_RING_BEFORE_WAIT every stage, and the first pass issues
-// none (the ring is full: the loop's later passes refill the stage the pass before consumed).
-constexpr int ATTW_EARLY = ATTN_RING_BEFORE_WAIT ? ATTW_STAGES : ATTW_STAGES - 1;
+// the next into the last stage.
+constexpr int ATTW_EARLY = ATTW_STAGES - 1;
 
 // The first ATTW_EARLY blocks of this warp (after committing the thread's earlier copies as their
 // own group).
@@ -362,8 +361,8 @@ __device__ void attn_split_warps(const Task& t, unsigned char* smem) {
 #pragma unroll 1
     for (int i = 0; warp + i * NUM_WARPS < nblk; ++i) {
         const int k0 = lo + 16 * (warp + i * NUM_WARPS);
-        if (!ATTN_RING_BEFORE_WAIT || i > 0)  // block i + STAGES - 1 into the stage block i - 1 used
-            attw_issue(ring, st == 0 ? ATTW_STAGES - 1 : st - 1, rows, k0 + 16 * NUM_WARPS * (ATTW_STAGES - 1), hi);
+        // block i + STAGES - 1 into the stage block i - 1 used
+        attw_issue(ring, st == 0 ? ATTW_STAGES - 1 : st - 1, rows, k0 + 16 * NUM_WARPS * (ATTW_STAGES - 1), hi);
         cp_async_wait_group<ATTW_STAGES - 1>();  // this block's pieces have landed
         const uint4* s = ring + st * ATTW_PIECES * 32;
         // S^T of the two 8-key tiles: c0, c1 = head lg, keys k0 + 8 kt + 2 lq (+1)
@@ -584,7 +583,7 @@ __device__ void op_attn_split(const Task& t, unsigned char* smem) {
                 for_fragment(r0, acc[0], n, [&](int key, int h, float v) { sc[h * ATT_CHUNK + key] = v * ATTN_SCALE; },
                              GROUP);
             };
-            gemv_tile<1, 0, decltype(epi), false>(kw, HEAD_DIM, n, HEAD_DIM, qx, gred, epi);
+            gemv_tile<1, decltype(epi), false>(kw, HEAD_DIM, n, HEAD_DIM, qx, gred, epi);
         } else if (tid < n) {  // scores on the CUDA cores: one key per thread
             const bool mine = c0 + tid == own;  // this step's key, rotated in shared memory
             const bf16* kr = kc + (size_t)(c0 + tid) * HEAD_DIM;
@@ -701,11 +700,9 @@ __device__ void op_attn_split(const Task& t, unsigned char* smem) {
 }
 
 // attn[b, heads h0 .. h0 + nh of group g] = the splits' partials merged: o = sum_s c_s o_s with
-// c_s = exp(m_s - m) / sum_s' exp(m_s' - m) l_s'. Phase 0 (when they fit COMBINE_STAGE_BYTES): the
-// partial outputs are copied into shared memory (cp.async), in flight while phase 1 reads the
-// statistics. Phase 1: one warp per (token, head) turns the split statistics into the weights c_s.
-// Phase 2: every thread sums a subset of the splits of one 16-byte output piece (from shared
-// memory, or with all its loads in flight); the subsets are then added in a fixed order.
+// c_s = exp(m_s - m) / sum_s' exp(m_s' - m) l_s'. Phase 1: one warp per (token, head) turns the
+// split statistics into the weights c_s. Phase 2: every thread sums a subset of the splits of one
+// 16-byte output piece, with all its loads in flight; the subsets are then added in a fixed order.
 __device__ void op_attn_combine(const Task& t, unsigned char* smem) {
     using O = OPND_ATTN_COMBINE;
     using A = ARG_ATTN_COMBINE;
@@ -716,17 +713,6 @@ __device__ void op_attn_combine(const Task& t, unsigned char* smem) {
     float* coef = reinterpret_cast<float*>(smem);  // [BATCH][nh][splits]: m_s, then the weights c_s
     float4* red = reinterpret_cast<float4*>(smem + (BATCH * nh * splits * 4 + 15) / 16 * 16);  // [parts][items]
     constexpr int HQ = HEAD_DIM / 4;  // 16-byte pieces of one head's output
-    // [BATCH][nh][splits][HQ]: the partial outputs, copied while the weights are derived
-    float4* staged = red + NUM_THREADS;
-    const int pieces = BATCH * nh * splits * HQ;
-    const bool early = COMBINE_STAGE_BYTES > 0 && pieces * 16 <= COMBINE_STAGE_BYTES;
-    if (early) {
-        for (int i = threadIdx.x; i < pieces; i += NUM_THREADS) {
-            const int quad = i % HQ, s = (i / HQ) % splits, bh = i / (HQ * splits), b = bh / nh, hh = bh % nh;
-            cp_async16(staged + i, reinterpret_cast<const float4*>(
-                po + ((((size_t)b * kv_heads + g) * splits + s) * GROUP + h0 + hh) * HEAD_DIM) + quad);
-        }
-    }
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     for (int i = warp; i < BATCH * nh; i += NUM_WARPS) {
         const int b = i / nh, h = h0 + i % nh;
@@ -751,7 +737,6 @@ __device__ void op_attn_combine(const Task& t, unsigned char* smem) {
             coef[i * splits + s] = ms == -INFINITY ? 0.f : __expf(ms - m) * inv;
         }
     }
-    if (early) cp_async_wait_all();
     __syncthreads();
     const int items = BATCH * nh * HQ, parts = max(1, NUM_THREADS / items);
     bf16* out = t.ptr<bf16>(O::out);
@@ -768,12 +753,11 @@ __device__ void op_attn_combine(const Task& t, unsigned char* smem) {
         const int b = item / (nh * HQ), hh = (item / HQ) % nh, quad = item % HQ;
         const float4* src = reinterpret_cast<const float4*>(
             po + (((size_t)b * kv_heads + g) * splits * GROUP + h0 + hh) * HEAD_DIM) + quad;
-        const float4* own = staged + (b * nh + hh) * splits * HQ + quad;
         const float* cf = coef + (b * nh + hh) * splits;
         float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 4
         for (int s = part; s < splits; s += parts) {
-            const float4 v = early ? own[s * HQ] : __ldcg(src + (size_t)s * (GROUP * HEAD_DIM / 4));
+            const float4 v = __ldcg(src + (size_t)s * (GROUP * HEAD_DIM / 4));
             const float cs = cf[s];
             acc.x += cs * v.x;
             acc.y += cs * v.y;

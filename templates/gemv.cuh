@@ -13,7 +13,7 @@
 // and their order are the same in both.
 //
 // Work split: a tile of `rows` rows is 16-row groups (one per warp item); when there are fewer
-// groups than warps, k is split over up to KS warps and reduced through shared memory in a fixed
+// groups than warps, k is split over up to ks warps and reduced through shared memory in a fixed
 // order (deterministic).
 #pragma once
 
@@ -30,9 +30,8 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], u32 a0, u32 a1, u32 a2,
 constexpr int XS_PAD = 32;
 __device__ __forceinline__ int xs_ld(int k) { return k + XS_PAD; }
 
-// The k-split reduction's floats: per warp, two row sets' fragments; with GEMV_KPARTS per (group, k
-// part) item, up to KPARTS_MAX_ITEMS (gemv_tile_kparts).
-constexpr int GEMV_RED_FLOATS = NUM_WARPS * 2 * 4 * 32 * (GEMV_KPARTS ? NUM_WARPS : 1);
+// The k-split reduction's floats: per warp, two row sets' fragments.
+constexpr int GEMV_RED_FLOATS = NUM_WARPS * 2 * 4 * 32;
 
 // Where a lane's A-fragment pieces are. Row-major (the checkpoint's layout, and the KV cache):
 // w0 / w1 point at rows g / g + 8 of the group, column 8 q; block kb starts 64 elements further,
@@ -84,8 +83,6 @@ __device__ __forceinline__ void stage_x(bf16* xs, const bf16* x, int x_ld, int k
 // them with a barrier; then one warp per token sums the terms into x and the squares quad by quad
 // per lane and across the warp in a fixed order (every consumer of a norm stages the same values)
 // and scales its columns into xs (rows >= BATCH zero). A barrier must follow before xs is read.
-// NORM_UNROLL (CodegenOptions.norm_unroll): both loops over a row's quads unrolled that many times,
-// so a lane's shared-memory loads overlap; its sum still adds them in the same order.
 constexpr int NORM_QUADS = HIDDEN / 4;
 constexpr int NORM_TERMS_OFF = BATCH * HIDDEN * 4 + HIDDEN * 2;  // the terms' place in the scratch
 constexpr int NORM_SCRATCH_BYTES = NORM_TERMS_OFF + NORM_TERMS * BATCH * HIDDEN * 4;
@@ -120,21 +117,10 @@ __device__ __forceinline__ float4 norm_quad(float4* xr, const float4* tq, int n,
     return u;
 }
 
-//
-// NORM_ALL_WARPS (CodegenOptions.norm_staging = "all_warps"): every warp takes a share of every
-// token's row instead (stage_norm_all_warps).
-__device__ __forceinline__ void stage_norm_all_warps(bf16* xs, int k0, int k, int nterms, unsigned char* scratch);
-
 // With first_warp > 0 only warps first_warp.. take part (their copies: stage_norm_async's
 // first_warp), meeting at a barrier of their own (warps_barrier), one warp per token from there.
 __device__ __forceinline__ void stage_norm_finish(bf16* xs, int k0, int k, int nterms, unsigned char* scratch,
                                                   int first_warp = 0) {
-    if constexpr (NORM_ALL_WARPS) {
-        if (first_warp == 0) {
-            stage_norm_all_warps(xs, k0, k, nterms, scratch);
-            return;
-        }
-    }
     float4* xq = reinterpret_cast<float4*>(scratch);
     const uint2* wq = reinterpret_cast<const uint2*>(scratch + BATCH * HIDDEN * 4);
     const float4* tq = reinterpret_cast<const float4*>(scratch + NORM_TERMS_OFF);
@@ -149,14 +135,14 @@ __device__ __forceinline__ void stage_norm_finish(bf16* xs, int k0, int k, int n
         }
         float4* xr = xq + n * NORM_QUADS;
         float ss = 0.f;
-#pragma unroll (NORM_UNROLL)
+#pragma unroll 1
         for (int c = lane; c < NORM_QUADS; c += 32) {
             const float4 u = norm_quad(xr, tq, n, c, nterms);
             ss += u.x * u.x + u.y * u.y + u.z * u.z + u.w * u.w;
         }
         if (NORM_TERMS > 0 && nterms > 0) __syncwarp();  // the sums above, read by other lanes below
         const float r = rsqrtf(warp_sum(ss) / (float)HIDDEN + NORM_EPS);
-#pragma unroll (NORM_UNROLL)
+#pragma unroll 1
         for (int c = q0 + lane; c < q0 + nq; c += 32) {
             const float4 u = xr[c];
             const uint2 wv = wq[c];
@@ -165,57 +151,6 @@ __device__ __forceinline__ void stage_norm_finish(bf16* xs, int k0, int k, int n
             o.y = pack_bf16x2(u.z * r * bf_lo(wv.y), u.w * r * bf_hi(wv.y));
             *reinterpret_cast<uint2*>(row + 4 * (c - q0)) = o;
         }
-    }
-}
-
-// The RMSNorm staging spread over the CTA: warp w sums the squares of quads [w * NORM_QW,
-// (w + 1) * NORM_QW) of every token's row (adding the terms into x first, as above), lane-strided,
-// then across the warp (warp_sum), into s_norm_part[token][w]; after a barrier each thread takes
-// (token, quad) pairs of the columns [k0, k0 + k), with r = rsqrt((part 0 + part 1 + ... ) /
-// HIDDEN + eps) in warp order, so every consumer of a norm stages the same values. Rows >= BATCH
-// are zero. At batch 1 the row's 512 quads are two per lane of every warp instead of sixteen of
-// one warp's, and its columns two per thread.
-constexpr int NORM_QW = (NORM_QUADS + NUM_WARPS - 1) / NUM_WARPS;  // quads of a row per warp's share
-__shared__ float s_norm_part[NORM_ALL_WARPS ? BATCH : 1][NUM_WARPS];
-
-__device__ __forceinline__ void stage_norm_all_warps(bf16* xs, int k0, int k, int nterms, unsigned char* scratch) {
-    float4* xq = reinterpret_cast<float4*>(scratch);
-    const uint2* wq = reinterpret_cast<const uint2*>(scratch + BATCH * HIDDEN * 4);
-    const float4* tq = reinterpret_cast<const float4*>(scratch + NORM_TERMS_OFF);
-    cta_barrier();
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, ld = xs_ld(k), q0 = k0 / 4, nq = k / 4;
-    const int c_end = min((warp + 1) * NORM_QW, NORM_QUADS);
-#pragma unroll
-    for (int n = 0; n < BATCH; ++n) {
-        float4* xr = xq + n * NORM_QUADS;
-        float ss = 0.f;
-        for (int c = warp * NORM_QW + lane; c < c_end; c += 32) {
-            const float4 u = norm_quad(xr, tq, n, c, nterms);
-            ss += u.x * u.x + u.y * u.y + u.z * u.z + u.w * u.w;
-        }
-        ss = warp_sum(ss);
-        if (lane == 0) s_norm_part[n][warp] = ss;
-    }
-    cta_barrier();  // the partial sums (and the rows with their terms added)
-    int rn = -1;    // the token whose r this thread holds
-    float r = 0.f;
-    for (int i = threadIdx.x; i < 8 * nq; i += NUM_THREADS) {
-        const int n = i / nq, c = q0 + i % nq;
-        uint2 o = make_uint2(0u, 0u);
-        if (n < BATCH) {
-            if (n != rn) {
-                float ss = 0.f;
-#pragma unroll
-                for (int w = 0; w < NUM_WARPS; ++w) ss += s_norm_part[n][w];
-                r = rsqrtf(ss / (float)HIDDEN + NORM_EPS);
-                rn = n;
-            }
-            const float4 u = xq[n * NORM_QUADS + c];
-            const uint2 wv = wq[c];
-            o.x = pack_bf16x2(u.x * r * bf_lo(wv.x), u.y * r * bf_hi(wv.x));
-            o.y = pack_bf16x2(u.z * r * bf_lo(wv.y), u.w * r * bf_hi(wv.y));
-        }
-        *reinterpret_cast<uint2*>(xs + n * ld + 4 * (c - q0)) = o;
     }
 }
 
@@ -290,229 +225,30 @@ __device__ __forceinline__ void gemv_mma(const uint4 (&wv)[U][NACC][2][2], const
 template <int NACC>
 __host__ __device__ constexpr int gemv_batch_blocks() { return GEMV_UNROLL / NACC / 2 > 0 ? GEMV_UNROLL / NACC / 2 : 1; }
 
-// Register batches a warp asks L2 for ahead of its loads (prefetch.global.L2 of the 128-byte line
-// of each row and block; the 4 lanes of a row name the same line, which the LSU merges): with the
-// two batches in registers, ~(2 + GEMV_PF_BATCHES) batches are in flight, so a tile streams at
-// the memory system's rate rather than one batch per memory latency.
-
-template <int U, int NACC>
-__device__ __forceinline__ void gemv_prefetch(const bf16* const (&w0)[NACC], const bf16* const (&w1)[NACC], bool v0,
-                                              bool v1, int kb, int kb_step, int kb_end) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-        const int kbu = kb + u * kb_step;
-        if (kbu < kb_end) {
-#pragma unroll
-            for (int a = 0; a < NACC; ++a) {
-                if (v0) prefetch_line_l2(w0[a] + kbu * block_stride<true>());
-                if (v1) prefetch_line_l2(w1[a] + kbu * block_stride<true>());
-            }
-        }
-    }
-}
-
-// ---- the shared-memory weight ring (GEMV_RING_BYTES > 0) ----------------------------------------
-// Instead of two register batches, each warp keeps its weight stream in flight through a ring of
-// GEMV_RING_BYTES of shared memory: stage s holds one 64-wide block of every row set, and each
-// lane copies (cp.async, 16 bytes, L2 only) exactly the four 16-byte pieces per row set it later
-// reads, so a lane waits only for its own copies (cp.async.wait_group) and no barrier is needed.
-// ring_stages - 1 blocks are in flight while one is multiplied. The products are the same, in the
-// same order, as the register path's: the two paths give bitwise equal results.
 extern __shared__ __align__(128) unsigned char gemv_dyn_smem[];  // the kernel's dynamic shared memory
-
-template <int NACC>
-__host__ __device__ constexpr int ring_stages() { return GEMV_RING_BYTES / (NACC * 4 * 32 * 16); }
-
-// Whether a GEMV streams its weights through the ring.
-template <bool NC>
-__host__ __device__ constexpr bool use_ring() { return NC && GEMV_RING_BYTES > 0; }
-
-// this lane's slot 0 of the warp's ring; piece j of stage s is at [(s * NACC * 4 + j) * 32]
-__device__ __forceinline__ uint4* gemv_ring_lane() {
-    return reinterpret_cast<uint4*>(gemv_dyn_smem + GEMV_RING_OFF + (threadIdx.x / 32) * GEMV_RING_BYTES) +
-           threadIdx.x % 32;
-}
-
-// Copy block kbu of rows (g, g + 8) of every row set into stage st, as one cp.async group (empty
-// past kb_end or for rows past the tile, which the reader replaces by zeros).
-template <int NACC>
-__device__ __forceinline__ void ring_issue(uint4* ring, int st, const bf16* const (&w0)[NACC],
-                                           const bf16* const (&w1)[NACC], bool v0, bool v1, int kbu, int kb_end) {
-    if (kbu < kb_end) {
-        const int k = kbu * block_stride<true>(), h = half_offset<true>();
-        uint4* s = ring + st * NACC * 4 * 32;
-#pragma unroll
-        for (int a = 0; a < NACC; ++a) {
-            if (v0) {
-                cp_async16(s + (4 * a + 0) * 32, w0[a] + k);
-                cp_async16(s + (4 * a + 1) * 32, w0[a] + k + h);
-            }
-            if (v1) {
-                cp_async16(s + (4 * a + 2) * 32, w1[a] + k);
-                cp_async16(s + (4 * a + 3) * 32, w1[a] + k + h);
-            }
-        }
-    }
-    cp_async_commit();
-}
-
-// gemv_item through the ring. The thread's earlier copies (the activations' staging, the next task
-// record) are committed first as their own group, so `finish` waits for them alone.
-template <int NACC, class Fin>
-__device__ __forceinline__ void gemv_item_ring(const bf16* const (&w0)[NACC], const bf16* const (&w1)[NACC], bool v0,
-                                               bool v1, const bf16* xrow, int kb_begin, int kb_step, int kb_end,
-                                               float (&acc)[NACC][4], const Fin& finish, bool first) {
-    constexpr int S = ring_stages<NACC>();
-    static_assert(S >= 2, "the GEMV ring needs at least two stages");
-    uint4* ring = gemv_ring_lane();
-    cp_async_commit();
-#pragma unroll
-    for (int i = 0; i < S - 1; ++i) ring_issue<NACC>(ring, i, w0, w1, v0, v1, kb_begin + i * kb_step, kb_end);
-    if (first) {
-        cp_async_wait_group<S - 1>();  // the staging's copies (committed before the ring's)
-        finish.landed();
-    }
-    int st = 0;
-#pragma unroll 1
-    for (int kb = kb_begin; kb < kb_end; kb += kb_step) {
-        // refill the stage consumed last iteration (its values are in the registers the MMAs used)
-        ring_issue<NACC>(ring, st == 0 ? S - 1 : st - 1, w0, w1, v0, v1, kb + (S - 1) * kb_step, kb_end);
-        cp_async_wait_group<S - 1>();  // block kb has landed
-        const uint4* s = ring + st * NACC * 4 * 32;
-        const int k = kb * 64;
-        const uint4 xa = lds16(xrow + k), xb = lds16(xrow + k + 32);
-        const u32 xw[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
-#pragma unroll
-        for (int a = 0; a < NACC; ++a) {
-            const uint4 l0 = v0 ? s[(4 * a + 0) * 32] : zero4(), l1 = v0 ? s[(4 * a + 1) * 32] : zero4();
-            const uint4 h0 = v1 ? s[(4 * a + 2) * 32] : zero4(), h1 = v1 ? s[(4 * a + 3) * 32] : zero4();
-            mma_block(acc[a], l0, l1, h0, h1, xw);
-        }
-        st = st + 1 == S ? 0 : st + 1;
-    }
-}
-
-// ---- the ring filled by bulk copies (GEMV_RING_BULK) ---------------------------------------------
-// The same ring and the same reads as gemv_item_ring, but stage s of a warp is filled by lane 0 with
-// one cp.async.bulk per row set (the group's 2 KB block: tile order keeps it contiguous), completing
-// on the stage's mbarrier, which every lane waits on; the stage's parity flips at each use and is
-// kept per warp across tasks (every issued stage is waited on within the call, so a call leaves all
-// stages idle). The products are those of the register path, in the same order.
-constexpr int RING_BULK_STAGES = GEMV_RING_BULK ? GEMV_RING_BYTES / 2048 : 1;  // at one row set
-__shared__ unsigned long long s_ring_bar[NUM_WARPS][RING_BULK_STAGES];
-__shared__ u32 s_ring_phase[NUM_WARPS];  // bit s: the parity of stage s's next completion
-
-__device__ __forceinline__ void gemv_ring_init() {
-    if constexpr (GEMV_RING_BULK) {
-        if (threadIdx.x < NUM_WARPS * RING_BULK_STAGES) mbar_init(&s_ring_bar[0][0] + threadIdx.x, 1);
-        if (threadIdx.x < NUM_WARPS) s_ring_phase[threadIdx.x] = 0;
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-}
-
-template <int NACC, class Fin>
-__device__ __forceinline__ void gemv_item_bulk(const bf16* const (&w0)[NACC], bool v0, bool v1, const bf16* xrow,
-                                               int kb_begin, int kb_step, int kb_end, float (&acc)[NACC][4],
-                                               const Fin& finish, bool first) {
-    constexpr int S = ring_stages<NACC>();
-    static_assert(S >= 2 && S <= 32, "the bulk GEMV ring needs 2 to 32 stages");
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    unsigned char* ring = gemv_dyn_smem + GEMV_RING_OFF + warp * GEMV_RING_BYTES;
-    unsigned long long* bar = s_ring_bar[warp];
-    u32 phase = s_ring_phase[warp];
-    const bf16* group[NACC];  // the 16-row group's first block of each row set
-#pragma unroll
-    for (int a = 0; a < NACC; ++a) group[a] = w0[a] - lane * 8;
-    const auto issue = [&](int st, int kbu) {
-        if (lane == 0 && kbu < kb_end) {
-            // the lanes' reads of the stage (ordered before by __syncwarp) before the async proxy's writes
-            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-            mbar_arrive_expect_tx(bar + st, NACC * 2048);
-#pragma unroll
-            for (int a = 0; a < NACC; ++a)
-                bulk_copy_g2s(ring + (st * NACC + a) * 2048, group[a] + (size_t)kbu * 1024, 2048, bar + st);
-        }
-    };
-#pragma unroll 1
-    for (int i = 0; i < S - 1; ++i) issue(i, kb_begin + i * kb_step);
-    if (first) finish();
-    int st = 0;
-#pragma unroll 1
-    for (int kb = kb_begin; kb < kb_end; kb += kb_step) {
-        // refill the stage consumed last iteration, once every lane has read it
-        __syncwarp();
-        issue(st == 0 ? S - 1 : st - 1, kb + (S - 1) * kb_step);
-        // a copy that never lands (a bad address faults instead) would hang: trap after ~2^26 polls
-        for (u32 polls = 0; !mbar_try_wait(bar + st, (phase >> st) & 1u);)
-            if (++polls == SPIN_LIMIT) __trap();
-        phase ^= 1u << st;
-        const unsigned char* sb = ring + st * NACC * 2048 + lane * 16;
-        const int k = kb * 64;
-        const uint4 xa = lds16(xrow + k), xb = lds16(xrow + k + 32);
-        const u32 xw[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
-#pragma unroll
-        for (int a = 0; a < NACC; ++a) {
-            const unsigned char* p = sb + a * 2048;
-            const uint4 l0 = v0 ? lds16(p) : zero4(), l1 = v0 ? lds16(p + 512) : zero4();
-            const uint4 h0 = v1 ? lds16(p + 1024) : zero4(), h1 = v1 ? lds16(p + 1536) : zero4();
-            mma_block(acc[a], l0, l1, h0, h1, xw);
-        }
-        st = st + 1 == S ? 0 : st + 1;
-    }
-    __syncwarp();
-    if (lane == 0) s_ring_phase[warp] = phase;
-    __syncwarp();
-}
-
-// Register batches a GEMV warp issues before its tile's `finish` (gemv_item): Fin::EARLY_BATCHES
-// where the type has it (a finish that waits and copies only: holding a second batch there costs no
-// spills), else 1.
-template <class F, class = void>
-struct EarlyBatchesOf { static constexpr int value = 1; };
-template <class F>
-struct EarlyBatchesOf<F, decltype((void)F::EARLY_BATCHES)> { static constexpr int value = F::EARLY_BATCHES; };
-template <class F>
-__host__ __device__ constexpr int early_batches() { return EarlyBatchesOf<F>::value; }
 
 // Accumulate one warp item: rows (g, g + 8) of each of the NACC weight row sets over the blocks
 // kb_begin, kb_begin + kb_step, ... < kb_end (64 elements each). Software-pipelined over two
 // register batches of U blocks: the loads of one batch are in flight while the other is
-// multiplied, so the stream never drains between batches; for weights (NC), L2 prefetches run
-// GEMV_PF_BATCHES batches further ahead. With a weight ring (GEMV_RING_BYTES), weights stream
-// through shared memory instead (gemv_item_ring).
+// multiplied, so the stream never drains between batches.
 // With `first`, the tile's `finish` (the end of the activations' staging, see gemv_tile; for tiles
 // that issue their weights before their wait, the wait too) runs once the first batch's loads are
-// issued (GEMV_EARLY_BATCHES = 2: both batches'), so their round trips overlap.
+// issued, so their round trips overlap.
 template <int NACC, bool NC = true, class Fin>
 __device__ __forceinline__ void gemv_item(const bf16* const (&w0)[NACC],
                                           const bf16* const (&w1)[NACC], bool v0, bool v1, const bf16* xrow,
                                           int kb_begin, int kb_step, int kb_end, float (&acc)[NACC][4],
                                           const Fin& finish, bool first) {
-    if constexpr (use_ring<NC>()) {
-        if constexpr (GEMV_RING_BULK)
-            gemv_item_bulk<NACC>(w0, v0, v1, xrow, kb_begin, kb_step, kb_end, acc, finish, first);
-        else
-            gemv_item_ring<NACC>(w0, w1, v0, v1, xrow, kb_begin, kb_step, kb_end, acc, finish, first);
-        return;
-    }
     constexpr int U = gemv_batch_blocks<NACC>();
     const int batch = U * kb_step;
     uint4 wa[U][NACC][2][2], wb[U][NACC][2][2];
     gemv_load<U, NACC, NC>(wa, w0, w1, v0, v1, kb_begin, kb_step, kb_end);
-    // a `finish` whose type asks for two early batches (EARLY_BATCHES): the second batch flies with
-    // the first before it too
-    const bool both = early_batches<Fin>() >= 2 && first;
-    if (both) gemv_load<U, NACC, NC>(wb, w0, w1, v0, v1, kb_begin + batch, kb_step, kb_end);
     if (first) finish();
     for (int kb = kb_begin; kb < kb_end; kb += 2 * batch) {
-        if (!(both && kb == kb_begin)) gemv_load<U, NACC, NC>(wb, w0, w1, v0, v1, kb + batch, kb_step, kb_end);
-        if constexpr (NC && GEMV_PF_BATCHES >= 0)
-            gemv_prefetch<U, NACC>(w0, w1, v0, v1, kb + (2 + GEMV_PF_BATCHES) * batch, kb_step, kb_end);
+        gemv_load<U, NACC, NC>(wb, w0, w1, v0, v1, kb + batch, kb_step, kb_end);
         gemv_mma<U, NACC>(wa, xrow, kb, kb_step, kb_end, acc);
         if (kb + batch >= kb_end) break;
         gemv_load<U, NACC, NC>(wa, w0, w1, v0, v1, kb + 2 * batch, kb_step, kb_end);
-        if constexpr (NC && GEMV_PF_BATCHES >= 0)
-            gemv_prefetch<U, NACC>(w0, w1, v0, v1, kb + (3 + GEMV_PF_BATCHES) * batch, kb_step, kb_end);
         gemv_mma<U, NACC>(wb, xrow, kb + batch, kb_step, kb_end, acc);
     }
 }
@@ -528,97 +264,6 @@ __device__ __forceinline__ void stream_batches(Batch& wa, Batch& wb, int units, 
         if (i0 + U >= units) break;
         load(wa, i0 + 2 * U);
         mma(wb, i0 + U);
-    }
-}
-
-// GEMV_KPARTS (CodegenOptions.gemv_kparts): a tile of two row sets (expert gate/up, dense SwiGLU)
-// whose (group, k part) items under the power-of-two rule of gemv_tile do not fill whole rounds of
-// the warps (3, 5, 6 or 7 groups: a 48-row tile keeps 6 of 8 warps busy, an 80-row one 5; 12
-// groups, batch 4's 192-row expert tiles: 4 warps take a second group while 4 wait) splits k into
-// the fewest parts ks (a power of two) for which the items fill whole rounds: warp w streams part
-// w % ks of groups w / ks, w / ks + NUM_WARPS / ks, ... as one run of (group, block) units with two
-// register batches in flight across group boundaries (as gemv_short_k), and parks each group's part
-// in `red`; after a barrier group g's parts are added in part order (deterministic) by warp
-// g % NUM_WARPS, which calls the epilogue. `finish` runs as gemv_tile's: before the first loads
-// (EARLY false: the caller ran it) or after them.
-constexpr int KPARTS_MAX_ITEMS = NUM_WARPS * NUM_WARPS;  // the reduction floats hold this many items
-
-// The k parts of a tile of `groups` row groups and `blocks` 64-wide blocks with GEMV_KPARTS, or 0
-// where gemv_tile's own split already fills whole rounds (or none fits: k too short, too many items).
-__device__ __forceinline__ int kparts_split(int groups, int blocks, int ks_rule) {
-    if ((groups * ks_rule) % NUM_WARPS == 0) return 0;
-    int ks = 1;
-    while ((groups * ks) % NUM_WARPS != 0) ks *= 2;
-    return blocks % ks == 0 && groups * ks <= KPARTS_MAX_ITEMS ? ks : 0;
-}
-
-template <int NACC, bool NC, bool EARLY, class Epi, class Fin>
-__device__ __forceinline__ void gemv_tile_kparts(const bf16* const (&w)[NACC], int w_ld, int rows, int groups,
-                                                 int blocks, int ks, const bf16* xrow, float* red, Epi& epi,
-                                                 const Fin& finish) {
-    constexpr int U = gemv_batch_blocks<NACC>();
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4;
-    const int part = warp % ks, g0 = warp / ks, gs = NUM_WARPS / ks;  // this warp's part and groups g0, g0 + gs, ...
-    const int bp = blocks / ks, kb0 = part * bp;                         // the part: blocks [kb0, kb0 + bp)
-    const int units = groups * ks / NUM_WARPS * bp;  // unit i: block kb0 + i % bp of group g0 + (i / bp) gs
-    const auto load = [&](uint4 (&wv)[U][NACC][2][2], int i0) {
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int i = i0 + u, gi = g0 + (i / bp) * gs;
-            const bool v0 = i < units && gi * 16 + g < rows, v1 = i < units && gi * 16 + g + 8 < rows;
-            const bf16* w0[NACC];
-            const bf16* w1[NACC];
-            group_rows<NACC, NC>(w, w_ld, gi, w0, w1);
-            const int k = (kb0 + i % bp) * block_stride<NC>(), h = half_offset<NC>();
-#pragma unroll
-            for (int a = 0; a < NACC; ++a) {
-                wv[u][a][0][0] = v0 ? ld_rows16<NC>(w0[a] + k) : zero4();
-                wv[u][a][0][1] = v0 ? ld_rows16<NC>(w0[a] + k + h) : zero4();
-                wv[u][a][1][0] = v1 ? ld_rows16<NC>(w1[a] + k) : zero4();
-                wv[u][a][1][1] = v1 ? ld_rows16<NC>(w1[a] + k + h) : zero4();
-            }
-        }
-    };
-    float acc[NACC][4] = {};
-    const auto mma = [&](const uint4 (&wv)[U][NACC][2][2], int i0) {
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int i = i0 + u;
-            if (i < units) {
-                const int k = (kb0 + i % bp) * 64;
-                const uint4 xa = lds16(xrow + k), xb = lds16(xrow + k + 32);
-                const u32 xw[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
-#pragma unroll
-                for (int a = 0; a < NACC; ++a) mma_block(acc[a], wv[u][a][0][0], wv[u][a][0][1], wv[u][a][1][0], wv[u][a][1][1], xw);
-                if (i % bp == bp - 1) {  // this warp's part of the group is done: park it
-                    float* park = red + (size_t)((g0 + (i / bp) * gs) * ks + part) * NACC * 4 * 32 + lane;
-#pragma unroll
-                    for (int a = 0; a < NACC; ++a)
-#pragma unroll
-                        for (int j = 0; j < 4; ++j) {
-                            park[(a * 4 + j) * 32] = acc[a][j];
-                            acc[a][j] = 0.f;
-                        }
-                }
-            }
-        }
-    };
-    uint4 wa[U][NACC][2][2], wb[U][NACC][2][2];
-    load(wa, 0);
-    if (EARLY) finish();
-    stream_batches<U>(wa, wb, units, load, mma);
-    __syncthreads();
-#pragma unroll 1
-    for (int gi = warp; gi < groups; gi += NUM_WARPS) {
-        float sum[NACC][4] = {};
-        const float* parts = red + (size_t)gi * ks * NACC * 4 * 32 + lane;
-#pragma unroll 1
-        for (int p = 0; p < ks; ++p)
-#pragma unroll
-            for (int a = 0; a < NACC; ++a)
-#pragma unroll
-                for (int j = 0; j < 4; ++j) sum[a][j] += parts[((p * NACC + a) * 4 + j) * 32];
-        epi(gi * 16 + g, sum);
     }
 }
 
@@ -638,18 +283,13 @@ struct Staged {
 // epi(r0, acc) with acc[a] = {(r0, n), (r0, n + 1), (r0 + 8, n), (r0 + 8, n + 1)} where
 // n = 2 * (lane % 4); r0 may be past `rows` (the epilogue checks). Every thread of the CTA must
 // call this (it synchronises); `red` holds GEMV_RED_FLOATS.
-// KS > 0: the k split every tile of the calling op has (render.py: gemv_k_split, from the schedule;
-// CodegenOptions.gemv_split_compiled), so only that path is compiled; 0: chosen at run time.
-template <int NACC, int KS = 0, class Epi, bool NC = true, class Fin = Staged>
+template <int NACC, class Epi, bool NC = true, class Fin = Staged>
 __device__ __forceinline__ void gemv_tile(const bf16* const (&w)[NACC], int w_ld, int rows, int k, const bf16* xs,
                                           float* red, Epi epi, Fin finish = Fin{}) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
     const int groups = (rows + 15) / 16, blocks = k / 64;
-    int ks = KS;
-    if constexpr (KS == 0) {
-        ks = 1;
-        while (ks * 2 * groups <= NUM_WARPS && ks * 2 <= blocks) ks *= 2;
-    }
+    int ks = 1;
+    while (ks * 2 * groups <= NUM_WARPS && ks * 2 <= blocks) ks *= 2;
     const bf16* xrow = xs + g * xs_ld(k) + q * 8;
     // this warp's first item: group warp / ks, blocks part, part + ks, ...
     const int grp = warp / ks, part = warp % ks;
@@ -658,21 +298,10 @@ __device__ __forceinline__ void gemv_tile(const bf16* const (&w)[NACC], int w_ld
     // warps without an item directly). With two row sets in register batches it finishes first
     // and the op starts its copies early instead: finishing after the first batch measured no
     // faster (H200, 2026-11-30 01:40 UTC: batch 1 +0.1%, batch 8 -0.8%, within the spread) and
-    // spilled at batch 8 once the routing was reused (ops.cuh: routing_known); it is
-    // CodegenOptions.two_set_weights_first again (off). The weight ring holds no batch in registers.
-    constexpr bool EARLY = NACC == 1 || use_ring<NC>() || TWO_SET_WEIGHTS_FIRST;
+    // spilled at batch 8 once the routing was reused (ops.cuh: routing_known); so did it again
+    // (2026-12-02, BENCHMARKS.md).
+    constexpr bool EARLY = NACC == 1;
     if (!EARLY) finish();
-    // two row sets only (expert gate/up, dense SwiGLU: the ops whose tiles can be uneven), so the
-    // other GEMV ops keep their code (compiled into every op, the path doubled the LM head's and
-    // pushed the expert-down op out of line)
-    if constexpr (GEMV_KPARTS && NACC == 2 && KS == 0 && !use_ring<NC>()) {
-        const int kp = kparts_split(groups, blocks, ks);
-        if (kp > 0) {
-            gemv_tile_kparts<NACC, NC, EARLY>(w, w_ld, rows, groups, blocks, kp, xs + g * xs_ld(k) + q * 8, red, epi,
-                                              finish);
-            return;
-        }
-    }
     if (ks == 1) {
         if (EARLY && warp >= groups) finish();  // warps without a row group
         for (int gi = warp; gi < groups; gi += NUM_WARPS) {

@@ -190,7 +190,6 @@ __device__ __noinline__ void zero_rows(float* out, int ld, int rows) {
 // which its counter loads need not wait for.
 template <class O>
 struct WaitStageFinish : StageFinish<O> {
-    static constexpr int EARLY_BATCHES = EARLY_BATCHES_LINEAR;
     __device__ void operator()() const {
         const StageFinish<O>& s = *this;
         task_wait(s.t.w);
@@ -205,7 +204,6 @@ struct WaitStageFinish : StageFinish<O> {
 // loads before its wait (from its record's wait `first` on: the routing's part may be behind it):
 // the wait, then the hidden states' copies, then the barrier that publishes them.
 struct WaitCopyFinish {
-    static constexpr int EARLY_BATCHES = EARLY_BATCHES_DOWN;
     const Task& t;
     bf16* xs;
     const bf16* h;
@@ -615,7 +613,7 @@ __device__ __forceinline__ void linear_gemv(const Task& t, unsigned char* smem, 
         const bool f32 = t.dtype(O::out) != DT_BF16;
         float* out32 = t.ptr<float>(O::out) + base;
         bf16* out16 = t.ptr<bf16>(O::out) + base;
-        gemv_tile<1, GEMV_KS_LINEAR>(w, w_ld, rows, k, xs, gemv_red(smem), [&](int r0, float (&acc)[1][4]) {
+        gemv_tile<1>(w, w_ld, rows, k, xs, gemv_red(smem), [&](int r0, float (&acc)[1][4]) {
             if (res.staged) {
                 store_with_residual(out32, out_ld, res, r0, acc[0][0], acc[0][1], acc[0][2], acc[0][3]);
                 return;
@@ -629,7 +627,7 @@ __device__ __forceinline__ void linear_gemv(const Task& t, unsigned char* smem, 
         }, finish);
     } else if (t.dtype(O::out) != DT_BF16) {
         float* out = t.ptr<float>(O::out) + base;
-        gemv_tile<1, GEMV_KS_LINEAR>(w, w_ld, rows, k, xs, gemv_red(smem), [&](int r0, float (&acc)[1][4]) {
+        gemv_tile<1>(w, w_ld, rows, k, xs, gemv_red(smem), [&](int r0, float (&acc)[1][4]) {
             if (res.staged) {
                 store_with_residual(out, out_ld, res, r0, acc[0][0], acc[0][1], acc[0][2], acc[0][3]);
                 return;
@@ -641,7 +639,7 @@ __device__ __forceinline__ void linear_gemv(const Task& t, unsigned char* smem, 
         }, finish);
     } else {
         bf16* out = t.ptr<bf16>(O::out) + base;
-        gemv_tile<1, GEMV_KS_LINEAR>(w, w_ld, rows, k, xs, gemv_red(smem), [&](int r0, float (&acc)[1][4]) {
+        gemv_tile<1>(w, w_ld, rows, k, xs, gemv_red(smem), [&](int r0, float (&acc)[1][4]) {
             for_fragment(r0, acc[0], rows, [&](int r, int n, float v) { store_bf16(out + (size_t)n * out_ld + r, v); });
         }, finish);
     }
@@ -690,7 +688,7 @@ __device__ void op_swiglu(const Task& t, unsigned char* smem) {
     const bf16* const w[2] = {wb + (size_t)row0 * w_ld, wb + (size_t)up0 * w_ld};
     bf16* out = t.ptr<bf16>(O::out) + col0;
     const int out_ld = t.dim(O::out, 1);
-    gemv_tile<2, GEMV_KS_SWIGLU>(w, w_ld, rows, k, xs, gemv_red(smem), SwigluStore{out, out_ld, rows}, finish);
+    gemv_tile<2>(w, w_ld, rows, k, xs, gemv_red(smem), SwigluStore{out, out_ld, rows}, finish);
 }
 
 // The opening of an expert gate/up tile (EXPERT_SWIGLU, EXPERT_MLP): its input's copies fly
@@ -764,10 +762,10 @@ __device__ void op_expert_swiglu(const Task& t, unsigned char* smem) {
     bf16* out = t.ptr<bf16>(O::out) + (size_t)slot * t.dim(O::out, 2) * out_ld + row0;
     if constexpr (NORM_BESIDE_ROUTING) {
         const NormedBeside<O> finish{{t, smem, 0, k}, beside};
-        gemv_tile<2, GEMV_KS_EXPERT_SWIGLU>(w, w_ld, rows, k, xs, gemv_red(smem), SwigluStore{out, out_ld, rows}, finish);
+        gemv_tile<2>(w, w_ld, rows, k, xs, gemv_red(smem), SwigluStore{out, out_ld, rows}, finish);
     } else {
         const StageFinish<O> finish{t, smem, 0, k};
-        gemv_tile<2, GEMV_KS_EXPERT_SWIGLU>(w, w_ld, rows, k, xs, gemv_red(smem), SwigluStore{out, out_ld, rows}, finish);
+        gemv_tile<2>(w, w_ld, rows, k, xs, gemv_red(smem), SwigluStore{out, out_ld, rows}, finish);
     }
 }
 
@@ -861,7 +859,7 @@ __device__ void op_expert_down(const Task& t, unsigned char* smem) {
     };
     if constexpr (WEIGHTS_BEFORE_WAIT && DOWN_WEIGHTS_BEFORE_WAIT) {
         // the first weight batch is issued by gemv_tile before the rest of the wait
-        gemv_tile<1, GEMV_KS_EXPERT_DOWN>(w, w_ld, rows, k, xs, gemv_red(smem), epi, WaitCopyFinish{t, xs, h, k, routed ? 0 : 1});
+        gemv_tile<1>(w, w_ld, rows, k, xs, gemv_red(smem), epi, WaitCopyFinish{t, xs, h, k, routed ? 0 : 1});
         return;
     }
     prefetch_rows_all(w[0], rows, k, w_ld, RUN_PREFETCH_BYTES);
@@ -869,7 +867,7 @@ __device__ void op_expert_down(const Task& t, unsigned char* smem) {
         task_wait(t.w, routed ? 0 : 1);
         stage_x_async(xs, h, k, 0, k);
     }
-    gemv_tile<1, GEMV_KS_EXPERT_DOWN>(w, w_ld, rows, k, xs, gemv_red(smem), epi, CopyFinish{});
+    gemv_tile<1>(w, w_ld, rows, k, xs, gemv_red(smem), epi, CopyFinish{});
 }
 
 // logits[b, row0 + i] = LOGIT_SCALE * x[b] . w[row0 + i]; best_*[b, tile] = its arg-max
@@ -887,7 +885,7 @@ __device__ void op_lm_head(const Task& t, unsigned char* smem) {
     float* out = t.ptr<float>(O::logits) + row0;
     float bv[2] = {-INFINITY, -INFINITY};
     int bi[2] = {0x7fffffff, 0x7fffffff};
-    gemv_tile<1, GEMV_KS_LM_HEAD>(w, w_ld, rows, k, xs, gemv_red(smem), [&](int r0, float (&acc)[1][4]) {
+    gemv_tile<1>(w, w_ld, rows, k, xs, gemv_red(smem), [&](int r0, float (&acc)[1][4]) {
         for_fragment(r0, acc[0], rows, [&](int r, int n, float v) {
             v *= LOGIT_SCALE;
             out[(size_t)n * out_ld + r] = v;

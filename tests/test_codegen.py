@@ -120,42 +120,31 @@ def test_nmc_kernel_compiles_without_local_memory(cache, batch):
 # The kernels benchmarks/kernel_variants.py measures against the default, by its names where it has
 # them: the batches CI compiles each at, and its CodegenOptions fields. To keep CI short, options
 # measured slower and kept off only as a record compile together where that fits the registers
-# (each alone compiled without spills on the device's runs): "record-tail" (the combine's loads
-# first, LINEAR's second batch before the wait, the serial residual loads, the expert-down's L2
-# row) and "record-code" (the routing unrolled, LINEAR's GEMV per dtype); "down-2-early" alone (with
-# "record-code" it spills). Not compiled here: routing_code="loop" (the default's shared routing
-# loop, inlined into each op), the batch-8 kernels of the register-batch ring, the V-from-global
-# chunks, the bulk ring, the CTA-chunk attention and the compiled k split (their batch-1 kernels are).
+# (each alone compiled without spills on the device's runs): "record-tail" (the serial residual
+# loads, the expert-down's L2 row) and "record-code" (the routing unrolled, LINEAR's GEMV per
+# dtype). Not compiled here: routing_code="loop" (the default's shared routing loop, inlined into
+# each op), the V-from-global chunks and the CTA-chunk attention at batch 8 (their batch-1 kernels
+# are).
 CODEGEN_VARIANTS: dict[str, tuple[tuple[int, ...], dict]] = {
-    "ring-16k": ((1,), {"gemv_ring_bytes": 16 * 1024}),  # the weight ring (16-byte cp.async copies)
-    "ring-bulk-16k": ((1,), {"gemv_ring_bytes": 16 * 1024, "gemv_ring_bulk": True}),  # bulk copies, mbarriers
     "attn-cta": ((1,), {"attn_warp_stages": 0}),  # attention splits in CTA-wide chunks
     "attn-cta-v-global": ((1,), {"attn_warp_stages": 0, "attn_stage_v": False}),  # ... with V from global
     "attn-warps-3": ((1, 8), {"attn_warp_stages": 3}),  # warp splits with three ring stages
     "desc-table": ((1,), {"descriptors": "table"}),  # descriptors read from the global table
     "signal-first-shuffle": ((1,), {"signal_warp": "first", "routing_argmax": "shuffle", "norm_beside_routing": "off"}),
     "profile-phases": ((1,), {"profile_phases": True}),  # the phase-marking profile kernel
-    "two-set-first": ((8,), {"two_set_weights_first": True}),  # expert-up weights before staging (spilled once)
     "counter-logits": ((1,), {"tagged_logits": "off"}),  # expert-up tiles wait for the router's counter
     "tagged-logits": ((8,), {"tagged_logits": "on"}),  # ... or read tagged logits (off by default at 8)
     "norm-reuse": ((1,), {"reuse_staged_norm": True}),  # a normed GEMV reuses the input staged before it
-    "split-compiled": ((1,), {"gemv_split_compiled": True}),  # a GEMV op's shared k split compiled in
-    "record-tail": ((1,), {"combine_loads_first": True, "second_batch_before_wait": "linear",
-                           "residual_loads_first": False, "down_weights_before_wait": False}),
+    "record-tail": ((1,), {"residual_loads_first": False, "down_weights_before_wait": False}),
     "record-code": ((1,), {"routing_code": "unrolled", "linear_one_gemv": False}),
-    "down-2-early": ((1,), {"second_batch_before_wait": "expert_down"}),  # two weight batches before the wait
-    # every ring stage of a warp split issued while it waits; its query's RoPE after the wait
-    "ring-before-wait": ((1,), {"attn_ring_before_wait": True}),
+    # a warp split's query's RoPE after the wait
     "rope-after-wait": ((1,), {"rope_before_wait": False}),
-    "norm-unroll-4": ((1,), {"norm_unroll": 4}),  # the RMSNorm staging's loops unrolled
-    # the routing's picks ranked at once; the RMSNorm staging over every warp
-    "rank-norm-all-warps": ((1, 8), {"routing_argmax": "rank", "norm_staging": "all_warps"}),
+    # the routing's picks ranked at once, the input normalised after them (batch 1's default
+    # normalises beside them); at batch 8 the ranks where the rounds are the default
+    "rank-after": ((1, 8), {"routing_argmax": "rank", "norm_beside_routing": "off"}),
     # an expert gate/up tile's input normalised by warps 1.. during the routing
     "norm-beside-routing": ((8,), {"norm_beside_routing": "on"}),
     "redux-after": ((1,), {"routing_argmax": "redux", "norm_beside_routing": "off"}),  # batch 1's default before
-    # two-row-set tiles split k into parts that fill the warps (the dense SwiGLU's 48-row tiles; at
-    # batch 4 the 12-group expert tiles too)
-    "kparts": ((1, 4), {"gemv_kparts": True}),
     # the default at batch 4: the O-projection warmed in L2 by the expert gate/up tiles, evict-first
     # streams (l2_warm and weights_evict_first "auto", on at batch 2-4)
     "default": ((4,), {}),
@@ -172,7 +161,7 @@ def _nmc_schedule(batch: int):
 def test_codegen_variant_compiles_without_local_memory(cache, batch, variant):
     """The kernels benchmarks/kernel_variants.py measures against the default must compile cleanly
     too (one test each, so pytest-xdist spreads the compiles over the workers), and each shows
-    what it asks for: the bulk ring's mbarrier waits, the shuffle routing without redux.sync, the
+    what it asks for: the shuffle routing without redux.sync, the
     per-dtype LINEAR code, the three ring stages' dynamic shared memory as render.py sizes it."""
     from mkc.codegen import CodegenOptions
 
@@ -182,8 +171,6 @@ def test_codegen_variant_compiles_without_local_memory(cache, batch, variant):
     assert art.spills == 0, f"{options}: ptxas reports {art.spills} bytes of spills\n{art.log}"
     sass = disassemble(art.cubin)
     assert not local_memory_ops(sass), options
-    if options.gemv_ring_bulk:  # bulk copies into shared memory, completing on mbarriers
-        assert "UBLKCP.S.G" in sass and "SYNCS.PHASECHK.TRANS64.TRYWAIT" in sass, options
     if options.routing_argmax == "shuffle":
         assert "REDUX" not in sass, options
     if art.config.routing_rank:  # no arg-max rounds: the routing's only redux.sync is gone
@@ -191,59 +178,17 @@ def test_codegen_variant_compiles_without_local_memory(cache, batch, variant):
     assert art.config.routing_rank == (options.routing_argmax == "rank" or (options.routing_argmax == "auto"
                                                                            and batch == 1)), art.config
     assert art.config.norm_beside_routing == (options.norm_beside_routing == "on" or (
-        options.norm_beside_routing == "auto" and batch == 1 and options.norm_staging == "token")), art.config
-    assert art.config.norm_all_warps == (options.norm_staging == "all_warps")
+        options.norm_beside_routing == "auto" and batch == 1)), art.config
     if not options.linear_one_gemv:  # one GEMV per output dtype: more LINEAR code than the default's one
         default = build_kernel(sc, spec, cache_dir=cache)
         per_dtype = instructions_by_op(art.cubin, art.cu_source)["LINEAR"]
         assert per_dtype > 1.5 * instructions_by_op(default.cubin, default.cu_source)["LINEAR"], options
-    if options.combine_loads_first:  # the largest combine's partial outputs fit in shared memory
-        combines = [t for t in sc.tasks if t.op == Opcode.ATTN_COMBINE]
-        assert {(t.arg("heads"), t.arg("splits")) for t in combines} == {(2, 32)}  # every SM splits at batch 1
-        assert art.config.combine_stage_bytes == 2 * 32 * 128 * 4, art.config
-    if options.second_batch_before_wait != "none":  # two batches before the wait for the op asked, one for the other
-        early = (art.config.early_batches_linear, art.config.early_batches_down)
-        assert early == ((2, 1) if options.second_batch_before_wait == "linear" else (1, 2)), early
-    if options.gemv_split_compiled:  # the ops whose tiles share a k split compile that path alone
-        ks = dict(art.config.gemv_ks)
-        assert ks["EXPERT_DOWN"] == 1 and ks["LM_HEAD"] == 1 and ks["LINEAR"] == 0  # LINEAR: 16 to 64 rows
-        assert ks["EXPERT_SWIGLU"] == (2 if batch == 1 else 1)  # 64-row tiles at batch 1: 4 groups, 2 parts
-        default = build_kernel(sc, spec, cache_dir=cache)
-        split, run_time = (instructions_by_op(a.cubin, a.cu_source) for a in (art, default))
-        assert split["EXPERT_DOWN"] < 0.7 * run_time["EXPERT_DOWN"], (split, run_time)
     if options.attn_warp_stages == 3:  # 8 warps x 3 blocks x (16 keys x 128 dims of K and V) in flight
         assert art.dynamic_smem == kernel_config(sc, spec, options).smem_bytes
         assert art.dynamic_smem >= 8 * 3 * 16 * 128 * 2 * 2
-    assert f"constexpr int NORM_UNROLL = {options.norm_unroll};" in art.cu_source
     assert art.config.tagged_logits == (options.tagged_logits == "on" or (options.tagged_logits == "auto"
                                                                           and batch <= 4))
     assert (art.config.l2_warm != "off") == art.config.weights_evict_first == (batch in (2, 3, 4)), art.config
-    assert f"constexpr bool GEMV_KPARTS = {str(options.gemv_kparts).lower()};" in art.cu_source
-
-
-def test_gemv_k_split_is_the_kernels_rule():
-    """render.gemv_k_split mirrors gemv_tile's choice (two row groups per warp pair at most, two
-    blocks per part at least): the O-projection's 16-row tiles split k over all 8 warps, a 64-row
-    QKV tile over 2, 128-row expert-down tiles not at all, a short k caps the split; an op whose
-    tiles disagree gets no compiled split."""
-    from mkc.codegen.render import gemv_k_split, gemv_splits
-
-    assert [gemv_k_split(r, k, 8) for r, k in ((16, 4096), (64, 2048), (128, 768), (20, 2048), (16, 128))] == \
-        [8, 2, 1, 4, 2]
-    _, sc = _nmc_schedule(1)
-    splits = gemv_splits(sc, 8)
-    rows = {t.arg("rows") for t in sc.tasks if t.op == Opcode.LINEAR}
-    assert len(rows) > 1 and splits["LINEAR"] == 0
-    assert splits["EXPERT_DOWN"] == 1 and splits["EXPERT_SWIGLU"] == 2
-
-
-def test_gemv_kparts_reduction_floats():
-    """CodegenOptions.gemv_kparts: the reduction floats grow to one fragment per (group, k part) item, so
-    the RMSNorm staging's scratch (and all after it) moves by 7 x 8 fragments of two row sets."""
-    spec, sc = _nmc_schedule(1)
-    on, off = kernel_config(sc, spec, CodegenOptions(gemv_kparts=True)), kernel_config(sc, spec)
-    assert on.gemv_kparts and not off.gemv_kparts
-    assert on.gemv_ring_offset - off.gemv_ring_offset == 7 * 8 * 2 * 4 * 32 * 4
 
 
 def test_residual_in_o_proj_kernel_compiles_without_local_memory(cache):
@@ -312,7 +257,7 @@ def test_residual_as_terms_kernel_compiles_without_local_memory(cache):
                   spec.name)
     cfg = kernel_config(sc, spec)
     assert cfg.norm_terms == 8
-    assert cfg.gemv_ring_offset >= cfg.gemv_xs_bytes + (1 + 8) * spec.hidden_size * 4
+    assert cfg.gemv_bytes >= cfg.gemv_xs_bytes + (1 + 8) * spec.hidden_size * 4
     art = build_kernel(sc, spec, cache_dir=cache)
     assert art.spills == 0, f"ptxas reports {art.spills} bytes of spills\n{art.log}"
     assert not local_memory_ops(disassemble(art.cubin))
@@ -695,14 +640,8 @@ def test_signal_and_routing_options_are_checked(tiny):
     spec, sc = tiny
     with pytest.raises(CodegenError, match="signal_warp = 'middle'"):
         kernel_config(sc, spec, CodegenOptions(signal_warp="middle"))
-    with pytest.raises(CodegenError, match="norm_unroll = 0: expected 1"):
-        kernel_config(sc, spec, CodegenOptions(norm_unroll=0))
     with pytest.raises(CodegenError, match="routing_argmax = 'sort': expected one of 'auto', 'shuffle', 'redux', 'rank'"):
         kernel_config(sc, spec, CodegenOptions(routing_argmax="sort"))
-    with pytest.raises(CodegenError, match="norm_staging = 'cta': expected one of 'token', 'all_warps'"):
-        kernel_config(sc, spec, CodegenOptions(norm_staging="cta"))
-    with pytest.raises(CodegenError, match="norm_beside_routing needs norm_staging = 'token'"):
-        kernel_config(sc, spec, CodegenOptions(norm_beside_routing="on", norm_staging="all_warps"))
     with pytest.raises(CodegenError, match="norm_beside_routing = True: expected one of 'auto', 'on', 'off'"):
         kernel_config(sc, spec, CodegenOptions(norm_beside_routing=True))
     with pytest.raises(CodegenError, match="routing_code = 'fast': expected one of 'unrolled', 'loop', 'shared'"):

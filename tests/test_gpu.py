@@ -188,18 +188,18 @@ def test_tiny_routing_ties_go_to_the_lower_expert(tiny, num_sms, batch, argmax):
             check_routing_near_ties(dec, ex, spec, i, f"positions {positions.tolist()}")
 
 
-@pytest.mark.parametrize("options", [{}, {"norm_staging": "all_warps", "routing_argmax": "rank"},
+@pytest.mark.parametrize("options", [{}, {"norm_beside_routing": "off", "routing_argmax": "rank"},
                                      {"norm_beside_routing": "on", "routing_argmax": "redux"},
                                      {"norm_beside_routing": "off", "routing_argmax": "redux"}],
-                         ids=["default", "norm-all-warps-rank", "norm-beside-rounds", "rounds-after"])
+                         ids=["default", "rank-after", "norm-beside-rounds", "rounds-after"])
 @pytest.mark.parametrize("batch", [1, 2, 8])
 def test_tiny_step_matches_cpu_executor(tiny, num_sms, batch, options):
     """One step at many positions (within, at and beyond the sliding window of 8) from a random
     KV cache: logits, next token, routing and the appended KV rows match the CPU executor; for the
     default kernel (at batch 1 the ranked routing with the expert tiles' input normalised beside
-    it), for the RMSNorm staged by every warp with the routing ranked, and for the arg-max rounds
-    with the input normalised beside them and after them (CodegenOptions.norm_staging,
-    routing_argmax, norm_beside_routing)."""
+    it), for the ranked routing with the input normalised after it, and for the arg-max rounds
+    with the input normalised beside them and after them (CodegenOptions.routing_argmax,
+    norm_beside_routing)."""
     from mkc.codegen import CodegenOptions
     from mkc.runtime.cuda_backend import CudaDecoder
     from mkc.schedule.executor import CpuExecutor
@@ -648,13 +648,10 @@ def test_nmc_fused_experts_match_mirror(nmc_weights, num_sms, batch, context):
 @pytest.mark.parametrize("batch, context", [(1, 8192), (1, 100), (2, 4097)])
 def test_nmc_expert_tiles_of_two_sizes_match_mirror(nmc_weights, num_sms, batch, context):
     """LowerOptions.expert_up_rows: each slot's expert gate/up tiles of 80 and 48 rows (5 and 3 row
-    groups: with CodegenOptions.gemv_kparts the GEMV splits k into one part per warp,
-    gemv_tile_kparts). The same checks as the default lowering, and reruns bitwise the same."""
-    from mkc.codegen import CodegenOptions
-
+    groups, which leave warps idle under the GEMV's power-of-two k split). The same checks as the
+    default lowering, and reruns bitwise the same."""
     spec, weights = nmc_weights
-    dec = nmc_decoder(spec, weights, batch, context, num_sms, CodegenOptions(gemv_kparts=True),
-                      expert_up_rows=(80,) * 6 + (48,) * 6)
+    dec = nmc_decoder(spec, weights, batch, context, num_sms, expert_up_rows=(80,) * 6 + (48,) * 6)
     assert {t.arg("rows") for t in dec.schedule.tasks if t.op.name == "EXPERT_SWIGLU"} == {80, 48}
     check_rerun_and_mirror(dec, spec, weights, batch, context, f"NMC expert tiles 80/48 b{batch} ctx {context}")
 
@@ -680,19 +677,6 @@ def test_nmc_expert_down_rows_match_mirror(nmc_weights, num_sms, batch, context,
     dec = nmc_decoder(spec, weights, batch, context, num_sms, expert_down_rows=rows)
     assert max(t.arg("rows") for t in dec.schedule.tasks if t.op.name == "EXPERT_DOWN") == rows
     check_rerun_and_mirror(dec, spec, weights, batch, context, f"NMC expert-down tiles of {rows} rows b{batch} ctx {context}")
-
-
-@pytest.mark.parametrize("batch, context", [(4, 8192), (4, 100), (1, 8192)])
-def test_nmc_gemv_kparts_match_mirror(nmc_weights, num_sms, batch, context):
-    """CodegenOptions.gemv_kparts: tiles whose row groups do not fill whole rounds of the warps split
-    k into parts that do (batch 4's 192-row expert gate/up tiles: 12 groups in 2 parts; the dense
-    SwiGLU's 48-row tiles: 3 groups in 8). The same checks as the default kernel, and reruns bitwise
-    the same."""
-    from mkc.codegen import CodegenOptions
-
-    spec, weights = nmc_weights
-    dec = nmc_decoder(spec, weights, batch, context, num_sms, CodegenOptions(gemv_kparts=True))
-    check_rerun_and_mirror(dec, spec, weights, batch, context, f"NMC gemv_kparts b{batch} ctx {context}")
 
 
 @pytest.mark.parametrize("batch, context", [(1, 8192), (1, 100)])
@@ -768,27 +752,6 @@ def check_against_mirror(dec, spec, weights, tokens, positions, lg, nt, what: st
         assert ek <= REL_TOL and ev <= REL_TOL, f"{what}: layer {i} appended KV rel err k {ek:.3g} v {ev:.3g}"
 
 
-@pytest.mark.parametrize("ring_bytes", [8 * 1024, 16 * 1024])
-@pytest.mark.parametrize("batch", [1, 8])
-def test_nmc_bulk_weight_ring_matches_default(nmc_weights, num_sms, batch, ring_bytes):
-    """CodegenOptions(gemv_ring_bulk=True): GEMV weights reach shared memory by bulk copies (TMA) on
-    mbarriers instead of register batches. The products and their order are the default kernel's,
-    so the logits and tokens are bitwise the same, and reruns are too (the mbarrier phases carry
-    over between tasks and steps)."""
-    from mkc.codegen import CodegenOptions
-
-    spec, weights = nmc_weights
-    tokens = torch.randint(0, spec.vocab_size, (batch,), dtype=torch.int32)
-    positions = nmc_positions(batch, 8192)
-    ref, ref_tok = nmc_decoder(spec, weights, batch, 8192, num_sms).step(tokens, positions)
-    ref = ref.clone()
-    dec = nmc_decoder(spec, weights, batch, 8192, num_sms,
-                      CodegenOptions(gemv_ring_bytes=ring_bytes, gemv_ring_bulk=True))
-    for i in range(3):
-        lg, tok = dec.step(tokens, positions)
-        assert torch.equal(lg, ref) and torch.equal(tok, ref_tok), f"step {i}: differs from the default kernel"
-
-
 @pytest.mark.parametrize("batch", [1, 8])
 def test_nmc_tagged_logits_match_default(nmc_weights, num_sms, batch):
     """CodegenOptions(tagged_logits="on") at full size, context 8192: the expert-up tiles read the
@@ -847,33 +810,26 @@ def test_nmc_routing_options_match_default(nmc_weights, num_sms, batch, option):
 TERMS = {"residual_in_o_proj": True, "residual_as_terms": True}
 
 
-@pytest.mark.parametrize("batch, context, lowering, beside", [
-    (1, 8192, {}, False), (1, 1, {}, False), (2, 4097, {}, False), (4, 8192, {}, False), (8, 8192, {}, False),
-    (1, 8192, TERMS, False), (1, 8192, TERMS, True),
+@pytest.mark.parametrize("batch, context, lowering", [
+    (2, 4097, {}), (4, 8192, {}), (8, 8192, {}), (1, 8192, TERMS),
 ])
-def test_nmc_norm_staging_options_match_mirror(nmc_weights, num_sms, batch, context, lowering, beside):
-    """CodegenOptions(norm_staging="all_warps", routing_argmax="rank"): every warp sums a share of
-    each token's squares for the RMSNorm staging (a different summation order from one warp per
-    token, the same for every reader of a norm), with the routing ranked. The same checks against
-    the mirror as the default kernel, and reruns bitwise the same; with residual_as_terms the
-    readers add the terms to the stream inside the same shares. With `beside`, instead, the default
-    staging but the expert gate/up tiles' warps 1.. stage their input (and its terms) while warp 0
-    routes (norm_beside_routing)."""
+def test_nmc_norm_beside_routing_matches_mirror(nmc_weights, num_sms, batch, context, lowering):
+    """CodegenOptions(norm_beside_routing="on"): the expert gate/up tiles' warps 1.. stage their
+    input (and, with residual_as_terms, its terms) while warp 0 routes, at the batches where "auto"
+    does not (2, 4 and 8) and with the terms at batch 1. The same checks against the mirror as the
+    default kernel, and reruns bitwise the same."""
     from mkc.codegen import CodegenOptions
 
     spec, weights = nmc_weights
-    options = CodegenOptions(norm_beside_routing="on") if beside else (
-        CodegenOptions(norm_staging="all_warps", routing_argmax="rank"))
-    dec = nmc_decoder(spec, weights, batch, context, num_sms, options, **lowering)
-    check_rerun_and_mirror(dec, spec, weights, batch, context, f"NMC norm all warps b{batch} ctx {context} {lowering}")
+    dec = nmc_decoder(spec, weights, batch, context, num_sms, CodegenOptions(norm_beside_routing="on"), **lowering)
+    check_rerun_and_mirror(dec, spec, weights, batch, context, f"NMC norm beside routing b{batch} ctx {context} {lowering}")
 
 
 @pytest.mark.parametrize("batch, context", [(1, 1), (1, 300), (1, 8192), (2, 4097), (8, 8192), (1, 131072)])
 def test_nmc_split_work_before_wait_matches_without(nmc_weights, num_sms, batch, context):
     """The default kernel's warp splits make their query's RoPE table while they wait for the QKV
-    tiles (CodegenOptions.rope_before_wait); with attn_ring_before_wait they also issue every stage
-    of their rings. The same bytes and the same rope_sincos: three steps of either give bitwise the
-    logits and tokens of the kernel that does neither (rope_before_wait=False). Context 1 attends
+    tiles (CodegenOptions.rope_before_wait). The same rope_sincos: three steps give bitwise the
+    logits and tokens of the kernel that does not (rope_before_wait=False). Context 1 attends
     the step's own key only (the ring's second block is past it); 300 puts it past a warp's first
     block; 4097 is past the sliding window; 131072 runs the shipped plan with 2,048-key splits in
     the global layers."""
@@ -885,12 +841,10 @@ def test_nmc_split_work_before_wait_matches_without(nmc_weights, num_sms, batch,
     without = CodegenOptions(rope_before_wait=False)
     ref, ref_tok = nmc_decoder(spec, weights, batch, context, num_sms, without).step(tokens, positions)
     ref = ref.clone()
-    for options in (None, CodegenOptions(attn_ring_before_wait=True)):
-        dec = nmc_decoder(spec, weights, batch, context, num_sms, options)
-        for i in range(3):
-            lg, tok = dec.step(tokens, positions)
-            assert torch.equal(lg, ref) and torch.equal(tok, ref_tok), f"{options}, step {i}: differs"
-        del dec
+    dec = nmc_decoder(spec, weights, batch, context, num_sms)
+    for i in range(3):
+        lg, tok = dec.step(tokens, positions)
+        assert torch.equal(lg, ref) and torch.equal(tok, ref_tok), f"step {i}: differs"
 
 
 @pytest.mark.parametrize("batch", [2, 4])

@@ -8,7 +8,6 @@ travels as data (``taskwords``), so one binary serves every context bucket of a 
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,7 +45,6 @@ KERNEL_TEMPLATE = "kernel.cu.j2"
 KERNEL_NAME = "mkc_decode"
 MAX_SMEM_BYTES = 227 * 1024  # Hopper: opt-in dynamic shared memory per block
 STATIC_SMEM_RESERVE = 2 * 1024  # the kernel's static shared memory (task records, descriptors, routing)
-RING_STAGE_BYTES = 32 * 4 * 16  # one 64-wide block of 16 rows (gemv.cuh: a ring stage per row set)
 
 
 ROUTING_CODES = ("unrolled", "loop", "shared")  # CodegenOptions.routing_code, by the kernel's ROUTING_CODE
@@ -55,13 +53,11 @@ NORM_BESIDE_ROUTING = ("auto", "on", "off")  # CodegenOptions.norm_beside_routin
 # "auto" for both: the ranked routing with the input normalised beside it at these batches (measured
 # faster together at batch 1; each alone a tie, and slower at 4 and 8: BENCHMARKS.md 2026-12-03)
 OPENING_AUTO_BATCHES = (1,)
-NORM_STAGING = ("token", "all_warps")  # CodegenOptions.norm_staging
 TAGGED_LOGITS = ("auto", "on", "off")  # CodegenOptions.tagged_logits
 TAGGED_LOGITS_MAX_BATCH = 4  # "auto": on up to this batch
 L2_WARM_AUTO = "o_proj:expert_up"  # CodegenOptions.l2_warm = "auto" at L2_WARM_BATCHES
 L2_WARM_BATCHES = (2, 3, 4)  # "auto" warm-up and evict-first streams (measured: no gain at 1, slower at 8)
 EVICT_FIRST = ("auto", "on", "off")  # CodegenOptions.weights_evict_first
-SECOND_BATCH_OPS = ("none", "linear", "expert_down")  # CodegenOptions.second_batch_before_wait
 RESIDUAL_EPILOGUES = ("auto", "inline", "call")  # CodegenOptions.residual_epilogue
 
 
@@ -76,13 +72,6 @@ VERIFIED_THREADS = 256  # CodegenOptions.threads: the CTA size the GPU tests run
 class CodegenOptions:
     threads: int = VERIFIED_THREADS  # threads per CTA (8 warps); kernel_config rejects other counts
     gemv_unroll: int = 8  # 64-wide k blocks in flight per warp (halved for two row sets)
-    # Who computes the RMSNorm staging (gemv.cuh: stage_norm_finish): "token" (one warp per token:
-    # at batch 1 one warp does the whole row while seven wait at the barrier) or "all_warps" (every
-    # warp sums the squares of its eighth of every token's row, the partial sums are added in warp
-    # order after a barrier, and all threads scale the columns). The two sum the squares in
-    # different orders (the same order for every consumer of a norm, within each kernel), so their
-    # logits differ by float32 rounding.
-    norm_staging: str = "token"
     # An expert gate/up tile's input normalised by warps 1.. while warp 0 reads the router logits and
     # picks the experts (ops.cuh: stage_norm_beside_routing), instead of after the routing. At batch 1
     # the routing is warp 0's alone, so the RMSNorm (~2.3 µs of one warp, BENCHMARKS.md 2026-12-03)
@@ -92,26 +81,16 @@ class CodegenOptions:
     # 2026-12-03, BENCHMARKS.md): with the ranked routing (routing_argmax "auto") batch 1 1-3% faster,
     # batch 4 1.3% and batch 8 2-3% slower; alone a tie at 1, 4 and 8.
     norm_beside_routing: str = "auto"
-    # The RMSNorm staging's two loops over a token's hidden quads (gemv.cuh: stage_norm_finish; at
-    # batch 1 one warp runs them, 16 iterations each) unrolled this many times, so that a lane's
-    # shared-memory loads overlap instead of each waiting for the one before; the sum of squares
-    # adds the same values in the same order (bitwise the same logits). 1: loops. A profile of an
-    # expert gate/up tile at batch 1 (2026-12-03 14:22 UTC, BENCHMARKS.md) measured 2.3 µs from
-    # its routing to its input staged. Measured on an H200 (kernel_variants.py, 14:25 UTC, two
-    # rounds, logits bitwise equal, µs): batch 1 2464.2 / 2458.4 (loops), 2456.6 / 2484.0 (4),
-    # 2484.5 / 2500.5 (8); batch 4 5344.5 / 5332.4 (loops), 5285.8 / 5349.4 (4): a tie at 4, 8
-    # slower. The loops stay.
-    norm_unroll: int = 1
     spin_limit: int = 1 << 26  # polls of one counter wait before the device watchdog fires
     # Weights a task asks L2 for while it waits (0: one row). Measured on an H200 with tile-ordered
     # weights (kernel_variants.py, 2026-11-30): 128 KB was 1.0-1.6% slower than 0 at batch 1, 0.6%
     # at batch 4, 1.7% at batch 8; 256 KB slower still.
     prefetch_bytes: int = 0
-    # The three below were measured on an H200 (benchmarks/kernel_variants.py, 2026-11-29): per-line
-    # L2 prefetches in the GEMV loop, a bulk L2 prefetch of routed experts and a shared-memory copy of
-    # the operand descriptors each made the step slower (batch 1: 3.71 ms without them, 4.90 ms with).
+    # Measured on an H200 (benchmarks/kernel_variants.py, 2026-11-29): a bulk L2 prefetch of routed
+    # experts and a shared-memory copy of the operand descriptors each made the step slower, as
+    # per-line L2 prefetches in the GEMV loop did (batch 1: 3.71 ms without them, 4.90 ms with; the
+    # per-line prefetches were removed on 2026-12-05).
     run_prefetch_bytes: int = 0  # expert weights asked L2 for once the routing is read (0: one row)
-    gemv_pf_batches: int = -1  # GEMV register batches prefetched into L2 ahead of the loads (-1: none)
     # Where a task finds its operands' descriptors (pointer, shape): "record" copies them into
     # shared memory with its record, a task ahead (the runtime's per-record copy of the buffer
     # table: taskwords.record_descriptors), so no task reads the table after its wait; "table"
@@ -120,15 +99,6 @@ class CodegenOptions:
     # bitwise the same logits. (Copying them while the kernel loop waits, measured slower on
     # 2026-11-29, was removed: the tasks that wait inside their op skip that loop.)
     descriptors: str = "record"
-    # Weight bytes each warp streams through a shared-memory ring (cp.async) instead of register
-    # batches; 0: register batches. Lowered to what fits beside the GEMV's other shared memory.
-    gemv_ring_bytes: int = 0
-    # With a ring and tile-ordered weights: each ring stage is filled by one bulk copy (TMA,
-    # cp.async.bulk) per row set, issued by one lane and completing on the stage's mbarrier,
-    # instead of every lane's 16-byte cp.async copies. Bitwise the default's logits, but slower on
-    # an H200 (kernel_variants.py, 2026-11-30 10:35 UTC): 8 KB per warp +3.5% at batch 1, +4.5% at
-    # 2, +3% at 4; 16 KB +10%, +9.5%, +2%. Off.
-    gemv_ring_bulk: bool = False
     # How GEMV weights are stored: "rows" (the checkpoint's row-major layout), "tiles" (tile order,
     # mkc/codegen/weight_tiles.py: every load of a warp reads 512 contiguous bytes; the runtime
     # reorders the weights once, at load; an error where the shapes do not allow it) or "auto"
@@ -159,14 +129,6 @@ class CodegenOptions:
     # µs for 0 / 2 / 3 stages): batch 1 3256 / 3220 / 3369, batch 2 4431 / 4176 / 4359, batch 4
     # 6790 / 6309 / 6766, batch 8 10756 / 9876 / 10160.
     attn_warp_stages: int = 2
-    # Warp attention splits issue every stage of their warps' rings while they wait for their
-    # query (warps 1..; warp 0 after the wait), not all but one: at 128K a sliding split's warps
-    # hold all their keys (two blocks each) before the QKV tiles end. False: the first pass of the
-    # key loop issues the last stage. Bitwise the same logits, but no faster on an H200
-    # (kernel_variants.py, 2026-12-03 10:48-10:51 UTC, two rounds, µs on / off): batch 1 at 8K
-    # 2447.0 / 2497.9, 2450.5 / 2466.1; at 32K 2883.2 / 2882.6, 2871.4 / 2820.7; at 128K 3688.3 /
-    # 3690.1, 3700.0 / 3681.4; batch 4 at 8K 5362.5 / 5281.1, 5383.5 / 5278.9 (+1.9%). Off.
-    attn_ring_before_wait: bool = False
     # Attention splits that rotate their own query compute its RoPE sines and cosines while they
     # wait (warps 1.., one pair each, the same rope_sincos), so the query's staging after the wait
     # only looks them up (a phase profile measured 3.8 µs from a split's inputs ready to its query
@@ -276,12 +238,6 @@ class CodegenOptions:
     # (kernel_variants.py, 18:05 UTC, three rounds, batch 1, logits bitwise equal): inline 2402.8 /
     # 2404.6 / 2401.1 µs against call 2447.5 / 2446.5 / 2464.3 (-2.0%).
     residual_epilogue: str = "auto"
-    # GEMVs of two row sets (expert-up, dense SwiGLU) issue their first weight batch before they
-    # finish staging their activations (the RMSNorm), as one-row-set GEMVs do: at batch 1 an
-    # expert-up tile that starts first on its SM stages its input 5.1 µs after the router tiles
-    # end, with no weight bytes in flight meanwhile (phase profile, 2026-12-02). False: the staging
-    # first (the default since 2026-11-30 01:40 UTC: no faster then, and it spilled at batch 8).
-    two_set_weights_first: bool = False
     # A GEMV tile whose normed input (the RMSNorm of the same residual stream with the same weight,
     # every column) the task just before it on its SM staged finds it still in shared memory and
     # skips its own staging: at batch 1 an expert-up tile after a QKV or router tile of its layer
@@ -311,44 +267,6 @@ class CodegenOptions:
     # (+1.5% to +3%: off there).
     l2_warm: str = "auto"
     weights_evict_first: str = "auto"
-    # Where every tile of a GEMV op (expert-up, expert-down, LM head, SwiGLU; LINEAR when its tiles
-    # agree) splits its reduction over the same number of warps, that split is compiled in and the
-    # other path of gemv_tile is not: North Mini Code at batch 1 loses the k-split path of its
-    # expert-down and LM-head tiles and the one-warp-per-group path of its expert-up tiles (code
-    # the SM's instruction cache does not have to hold): 22,576 SASS instructions instead of 27,592,
-    # 242 registers instead of 246. Bitwise the same logits, and a tie on an H200 (kernel_variants.py,
-    # 2026-12-02 04:08 UTC, µs compiled / at run time): batch 1 2418.3 / 2441.7, 2446.5 / 2433.4,
-    # 2444.2 / 2412.9; batch 4 5392.4 / 5383.0, 5352.5 / 5416.6. Off: the kernels the GPU tests ran.
-    gemv_split_compiled: bool = False
-    # Attention-combine tasks copy their splits' partial outputs into shared memory (cp.async) before
-    # they turn the splits' softmax statistics into weights, so both round trips fly together;
-    # False: the partial outputs are loaded after the weights, a second round trip. The same adds in
-    # the same order (bitwise the same logits). At batch 1 a combine sits between an expert-down and
-    # an O-projection tile on its SM, on the layer's tail (phase profile, 2026-12-02: 3.5 µs op for
-    # a few KB). But slower on an H200 (kernel_variants.py, 2026-12-02 09:45 UTC, three rounds, µs
-    # first / after): batch 1 2485.2 / 2459.8, 2516.9 / 2479.2, 2502.2 / 2438.2; batch 4 5477.8 /
-    # 5455.4, 5521.3 / 5456.3, 5473.1 / 5426.0. Off.
-    combine_loads_first: bool = False
-    # With weights_before_wait, the tiles whose GEMV warps issue their second register batch of
-    # weights before their wait and staging end too, not only the first: "linear" (LINEAR tiles:
-    # at batch 1 an O-projection tile of 16 rows x 4096 then has its whole 128 KB in flight while
-    # it waits), "expert_down" or "none". The loop holds both batches anyway; with both ops, the
-    # kernel spilled (1.5 KB at batch 1, NVRTC 13.0), so one op at most. Bitwise the same logits,
-    # but slower at batch 1 on an H200 (kernel_variants.py, 2026-12-02 10:22 UTC, three rounds, µs
-    # none / linear / expert_down): 2435.5 / 2492.0 / 2488.3, 2434.0 / 2513.1 / 2509.8, 2429.5 /
-    # 2474.3 / 2495.5 (+1.8% to +3.3%); batch 4 a tie (5488.7 / 5482.2 / 5451.6, 5425.0 / 5429.1 /
-    # 5391.5, 5403.7 / 5435.3 / 5428.5). A second batch in flight early takes its bytes from the
-    # streams beside it, as the expert tiles' earlier starts did (reuse_staged_norm). "none".
-    second_batch_before_wait: str = "none"
-    # A GEMV tile of two row sets (expert gate/up, dense SwiGLU) whose (row group, k part) items do
-    # not fill whole rounds of the warps under the power-of-two split (3, 5, 6 or 7 groups: a 48-row
-    # tile keeps 6 of 8 warps busy; batch 4's 192-row expert tiles, 12 groups: 4 warps take a second
-    # while 4 wait) splits k into the fewest parts that do, each warp streaming its part of its
-    # groups as one run (gemv.cuh: gemv_tile_kparts). Correct on an H200 (2026-12-03, North Mini
-    # Code against the mirror at batch 1, 2, 4 and 8), but not faster (kernel_variants.py, µs on /
-    # off): batch 1 2424.3 / 2392.0, 2413.6 / 2410.9 (layer 0's 48-row SwiGLU tiles); batch 4
-    # 5386.8 / 5332.4, 5476.2 / 5345.3, 5418.4 / 5363.2. Off: the shipped kernels keep their code.
-    gemv_kparts: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -370,7 +288,6 @@ class KernelConfig:
     router_sigmoid: bool  # expert weight = sigmoid(logit), else softmax over the top-k
     normalize_top_k: bool
     gemv_unroll: int
-    norm_unroll: int  # CodegenOptions.norm_unroll
     gemv_max_k: int  # widest reduction of any GEMV task (elements)
     max_splits: int  # bound on attention splits per combine (num_sms, or the schedule's most)
     num_experts: int
@@ -378,10 +295,7 @@ class KernelConfig:
     spin_limit: int
     prefetch_bytes: int
     run_prefetch_bytes: int
-    gemv_pf_batches: int
     descriptors_with_record: bool  # CodegenOptions.descriptors == "record"
-    gemv_ring_request: int  # CodegenOptions.gemv_ring_bytes (the fitted size: gemv_ring_bytes)
-    gemv_ring_bulk: bool
     weights_tiled: bool  # GEMV weights in tile order (CodegenOptions.weight_layout, resolved)
     attn_stage_v: bool
     attn_prefetch_bytes: int
@@ -390,7 +304,6 @@ class KernelConfig:
     signal_last_warp: bool  # CodegenOptions.signal_warp == "last"
     routing_redux: bool  # CodegenOptions.routing_argmax, resolved, == "redux"
     routing_rank: bool  # CodegenOptions.routing_argmax, resolved, == "rank"
-    norm_all_warps: bool  # CodegenOptions.norm_staging == "all_warps"
     norm_beside_routing: bool  # CodegenOptions.norm_beside_routing, resolved
     linear_one_gemv: bool
     down_weights_before_wait: bool
@@ -402,27 +315,15 @@ class KernelConfig:
     # staged in the RMSNorm's scratch; 0 without such tiles
     residual_stage_bytes: int = 0
     residual_epilogue_inline: bool = False  # CodegenOptions.residual_epilogue, resolved
-    two_set_weights_first: bool = False
     reuse_staged_norm: bool = False
-    attn_ring_before_wait: bool = False  # CodegenOptions.attn_ring_before_wait
     rope_before_wait: bool = True  # CodegenOptions.rope_before_wait
-    # per op of SPLIT_OPS, the k split compiled in (gemv_splits; 0: chosen at run time)
-    gemv_ks: tuple[tuple[str, int], ...] = ()
     # rows / 64 of the fused expert tiles (EXPERT_MLP, all of one size); 0: the schedule has none
     fused_down_blocks: int = 0
     # the most terms a normed input adds to its residual stream (LowerOptions.residual_as_terms; gemv.cuh:
     # stage_norm_async stages them all in the RMSNorm's scratch); 0 without such inputs
     norm_terms: int = 0
-    # bytes of partial outputs the largest attention-combine task copies into shared memory first
-    # (attention.cuh: op_attn_combine, CodegenOptions.combine_loads_first); 0: loaded after the weights
-    combine_stage_bytes: int = 0
-    # register batches issued before the wait by LINEAR / expert-down GEMV warps (CodegenOptions.
-    # second_batch_before_wait)
-    early_batches_linear: int = 1
-    early_batches_down: int = 1
     l2_warm: str = "off"  # CodegenOptions.l2_warm, resolved: the rules the runtime encodes (taskwords.encode)
     weights_evict_first: bool = False  # CodegenOptions.weights_evict_first, resolved
-    gemv_kparts: bool = False  # CodegenOptions.gemv_kparts
 
     @property
     def warps(self) -> int:
@@ -433,22 +334,14 @@ class KernelConfig:
         return _round(8 * (self.gemv_max_k + 32) * 2, 128)  # gemv.cuh: xs_ld = k + XS_PAD
 
     @property
-    def gemv_ring_offset(self) -> int:
-        """Where the weight ring starts: after the activations, k-split reduction and the RMSNorm
+    def gemv_bytes(self) -> int:
+        """The GEMV's shared memory: the activations, the k-split reduction and the RMSNorm
         staging's scratch (gemv.cuh: NORM_SCRATCH_BYTES)."""
         f = 4
-        red = self.warps * 2 * 4 * 32 * f * (self.warps if self.gemv_kparts else 1)  # gemv.cuh: GEMV_RED_FLOATS
+        red = self.warps * 2 * 4 * 32 * f  # gemv.cuh: GEMV_RED_FLOATS
         scratch = max((1 + self.norm_terms) * self.batch * self.hidden * f + self.hidden * 2, self.residual_stage_bytes)
         gemv = self.gemv_xs_bytes + red + scratch
         return _round(gemv, 128)
-
-    @property
-    def gemv_ring_bytes(self) -> int:
-        """Ring bytes per warp: the request, lowered to whole one-row-set stages that fit the shared
-        memory left; 0 (register batches) when fewer than two two-row-set stages fit."""
-        room = (MAX_SMEM_BYTES - STATIC_SMEM_RESERVE - self.gemv_ring_offset) // self.warps
-        per_warp = min(self.gemv_ring_request, room) // RING_STAGE_BYTES * RING_STAGE_BYTES
-        return per_warp if per_warp >= 2 * 2 * RING_STAGE_BYTES else 0
 
     @property
     def attn_ring_offset(self) -> int:
@@ -476,7 +369,7 @@ class KernelConfig:
     def smem_bytes(self) -> int:
         """Dynamic shared memory: the largest need of any op (bytes)."""
         f = 4
-        gemv = self.gemv_ring_offset + self.warps * self.gemv_ring_bytes
+        gemv = self.gemv_bytes
         kl = self.threads // (self.head_dim // 8)
         qx = _round(8 * (self.head_dim + 32) * 2, 128)
         # the key-lane buffer, or a split's own q / k / v rows and qk-norm factors (ATT_RED_FLOATS)
@@ -487,9 +380,8 @@ class KernelConfig:
             attn = _round(attn, 16) + max(self.threads * self.head_dim * 2, self.group * kl * self.head_dim * f)
         if self.attn_warp_stages:  # attention.cuh: qx, the own rows, then a ring per warp
             attn = max(attn, self.attn_ring_offset + self.warps * self.attn_warp_stages * self.attn_stage_bytes)
-        # weights, partial sums, then the partial outputs copied first
-        combine = (_round(self.batch * self.group * self.max_splits * f, 16) + self.threads * 4 * f
-                   + self.combine_stage_bytes)
+        # weights, then partial sums
+        combine = _round(self.batch * self.group * self.max_splits * f, 16) + self.threads * 4 * f
         # ops.cuh: positions, qk-norm factors, then the group's q/k/v rows of every sequence
         rope = 128 + _round(self.batch * (self.group + 1) * f, 128) + self.batch * (self.group + 2) * self.head_dim * 2
         return _round(max(gemv, attn, combine, rope), 128)
@@ -497,29 +389,6 @@ class KernelConfig:
 
 def _round(n: int, a: int) -> int:
     return (n + a - 1) // a * a
-
-
-# The GEMV ops whose k split may be compiled in (gemv.cuh: gemv_tile's KS; EXPERT_MLP keeps its own)
-SPLIT_OPS = (Opcode.LINEAR, Opcode.SWIGLU, Opcode.EXPERT_SWIGLU, Opcode.EXPERT_DOWN, Opcode.LM_HEAD)
-
-
-def gemv_k_split(rows: int, k: int, warps: int) -> int:
-    """Warps a GEMV tile of ``rows`` x ``k`` splits k over (gemv.cuh: gemv_tile, the same rule):
-    the largest power of two with two row groups per warp pair and two 64-wide blocks per part."""
-    groups, blocks, ks = -(-rows // 16), k // 64, 1
-    while ks * 2 * groups <= warps and ks * 2 <= blocks:
-        ks *= 2
-    return ks
-
-
-def gemv_splits(schedule: Schedule, warps: int) -> dict[str, int]:
-    """Per op of SPLIT_OPS, the k split all its tiles in ``schedule`` share, or 0 where they differ
-    (or the op has none): gemv_tile then compiles that split's path alone."""
-    seen: dict[Opcode, set[int]] = {op: set() for op in SPLIT_OPS}
-    for t in schedule.tasks:
-        if t.op in seen:
-            seen[t.op].add(gemv_k_split(t.arg("rows"), _gemv_k(schedule, t)[0], warps))
-    return {op.name: next(iter(v)) if len(v) == 1 else 0 for op, v in seen.items()}
 
 
 def _gemv_k(schedule: Schedule, t) -> tuple[int, int, str]:
@@ -603,18 +472,10 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
     if options.signal_warp not in ("first", "last"):
         raise CodegenError(f"signal_warp = {options.signal_warp!r}: expected 'first' (thread 0 signals) or 'last' "
                            f"(lane 0 of the last warp)")
-    if not 1 <= options.norm_unroll <= 16:
-        raise CodegenError(f"norm_unroll = {options.norm_unroll}: expected 1 (loops) to 16")
     _check_choice("routing_argmax", options.routing_argmax, ROUTING_ARGMAX)
-    _check_choice("norm_staging", options.norm_staging, NORM_STAGING)
     _check_choice("norm_beside_routing", options.norm_beside_routing, NORM_BESIDE_ROUTING)
-    if options.norm_beside_routing == "on" and options.norm_staging != "token":
-        # the expert tiles' warps 1.. normalise one warp per token: every reader of a norm must stage
-        # the same values, so the others must too
-        raise CodegenError(f"norm_beside_routing needs norm_staging = 'token' (got {options.norm_staging!r})")
     _check_choice("routing_code", options.routing_code, ROUTING_CODES)
     _check_choice("tagged_logits", options.tagged_logits, TAGGED_LOGITS)
-    _check_choice("second_batch_before_wait", options.second_batch_before_wait, SECOND_BATCH_OPS)
     _check_choice("residual_epilogue", options.residual_epilogue, RESIDUAL_EPILOGUES)
     l2_warm = options.l2_warm
     if l2_warm == "auto":
@@ -630,14 +491,14 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
     routing_argmax = options.routing_argmax if options.routing_argmax != "auto" else (
         "rank" if opening_auto else "redux")
     norm_beside = options.norm_beside_routing == "on" or (
-        options.norm_beside_routing == "auto" and opening_auto and options.norm_staging == "token")
+        options.norm_beside_routing == "auto" and opening_auto)
     tagged_logits = options.tagged_logits == "on" or (options.tagged_logits == "auto"
                                                       and schedule.batch <= TAGGED_LOGITS_MAX_BATCH)
     problem = tile_order_problem(schedule) if options.weight_layout != "rows" else None
     if options.weight_layout == "tiles" and problem:
         raise CodegenError(problem)
     tiled = options.weight_layout != "rows" and problem is None
-    max_k, stage_bytes, norm_terms, combine_bytes, max_splits = 64, 0, 0, 0, schedule.num_sms
+    max_k, stage_bytes, norm_terms, max_splits = 64, 0, 0, schedule.num_sms
     fused_rows = {t.arg("rows") for t in schedule.tasks if t.op == Opcode.EXPERT_MLP}
     if len(fused_rows) > 1:
         raise CodegenError(f"fused expert tiles of {sorted(fused_rows)} rows: the kernel compiles one size "
@@ -674,8 +535,6 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
                                        f"multiples of 64, at most {scratch // 16 - 32} rows")
         elif t.op == Opcode.ATTN_COMBINE:
             max_splits = max(max_splits, t.arg("splits"))  # the combine's shared memory (KernelConfig.smem_bytes)
-            if options.combine_loads_first:  # attention.cuh: [BATCH][heads][splits][HEAD_DIM] floats
-                combine_bytes = max(combine_bytes, schedule.batch * t.arg("heads") * t.arg("splits") * a.head_dim * 4)
     cfg = KernelConfig(
         threads=options.threads, batch=schedule.batch, hidden=spec.hidden_size, head_dim=a.head_dim,
         page_size=page_size_of(schedule.buffers), group=group, top_k=top_k,
@@ -683,36 +542,27 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         attn_scale=a.head_dim ** -0.5, logit_scale=spec.logit_scale,
         router_sigmoid=(moe.scoring == "sigmoid") if moe else True,
         normalize_top_k=moe.normalize_top_k if moe else False, gemv_unroll=options.gemv_unroll,
-        norm_unroll=options.norm_unroll,
         gemv_max_k=max_k, max_splits=max_splits, num_experts=moe.num_experts if moe else 1,
         moe_slots=moe.slots(schedule.batch) if moe else 1, spin_limit=options.spin_limit,
         prefetch_bytes=options.prefetch_bytes, run_prefetch_bytes=options.run_prefetch_bytes,
-        gemv_pf_batches=options.gemv_pf_batches, descriptors_with_record=options.descriptors == "record",
-        gemv_ring_request=options.gemv_ring_bytes, gemv_ring_bulk=options.gemv_ring_bulk and tiled,
+        descriptors_with_record=options.descriptors == "record",
         weights_tiled=tiled,
         attn_stage_v=options.attn_stage_v,
         attn_prefetch_bytes=options.attn_prefetch_bytes, attn_warp_request=options.attn_warp_stages,
         weights_before_wait=options.weights_before_wait, signal_last_warp=options.signal_warp == "last",
         routing_redux=routing_argmax == "redux", routing_rank=routing_argmax == "rank",
-        norm_all_warps=options.norm_staging == "all_warps", norm_beside_routing=norm_beside,
+        norm_beside_routing=norm_beside,
         linear_one_gemv=options.linear_one_gemv,
         down_weights_before_wait=options.down_weights_before_wait,
         residual_loads_first=options.residual_loads_first, profile_phases=options.profile_phases,
         routing_code=ROUTING_CODES.index(options.routing_code), tagged_logits=tagged_logits,
-        two_set_weights_first=options.two_set_weights_first, reuse_staged_norm=options.reuse_staged_norm,
-        attn_ring_before_wait=options.attn_ring_before_wait, rope_before_wait=options.rope_before_wait,
-        gemv_ks=tuple(sorted(gemv_splits(schedule, options.threads // 32).items())) if options.gemv_split_compiled
-        else tuple((op.name, 0) for op in SPLIT_OPS),
-        residual_stage_bytes=stage_bytes, combine_stage_bytes=combine_bytes,
-        early_batches_linear=2 if options.second_batch_before_wait == "linear" else 1,
-        early_batches_down=2 if options.second_batch_before_wait == "expert_down" else 1,
+        reuse_staged_norm=options.reuse_staged_norm,
+        rope_before_wait=options.rope_before_wait,
+        residual_stage_bytes=stage_bytes,
         fused_down_blocks=next(iter(fused_rows), 0) // 64, norm_terms=norm_terms,
         l2_warm=l2_warm, weights_evict_first=evict_first,
-        gemv_kparts=options.gemv_kparts,
         residual_epilogue_inline=options.residual_epilogue == "inline" or (options.residual_epilogue == "auto"
                                                                            and stage_bytes > 0))
-    if cfg.smem_bytes > MAX_SMEM_BYTES and cfg.combine_stage_bytes:  # the combine loads its partials after its weights
-        cfg = dataclasses.replace(cfg, combine_stage_bytes=0)
     if cfg.smem_bytes > MAX_SMEM_BYTES:
         raise CodegenError(f"shared memory {cfg.smem_bytes} B (widest GEMV k = {max_k}, batch = {cfg.batch}): "
                            f"expected at most {MAX_SMEM_BYTES} B")
@@ -752,28 +602,21 @@ def template_context(cfg: KernelConfig, banner: str) -> dict[str, Any]:
         "router_sigmoid": cv.c_bool(cfg.router_sigmoid),
         "normalize_top_k": cv.c_bool(cfg.normalize_top_k),
         "gemv_unroll": cv.c_int(cfg.gemv_unroll),
-        "norm_unroll": cv.c_int(cfg.norm_unroll),
         "gemv_xs_bytes": cv.c_int(cfg.gemv_xs_bytes),
         "smem_bytes": cv.c_int(cfg.smem_bytes),
         "spin_limit": cv.c_uint(cfg.spin_limit),
         "prefetch_bytes": cv.c_int(cfg.prefetch_bytes),
         "run_prefetch_bytes": cv.c_int(cfg.run_prefetch_bytes),
-        "gemv_pf_batches": cv.c_int(cfg.gemv_pf_batches),
         "descriptors_with_record": cv.c_bool(cfg.descriptors_with_record),
-        "gemv_ring_bytes": cv.c_int(cfg.gemv_ring_bytes),
-        "gemv_ring_off": cv.c_int(cfg.gemv_ring_offset),
-        "gemv_ring_bulk": cv.c_bool(cfg.gemv_ring_bulk),
         "weights_tiled": cv.c_bool(cfg.weights_tiled),
         "attn_stage_v": cv.c_bool(cfg.attn_stage_v),
         "attn_prefetch_bytes": cv.c_int(cfg.attn_prefetch_bytes),
         "attn_warp_stages": cv.c_int(cfg.attn_warp_stages),
-        "attn_ring_before_wait": cv.c_bool(cfg.attn_ring_before_wait),
         "rope_before_wait": cv.c_bool(cfg.rope_before_wait),
         "weights_before_wait": cv.c_bool(cfg.weights_before_wait),
         "signal_last_warp": cv.c_bool(cfg.signal_last_warp),
         "routing_redux": cv.c_bool(cfg.routing_redux),
         "routing_rank": cv.c_bool(cfg.routing_rank),
-        "norm_all_warps": cv.c_bool(cfg.norm_all_warps),
         "norm_beside_routing": cv.c_bool(cfg.norm_beside_routing),
         "linear_one_gemv": cv.c_bool(cfg.linear_one_gemv),
         "down_weights_before_wait": cv.c_bool(cfg.down_weights_before_wait),
@@ -784,15 +627,9 @@ def template_context(cfg: KernelConfig, banner: str) -> dict[str, Any]:
         "residual_epilogue_inline": cv.c_int(int(cfg.residual_epilogue_inline)),  # a preprocessor 0 / 1
         "fused_down_blocks": cv.c_int(cfg.fused_down_blocks),
         "norm_terms": cv.c_int(cfg.norm_terms),
-        "combine_stage_bytes": cv.c_int(cfg.combine_stage_bytes),
-        "early_batches_linear": cv.c_int(cfg.early_batches_linear),
-        "early_batches_down": cv.c_int(cfg.early_batches_down),
-        "two_set_weights_first": cv.c_bool(cfg.two_set_weights_first),
         "reuse_staged_norm": cv.c_bool(cfg.reuse_staged_norm),
         "l2_warm": cv.c_bool(cfg.l2_warm != "off"),
         "weights_evict_first": cv.c_bool(cfg.weights_evict_first),
-        "gemv_kparts": cv.c_bool(cfg.gemv_kparts),
-        "gemv_ks": [(name, cv.c_int(ks)) for name, ks in cfg.gemv_ks],
         "max_rank": cv.c_int(MAX_RANK),
         "dtypes": [(cv.c_ident(f"DT_{k.upper()}"), cv.c_int(v)) for k, v in DTYPE_CODES.items()],
         "record_words": [(cv.c_ident(k), cv.c_int(v)) for k, v in RECORD_LAYOUT],

@@ -90,8 +90,7 @@ class LowerOptions:
     # the expert's intermediate size); (): the tiling rule's equal tiles. Tiles of two sizes are meant
     # to balance the SMs: the scheduler places the larger (costlier) tiles first, on the SMs free at
     # the layer's start, and the smaller behind the QKV tiles (North Mini Code at batch 1: six of 80
-    # rows and six of 48 per slot, the larger carrying one 64-row QKV tile's bytes more; their 5 and
-    # 3 row groups want CodegenOptions.gemv_kparts). Slower on an H200 (schedule_variants.py,
+    # rows and six of 48 per slot, the larger carrying one 64-row QKV tile's bytes more). Slower on an H200 (schedule_variants.py,
     # 2026-12-03 18:54 UTC, batch 1, µs: rule 2499.8 / 2497.7 / 2491.9, 80x6+48x6 2553.2 / 2556.2 /
     # 2591.4): in its profile the tiles behind a QKV tile ended 1.4 µs sooner and the larger ones
     # 4.3 µs later, so the stage ended no sooner, and every slot then ends with its largest tiles,
