@@ -70,11 +70,6 @@ VARIANTS: dict[str, CodegenOptions] = {
     # operand descriptors read from the global table after the wait (the default until 2026-11-30;
     # now they are copied with the record, a task ahead)
     "desc-table": CodegenOptions(descriptors="table"),
-    # thread 0 signals a finished task, and the routing's arg-max rounds use shuffles (the defaults
-    # until 2026-11-30 14:30 UTC; now the last warp signals and the rounds use redux.sync)
-    "signal-first-warp": CodegenOptions(signal_warp="first"),
-    "routing-shuffle": CodegenOptions(routing_argmax="shuffle", norm_beside_routing="off"),
-    "signal-first-shuffle": CodegenOptions(signal_warp="first", routing_argmax="shuffle", norm_beside_routing="off"),
     # the routing's picks by rank, one thread per (token, expert), instead of TOP_K arg-max rounds
     # (the same picks and weights: bitwise the same logits)
     "routing-rank": CodegenOptions(routing_argmax="rank", norm_beside_routing="off"),
@@ -84,22 +79,12 @@ VARIANTS: dict[str, CodegenOptions] = {
     "norm-beside-routing": CodegenOptions(norm_beside_routing="on", routing_argmax="redux"),
     "norm-beside-rank": CodegenOptions(norm_beside_routing="on", routing_argmax="rank"),
     "redux-after": CodegenOptions(norm_beside_routing="off", routing_argmax="redux"),
-    # LINEAR tiles: one GEMV instantiation per output dtype (the default until 2026-11-30 15:20 UTC;
-    # now one for both, half the op's code)
-    "linear-per-dtype": CodegenOptions(linear_one_gemv=False),
     # expert-down tiles ask L2 for one row of their weights before waiting for their hidden states
     # (the default until 2026-11-30 17:40 UTC; now they issue their first weight batch, as LINEAR
     # tiles do)
     "down-l2-row": CodegenOptions(down_weights_before_wait=False),
-    # residual tiles load a term, add it, load the next (the default until 2026-11-30 19:30 UTC;
-    # now the token slots first, then every term in flight before the adds)
-    "residual-serial": CodegenOptions(residual_loads_first=False),
     # the profiling kernel (phase marks in a profiled step; an unprofiled step runs the default's work)
     "profile-phases": CodegenOptions(profile_phases=True),
-    # the routing's arg-max rounds unrolled into each op, or a loop inlined into each (the default
-    # since 2026-11-30: a loop in one shared function; CodegenOptions.routing_code)
-    "routing-unrolled": CodegenOptions(routing_code="unrolled"),
-    "routing-loop": CodegenOptions(routing_code="loop"),
     # expert-up tiles wait for the router tiles' counter, then read the logits, or read the logits'
     # tagged copy (CodegenOptions.tagged_logits; the default "auto" is on up to batch 4 since
     # 2026-12-01)

@@ -487,10 +487,9 @@ __device__ __forceinline__ bool rank_experts(Routing& r, const float* logits, co
 }
 
 // Called by every thread of the CTA (it synchronises); the result lives in shared memory until
-// the next call for other logits. ROUTING_CODE (CodegenOptions.routing_code): 0 unrolls the TOP_K
-// arg-max rounds into every op that routes; 1 keeps them a loop (the picked logits go through
-// shared memory); 2 is 1 as one out-of-line function that the expert tiles and the routing task
-// share. The same arithmetic in the same order.
+// the next call for other logits. The TOP_K arg-max rounds are a loop (the picked logits go
+// through shared memory) in one out-of-line function that the expert tiles and the routing task
+// share (route_tokens).
 //
 // With `tagged` (TAGGED_LOGITS, an expert-up tile: the logits' tagged copy) each warp reads its
 // tokens' logits from the tagged copy until every word carries this step (await_tagged_logits),
@@ -513,7 +512,7 @@ __device__ __forceinline__ const Routing& route_tokens_body(const float* logits,
             for (int j = 0; j < ROUTE_WORDS; ++j) v[j] = v[j] != v[j] ? -INFINITY : v[j];
             u32 taken = 0;  // bit j: this lane's expert lane + 32 j is picked
             float top[TOP_K];
-#pragma unroll (ROUTING_CODE == 0 ? TOP_K : 1)
+#pragma unroll 1
             for (int k = 0; k < TOP_K; ++k) {
                 float bv = -INFINITY;
                 int bi = 0x7fffffff;
@@ -522,21 +521,18 @@ __device__ __forceinline__ const Routing& route_tokens_body(const float* logits,
                     const int e = lane + 32 * j;
                     if (e < NUM_EXPERTS && !((taken >> j) & 1u) && better(v[j], e, bv, bi)) { bv = v[j]; bi = e; }
                 }
-                if constexpr (ROUTING_REDUX) warp_argmax_redux(bv, bi);
-                else warp_argmax(bv, bi);
+                warp_argmax_redux(bv, bi);
                 if (bi % 32 == lane) taken |= 1u << (bi / 32);
-                if (ROUTING_CODE == 0) top[k] = bv;
                 if (lane == 0) {
                     r.sel[b][k] = bi;
-                    if (ROUTING_CODE != 0) r.selw[b][k] = bv;  // the picked logit, until its weight replaces it
+                    r.selw[b][k] = bv;  // the picked logit, until its weight replaces it
                 }
             }
-            if (ROUTING_CODE != 0) {  // every lane the picked logits (the softmax's denominator needs top[0])
-                __syncwarp();
+            // every lane the picked logits (the softmax's denominator needs top[0])
+            __syncwarp();
 #pragma unroll
-                for (int k = 0; k < TOP_K; ++k) top[k] = r.selw[b][k];
-                __syncwarp();
-            }
+            for (int k = 0; k < TOP_K; ++k) top[k] = r.selw[b][k];
+            __syncwarp();
             route_weights(r, b, v, top);
             prof_mark(PROF_RANKED);
 #pragma unroll
@@ -577,8 +573,7 @@ __device__ __noinline__ const Routing& route_tokens_shared(const float* logits, 
 
 __device__ __forceinline__ const Routing& route_tokens(const float* logits, const u64* tagged = nullptr,
                                                        const int* rec = nullptr) {
-    if constexpr (ROUTING_CODE == 2) return route_tokens_shared(logits, tagged, rec);
-    else return route_tokens_body(logits, tagged, rec);
+    return route_tokens_shared(logits, tagged, rec);
 }
 
 // The routing for the residual tiles and the host (route_tokens: the expert tiles compute the
@@ -609,40 +604,22 @@ __device__ __forceinline__ void linear_gemv(const Task& t, unsigned char* smem, 
     u64* const tagged = TAGGED_LOGITS ? t.tagged(O::out) : nullptr;
     const u32 step = s_wait.step;
     const ResidualTerms res = residual_terms(t, smem);  // a tile that ends a layer (f32 out)
-    if constexpr (LINEAR_ONE_GEMV) {  // one instantiation, the output dtype a branch in the epilogue
-        const bool f32 = t.dtype(O::out) != DT_BF16;
-        float* out32 = t.ptr<float>(O::out) + base;
-        bf16* out16 = t.ptr<bf16>(O::out) + base;
-        gemv_tile<1>(w, w_ld, rows, k, xs, gemv_red(smem), [&](int r0, float (&acc)[1][4]) {
-            if (res.staged) {
-                store_with_residual(out32, out_ld, res, r0, acc[0][0], acc[0][1], acc[0][2], acc[0][3]);
-                return;
-            }
-            for_fragment(r0, acc[0], rows, [&](int r, int n, float v) {
-                const size_t i = (size_t)n * out_ld + r;
-                if (f32) out32[i] = v;
-                else store_bf16(out16 + i, v);
-                if (TAGGED_LOGITS && tagged) st_relaxed_gpu_u64(tagged + base + i, tag_value(v, step));
-            });
-        }, finish);
-    } else if (t.dtype(O::out) != DT_BF16) {
-        float* out = t.ptr<float>(O::out) + base;
-        gemv_tile<1>(w, w_ld, rows, k, xs, gemv_red(smem), [&](int r0, float (&acc)[1][4]) {
-            if (res.staged) {
-                store_with_residual(out, out_ld, res, r0, acc[0][0], acc[0][1], acc[0][2], acc[0][3]);
-                return;
-            }
-            for_fragment(r0, acc[0], rows, [&](int r, int n, float v) {
-                out[(size_t)n * out_ld + r] = v;
-                if (TAGGED_LOGITS && tagged) st_relaxed_gpu_u64(tagged + base + (size_t)n * out_ld + r, tag_value(v, step));
-            });
-        }, finish);
-    } else {
-        bf16* out = t.ptr<bf16>(O::out) + base;
-        gemv_tile<1>(w, w_ld, rows, k, xs, gemv_red(smem), [&](int r0, float (&acc)[1][4]) {
-            for_fragment(r0, acc[0], rows, [&](int r, int n, float v) { store_bf16(out + (size_t)n * out_ld + r, v); });
-        }, finish);
-    }
+    // one instantiation, the output dtype a branch in the epilogue
+    const bool f32 = t.dtype(O::out) != DT_BF16;
+    float* out32 = t.ptr<float>(O::out) + base;
+    bf16* out16 = t.ptr<bf16>(O::out) + base;
+    gemv_tile<1>(w, w_ld, rows, k, xs, gemv_red(smem), [&](int r0, float (&acc)[1][4]) {
+        if (res.staged) {
+            store_with_residual(out32, out_ld, res, r0, acc[0][0], acc[0][1], acc[0][2], acc[0][3]);
+            return;
+        }
+        for_fragment(r0, acc[0], rows, [&](int r, int n, float v) {
+            const size_t i = (size_t)n * out_ld + r;
+            if (f32) out32[i] = v;
+            else store_bf16(out16 + i, v);
+            if (TAGGED_LOGITS && tagged) st_relaxed_gpu_u64(tagged + base + i, tag_value(v, step));
+        });
+    }, finish);
 }
 
 // out[slab, b, col0 + i] = sum_k x[b, k0 + k] * w[row0 + i, k0 + k]   (out bf16 or f32)
@@ -1020,7 +997,7 @@ __device__ void op_rope_append(const Task& t, unsigned char* smem) {
 // (token_slots in ascending expert order). The token slots come first, into shared memory (one
 // round trip); then every term of an element is loaded before the first add, so an element costs
 // one more round trip instead of one per slot (each routed term's address depends on its slot).
-// The adds run in the order written above (RESIDUAL_LOADS_FIRST; else load, add, load, add).
+// The adds run in the order written above.
 __device__ void op_residual(const Task& t, unsigned char*) {
     using O = OPND_RESIDUAL;
     using A = ARG_RESIDUAL;
@@ -1032,50 +1009,34 @@ __device__ void op_residual(const Task& t, unsigned char*) {
     const float* routed = t.ptr<float>(O::routed);
     const int* ts = t.ptr<int>(O::token_slots);
     float* out = t.ptr<float>(O::out);
-    if constexpr (RESIDUAL_LOADS_FIRST) {
-        constexpr int PARTS_IN_FLIGHT = 8;  // O-projection slices loaded at once (a loop past that)
-        __shared__ int slots[BATCH * TOP_K];
-        if (routed) {  // the same for every thread: the barrier below is uniform
-            if (threadIdx.x < BATCH * TOP_K) slots[threadIdx.x] = ld_act_i32(ts + threadIdx.x);
-            __syncthreads();
-        }
-        for (int i = threadIdx.x; i < BATCH * cols; i += NUM_THREADS) {
-            const int b = i / cols, c = col0 + i % cols;
-            const size_t bc = (size_t)b * hidden + c;
-            const float xv = ld_act_f32(x + bc);
-            float ov[PARTS_IN_FLIGHT];
+    constexpr int PARTS_IN_FLIGHT = 8;  // O-projection slices loaded at once (a loop past that)
+    __shared__ int slots[BATCH * TOP_K];
+    if (routed) {  // the same for every thread: the barrier below is uniform
+        if (threadIdx.x < BATCH * TOP_K) slots[threadIdx.x] = ld_act_i32(ts + threadIdx.x);
+        __syncthreads();
+    }
+    for (int i = threadIdx.x; i < BATCH * cols; i += NUM_THREADS) {
+        const int b = i / cols, c = col0 + i % cols;
+        const size_t bc = (size_t)b * hidden + c;
+        const float xv = ld_act_f32(x + bc);
+        float ov[PARTS_IN_FLIGHT];
 #pragma unroll
-            for (int g = 0; g < PARTS_IN_FLIGHT; ++g) ov[g] = g < parts ? ld_act_f32(op + (size_t)g * BATCH * hidden + bc) : 0.f;
-            const float mv = mlp ? ld_act_f32(mlp + bc) : 0.f;
-            float rv[TOP_K];
+        for (int g = 0; g < PARTS_IN_FLIGHT; ++g) ov[g] = g < parts ? ld_act_f32(op + (size_t)g * BATCH * hidden + bc) : 0.f;
+        const float mv = mlp ? ld_act_f32(mlp + bc) : 0.f;
+        float rv[TOP_K];
 #pragma unroll
-            for (int k = 0; k < TOP_K; ++k)
-                rv[k] = routed ? ld_act_f32(routed + (size_t)slots[b * TOP_K + k] * BATCH * hidden + bc) : 0.f;
-            float v = xv;
+        for (int k = 0; k < TOP_K; ++k)
+            rv[k] = routed ? ld_act_f32(routed + (size_t)slots[b * TOP_K + k] * BATCH * hidden + bc) : 0.f;
+        float v = xv;
 #pragma unroll
-            for (int g = 0; g < PARTS_IN_FLIGHT; ++g)
-                if (g < parts) v += ov[g];
-            for (int g = PARTS_IN_FLIGHT; g < parts; ++g) v += ld_act_f32(op + (size_t)g * BATCH * hidden + bc);
-            if (mlp) v += mv;
-            if (routed)
+        for (int g = 0; g < PARTS_IN_FLIGHT; ++g)
+            if (g < parts) v += ov[g];
+        for (int g = PARTS_IN_FLIGHT; g < parts; ++g) v += ld_act_f32(op + (size_t)g * BATCH * hidden + bc);
+        if (mlp) v += mv;
+        if (routed)
 #pragma unroll
-                for (int k = 0; k < TOP_K; ++k) v += rv[k];
-            out[bc] = v;
-        }
-    } else {
-        const int top_k = routed ? TOP_K : 0;
-        for (int i = threadIdx.x; i < BATCH * cols; i += NUM_THREADS) {
-            const int b = i / cols, c = col0 + i % cols;
-            const size_t bc = (size_t)b * hidden + c;
-            float v = ld_act_f32(x + bc);
-            for (int g = 0; g < parts; ++g) v += ld_act_f32(op + (size_t)g * BATCH * hidden + bc);
-            if (mlp) v += ld_act_f32(mlp + bc);
-            for (int k = 0; k < top_k; ++k) {
-                const int s = ld_act_i32(ts + b * TOP_K + k);
-                v += ld_act_f32(routed + (size_t)s * BATCH * hidden + bc);
-            }
-            out[bc] = v;
-        }
+            for (int k = 0; k < TOP_K; ++k) v += rv[k];
+        out[bc] = v;
     }
 }
 

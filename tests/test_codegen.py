@@ -120,23 +120,18 @@ def test_nmc_kernel_compiles_without_local_memory(cache, batch):
 # The kernels benchmarks/kernel_variants.py measures against the default, by its names where it has
 # them: the batches CI compiles each at, and its CodegenOptions fields. To keep CI short, options
 # measured slower and kept off only as a record compile together where that fits the registers
-# (each alone compiled without spills on the device's runs): "record-tail" (the serial residual
-# loads, the expert-down's L2 row) and "record-code" (the routing unrolled, LINEAR's GEMV per
-# dtype). Not compiled here: routing_code="loop" (the default's shared routing loop, inlined into
-# each op), the V-from-global chunks and the CTA-chunk attention at batch 8 (their batch-1 kernels
-# are).
+# (each alone compiled without spills on the device's runs). Not compiled here: the V-from-global
+# chunks and the CTA-chunk attention at batch 8 (their batch-1 kernels are).
 CODEGEN_VARIANTS: dict[str, tuple[tuple[int, ...], dict]] = {
     "attn-cta": ((1,), {"attn_warp_stages": 0}),  # attention splits in CTA-wide chunks
     "attn-cta-v-global": ((1,), {"attn_warp_stages": 0, "attn_stage_v": False}),  # ... with V from global
     "attn-warps-3": ((1, 8), {"attn_warp_stages": 3}),  # warp splits with three ring stages
     "desc-table": ((1,), {"descriptors": "table"}),  # descriptors read from the global table
-    "signal-first-shuffle": ((1,), {"signal_warp": "first", "routing_argmax": "shuffle", "norm_beside_routing": "off"}),
     "profile-phases": ((1,), {"profile_phases": True}),  # the phase-marking profile kernel
     "counter-logits": ((1,), {"tagged_logits": "off"}),  # expert-up tiles wait for the router's counter
     "tagged-logits": ((8,), {"tagged_logits": "on"}),  # ... or read tagged logits (off by default at 8)
     "norm-reuse": ((1,), {"reuse_staged_norm": True}),  # a normed GEMV reuses the input staged before it
-    "record-tail": ((1,), {"residual_loads_first": False, "down_weights_before_wait": False}),
-    "record-code": ((1,), {"routing_code": "unrolled", "linear_one_gemv": False}),
+    "down-l2-row": ((1,), {"down_weights_before_wait": False}),  # expert-down tiles ask L2 for a row first
     # a warp split's query's RoPE after the wait
     "rope-after-wait": ((1,), {"rope_before_wait": False}),
     # the routing's picks ranked at once, the input normalised after them (batch 1's default
@@ -161,8 +156,8 @@ def _nmc_schedule(batch: int):
 def test_codegen_variant_compiles_without_local_memory(cache, batch, variant):
     """The kernels benchmarks/kernel_variants.py measures against the default must compile cleanly
     too (one test each, so pytest-xdist spreads the compiles over the workers), and each shows
-    what it asks for: the shuffle routing without redux.sync, the
-    per-dtype LINEAR code, the three ring stages' dynamic shared memory as render.py sizes it."""
+    what it asks for: the ranked routing without redux.sync, the three ring stages' dynamic shared
+    memory as render.py sizes it."""
     from mkc.codegen import CodegenOptions
 
     spec, sc = _nmc_schedule(batch)
@@ -171,18 +166,12 @@ def test_codegen_variant_compiles_without_local_memory(cache, batch, variant):
     assert art.spills == 0, f"{options}: ptxas reports {art.spills} bytes of spills\n{art.log}"
     sass = disassemble(art.cubin)
     assert not local_memory_ops(sass), options
-    if options.routing_argmax == "shuffle":
-        assert "REDUX" not in sass, options
     if art.config.routing_rank:  # no arg-max rounds: the routing's only redux.sync is gone
         assert "REDUX" not in sass, options
     assert art.config.routing_rank == (options.routing_argmax == "rank" or (options.routing_argmax == "auto"
                                                                            and batch == 1)), art.config
     assert art.config.norm_beside_routing == (options.norm_beside_routing == "on" or (
         options.norm_beside_routing == "auto" and batch == 1)), art.config
-    if not options.linear_one_gemv:  # one GEMV per output dtype: more LINEAR code than the default's one
-        default = build_kernel(sc, spec, cache_dir=cache)
-        per_dtype = instructions_by_op(art.cubin, art.cu_source)["LINEAR"]
-        assert per_dtype > 1.5 * instructions_by_op(default.cubin, default.cu_source)["LINEAR"], options
     if options.attn_warp_stages == 3:  # 8 warps x 3 blocks x (16 keys x 128 dims of K and V) in flight
         assert art.dynamic_smem == kernel_config(sc, spec, options).smem_bytes
         assert art.dynamic_smem >= 8 * 3 * 16 * 128 * 2 * 2
@@ -636,21 +625,15 @@ def test_cvalues():
         cv.c_ident("not an identifier")
 
 
-def test_signal_and_routing_options_are_checked(tiny):
+def test_routing_options_are_checked(tiny):
     spec, sc = tiny
-    with pytest.raises(CodegenError, match="signal_warp = 'middle'"):
-        kernel_config(sc, spec, CodegenOptions(signal_warp="middle"))
-    with pytest.raises(CodegenError, match="routing_argmax = 'sort': expected one of 'auto', 'shuffle', 'redux', 'rank'"):
+    with pytest.raises(CodegenError, match="routing_argmax = 'sort': expected one of 'auto', 'redux', 'rank'"):
         kernel_config(sc, spec, CodegenOptions(routing_argmax="sort"))
     with pytest.raises(CodegenError, match="norm_beside_routing = True: expected one of 'auto', 'on', 'off'"):
         kernel_config(sc, spec, CodegenOptions(norm_beside_routing=True))
-    with pytest.raises(CodegenError, match="routing_code = 'fast': expected one of 'unrolled', 'loop', 'shared'"):
-        kernel_config(sc, spec, CodegenOptions(routing_code="fast"))
-    assert kernel_config(sc, spec).routing_code == 2  # shared
     cfg = kernel_config(sc, spec)  # batch 2: "auto" is the rounds on redux.sync, the staging after them
-    assert cfg.signal_last_warp and cfg.routing_redux and not cfg.routing_rank and not cfg.norm_beside_routing
-    cfg = kernel_config(sc, spec, CodegenOptions(signal_warp="first", routing_argmax="shuffle"))
-    assert not cfg.signal_last_warp and not cfg.routing_redux
+    assert not cfg.routing_rank and not cfg.norm_beside_routing
+    assert kernel_config(sc, spec, CodegenOptions(routing_argmax="rank")).routing_rank
 
 
 def _sm_stream():

@@ -47,8 +47,7 @@ MAX_SMEM_BYTES = 227 * 1024  # Hopper: opt-in dynamic shared memory per block
 STATIC_SMEM_RESERVE = 2 * 1024  # the kernel's static shared memory (task records, descriptors, routing)
 
 
-ROUTING_CODES = ("unrolled", "loop", "shared")  # CodegenOptions.routing_code, by the kernel's ROUTING_CODE
-ROUTING_ARGMAX = ("auto", "shuffle", "redux", "rank")  # CodegenOptions.routing_argmax
+ROUTING_ARGMAX = ("auto", "redux", "rank")  # CodegenOptions.routing_argmax
 NORM_BESIDE_ROUTING = ("auto", "on", "off")  # CodegenOptions.norm_beside_routing
 # "auto" for both: the ranked routing with the input normalised beside it at these batches (measured
 # faster together at batch 1; each alone a tie, and slower at 4 and 8: BENCHMARKS.md 2026-12-03)
@@ -150,33 +149,18 @@ class CodegenOptions:
     # 6244, batch 8 9533 / 9610. RUN_PREFETCH_BYTES = 64 KB there: 0.6-1.6% faster at batch 1-4,
     # 2.0% slower at batch 8 (one row stays).
     weights_before_wait: bool = True
-    # Which thread signals a finished task's counter (one release add at GPU scope, whose fence
-    # waits for the CTA's writes to reach L2): "last" (lane 0 of the last warp), which leaves warp
-    # 0, the warp that waits for the next task's inputs, free to start that wait (and its share of
-    # the next weights) at once; "first" (thread 0).
     # How the routing's top-k picks each token's best remaining expert, TOP_K times per token:
     # "redux" (two warp reductions, redux.sync: the largest value as an order-preserving integer,
-    # then the lowest expert index holding it) or "shuffle" (a 5-step shuffle arg-max). The same
-    # experts in the same order. "rank" has no rounds: every (token, expert) pair is one thread that
+    # then the lowest expert index holding it). "rank" has no rounds: every (token, expert) pair is one thread that
     # counts the experts better than its own (value, then the lower index), so the picks of rank
     # < TOP_K land in their place at once (ops.cuh: rank_experts); the same experts in the same order
     # and the same weights. "auto": "rank" at OPENING_AUTO_BATCHES (with norm_beside_routing), else
     # "redux". The ranks alone measured a tie at batch 1 and 0.6-1.1% slower at 4 and 8 (H200,
     # 2026-12-03 15:43 UTC, BENCHMARKS.md).
-    # Measured on an H200 together (kernel_variants.py, 2026-11-30 14:26 and 14:27 UTC, five
-    # samples each, logits bitwise equal): last + redux against first + shuffle, batch 1 -1.4%,
-    # batch 2 -1.8%, batch 4 -1.3%, batch 8 +0.2% (noise there is +-3%); each alone gained less
-    # (last: -0.6 / -0.2 / +0.6 / +3.5%; redux: -0.6 / -0.7 / -0.3 / +2.2%).
-    signal_warp: str = "last"
+    # The rounds on redux.sync, with the last warp signalling a task's counter, measured 1.3-1.8%
+    # faster at batch 1-4 than a shuffle arg-max with thread 0 signalling (H200, 2026-11-30 14:26
+    # UTC, BENCHMARKS.md; both removed on 2026-12-05).
     routing_argmax: str = "auto"
-    # LINEAR tiles run one GEMV instantiation whatever their output's dtype (f32 or bf16: a branch
-    # in the epilogue) instead of one per dtype, so the QKV, O-projection and router tiles run the
-    # same code: the LINEAR op's SASS 10,223 -> 5,337 instructions at batch 1 (the kernel 31,976 ->
-    # 27,168, 500 -> 425 KB), for an instruction cache that cannot hold the kernel (ncu, 2026-11-30
-    # 14:50 UTC, batch 1: 13% of the warps' stall cycles are "no instruction"). Measured on an H200
-    # (kernel_variants.py, 15:16 UTC, four rounds, logits bitwise equal, every round faster):
-    # batch 1 -2.2%, batch 2 -1.5%, batch 4 -2.6%, batch 8 -2.5%. False: one instantiation per dtype.
-    linear_one_gemv: bool = True
     # With weights_before_wait, expert-down tiles issue their first weight batch into registers
     # (the expert is known once the routing is) before waiting for their hidden states, as LINEAR
     # tiles do, instead of asking L2 for one row: the weights' round trip overlaps the wait and the
@@ -186,32 +170,12 @@ class CodegenOptions:
     # batch 4 5868 / 5812 / 5830 against 5988 / 5815 / 5747, batch 8 8979 / 9008 / 8818 against
     # 8861 / 9033 / 8983 (both within the noise).
     down_weights_before_wait: bool = True
-    # Residual tiles load their tokens' expert slots first (into shared memory), then every term of
-    # an element before adding them in order, so an element costs two round trips instead of two per
-    # routed slot; the residual tile is on every layer's critical chain. The same adds in the same
-    # order. False: a slot, then its term, then the add, slot by slot. Measured on an H200
-    # (kernel_variants.py, 2026-11-30 19:04 UTC, two rounds, logits bitwise equal, faster in every
-    # round): batch 1 -0.3%, batch 2 -1.0%, batch 4 -0.4%, batch 8 -1.8%; in a batch-1 profile the
-    # tile ran 1.9 µs instead of 2.38 (mean).
-    residual_loads_first: bool = True
     # A profiled step (CudaDecoder.launch(profile=True)) also records, per task, when its inputs
     # were staged (GEMV tiles: after the activations' copies and the RMSNorm, before the barrier that
     # publishes them; warp attention splits: their query heads, after that barrier) and when its op
     # was done (after the closing barrier, before the counter's release): profile.format_phases. A
     # kernel of its own, for profiling: the default kernel records the wait and the signal only.
     profile_phases: bool = False
-    # The routing's code (ops.cuh: route_tokens, run by the expert tiles and the routing task):
-    # "unrolled" (the TOP_K arg-max rounds unrolled, inlined into each op), "loop" (the rounds a
-    # loop) or "shared" (the loop in one out-of-line function all three share). The kernel does not
-    # fit the instruction cache, and a phase profile (profile_phases) of an expert-up tile on the
-    # critical chain found 1.2 µs between its inputs being ready and its first copies issued, and
-    # 3 µs more to its routing (2026-11-30 21:09 UTC, batch 1): code fetches, not arithmetic.
-    # Measured on an H200 (kernel_variants.py, 21:14 UTC, three rounds each, logits bitwise equal,
-    # µs): batch 1 2502 / 2498 / 2500 shared, 2549 / 2549 / 2546 loop, 2594 / 2585 / 2589 unrolled
-    # (-3.5%); batch 2 3457 / 3454 / 3483 against 3545 / 3541 / 3555 (-2.2%); batch 4 5545 / 5526 /
-    # 5547 (loop 5513 / 5515 / 5525) against 5627 / 5618 / 5640 (-1.6%); batch 8 8872 / 8776 /
-    # 8860 against 9003 / 9050 / 8959 (-1.7%). The kernel: 28,752 -> 25,400 instructions at batch 1.
-    routing_code: str = "shared"
     # "on": the router tiles also write each logit with the step in one 8-byte word (the logits
     # buffer's tagged copy, DT_F32_TAGGED), and an expert-up tile reads those words until all carry
     # this step instead of waiting for the router tiles' counter and then reading the logits: one
@@ -301,15 +265,10 @@ class KernelConfig:
     attn_prefetch_bytes: int
     attn_warp_request: int  # CodegenOptions.attn_warp_stages (the fitted count: attn_warp_stages)
     weights_before_wait: bool
-    signal_last_warp: bool  # CodegenOptions.signal_warp == "last"
-    routing_redux: bool  # CodegenOptions.routing_argmax, resolved, == "redux"
     routing_rank: bool  # CodegenOptions.routing_argmax, resolved, == "rank"
     norm_beside_routing: bool  # CodegenOptions.norm_beside_routing, resolved
-    linear_one_gemv: bool
     down_weights_before_wait: bool
-    residual_loads_first: bool
     profile_phases: bool
-    routing_code: int  # CodegenOptions.routing_code: 0 unrolled, 1 loop, 2 shared
     tagged_logits: bool  # CodegenOptions.tagged_logits, resolved
     # the residual terms of the largest LINEAR tile that ends a layer (ops.cuh: stage_residual_async),
     # staged in the RMSNorm's scratch; 0 without such tiles
@@ -469,12 +428,8 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
     if options.descriptors not in ("record", "table"):
         raise CodegenError(f"descriptors = {options.descriptors!r}: expected 'record' (copied with each task's "
                            f"record) or 'table' (read from the global buffer table)")
-    if options.signal_warp not in ("first", "last"):
-        raise CodegenError(f"signal_warp = {options.signal_warp!r}: expected 'first' (thread 0 signals) or 'last' "
-                           f"(lane 0 of the last warp)")
     _check_choice("routing_argmax", options.routing_argmax, ROUTING_ARGMAX)
     _check_choice("norm_beside_routing", options.norm_beside_routing, NORM_BESIDE_ROUTING)
-    _check_choice("routing_code", options.routing_code, ROUTING_CODES)
     _check_choice("tagged_logits", options.tagged_logits, TAGGED_LOGITS)
     _check_choice("residual_epilogue", options.residual_epilogue, RESIDUAL_EPILOGUES)
     l2_warm = options.l2_warm
@@ -549,13 +504,10 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         weights_tiled=tiled,
         attn_stage_v=options.attn_stage_v,
         attn_prefetch_bytes=options.attn_prefetch_bytes, attn_warp_request=options.attn_warp_stages,
-        weights_before_wait=options.weights_before_wait, signal_last_warp=options.signal_warp == "last",
-        routing_redux=routing_argmax == "redux", routing_rank=routing_argmax == "rank",
+        weights_before_wait=options.weights_before_wait, routing_rank=routing_argmax == "rank",
         norm_beside_routing=norm_beside,
-        linear_one_gemv=options.linear_one_gemv,
         down_weights_before_wait=options.down_weights_before_wait,
-        residual_loads_first=options.residual_loads_first, profile_phases=options.profile_phases,
-        routing_code=ROUTING_CODES.index(options.routing_code), tagged_logits=tagged_logits,
+        profile_phases=options.profile_phases, tagged_logits=tagged_logits,
         reuse_staged_norm=options.reuse_staged_norm,
         rope_before_wait=options.rope_before_wait,
         residual_stage_bytes=stage_bytes,
@@ -614,15 +566,10 @@ def template_context(cfg: KernelConfig, banner: str) -> dict[str, Any]:
         "attn_warp_stages": cv.c_int(cfg.attn_warp_stages),
         "rope_before_wait": cv.c_bool(cfg.rope_before_wait),
         "weights_before_wait": cv.c_bool(cfg.weights_before_wait),
-        "signal_last_warp": cv.c_bool(cfg.signal_last_warp),
-        "routing_redux": cv.c_bool(cfg.routing_redux),
         "routing_rank": cv.c_bool(cfg.routing_rank),
         "norm_beside_routing": cv.c_bool(cfg.norm_beside_routing),
-        "linear_one_gemv": cv.c_bool(cfg.linear_one_gemv),
         "down_weights_before_wait": cv.c_bool(cfg.down_weights_before_wait),
-        "residual_loads_first": cv.c_bool(cfg.residual_loads_first),
         "profile_phases": cv.c_bool(cfg.profile_phases),
-        "routing_code": cv.c_int(cfg.routing_code),
         "tagged_logits": cv.c_bool(cfg.tagged_logits),
         "residual_epilogue_inline": cv.c_int(int(cfg.residual_epilogue_inline)),  # a preprocessor 0 / 1
         "fused_down_blocks": cv.c_int(cfg.fused_down_blocks),
