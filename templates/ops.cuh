@@ -488,13 +488,14 @@ __device__ __forceinline__ bool rank_experts(Routing& r, const float* logits, co
 
 // Called by every thread of the CTA (it synchronises); the result lives in shared memory until
 // the next call for other logits. The TOP_K arg-max rounds are a loop (the picked logits go
-// through shared memory) in one out-of-line function that the expert tiles and the routing task
-// share (route_tokens).
+// through shared memory).
 //
 // With `tagged` (TAGGED_LOGITS, an expert-up tile: the logits' tagged copy) each warp reads its
 // tokens' logits from the tagged copy until every word carries this step (await_tagged_logits),
 // instead of the caller waiting for the router tiles' counter before the logits are read.
-__device__ __forceinline__ const Routing& route_tokens_body(const float* logits, const u64* tagged, const int* rec) {
+// Out of line: one copy of the routing's code, shared by the expert tiles and the routing task.
+__device__ __noinline__ const Routing& route_tokens(const float* logits, const u64* tagged = nullptr,
+                                                    const int* rec = nullptr) {
     __shared__ Routing r;
     if (routing_known(logits)) {  // the same value for every thread (set behind barriers)
         prof_routed();
@@ -565,15 +566,6 @@ __device__ __forceinline__ const Routing& route_tokens_body(const float* logits,
     if (threadIdx.x == 0) s_routed_logits = logits;  // read by later tasks, behind the kernel loop's barriers
     prof_routed();
     return r;
-}
-
-__device__ __noinline__ const Routing& route_tokens_shared(const float* logits, const u64* tagged, const int* rec) {
-    return route_tokens_body(logits, tagged, rec);
-}
-
-__device__ __forceinline__ const Routing& route_tokens(const float* logits, const u64* tagged = nullptr,
-                                                       const int* rec = nullptr) {
-    return route_tokens_shared(logits, tagged, rec);
 }
 
 // The routing for the residual tiles and the host (route_tokens: the expert tiles compute the

@@ -92,7 +92,7 @@ def instruction_owners(cubin: bytes, source: str, tool: str | None = None) -> li
     -lineinfo: nvdisasm's line table names, for each instruction, its source line and the line it
     was inlined at, and an instruction on or inlined at a dispatch ``case OP_<NAME>:`` line of the
     kernel belongs to that op. An out-of-line device function that ops share (``__noinline__``,
-    e.g. the routing: ops.cuh route_tokens_shared) goes under its own name; the kernel loop's wait
+    e.g. the routing: ops.cuh route_tokens) goes under its own name; the kernel loop's wait
     (``wait_all``) and the compiler's own routines under ``KERNEL_LOOP``. Raises
     FileNotFoundError without nvdisasm."""
     tool = tool or find_binary_utility("nvdisasm")
