@@ -105,6 +105,15 @@ def test_phases_split_each_task_at_its_marks(sc_tl):
             assert np.isnan(v["routed"])
     chain = critical_chain(sc, start, end).tasks
     assert sum(v["tasks"] for v in phases(sc, {**tl, "staged": staged, "done": done}, chain).values()) == len(chain)
+    # by stage: each stage's tasks are those of its label (a LINEAR op's roles apart), same marks
+    by_stage = phases(sc, {**tl, "staged": staged, "done": done}, by_stage=True)
+    linear = {stage(t) for t in sc.tasks if t.op.name == "LINEAR"}
+    assert len(linear) > 1 and linear <= set(by_stage)
+    assert sum(by_stage[s]["tasks"] for s in linear) == ph["LINEAR"]["tasks"]
+    for s in linear:
+        idx = [t.id for t in sc.tasks if stage(t) == s]
+        assert by_stage[s]["tasks"] == len(idx)
+        assert by_stage[s]["staging"] == pytest.approx(0.25 * run[idx].mean())
     text = format_profile(sc, {**tl, "staged": staged, "done": done})
     assert format_phases(sc, {**tl, "staged": staged, "done": done}) in text and "the critical chain's tasks:" in text
     assert "phases per task" not in format_profile(sc, tl)  # a timeline without the marks

@@ -216,8 +216,10 @@ def format_profile(sc: Schedule, timeline: Mapping[str, np.ndarray]) -> str:
     return "\n".join(lines)
 
 
-def phases(sc: Schedule, timeline: Mapping[str, np.ndarray], ids=None) -> dict[str, dict[str, float]]:
-    """Per op, the mean µs of each phase of its tasks (all, or those in ``ids``): ``wait`` (began
+def phases(sc: Schedule, timeline: Mapping[str, np.ndarray], ids=None, by_stage: bool = False) -> dict[str, dict[str, float]]:
+    """Per op (with ``by_stage``, per stage: ``stage``, so a LINEAR op's QKV, router and
+    O-projection tiles count apart), the mean µs of each phase of its tasks (all, or those in
+    ``ids``): ``wait`` (began
     waiting → inputs ready), ``staging`` (→ inputs staged; tasks that stage), ``op`` (→ op done,
     from the staging where there is one), ``release`` (→ counter signalled), and ``routed`` (inputs
     ready → the routing available, for tasks that route; before the inputs for a tile that waits
@@ -229,7 +231,7 @@ def phases(sc: Schedule, timeline: Mapping[str, np.ndarray], ids=None) -> dict[s
     routed = np.asarray(timeline.get("routed", np.full(len(start), np.nan)), np.float64)
     by_op: dict[str, list[int]] = {}
     for i in (range(len(sc.tasks)) if ids is None else ids):
-        by_op.setdefault(sc.tasks[i].op.name, []).append(i)
+        by_op.setdefault(stage(sc.tasks[i]) if by_stage else sc.tasks[i].op.name, []).append(i)
     out = {}
     for op, idx in by_op.items():
         ix = np.asarray(idx)
@@ -243,8 +245,9 @@ def phases(sc: Schedule, timeline: Mapping[str, np.ndarray], ids=None) -> dict[s
 
 
 def format_phases(sc: Schedule, timeline: Mapping[str, np.ndarray]) -> str:
-    """Per op, the mean phases of its tasks (phases()), for every task and for the critical chain's."""
-    head = f"  {'op':<14} {'tasks':>6} {'wait':>7} {'staging':>8} {'op':>7} {'release':>8} {'routed':>7}  (mean µs)"
+    """Per stage (phases(by_stage=True): a LINEAR op's QKV, router and O-projection tiles apart), the
+    mean phases of its tasks, for every task and for the critical chain's."""
+    head = f"  {'stage':<14} {'tasks':>6} {'wait':>7} {'staging':>8} {'op':>7} {'release':>8} {'routed':>7}  (mean µs)"
 
     def table(ph: dict[str, dict[str, float]]) -> list[str]:
         rows = sorted(ph.items(), key=lambda kv: -kv[1]["tasks"] * (kv[1]["op"] + kv[1]["release"]))
@@ -256,8 +259,8 @@ def format_phases(sc: Schedule, timeline: Mapping[str, np.ndarray]) -> str:
     chain = critical_chain(sc, timeline["start"], timeline["end"]).tasks
     title = ("phases per task (wait: began waiting → inputs ready; staging: → inputs staged; op: → op done; "
              "release: → counter signalled; routed: inputs ready → routing available):")
-    lines = [title, head, *table(phases(sc, timeline)),
-             "the critical chain's tasks:", head, *table(phases(sc, timeline, chain))]
+    lines = [title, head, *table(phases(sc, timeline, by_stage=True)),
+             "the critical chain's tasks:", head, *table(phases(sc, timeline, chain, by_stage=True))]
     if "ranked" in timeline:
         lines.append(format_routing_phases(sc, timeline))
     return "\n".join(lines)
