@@ -97,9 +97,6 @@ VARIANTS: dict[str, CodegenOptions] = {
     # a normed GEMV skips its staging where the task before on its SM left the same input in shared
     # memory (CodegenOptions.reuse_staged_norm, off)
     "norm-reuse": CodegenOptions(reuse_staged_norm=True),
-    # a GEMV staging leaves the token rows past the batch unwritten, their columns read a real
-    # token's row (CodegenOptions.zero_pad_tokens; stored values bitwise the same)
-    "no-pad-zeros": CodegenOptions(zero_pad_tokens=False),
     # L2 warm-up (CodegenOptions.l2_warm): waiting tasks ask L2 for weights a later tile of the
     # layer's chain streams; with or without the weight and KV streams marked evict-first
     # (CodegenOptions.weights_evict_first; both "auto": on at batch 2-4)

@@ -583,8 +583,7 @@ __device__ void op_attn_split(const Task& t, unsigned char* smem) {
                 for_fragment(r0, acc[0], n, [&](int key, int h, float v) { sc[h * ATT_CHUNK + key] = v * ATTN_SCALE; },
                              GROUP);
             };
-            // every row of qx staged (the heads past GROUP as zeros)
-            gemv_tile<1, decltype(epi), false>(kw, HEAD_DIM, n, HEAD_DIM, qx, gred, epi, Staged{}, 8);
+            gemv_tile<1, decltype(epi), false>(kw, HEAD_DIM, n, HEAD_DIM, qx, gred, epi);
         } else if (tid < n) {  // scores on the CUDA cores: one key per thread
             const bool mine = c0 + tid == own;  // this step's key, rotated in shared memory
             const bf16* kr = kc + (size_t)(c0 + tid) * HEAD_DIM;

@@ -30,19 +30,6 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], u32 a0, u32 a1, u32 a2,
 constexpr int XS_PAD = 32;
 __device__ __forceinline__ int xs_ld(int k) { return k + XS_PAD; }
 
-// The staged row that B column (token) g reads without ZERO_PAD_TOKENS. Rows past the batch are
-// padding: with ZERO_PAD_TOKENS every staging writes them with zeros and column g reads row g;
-// without it they are never written, and a padding column reads a real token's row instead (row
-// g & 1, which keeps a quarter-warp's two rows in opposite bank halves; row 0 at batch 1). Column
-// g of an mma's product depends on column g of B alone, and no epilogue stores a column >= BATCH,
-// so the stored values are the same. `cols`: the columns whose rows were staged (the tokens; 8
-// where every row was, as the query heads of an attention tile). The callers write
-// `ZERO_PAD_TOKENS ? g : token_row(g, cols)` in place: through a helper for both cases NVVM
-// compiled the default kernel 120 instructions longer.
-__device__ __forceinline__ int token_row(int g, int cols) { return g < cols ? g : (cols > 1 ? (g & 1) : 0); }
-// The token rows a GEMV staging writes: all 8, or the batch's alone (ZERO_PAD_TOKENS off).
-constexpr int XS_STAGED_ROWS = ZERO_PAD_TOKENS ? 8 : BATCH;
-
 // The k-split reduction's floats: per warp, two row sets' fragments.
 constexpr int GEMV_RED_FLOATS = NUM_WARPS * 2 * 4 * 32;
 
@@ -95,8 +82,7 @@ __device__ __forceinline__ void stage_x(bf16* xs, const bf16* x, int x_ld, int k
 // Once every thread has waited for its own copies (StageFinish does), stage_norm_finish publishes
 // them with a barrier; then one warp per token sums the terms into x and the squares quad by quad
 // per lane and across the warp in a fixed order (every consumer of a norm stages the same values)
-// and scales its columns into xs (rows >= BATCH zero, or left: token_row). A barrier must follow before
-// xs is read.
+// and scales its columns into xs (rows >= BATCH zero). A barrier must follow before xs is read.
 constexpr int NORM_QUADS = HIDDEN / 4;
 constexpr int NORM_TERMS_OFF = BATCH * HIDDEN * 4 + HIDDEN * 2;  // the terms' place in the scratch
 constexpr int NORM_SCRATCH_BYTES = NORM_TERMS_OFF + NORM_TERMS * BATCH * HIDDEN * 4;
@@ -141,7 +127,7 @@ __device__ __forceinline__ void stage_norm_finish(bf16* xs, int k0, int k, int n
     warps_barrier(first_warp);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, ld = xs_ld(k), q0 = k0 / 4, nq = k / 4;
 #pragma unroll 1
-    for (int n = warp - first_warp; n < XS_STAGED_ROWS; n += NUM_WARPS - first_warp) {
+    for (int n = warp - first_warp; n < 8; n += NUM_WARPS - first_warp) {
         bf16* row = xs + n * ld;
         if (n >= BATCH) {
             for (int c = lane; c < k / 8; c += 32) *reinterpret_cast<uint4*>(row + c * 8) = zero4();
@@ -168,12 +154,11 @@ __device__ __forceinline__ void stage_norm_finish(bf16* xs, int k0, int k, int n
     }
 }
 
-// stage_x with cp.async (16-byte copies straight into the tile; rows >= nrows zeroed by stores, of
-// XS_STAGED_ROWS: without ZERO_PAD_TOKENS the rows past the batch are left, token_row):
+// stage_x with cp.async (16-byte copies straight into the tile; rows >= nrows zeroed by stores):
 // completes at the issuing thread's cp.async wait, published by a barrier (CopyFinish in ops.cuh).
 __device__ __forceinline__ void stage_x_async(bf16* xs, const bf16* x, int x_ld, int k0, int k, int nrows = BATCH) {
     const int ld = xs_ld(k), chunks = k / 8;
-    for (int i = threadIdx.x; i < XS_STAGED_ROWS * chunks; i += NUM_THREADS) {
+    for (int i = threadIdx.x; i < 8 * chunks; i += NUM_THREADS) {
         const int n = i / chunks, c = i - n * chunks;
         if (n < nrows) cp_async16(xs + n * ld + c * 8, x + (size_t)n * x_ld + k0 + c * 8);
         else *reinterpret_cast<uint4*>(xs + n * ld + c * 8) = zero4();
@@ -298,15 +283,14 @@ struct Staged {
 // epi(r0, acc) with acc[a] = {(r0, n), (r0, n + 1), (r0 + 8, n), (r0 + 8, n + 1)} where
 // n = 2 * (lane % 4); r0 may be past `rows` (the epilogue checks). Every thread of the CTA must
 // call this (it synchronises); `red` holds GEMV_RED_FLOATS.
-// `cols`: the B columns whose rows of xs were staged (token_row).
 template <int NACC, class Epi, bool NC = true, class Fin = Staged>
 __device__ __forceinline__ void gemv_tile(const bf16* const (&w)[NACC], int w_ld, int rows, int k, const bf16* xs,
-                                          float* red, Epi epi, Fin finish = Fin{}, int cols = BATCH) {
+                                          float* red, Epi epi, Fin finish = Fin{}) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
     const int groups = (rows + 15) / 16, blocks = k / 64;
     int ks = 1;
     while (ks * 2 * groups <= NUM_WARPS && ks * 2 <= blocks) ks *= 2;
-    const bf16* xrow = xs + (ZERO_PAD_TOKENS ? g : token_row(g, cols)) * xs_ld(k) + q * 8;
+    const bf16* xrow = xs + g * xs_ld(k) + q * 8;
     // this warp's first item: group warp / ks, blocks part, part + ks, ...
     const int grp = warp / ks, part = warp % ks;
     const int r0 = grp * 16 + g, r1 = r0 + 8;
@@ -382,7 +366,7 @@ __device__ __forceinline__ void gemv_short_k(const bf16* w, int w_ld, int rows, 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
     const int groups = (rows + 15) / 16;
     const int units = (groups > warp ? (groups - warp + NUM_WARPS - 1) / NUM_WARPS : 0) * NB;
-    const bf16* xrow = xs + (ZERO_PAD_TOKENS ? g : token_row(g, BATCH)) * xs_ld(64 * NB) + q * 8;
+    const bf16* xrow = xs + g * xs_ld(64 * NB) + q * 8;
     // unit i: block i % NB of this warp's group i / NB, that is group warp + (i / NB) * NUM_WARPS
     const auto load = [&](uint4 (&wv)[U][2][2], int i0) {
 #pragma unroll

@@ -190,9 +190,8 @@ def test_tiny_routing_ties_go_to_the_lower_expert(tiny, num_sms, batch, argmax):
 
 @pytest.mark.parametrize("options", [{}, {"norm_beside_routing": "off", "routing_argmax": "rank"},
                                      {"norm_beside_routing": "on", "routing_argmax": "redux"},
-                                     {"norm_beside_routing": "off", "routing_argmax": "redux"},
-                                     {"zero_pad_tokens": False}],
-                         ids=["default", "rank-after", "norm-beside-rounds", "rounds-after", "unwritten-padding"])
+                                     {"norm_beside_routing": "off", "routing_argmax": "redux"}],
+                         ids=["default", "rank-after", "norm-beside-rounds", "rounds-after"])
 @pytest.mark.parametrize("batch", [1, 2, 8])
 def test_tiny_step_matches_cpu_executor(tiny, num_sms, batch, options):
     """One step at many positions (within, at and beyond the sliding window of 8) from a random
@@ -200,7 +199,7 @@ def test_tiny_step_matches_cpu_executor(tiny, num_sms, batch, options):
     default kernel (at batch 1 the ranked routing with the expert tiles' input normalised beside
     it), for the ranked routing with the input normalised after it, and for the arg-max rounds
     with the input normalised beside them and after them (CodegenOptions.routing_argmax,
-    norm_beside_routing), and with the token rows past the batch left unwritten (zero_pad_tokens)."""
+    norm_beside_routing)."""
     from mkc.codegen import CodegenOptions
     from mkc.runtime.cuda_backend import CudaDecoder
     from mkc.schedule.executor import CpuExecutor
@@ -769,33 +768,6 @@ def test_nmc_tagged_logits_match_default(nmc_weights, num_sms, batch):
     for i in range(3):
         lg, tok = dec.step(tokens, positions)
         assert torch.equal(lg, ref) and torch.equal(tok, ref_tok), f"step {i}: differs from the default kernel"
-
-
-@pytest.mark.parametrize("batch, lowering", [(1, {}), (2, {}), (3, {}), (4, {}), (1, {"fused_experts": True})],
-                         ids=["b1", "b2", "b3", "b4", "b1-fused"])
-def test_nmc_unwritten_padding_rows_match_default(nmc_weights, num_sms, batch, lowering):
-    """CodegenOptions(zero_pad_tokens=False) at full size, context 8192: the GEMV stagings leave
-    the token rows past the batch unwritten and those mma columns read a real token's row (row 0 at
-    batch 1, row g & 1 else; batch 3 has a padding column beside a real one in a quarter-warp), so
-    only columns no epilogue stores change: three steps give bitwise the default kernel's logits,
-    tokens and each layer's picks (with fused expert tiles too: their down projection's B operand)."""
-    from mkc.codegen import CodegenOptions
-
-    spec, weights = nmc_weights
-    tokens = torch.randint(0, spec.vocab_size, (batch,), dtype=torch.int32)
-    positions = nmc_positions(batch, 8192)
-    dec = nmc_decoder(spec, weights, batch, 8192, num_sms, **lowering)
-    ref, ref_tok = dec.step(tokens, positions)
-    ref = ref.clone()
-    moe = [f"L{i}.moe_selected" for i, ls in enumerate(spec.layers) if ls.mlp == "moe"]
-    picks = {name: dec.buffers[name].clone() for name in moe}
-    del dec
-    dec = nmc_decoder(spec, weights, batch, 8192, num_sms, CodegenOptions(zero_pad_tokens=False), **lowering)
-    for i in range(3):
-        lg, tok = dec.step(tokens, positions)
-        assert torch.equal(lg, ref) and torch.equal(tok, ref_tok), f"b{batch} {lowering}, step {i}: differs from the default"
-        for name in moe:
-            assert torch.equal(dec.buffers[name], picks[name]), f"b{batch}, step {i}: {name} differs from the default"
 
 
 ROUTING_OPTIONS = {  # test_nmc_routing_options_match_default

@@ -212,13 +212,6 @@ class CodegenOptions:
     # 5372.3, 5475.3 / 5391.0. The expert tiles' streams start 1.6 µs sooner and take the bandwidth
     # of the attention splits beside them (split op 13.6 → 14.5 µs; BENCHMARKS.md). Off.
     reuse_staged_norm: bool = False
-    # A GEMV's staged activations have 8 token rows, the mma's B columns; rows past the batch are
-    # padding. True: every staging writes them with zeros (at batch 1 seven of a tile's eight rows:
-    # an O-projection tile stores 56 KB of zeros between its wait and its staging barrier). False:
-    # they are never written, and the lanes of those columns read a real token's row instead
-    # (gemv.cuh: token_row), so their products land only in output columns no epilogue stores: the
-    # stored values are bitwise the same.
-    zero_pad_tokens: bool = True
     # L2 warm-up: "TARGET:CARRIER" rules, comma-separated ("off": none; taskwords.L2_WARM_TARGETS).
     # While a carrier task (an attention split, expert gate/up tile or combine of layer L) waits for
     # its inputs, its warps 1.. ask L2 for one share of a target's weights (layer L's O-projection,
@@ -282,7 +275,6 @@ class KernelConfig:
     residual_stage_bytes: int = 0
     residual_epilogue_inline: bool = False  # CodegenOptions.residual_epilogue, resolved
     reuse_staged_norm: bool = False
-    zero_pad_tokens: bool = True  # CodegenOptions.zero_pad_tokens
     rope_before_wait: bool = True  # CodegenOptions.rope_before_wait
     # rows / 64 of the fused expert tiles (EXPERT_MLP, all of one size); 0: the schedule has none
     fused_down_blocks: int = 0
@@ -516,7 +508,7 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         norm_beside_routing=norm_beside,
         down_weights_before_wait=options.down_weights_before_wait,
         profile_phases=options.profile_phases, tagged_logits=tagged_logits,
-        reuse_staged_norm=options.reuse_staged_norm, zero_pad_tokens=options.zero_pad_tokens,
+        reuse_staged_norm=options.reuse_staged_norm,
         rope_before_wait=options.rope_before_wait,
         residual_stage_bytes=stage_bytes,
         fused_down_blocks=next(iter(fused_rows), 0) // 64, norm_terms=norm_terms,
@@ -583,7 +575,6 @@ def template_context(cfg: KernelConfig, banner: str) -> dict[str, Any]:
         "fused_down_blocks": cv.c_int(cfg.fused_down_blocks),
         "norm_terms": cv.c_int(cfg.norm_terms),
         "reuse_staged_norm": cv.c_bool(cfg.reuse_staged_norm),
-        "zero_pad_tokens": cv.c_bool(cfg.zero_pad_tokens),
         "l2_warm": cv.c_bool(cfg.l2_warm != "off"),
         "weights_evict_first": cv.c_bool(cfg.weights_evict_first),
         "max_rank": cv.c_int(MAX_RANK),
