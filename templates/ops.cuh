@@ -91,9 +91,8 @@ __device__ __forceinline__ void stage_input_async(const Task& t, unsigned char* 
 
 // The end of a GEMV's staging (gemv_tile's `finish`), called by every thread from a warp-dependent
 // point inside gemv_tile: hence cta_barrier(). operator() first waits for this thread's own
-// copies; landed() is the rest. The
-// last barrier publishes xs (for a norm operand, the normalised rows, which stage_norm_finish
-// computes after its own barrier).
+// copies; landed() is the rest. The last barrier publishes xs (for a norm operand, the
+// normalised rows, which stage_norm_finish computes after its own barrier).
 template <class O>
 struct StageFinish {
     const Task& t;

@@ -216,10 +216,10 @@ def format_profile(sc: Schedule, timeline: Mapping[str, np.ndarray]) -> str:
     return "\n".join(lines)
 
 
-def phases(sc: Schedule, timeline: Mapping[str, np.ndarray], ids=None, by_stage: bool = False) -> dict[str, dict[str, float]]:
-    """Per op (with ``by_stage``, per stage: ``stage``, so a LINEAR op's QKV, router and
-    O-projection tiles count apart), the mean µs of each phase of its tasks (all, or those in
-    ``ids``): ``wait`` (began
+def phases(sc: Schedule, timeline: Mapping[str, np.ndarray], ids=None,
+           by_stage: bool = False) -> dict[str, dict[str, float]]:
+    """Per op (with ``by_stage``, per ``stage``: a LINEAR op's QKV, router and O-projection tiles
+    apart), the mean µs of each phase of its tasks (all, or those in ``ids``): ``wait`` (began
     waiting → inputs ready), ``staging`` (→ inputs staged; tasks that stage), ``op`` (→ op done,
     from the staging where there is one), ``release`` (→ counter signalled), and ``routed`` (inputs
     ready → the routing available, for tasks that route; before the inputs for a tile that waits
@@ -229,15 +229,15 @@ def phases(sc: Schedule, timeline: Mapping[str, np.ndarray], ids=None, by_stage:
     wait = np.asarray(timeline.get("wait", start), np.float64)
     staged, done = np.asarray(timeline["staged"], np.float64), np.asarray(timeline["done"], np.float64)
     routed = np.asarray(timeline.get("routed", np.full(len(start), np.nan)), np.float64)
-    by_op: dict[str, list[int]] = {}
+    groups: dict[str, list[int]] = {}
     for i in (range(len(sc.tasks)) if ids is None else ids):
-        by_op.setdefault(stage(sc.tasks[i]) if by_stage else sc.tasks[i].op.name, []).append(i)
+        groups.setdefault(stage(sc.tasks[i]) if by_stage else sc.tasks[i].op.name, []).append(i)
     out = {}
-    for op, idx in by_op.items():
+    for name, idx in groups.items():
         ix = np.asarray(idx)
         has, routes = ~np.isnan(staged[ix]), ~np.isnan(routed[ix])
         op_from = np.where(has, staged[ix], start[ix])
-        out[op] = {"tasks": float(len(ix)), "wait": float(np.mean(start[ix] - wait[ix])),
+        out[name] = {"tasks": float(len(ix)), "wait": float(np.mean(start[ix] - wait[ix])),
                    "staging": float(np.mean(staged[ix][has] - start[ix][has])) if has.any() else float("nan"),
                    "op": float(np.mean(done[ix] - op_from)), "release": float(np.mean(end[ix] - done[ix])),
                    "routed": float(np.mean(routed[ix][routes] - start[ix][routes])) if routes.any() else float("nan")}
