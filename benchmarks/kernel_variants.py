@@ -87,9 +87,6 @@ VARIANTS: dict[str, CodegenOptions] = {
     # its 4 blocks), the rest after their activations are staged (CodegenOptions.first_batch_blocks)
     "first-half": CodegenOptions(first_batch_blocks=2),
     "first-quarter": CodegenOptions(first_batch_blocks=1),
-    # weights-first LINEAR tiles copy their activations with bulk copies (TMA) on an mbarrier
-    # (CodegenOptions.bulk_staging)
-    "bulk-staging": CodegenOptions(bulk_staging=True),
     # the profiling kernel (phase marks in a profiled step; an unprofiled step runs the default's work)
     "profile-phases": CodegenOptions(profile_phases=True),
     # expert-up tiles wait for the router tiles' counter, then read the logits, or read the logits'

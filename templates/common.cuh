@@ -115,35 +115,6 @@ __device__ __forceinline__ void cp_async16_stream(void* smem_dst, const void* gs
 
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
-// mbarriers and bulk copies (TMA) into this CTA's shared memory (BULK_STAGING)
-__device__ __forceinline__ void mbar_init(unsigned long long* bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"((u32)__cvta_generic_to_shared(bar)), "r"(count)
-                 : "memory");
-}
-__device__ __forceinline__ void mbar_arrive_expect_tx(unsigned long long* bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"((u32)__cvta_generic_to_shared(bar)),
-                 "r"(bytes)
-                 : "memory");
-}
-// true once the phase of parity `parity` has completed
-__device__ __forceinline__ bool mbar_try_wait(unsigned long long* bar, u32 parity) {
-    u32 done;
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
-        : "=r"(done)
-        : "r"((u32)__cvta_generic_to_shared(bar)), "r"(parity)
-        : "memory");
-    return done != 0;
-}
-// bytes (a multiple of 16, both addresses 16-byte aligned) from global memory into shared memory,
-// completing on the mbarrier bar
-__device__ __forceinline__ void bulk_copy_g2s(void* smem_dst, const void* gsrc, u32 bytes, unsigned long long* bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                     (u32)__cvta_generic_to_shared(smem_dst)),
-                 "l"(gsrc), "r"(bytes), "r"((u32)__cvta_generic_to_shared(bar))
-                 : "memory");
-}
-
 // cp.async groups: commit this thread's uncommitted copies as one group; wait until at most N of
 // its groups are still in flight (the older ones have landed).
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }

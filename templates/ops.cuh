@@ -183,62 +183,6 @@ __device__ __noinline__ void zero_rows(float* out, int ld, int rows) {
     for (int i = threadIdx.x; i < BATCH * rows; i += NUM_THREADS) out[(size_t)(i / rows) * ld + i % rows] = 0.f;
 }
 
-// BULK_STAGING: a weights-first tile's activations are copied by thread 0 with bulk copies (TMA),
-// which complete on s_stage_bar, instead of by every thread with cp.async. s_stage_phase is the
-// parity of its next completion: read by every thread before its wait, flipped by thread 0 after
-// the staging's barrier.
-__shared__ unsigned long long s_stage_bar;
-__shared__ u32 s_stage_phase;
-
-__device__ __forceinline__ void bulk_staging_init() {
-    if (BULK_STAGING && threadIdx.x == 0) {
-        mbar_init(&s_stage_bar, 1);
-        s_stage_phase = 0;
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-}
-
-// Thread 0 issues the copies of stage_input_async's rows (the bf16 input's BATCH rows, or the
-// RMSNorm's f32 rows, weight columns and terms, into the scratch as stage_norm_async places them);
-// the other threads zero the padding rows of a bf16 input. Called after task_wait's barrier: the
-// fences order the CTA's earlier shared-memory accesses and warp 0's acquire before the copies.
-template <class O>
-__device__ __forceinline__ void stage_input_bulk(const Task& t, unsigned char* smem, int k0, int k) {
-    const bool normed = t.has(O::norm);
-    if (!normed) {  // rows >= BATCH: zeros, by the threads' stores
-        bf16* xs = gemv_xs(smem);
-        const int ld = xs_ld(k), chunks = k / 8;
-        for (int i = BATCH * chunks + threadIdx.x; i < 8 * chunks; i += NUM_THREADS)
-            *reinterpret_cast<uint4*>(xs + (i / chunks) * ld + (i % chunks) * 8) = zero4();
-    }
-    if (threadIdx.x != 0) return;
-    asm volatile("fence.proxy.async.global;" ::: "memory");
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    if (!normed) {
-        bf16* xs = gemv_xs(smem);
-        const bf16* x = t.ptr<bf16>(O::x) + k0;
-        const int x_ld = t.dim(O::x, 1), ld = xs_ld(k);
-        mbar_arrive_expect_tx(&s_stage_bar, BATCH * k * 2);
-        for (int n = 0; n < BATCH; ++n) bulk_copy_g2s(xs + n * ld, x + (size_t)n * x_ld, k * 2, &s_stage_bar);
-        return;
-    }
-    const int nterms = norm_terms<O>(t);
-    const u32 bytes = BATCH * HIDDEN * 4 + k * 2 + (NORM_TERMS > 0 ? nterms * BATCH * HIDDEN * 4 : 0);
-    unsigned char* scratch = gemv_scratch(smem);
-    mbar_arrive_expect_tx(&s_stage_bar, bytes);
-    bulk_copy_g2s(scratch, t.ptr<float>(O::x), BATCH * HIDDEN * 4, &s_stage_bar);
-    bulk_copy_g2s(scratch + BATCH * HIDDEN * 4 + k0 * 2, t.ptr<bf16>(O::norm) + k0, k * 2, &s_stage_bar);
-    if (NORM_TERMS > 0 && nterms > 0)
-        bulk_copy_g2s(scratch + NORM_TERMS_OFF, t.ptr<float>(O::terms), nterms * BATCH * HIDDEN * 4, &s_stage_bar);
-}
-
-// Every thread: until the bulk copies of the current staging have landed.
-__device__ __forceinline__ void bulk_staging_wait() {
-    const u32 parity = s_stage_phase;
-    for (u32 polls = 0; !mbar_try_wait(&s_stage_bar, parity);)
-        if (++polls == SPIN_LIMIT) __trap();  // a copy that never lands (a bad address faults instead)
-}
-
 // WEIGHTS_BEFORE_WAIT: the end of staging for a tile that issued its first weight loads before
 // waiting for its inputs: the wait (every thread), then the activations' copies, then StageFinish.
 // The wait comes first: warp 0 may still have the next task's record in flight (the kernel loop),
@@ -248,19 +192,9 @@ struct WaitStageFinish : StageFinish<O> {
     __device__ void operator()() const {
         const StageFinish<O>& s = *this;
         task_wait(s.t.w);
-        if constexpr (BULK_STAGING) {
-            const bool copied = !(s.t.has(O::norm) && norm_is_staged<O>(s.t, s.k0, s.k));
-            if (copied) stage_input_bulk<O>(s.t, s.smem, s.k0, s.k);
-            stage_residual_async<O>(s.t, s.smem);
-            cp_async_wait_all();
-            if (copied) bulk_staging_wait();
-            s.landed();
-            if (copied && threadIdx.x == 0) s_stage_phase ^= 1u;
-        } else {
-            stage_input_async<O>(s.t, s.smem, s.k0, s.k);
-            stage_residual_async<O>(s.t, s.smem);
-            s();
-        }
+        stage_input_async<O>(s.t, s.smem, s.k0, s.k);
+        stage_residual_async<O>(s.t, s.smem);
+        s();
     }
     __device__ void landed() const { (*this)(); }
 };

@@ -190,9 +190,8 @@ def test_tiny_routing_ties_go_to_the_lower_expert(tiny, num_sms, batch, argmax):
 
 @pytest.mark.parametrize("options", [{}, {"norm_beside_routing": "off", "routing_argmax": "rank"},
                                      {"norm_beside_routing": "on", "routing_argmax": "redux"},
-                                     {"norm_beside_routing": "off", "routing_argmax": "redux"},
-                                     {"bulk_staging": True}],
-                         ids=["default", "rank-after", "norm-beside-rounds", "rounds-after", "bulk-staging"])
+                                     {"norm_beside_routing": "off", "routing_argmax": "redux"}],
+                         ids=["default", "rank-after", "norm-beside-rounds", "rounds-after"])
 @pytest.mark.parametrize("batch", [1, 2, 8])
 def test_tiny_step_matches_cpu_executor(tiny, num_sms, batch, options):
     """One step at many positions (within, at and beyond the sliding window of 8) from a random
@@ -200,8 +199,7 @@ def test_tiny_step_matches_cpu_executor(tiny, num_sms, batch, options):
     default kernel (at batch 1 the ranked routing with the expert tiles' input normalised beside
     it), for the ranked routing with the input normalised after it, and for the arg-max rounds
     with the input normalised beside them and after them (CodegenOptions.routing_argmax,
-    norm_beside_routing), and for weights-first tiles whose activations are bulk copies
-    (CodegenOptions.bulk_staging)."""
+    norm_beside_routing)."""
     from mkc.codegen import CodegenOptions
     from mkc.runtime.cuda_backend import CudaDecoder
     from mkc.schedule.executor import CpuExecutor

@@ -174,10 +174,6 @@ class CodegenOptions:
     # its wait; the rest of that batch is issued once its activations are staged (0: the whole batch).
     # Fewer bytes ahead of the activations' copies on the SM's read path, fewer landed by the first MMA.
     first_batch_blocks: int = 0
-    # With weights_before_wait, a LINEAR tile's thread 0 copies its activations (the bf16 rows, or the
-    # RMSNorm's f32 rows, weight columns and terms) with bulk copies (TMA) completing on an
-    # mbarrier, instead of every thread issuing 16-byte cp.async copies behind its weight loads.
-    bulk_staging: bool = False
     # A profiled step (CudaDecoder.launch(profile=True)) also records, per task, when its inputs
     # were staged (GEMV tiles: after the activations' copies and the RMSNorm, before the barrier that
     # publishes them; warp attention splits: their query heads, after that barrier) and when its op
@@ -292,7 +288,6 @@ class KernelConfig:
     l2_warm: str = "off"  # CodegenOptions.l2_warm, resolved: the rules the runtime encodes (taskwords.encode)
     weights_evict_first: bool = False  # CodegenOptions.weights_evict_first, resolved
     first_batch_blocks: int = 0  # CodegenOptions.first_batch_blocks
-    bulk_staging: bool = False  # CodegenOptions.bulk_staging
 
     @property
     def warps(self) -> int:
@@ -523,7 +518,6 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         residual_stage_bytes=stage_bytes,
         fused_down_blocks=next(iter(fused_rows), 0) // 64, norm_terms=norm_terms,
         l2_warm=l2_warm, weights_evict_first=evict_first, first_batch_blocks=options.first_batch_blocks,
-        bulk_staging=options.bulk_staging,
         residual_epilogue_inline=options.residual_epilogue == "inline" or (options.residual_epilogue == "auto"
                                                                            and stage_bytes > 0))
     if cfg.smem_bytes > MAX_SMEM_BYTES:
@@ -581,7 +575,6 @@ def template_context(cfg: KernelConfig, banner: str) -> dict[str, Any]:
         "norm_beside_routing": cv.c_bool(cfg.norm_beside_routing),
         "down_weights_before_wait": cv.c_bool(cfg.down_weights_before_wait),
         "first_batch_blocks": cv.c_int(cfg.first_batch_blocks),
-        "bulk_staging": cv.c_bool(cfg.bulk_staging),
         "profile_phases": cv.c_bool(cfg.profile_phases),
         "tagged_logits": cv.c_bool(cfg.tagged_logits),
         "residual_epilogue_inline": cv.c_int(int(cfg.residual_epilogue_inline)),  # a preprocessor 0 / 1
