@@ -83,10 +83,6 @@ VARIANTS: dict[str, CodegenOptions] = {
     # (the default until 2026-11-30 17:40 UTC; now they issue their first weight batch, as LINEAR
     # tiles do)
     "down-l2-row": CodegenOptions(down_weights_before_wait=False),
-    # weights-first tiles issue part of their first register batch before their wait (2 or 1 of
-    # its 4 blocks), the rest after their activations are staged (CodegenOptions.first_batch_blocks)
-    "first-half": CodegenOptions(first_batch_blocks=2),
-    "first-quarter": CodegenOptions(first_batch_blocks=1),
     # the profiling kernel (phase marks in a profiled step; an unprofiled step runs the default's work)
     "profile-phases": CodegenOptions(profile_phases=True),
     # expert-up tiles wait for the router tiles' counter, then read the logits, or read the logits'

@@ -174,14 +174,13 @@ __device__ __forceinline__ uint4 ld_rows16(const bf16* p) {
 }
 
 // Loads of one batch of U 64-wide blocks (kb, kb + kb_step, ...) of rows (g, g + 8) of every row
-// set (blocks [U0, U1) of it); blocks past kb_end (or rows past the tile) load zeros without
-// touching memory.
-template <int U, int NACC, bool NC, int U0 = 0, int U1 = U>
+// set; blocks past kb_end (or rows past the tile) load zeros without touching memory.
+template <int U, int NACC, bool NC>
 __device__ __forceinline__ void gemv_load(uint4 (&wv)[U][NACC][2][2], const bf16* const (&w0)[NACC],
                                           const bf16* const (&w1)[NACC], bool v0, bool v1, int kb, int kb_step,
                                           int kb_end) {
 #pragma unroll
-    for (int u = U0; u < U1; ++u) {
+    for (int u = 0; u < U; ++u) {
         const int kbu = kb + u * kb_step;
         const bool in = kbu < kb_end;
         const int k = kbu * block_stride<NC>(), h = half_offset<NC>();
@@ -241,13 +240,10 @@ __device__ __forceinline__ void gemv_item(const bf16* const (&w0)[NACC],
                                           int kb_begin, int kb_step, int kb_end, float (&acc)[NACC][4],
                                           const Fin& finish, bool first) {
     constexpr int U = gemv_batch_blocks<NACC>();
-    // FIRST_BATCH_BLOCKS: the blocks of the first batch issued before `finish`, the rest after it
-    constexpr int F = FIRST_BATCH_BLOCKS > 0 && FIRST_BATCH_BLOCKS < U ? FIRST_BATCH_BLOCKS : U;
     const int batch = U * kb_step;
     uint4 wa[U][NACC][2][2], wb[U][NACC][2][2];
-    gemv_load<U, NACC, NC, 0, F>(wa, w0, w1, v0, v1, kb_begin, kb_step, kb_end);
+    gemv_load<U, NACC, NC>(wa, w0, w1, v0, v1, kb_begin, kb_step, kb_end);
     if (first) finish();
-    if constexpr (F < U) gemv_load<U, NACC, NC, F, U>(wa, w0, w1, v0, v1, kb_begin, kb_step, kb_end);
     for (int kb = kb_begin; kb < kb_end; kb += 2 * batch) {
         gemv_load<U, NACC, NC>(wb, w0, w1, v0, v1, kb + batch, kb_step, kb_end);
         gemv_mma<U, NACC>(wa, xrow, kb, kb_step, kb_end, acc);

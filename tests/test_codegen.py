@@ -132,7 +132,6 @@ CODEGEN_VARIANTS: dict[str, tuple[tuple[int, ...], dict]] = {
     "tagged-logits": ((8,), {"tagged_logits": "on"}),  # ... or read tagged logits (off by default at 8)
     "norm-reuse": ((1,), {"reuse_staged_norm": True}),  # a normed GEMV reuses the input staged before it
     "down-l2-row": ((1,), {"down_weights_before_wait": False}),  # expert-down tiles ask L2 for a row first
-    "first-half": ((1,), {"first_batch_blocks": 2}),  # half the first weight batch before the wait
     # a warp split's query's RoPE after the wait
     "rope-after-wait": ((1,), {"rope_before_wait": False}),
     # the routing's picks ranked at once, the input normalised after them (batch 1's default

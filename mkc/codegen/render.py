@@ -170,10 +170,6 @@ class CodegenOptions:
     # batch 4 5868 / 5812 / 5830 against 5988 / 5815 / 5747, batch 8 8979 / 9008 / 8818 against
     # 8861 / 9033 / 8983 (both within the noise).
     down_weights_before_wait: bool = True
-    # With weights_before_wait, the 64-wide blocks of the first register batch a tile issues before
-    # its wait; the rest of that batch is issued once its activations are staged (0: the whole batch).
-    # Fewer bytes ahead of the activations' copies on the SM's read path, fewer landed by the first MMA.
-    first_batch_blocks: int = 0
     # A profiled step (CudaDecoder.launch(profile=True)) also records, per task, when its inputs
     # were staged (GEMV tiles: after the activations' copies and the RMSNorm, before the barrier that
     # publishes them; warp attention splits: their query heads, after that barrier) and when its op
@@ -287,7 +283,6 @@ class KernelConfig:
     norm_terms: int = 0
     l2_warm: str = "off"  # CodegenOptions.l2_warm, resolved: the rules the runtime encodes (taskwords.encode)
     weights_evict_first: bool = False  # CodegenOptions.weights_evict_first, resolved
-    first_batch_blocks: int = 0  # CodegenOptions.first_batch_blocks
 
     @property
     def warps(self) -> int:
@@ -517,7 +512,7 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         rope_before_wait=options.rope_before_wait,
         residual_stage_bytes=stage_bytes,
         fused_down_blocks=next(iter(fused_rows), 0) // 64, norm_terms=norm_terms,
-        l2_warm=l2_warm, weights_evict_first=evict_first, first_batch_blocks=options.first_batch_blocks,
+        l2_warm=l2_warm, weights_evict_first=evict_first,
         residual_epilogue_inline=options.residual_epilogue == "inline" or (options.residual_epilogue == "auto"
                                                                            and stage_bytes > 0))
     if cfg.smem_bytes > MAX_SMEM_BYTES:
@@ -574,7 +569,6 @@ def template_context(cfg: KernelConfig, banner: str) -> dict[str, Any]:
         "routing_rank": cv.c_bool(cfg.routing_rank),
         "norm_beside_routing": cv.c_bool(cfg.norm_beside_routing),
         "down_weights_before_wait": cv.c_bool(cfg.down_weights_before_wait),
-        "first_batch_blocks": cv.c_int(cfg.first_batch_blocks),
         "profile_phases": cv.c_bool(cfg.profile_phases),
         "tagged_logits": cv.c_bool(cfg.tagged_logits),
         "residual_epilogue_inline": cv.c_int(int(cfg.residual_epilogue_inline)),  # a preprocessor 0 / 1
