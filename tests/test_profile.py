@@ -24,6 +24,7 @@ from mkc.schedule.profile import (
     format_layer_times,
     format_phases,
     format_profile,
+    format_staging_after,
     handoffs,
     last_tasks,
     layer_kind,
@@ -36,6 +37,7 @@ from mkc.schedule.profile import (
     routing_phases,
     stage,
     stage_ends,
+    staging_after,
 )
 from mkc.schedule.scheduler import schedule
 
@@ -360,6 +362,32 @@ def test_replay_profile_replays_the_lowering_it_was_profiled_with(tmp_path, caps
                                       "--num-sms", "8", "--config", str(config)])
     with pytest.raises(SystemExit, match="not this tree's schedule"):  # planned without the lowering
         replay_profile.main()
+
+
+def test_staging_after_groups_by_the_task_before_on_the_sm(sc_tl):
+    """staging_after on a timeline made to order: a staging task's staging is 1 µs after a task of
+    its own stage on its SM and 3 µs after any other (or first in its queue), its op 2 µs; the
+    means come back per (stage, stage before), every staging task counted once."""
+    sc, tl = sc_tl
+    start = tl["start"]
+    before = {q[i]: q[i - 1] for q in sc.queues for i in range(1, len(q))}
+    stages = np.array([t.op.name in ("LINEAR", "SWIGLU", "EXPERT_SWIGLU", "EXPERT_DOWN") for t in sc.tasks])
+    after = {t.id: stage(sc.tasks[before[t.id]]) if t.id in before else "first" for t in sc.tasks}
+    took = np.array([1.0 if after[t.id] == stage(t) else 3.0 for t in sc.tasks])
+    staged = np.where(stages, start + took, np.nan)
+    done = staged + 2.0
+    made = {**tl, "staged": staged, "done": done}
+    report = staging_after(sc, made)
+    assert sum(v["tasks"] for v in report.values()) == int(stages.sum())
+    assert any(name == prev for name, prev in report) and any(name != prev for name, prev in report)
+    for (name, prev), v in report.items():
+        assert v["staging"] == pytest.approx(1.0 if name == prev else 3.0) and v["op"] == pytest.approx(2.0)
+        ids = [t.id for t in sc.tasks if stages[t.id] and stage(t) == name and after[t.id] == prev]
+        assert v["tasks"] == len(ids)
+    counts = [v["tasks"] for v in report.values()]
+    assert counts == sorted(counts, reverse=True)
+    text = format_staging_after(sc, made, rows=2)
+    assert text.count("\n") == 3 and format_staging_after(sc, made) in format_phases(sc, made)
 
 
 def test_handoffs_split_each_take_over_into_dispatch_and_poll(sc_tl):

@@ -244,6 +244,35 @@ def phases(sc: Schedule, timeline: Mapping[str, np.ndarray], ids=None,
     return out
 
 
+def staging_after(sc: Schedule, timeline: Mapping[str, np.ndarray]) -> dict[tuple[str, str], dict[str, float]]:
+    """Per (stage, stage of the task before it on its SM, "first" where none), the tasks that stage
+    (a ``staged`` mark, CodegenOptions.profile_phases) and their mean ``staging`` (inputs ready →
+    inputs staged) and ``op`` (→ op done) in µs: whether a tile's staging is shorter after a task
+    of its own kind (its code still in the SM's instruction cache) than after another. The pairs
+    with the most tasks first."""
+    start = np.asarray(timeline["start"], np.float64)
+    staged, done = np.asarray(timeline["staged"], np.float64), np.asarray(timeline["done"], np.float64)
+    _, before = blockers(sc)
+    rows: dict[tuple[str, str], list[int]] = {}
+    for t in sc.tasks:
+        if np.isnan(staged[t.id]):
+            continue
+        prev = before[t.id]
+        rows.setdefault((stage(t), stage(sc.tasks[prev]) if prev >= 0 else "first"), []).append(t.id)
+    out = {key: {"tasks": float(len(ix)), "staging": float(np.mean(staged[ix] - start[ix])),
+                 "op": float(np.mean(done[ix] - staged[ix]))} for key, ix in rows.items()}
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]["tasks"]))
+
+
+def format_staging_after(sc: Schedule, timeline: Mapping[str, np.ndarray], rows: int = 16) -> str:
+    """staging_after as one line per pair of stages, the ``rows`` with the most tasks."""
+    lines = ["staging by the stage before on the SM (mean µs; inputs ready → staged, staged → op done):",
+             f"  {'stage':<14} {'after':<14} {'tasks':>6} {'staging':>8} {'op':>7}"]
+    for (name, after), v in list(staging_after(sc, timeline).items())[:rows]:
+        lines.append(f"  {name:<14} {after:<14} {int(v['tasks']):>6} {v['staging']:>8.2f} {v['op']:>7.2f}")
+    return "\n".join(lines)
+
+
 def format_phases(sc: Schedule, timeline: Mapping[str, np.ndarray]) -> str:
     """Per stage (phases(by_stage=True): a LINEAR op's QKV, router and O-projection tiles apart), the
     mean phases of its tasks, for every task and for the critical chain's."""
@@ -261,6 +290,7 @@ def format_phases(sc: Schedule, timeline: Mapping[str, np.ndarray]) -> str:
              "release: → counter signalled; routed: inputs ready → routing available):")
     lines = [title, head, *table(phases(sc, timeline, by_stage=True)),
              "the critical chain's tasks:", head, *table(phases(sc, timeline, chain, by_stage=True))]
+    lines.append(format_staging_after(sc, timeline))
     if "ranked" in timeline:
         lines.append(format_routing_phases(sc, timeline))
     return "\n".join(lines)
