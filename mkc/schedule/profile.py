@@ -238,18 +238,19 @@ def phases(sc: Schedule, timeline: Mapping[str, np.ndarray], ids=None,
         has, routes = ~np.isnan(staged[ix]), ~np.isnan(routed[ix])
         op_from = np.where(has, staged[ix], start[ix])
         out[name] = {"tasks": float(len(ix)), "wait": float(np.mean(start[ix] - wait[ix])),
-                   "staging": float(np.mean(staged[ix][has] - start[ix][has])) if has.any() else float("nan"),
-                   "op": float(np.mean(done[ix] - op_from)), "release": float(np.mean(end[ix] - done[ix])),
-                   "routed": float(np.mean(routed[ix][routes] - start[ix][routes])) if routes.any() else float("nan")}
+                     "staging": float(np.mean(staged[ix][has] - start[ix][has])) if has.any() else float("nan"),
+                     "op": float(np.mean(done[ix] - op_from)), "release": float(np.mean(end[ix] - done[ix])),
+                     "routed": float(np.mean(routed[ix][routes] - start[ix][routes])) if routes.any()
+                     else float("nan")}
     return out
 
 
 def staging_after(sc: Schedule, timeline: Mapping[str, np.ndarray]) -> dict[tuple[str, str], dict[str, float]]:
     """Per (stage, stage of the task before it on its SM, "first" where none), the tasks that stage
     (a ``staged`` mark, CodegenOptions.profile_phases) and their mean ``staging`` (inputs ready →
-    inputs staged) and ``op`` (→ op done) in µs: whether a tile's staging is shorter after a task
-    of its own kind (its code still in the SM's instruction cache) than after another. The pairs
-    with the most tasks first."""
+    inputs staged) and ``op`` (→ op done) in µs, to see whether a tile stages faster after a task
+    of its own kind (whose code the SM just ran) than after another. The pairs with the most tasks
+    first."""
     start = np.asarray(timeline["start"], np.float64)
     staged, done = np.asarray(timeline["staged"], np.float64), np.asarray(timeline["done"], np.float64)
     _, before = blockers(sc)
