@@ -62,14 +62,31 @@ __device__ __forceinline__ void group_rows(const bf16* const (&w)[NACC], int w_l
     }
 }
 
+// Row n and 16-byte chunk c of flat index i = n * chunks + c, first for i = threadIdx.x, then
+// advanced by NUM_THREADS by subtractions, not a division per step (chunks >= 8: at most
+// NUM_THREADS / 8 of them; one where a row holds NUM_THREADS chunks or more). A division per step
+// (the loops until 2026-12-06) took 2,900-3,000 more SASS instructions at batch 1-8, inlined into
+// every GEMV op, and measured 0.5-1.1% slower at batch 2-8, a tie at batch 1 (an H100, BENCHMARKS.md).
+struct ChunkWalk {
+    int n, c;
+    const int chunks;
+    __device__ __forceinline__ explicit ChunkWalk(int chunks_) : chunks(chunks_) {
+        n = threadIdx.x / chunks;
+        c = threadIdx.x - n * chunks;
+    }
+    __device__ __forceinline__ void next() {
+        c += NUM_THREADS;
+        while (c >= chunks) c -= chunks, ++n;
+    }
+};
+
 // Stage x[:, k0:k0+k] (bf16 [nrows, x_ld]) into shared memory as the 8 columns of the B operand
 // (columns >= nrows zero): the tokens of a GEMV, or the query heads of an attention tile.
 __device__ __forceinline__ void stage_x(bf16* xs, const bf16* x, int x_ld, int k0, int k, int nrows = BATCH) {
     const int ld = xs_ld(k), chunks = k / 8;
-    for (int i = threadIdx.x; i < 8 * chunks; i += NUM_THREADS) {
-        const int n = i / chunks, c = i - n * chunks;
-        const uint4 v = n < nrows ? ld_act16(x + (size_t)n * x_ld + k0 + c * 8) : zero4();
-        *reinterpret_cast<uint4*>(xs + n * ld + c * 8) = v;
+    for (ChunkWalk i(chunks); i.n < 8; i.next()) {
+        const uint4 v = i.n < nrows ? ld_act16(x + (size_t)i.n * x_ld + k0 + i.c * 8) : zero4();
+        *reinterpret_cast<uint4*>(xs + i.n * ld + i.c * 8) = v;
     }
 }
 
@@ -158,10 +175,9 @@ __device__ __forceinline__ void stage_norm_finish(bf16* xs, int k0, int k, int n
 // completes at the issuing thread's cp.async wait, published by a barrier (CopyFinish in ops.cuh).
 __device__ __forceinline__ void stage_x_async(bf16* xs, const bf16* x, int x_ld, int k0, int k, int nrows = BATCH) {
     const int ld = xs_ld(k), chunks = k / 8;
-    for (int i = threadIdx.x; i < 8 * chunks; i += NUM_THREADS) {
-        const int n = i / chunks, c = i - n * chunks;
-        if (n < nrows) cp_async16(xs + n * ld + c * 8, x + (size_t)n * x_ld + k0 + c * 8);
-        else *reinterpret_cast<uint4*>(xs + n * ld + c * 8) = zero4();
+    for (ChunkWalk i(chunks); i.n < 8; i.next()) {
+        if (i.n < nrows) cp_async16(xs + i.n * ld + i.c * 8, x + (size_t)i.n * x_ld + k0 + i.c * 8);
+        else *reinterpret_cast<uint4*>(xs + i.n * ld + i.c * 8) = zero4();
     }
 }
 
