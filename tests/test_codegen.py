@@ -28,6 +28,7 @@ from mkc.codegen.sass import (
     disassemble,
     find_cuobjdump,
     function_name,
+    instruction_lines,
     instruction_owners,
     instructions_by_op,
     local_memory_ops,
@@ -374,8 +375,24 @@ def test_stalls_by_op_attributes_ncu_samples_to_ops(tiny, tmp_path, monkeypatch,
     n_linear = owners.count("LINEAR")
     assert f"{2 * len(owners)} samples" in out
     assert re.search(rf"^LINEAR\s+{2 * n_linear}\s+\S+\s+2\s+{100 / n_linear:.1f}%", out, re.MULTILINE), out
+    # --op: the same op's samples by source line; every LINEAR instruction sits on one line's row
+    chains = instruction_lines(cubin)
+    assert len(chains) == len(owners) and all(chains[i] for i in range(len(owners)) if owners[i] == "LINEAR")
+    stalled = " < ".join(chains[first_linear][:1])
+    same_line = sum(1 for o, c in zip(owners, chains) if o == "LINEAR" and c[:1] == chains[first_linear][:1])
+    monkeypatch.setattr(sys, "argv", ["stalls_by_op.py", str(tmp_path / "k"), str(page), "--op", "LINEAR",
+                                      "--depth", "1", "--top", "100000"])
+    mod.main()
+    out = capsys.readouterr().out.split("LINEAR by source line")[1]
+    rows = re.findall(r"^\s+(\d+)\s+(\d+)\s+\S+\s+(\d+)\s+(\S+)$", out, re.MULTILINE)
+    assert sum(int(r[1]) for r in rows) == 2 * n_linear and sum(int(r[0]) for r in rows) == n_linear, out
+    assert (str(same_line), str(2 * same_line), "2", stalled) in rows, out
+    monkeypatch.setattr(sys, "argv", ["stalls_by_op.py", str(tmp_path / "k"), str(page), "--op", "NO_SUCH_OP"])
+    with pytest.raises(SystemExit, match="no op 'NO_SUCH_OP' in this kernel"):
+        mod.main()
     with page.open("a", newline="") as f:
         csv.writer(f).writerow(["0xffff", "NOP", 1, 0])
+    monkeypatch.setattr(sys, "argv", ["stalls_by_op.py", str(tmp_path / "k"), str(page)])
     with pytest.raises(SystemExit, match="expected the samples of this very kernel"):
         mod.main()
 

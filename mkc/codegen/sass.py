@@ -128,6 +128,38 @@ def instruction_owners(cubin: bytes, source: str, tool: str | None = None) -> li
     return owners
 
 
+def instruction_lines(cubin: bytes, tool: str | None = None) -> list[tuple[str, ...]]:
+    """Where each of the cubin's SASS instructions comes from, in nvdisasm's order (as
+    ``instruction_owners``): its source line and the lines it was inlined at, innermost first, each
+    as ``file:line`` with the file's base name (``("gemv.cuh:162", "ops.cuh:88", ...)``); empty for
+    an instruction without line information. The cubin must be built with -lineinfo (the kernel is).
+    Raises FileNotFoundError without nvdisasm."""
+    tool = tool or find_binary_utility("nvdisasm")
+    if tool is None:
+        raise FileNotFoundError("nvdisasm not found: install nvidia-cuda-nvdisasm or set CUDA_HOME")
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "kernel.cubin"
+        path.write_bytes(cubin)
+        out = subprocess.run([tool, "-gi", str(path)], capture_output=True, text=True, check=True).stdout
+    lines: list[tuple[str, ...]] = []
+    chain: list[str] = []
+    fresh = True  # the next line-info comment starts a new chain (an instruction came since)
+    for line in out.splitlines():
+        if _FUNCTION.match(line):
+            chain, fresh = [], True
+            continue
+        m = _LINE_INFO.search(line)
+        if m:
+            if fresh:
+                chain, fresh = [], False
+            chain.append(f"{Path(m.group(1)).name}:{m.group(2)}")
+            continue
+        if _INSTRUCTION.match(line) and ".byte" not in line:
+            lines.append(tuple(chain))
+            fresh = True
+    return lines
+
+
 def instructions_by_op(cubin: bytes, source: str, tool: str | None = None) -> dict[str, int]:
     """The kernel's SASS instructions by the op they belong to (``instruction_owners``): opcode
     name → count, in descending order, the rest under ``KERNEL_LOOP`` (the task loop, the waits,
