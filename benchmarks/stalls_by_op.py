@@ -80,7 +80,7 @@ def main() -> None:
 
 def by_line(a: argparse.Namespace, owners: list[str], rows: list[list[str]], col: dict[str, int]) -> None:
     """Op a.op's samples by the source lines of its instructions (their inline chains cut to
-    a.depth), largest first, with each reason's share of them."""
+    a.depth), largest first, with how many of them had each reason."""
     chains = instruction_lines((a.kernel_dir / "kernel.cubin").read_bytes())
     total: Counter[tuple[str, ...]] = Counter()
     count: Counter[tuple[str, ...]] = Counter()

@@ -85,6 +85,18 @@ def function_name(symbol: str) -> str:
     return symbol[m.end():m.end() + int(m.group(1))]
 
 
+def _line_table(cubin: bytes, tool: str | None) -> str:
+    """nvdisasm -gi of the cubin: its SASS with the line table's file and line comments (raises
+    FileNotFoundError without nvdisasm)."""
+    tool = tool or find_binary_utility("nvdisasm")
+    if tool is None:
+        raise FileNotFoundError("nvdisasm not found: install nvidia-cuda-nvdisasm or set CUDA_HOME")
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "kernel.cubin"
+        path.write_bytes(cubin)
+        return subprocess.run([tool, "-gi", str(path)], capture_output=True, text=True, check=True).stdout
+
+
 def instruction_owners(cubin: bytes, source: str, tool: str | None = None) -> list[str]:
     """The op each of the cubin's SASS instructions belongs to, in nvdisasm's order (the kernel,
     then each out-of-line function: the order of their addresses in the module, which is how
@@ -95,14 +107,8 @@ def instruction_owners(cubin: bytes, source: str, tool: str | None = None) -> li
     e.g. the routing: ops.cuh route_tokens) goes under its own name; the kernel loop's wait
     (``wait_all``) and the compiler's own routines under ``KERNEL_LOOP``. Raises
     FileNotFoundError without nvdisasm."""
-    tool = tool or find_binary_utility("nvdisasm")
-    if tool is None:
-        raise FileNotFoundError("nvdisasm not found: install nvidia-cuda-nvdisasm or set CUDA_HOME")
     cases = {i + 1: m.group(1) for i, line in enumerate(source.splitlines()) for m in [_CASE.match(line)] if m}
-    with tempfile.TemporaryDirectory() as d:
-        path = Path(d) / "kernel.cubin"
-        path.write_bytes(cubin)
-        out = subprocess.run([tool, "-gi", str(path)], capture_output=True, text=True, check=True).stdout
+    out = _line_table(cubin, tool)
     owners: list[str] = []
     owner = KERNEL_LOOP
     function = None  # the out-of-line function being read, None inside the kernel itself
@@ -134,13 +140,7 @@ def instruction_lines(cubin: bytes, tool: str | None = None) -> list[tuple[str, 
     as ``file:line`` with the file's base name (``("gemv.cuh:162", "ops.cuh:88", ...)``); empty for
     an instruction without line information. The cubin must be built with -lineinfo (the kernel is).
     Raises FileNotFoundError without nvdisasm."""
-    tool = tool or find_binary_utility("nvdisasm")
-    if tool is None:
-        raise FileNotFoundError("nvdisasm not found: install nvidia-cuda-nvdisasm or set CUDA_HOME")
-    with tempfile.TemporaryDirectory() as d:
-        path = Path(d) / "kernel.cubin"
-        path.write_bytes(cubin)
-        out = subprocess.run([tool, "-gi", str(path)], capture_output=True, text=True, check=True).stdout
+    out = _line_table(cubin, tool)
     lines: list[tuple[str, ...]] = []
     chain: list[str] = []
     fresh = True  # the next line-info comment starts a new chain (an instruction came since)
