@@ -43,7 +43,8 @@ from mkc.schedule.schedule import Schedule
 TORCH_DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32}
 ABORT_WORDS = 8  # flag, task id, counter, counter value, value needed, SM, -, -
 # a profiled step's %globaltimer words per record, in the kernel's order (kernel.cu.j2: PROF_WORDS):
-# the first 3, or every one with CodegenOptions.profile_phases
+# the first 3, or every one with CodegenOptions.profile_phases; a LINEAR tile that waits inside its op
+# writes its staging's marks into "opened", "routing" and "logits" (profile.LINEAR_STAGING_PHASES)
 TIMELINE_COLUMNS = ("wait", "start", "end", "staged", "done", "routed", "opened", "routing", "logits", "ranked")
 
 

@@ -186,15 +186,22 @@ __device__ __noinline__ void zero_rows(float* out, int ld, int rows) {
 // WEIGHTS_BEFORE_WAIT: the end of staging for a tile that issued its first weight loads before
 // waiting for its inputs: the wait (every thread), then the activations' copies, then StageFinish.
 // The wait comes first: warp 0 may still have the next task's record in flight (the kernel loop),
-// which its counter loads need not wait for.
+// which its counter loads need not wait for. A profiled step of the phase-marking kernel
+// (PROFILE_PHASES) marks the staging's parts in the routing's slots, which a LINEAR tile does not
+// use (profile.staging_phases): every warp through the wait's barrier, thread 0's copies issued,
+// thread 0's copies landed; the RMSNorm and the barrier follow (StageFinish::landed).
 template <class O>
 struct WaitStageFinish : StageFinish<O> {
     __device__ void operator()() const {
         const StageFinish<O>& s = *this;
         task_wait(s.t.w);
+        prof_mark(PROF_OPENED);
         stage_input_async<O>(s.t, s.smem, s.k0, s.k);
         stage_residual_async<O>(s.t, s.smem);
-        s();
+        prof_mark(PROF_ROUTING);
+        cp_async_wait_all();
+        prof_mark(PROF_LOGITS);
+        s.landed();
     }
     __device__ void landed() const { (*this)(); }
 };

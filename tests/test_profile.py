@@ -25,6 +25,7 @@ from mkc.schedule.profile import (
     format_phases,
     format_profile,
     format_staging_after,
+    format_staging_phases,
     handoffs,
     last_tasks,
     layer_kind,
@@ -38,6 +39,7 @@ from mkc.schedule.profile import (
     stage,
     stage_ends,
     staging_after,
+    staging_phases,
 )
 from mkc.schedule.scheduler import schedule
 
@@ -388,6 +390,42 @@ def test_staging_after_groups_by_the_task_before_on_the_sm(sc_tl):
     assert counts == sorted(counts, reverse=True)
     text = format_staging_after(sc, made, rows=2)
     assert text.count("\n") == 3 and format_staging_after(sc, made) in format_phases(sc, made)
+
+
+def test_staging_phases_split_a_linear_tiles_staging(sc_tl):
+    """staging_phases on a timeline made to order: every LINEAR tile's marks (written by the kernel
+    into the routing's columns) put its barrier, copies' issue, landing and the rest at 0.25, 0.5,
+    1 and 0.125 µs times the stage's rank; other ops carry no such marks, and a LINEAR tile that
+    lacks one (as a tile that waited in the kernel loop does) counts nowhere. The means come back
+    per stage, every marked tile counted once, the stages with the most tiles first; format_phases
+    prints the table where the timeline has the marks."""
+    sc, tl = sc_tl
+    start = tl["start"]
+    linear = [t for t in sc.tasks if t.op.name == "LINEAR"]
+    names = sorted({stage(t) for t in linear})
+    assert len(names) >= 2  # qkv, router, o_proj at least
+    k = np.array([names.index(stage(t)) + 1.0 if t.op.name == "LINEAR" else np.nan for t in sc.tasks])
+    opened, routing = start + 0.25 * k, start + 0.75 * k
+    logits, staged = routing + 1.0 * k, routing + 1.125 * k
+    unmarked = linear[0].id  # a LINEAR tile without the marks
+    opened[unmarked] = np.nan
+    made = {**tl, "opened": opened, "routing": routing, "logits": logits, "staged": staged,
+            "done": np.where(np.isnan(staged), start, staged) + 1.0, "ranked": np.full(len(start), np.nan)}
+    report = staging_phases(sc, made)
+    assert set(report) == set(names)
+    assert sum(v["tasks"] for v in report.values()) == len(linear) - 1
+    for name, v in report.items():
+        r = names.index(name) + 1.0
+        assert (v["barrier"], v["issue"], v["landing"], v["rest"]) == pytest.approx((0.25 * r, 0.5 * r, r, 0.125 * r))
+        assert v["tasks"] == sum(1 for t in linear if stage(t) == name and t.id != unmarked)
+    counts = [v["tasks"] for v in report.values()]
+    assert counts == sorted(counts, reverse=True)
+    chain = critical_chain(sc, made["start"], made["end"]).tasks
+    assert sum(v["tasks"] for v in staging_phases(sc, made, chain).values()) == sum(
+        1 for i in chain if sc.tasks[i].op.name == "LINEAR" and i != unmarked)
+    text = format_staging_phases(sc, made)
+    assert text in format_phases(sc, made) and all(f"  {n:<14}" in text for n in names)
+    assert "LINEAR tile's staging" not in format_phases(sc, {k: v for k, v in made.items() if k != "opened"})
 
 
 def test_handoffs_split_each_take_over_into_dispatch_and_poll(sc_tl):

@@ -292,9 +292,53 @@ def format_phases(sc: Schedule, timeline: Mapping[str, np.ndarray]) -> str:
     lines = [title, head, *table(phases(sc, timeline, by_stage=True)),
              "the critical chain's tasks:", head, *table(phases(sc, timeline, chain, by_stage=True))]
     lines.append(format_staging_after(sc, timeline))
+    if "opened" in timeline:
+        lines.append(format_staging_phases(sc, timeline))
     if "ranked" in timeline:
         lines.append(format_routing_phases(sc, timeline))
     return "\n".join(lines)
+
+
+# A LINEAR tile's staging parts (a timeline of CodegenOptions.profile_phases; the kernel writes them
+# into the routing's columns, which a LINEAR tile does not use: ops.cuh WaitStageFinish): (name, from
+# mark, to mark). "barrier": warp 0's poll done → every warp through the wait's barrier; "issue": →
+# thread 0's copies issued; "landing": → thread 0's copies landed; "rest": → inputs staged (the
+# RMSNorm, where the tile has one).
+LINEAR_STAGING_PHASES = (("barrier", "start", "opened"), ("issue", "opened", "routing"),
+                         ("landing", "routing", "logits"), ("rest", "logits", "staged"))
+
+
+def staging_phases(sc: Schedule, timeline: Mapping[str, np.ndarray], ids=None) -> dict[str, dict[str, float]]:
+    """Per stage of the LINEAR tiles that waited inside their op (every mark of
+    LINEAR_STAGING_PHASES; all such tiles, or those in ``ids``), the mean µs of each part of their
+    staging and ``tasks``, the stages with the most tasks first. Empty where the timeline has none."""
+    cols = {k: np.asarray(timeline[k], np.float64) for k in ("start", "opened", "routing", "logits", "staged")}
+    marked = ~np.isnan(cols["opened"]) & ~np.isnan(cols["logits"]) & ~np.isnan(cols["staged"])
+    groups: dict[str, list[int]] = {}
+    for i in (range(len(sc.tasks)) if ids is None else ids):
+        if sc.tasks[i].op.name == "LINEAR" and marked[i]:
+            groups.setdefault(stage(sc.tasks[i]), []).append(i)
+    out = {}
+    for name, idx in sorted(groups.items(), key=lambda kv: -len(kv[1])):
+        ix = np.asarray(idx)
+        out[name] = {"tasks": float(len(ix)),
+                     **{p: float(np.mean(cols[b][ix] - cols[a][ix])) for p, a, b in LINEAR_STAGING_PHASES}}
+    return out
+
+
+def format_staging_phases(sc: Schedule, timeline: Mapping[str, np.ndarray]) -> str:
+    """staging_phases as a table, every marked tile's and the critical chain's."""
+    names = [n for n, _, _ in LINEAR_STAGING_PHASES]
+    head = f"  {'stage':<14} {'tasks':>6} " + " ".join(f"{n:>8}" for n in names) + "  (mean µs)"
+
+    def table(ph: dict[str, dict[str, float]]) -> list[str]:
+        return [f"  {name:<14} {int(v['tasks']):>6} " + " ".join(f"{v[n]:>8.2f}" for n in names)
+                for name, v in ph.items()]
+
+    chain = critical_chain(sc, timeline["start"], timeline["end"]).tasks
+    return "\n".join([("a LINEAR tile's staging (inputs ready → every warp through the wait's barrier → thread 0's "
+                       "copies issued → landed → inputs staged):"), head, *table(staging_phases(sc, timeline)),
+                      "the critical chain's:", head, *table(staging_phases(sc, timeline, chain))])
 
 
 # The routing's phases (a timeline of CodegenOptions.profile_phases): (name, from mark, to mark);
