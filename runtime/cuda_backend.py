@@ -317,7 +317,9 @@ class CudaDecoder:
         routing derived by the task (NaN where there is none): ``opened`` (an expert gate/up
         tile's op entered), ``routing`` (the derivation began), ``logits`` (the tagged logits read,
         all of this step; NaN on the counter path) and ``ranked`` (the TOP_K rounds, or the ranks,
-        done)."""
+        done). A LINEAR tile that waits inside its op has no routing and puts its staging's parts in
+        ``opened`` (every warp through its wait's barrier), ``routing`` (its copies issued) and
+        ``logits`` (its copies landed) instead (profile.staging_phases)."""
         if self._prof is None:
             raise RuntimeError("timeline(): no profiled step yet (launch(..., profile=True))")
         torch.cuda.current_stream(self.device).synchronize()
