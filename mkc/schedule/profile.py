@@ -293,7 +293,7 @@ def format_phases(sc: Schedule, timeline: Mapping[str, np.ndarray]) -> str:
              "the critical chain's tasks:", head, *table(phases(sc, timeline, chain, by_stage=True))]
     lines.append(format_staging_after(sc, timeline))
     if "opened" in timeline:
-        lines.append(format_staging_phases(sc, timeline))
+        lines.append(format_staging_phases(sc, timeline, chain))
     if "ranked" in timeline:
         lines.append(format_routing_phases(sc, timeline))
     return "\n".join(lines)
@@ -326,8 +326,9 @@ def staging_phases(sc: Schedule, timeline: Mapping[str, np.ndarray], ids=None) -
     return out
 
 
-def format_staging_phases(sc: Schedule, timeline: Mapping[str, np.ndarray]) -> str:
-    """staging_phases as a table, every marked tile's and the critical chain's."""
+def format_staging_phases(sc: Schedule, timeline: Mapping[str, np.ndarray], chain=None) -> str:
+    """staging_phases as a table, every marked tile's and the critical chain's (``chain``: its task
+    ids where the caller has them, else found here)."""
     names = [n for n, _, _ in LINEAR_STAGING_PHASES]
     head = f"  {'stage':<14} {'tasks':>6} " + " ".join(f"{n:>8}" for n in names) + "  (mean µs)"
 
@@ -335,7 +336,8 @@ def format_staging_phases(sc: Schedule, timeline: Mapping[str, np.ndarray]) -> s
         return [f"  {name:<14} {int(v['tasks']):>6} " + " ".join(f"{v[n]:>8.2f}" for n in names)
                 for name, v in ph.items()]
 
-    chain = critical_chain(sc, timeline["start"], timeline["end"]).tasks
+    if chain is None:
+        chain = critical_chain(sc, timeline["start"], timeline["end"]).tasks
     return "\n".join([("a LINEAR tile's staging (inputs ready → every warp through the wait's barrier → thread 0's "
                        "copies issued → landed → inputs staged):"), head, *table(staging_phases(sc, timeline)),
                       "the critical chain's:", head, *table(staging_phases(sc, timeline, chain))])
