@@ -64,9 +64,10 @@ __device__ __forceinline__ void group_rows(const bf16* const (&w)[NACC], int w_l
 
 // Row n and 16-byte chunk c of flat index i = n * chunks + c, first for i = threadIdx.x, then
 // advanced by NUM_THREADS by subtractions, not a division per step (chunks >= 8: at most
-// NUM_THREADS / 8 of them; one where a row holds NUM_THREADS chunks or more). A division per step
-// (the loops until 2026-12-06) took 2,900-3,000 more SASS instructions at batch 1-8, inlined into
-// every GEMV op, and measured 0.5-1.1% slower at batch 2-8, a tie at batch 1 (an H100, BENCHMARKS.md).
+// NUM_THREADS / 8 of them; one where a row holds NUM_THREADS chunks or more): stage_x's walk. A
+// division per step (stage_x and stage_x_async until 2026-12-06) took 2,900-3,000 more SASS
+// instructions at batch 1-8, inlined into every GEMV op, and measured 0.5-1.1% slower at batch 2-8,
+// a tie at batch 1 (an H100, BENCHMARKS.md).
 struct ChunkWalk {
     int n, c;
     const int chunks;
@@ -173,11 +174,24 @@ __device__ __forceinline__ void stage_norm_finish(bf16* xs, int k0, int k, int n
 
 // stage_x with cp.async (16-byte copies straight into the tile; rows >= nrows zeroed by stores):
 // completes at the issuing thread's cp.async wait, published by a barrier (CopyFinish in ops.cuh).
+// One warp per token row, its lanes over the row's pieces: a row's copies or zero stores are one
+// plain loop with no index arithmetic per piece. The flat walk over (row, piece) of every thread
+// (ChunkWalk, until 2026-12-06) kept an O-projection tile's thread 0 issuing for 1.6 µs at batch 1
+// (a phase profile: 0.9 µs this way; 0.73 → 0.42 µs at batch 4) and measured a tie to 1.1% slower
+// at batch 1-8 (an H100, BENCHMARKS.md).
 __device__ __forceinline__ void stage_x_async(bf16* xs, const bf16* x, int x_ld, int k0, int k, int nrows = BATCH) {
-    const int ld = xs_ld(k), chunks = k / 8;
-    for (ChunkWalk i(chunks); i.n < 8; i.next()) {
-        if (i.n < nrows) cp_async16(xs + i.n * ld + i.c * 8, x + (size_t)i.n * x_ld + k0 + i.c * 8);
-        else *reinterpret_cast<uint4*>(xs + i.n * ld + i.c * 8) = zero4();
+    const int ld = xs_ld(k), chunks = k / 8, lane = threadIdx.x % 32;
+#pragma unroll 1
+    for (int n = threadIdx.x / 32; n < 8; n += NUM_WARPS) {
+        bf16* row = xs + n * ld;
+        if (n < nrows) {
+            const bf16* src = x + (size_t)n * x_ld + k0;
+#pragma unroll 4
+            for (int c = lane; c < chunks; c += 32) cp_async16(row + c * 8, src + c * 8);
+        } else {
+#pragma unroll 4
+            for (int c = lane; c < chunks; c += 32) *reinterpret_cast<uint4*>(row + c * 8) = zero4();
+        }
     }
 }
 
