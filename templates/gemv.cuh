@@ -62,32 +62,17 @@ __device__ __forceinline__ void group_rows(const bf16* const (&w)[NACC], int w_l
     }
 }
 
-// Row n and 16-byte chunk c of flat index i = n * chunks + c, first for i = threadIdx.x, then
-// advanced by NUM_THREADS by subtractions, not a division per step (chunks >= 8: at most
-// NUM_THREADS / 8 of them; one where a row holds NUM_THREADS chunks or more): stage_x's walk. A
-// division per step (stage_x and stage_x_async until 2026-12-06) took 2,900-3,000 more SASS
-// instructions at batch 1-8, inlined into every GEMV op, and measured 0.5-1.1% slower at batch 2-8,
-// a tie at batch 1 (an H100, BENCHMARKS.md).
-struct ChunkWalk {
-    int n, c;
-    const int chunks;
-    __device__ __forceinline__ explicit ChunkWalk(int chunks_) : chunks(chunks_) {
-        n = threadIdx.x / chunks;
-        c = threadIdx.x - n * chunks;
-    }
-    __device__ __forceinline__ void next() {
-        c += NUM_THREADS;
-        while (c >= chunks) c -= chunks, ++n;
-    }
-};
-
 // Stage x[:, k0:k0+k] (bf16 [nrows, x_ld]) into shared memory as the 8 columns of the B operand
-// (columns >= nrows zero): the tokens of a GEMV, or the query heads of an attention tile.
+// (columns >= nrows zero): the tokens of a GEMV, or the query heads of an attention tile. One warp
+// per row, its lanes over the row's 16-byte pieces, as stage_x_async below.
 __device__ __forceinline__ void stage_x(bf16* xs, const bf16* x, int x_ld, int k0, int k, int nrows = BATCH) {
-    const int ld = xs_ld(k), chunks = k / 8;
-    for (ChunkWalk i(chunks); i.n < 8; i.next()) {
-        const uint4 v = i.n < nrows ? ld_act16(x + (size_t)i.n * x_ld + k0 + i.c * 8) : zero4();
-        *reinterpret_cast<uint4*>(xs + i.n * ld + i.c * 8) = v;
+    const int ld = xs_ld(k), chunks = k / 8, lane = threadIdx.x % 32;
+#pragma unroll 1
+    for (int n = threadIdx.x / 32; n < 8; n += NUM_WARPS) {
+        bf16* row = xs + n * ld;
+        const bf16* src = x + (size_t)n * x_ld + k0;
+        for (int c = lane; c < chunks; c += 32)
+            *reinterpret_cast<uint4*>(row + c * 8) = n < nrows ? ld_act16(src + c * 8) : zero4();
     }
 }
 
@@ -178,7 +163,8 @@ __device__ __forceinline__ void stage_norm_finish(bf16* xs, int k0, int k, int n
 // plain loop with no index arithmetic per piece. The flat walk over (row, piece) of every thread
 // (ChunkWalk, until 2026-12-06) kept an O-projection tile's thread 0 issuing for 1.6 µs at batch 1
 // (a phase profile: 0.9 µs this way; 0.73 → 0.42 µs at batch 4) and measured a tie to 1.1% slower
-// at batch 1-8 (an H100, BENCHMARKS.md).
+// at batch 1-8 (an H100, BENCHMARKS.md). A division per step of that walk, before it, took
+// 2,900-3,000 more SASS instructions at batch 1-8 and measured 0.5-1.1% slower at batch 2-8.
 __device__ __forceinline__ void stage_x_async(bf16* xs, const bf16* x, int x_ld, int k0, int k, int nrows = BATCH) {
     const int ld = xs_ld(k), chunks = k / 8, lane = threadIdx.x % 32;
 #pragma unroll 1

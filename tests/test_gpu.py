@@ -556,6 +556,21 @@ def test_nmc_attention_cta_chunks_match_mirror(nmc_weights, num_sms, batch, cont
     check_rerun_and_mirror(dec, spec, weights, batch, context, f"NMC CTA chunks b{batch} ctx {context}")
 
 
+@pytest.mark.parametrize("batch, context", [(1, 300), (2, 4097), (8, 8192)])
+def test_nmc_query_rotated_by_rope_task_matches_mirror(nmc_weights, num_sms, batch, context):
+    """The lowering rope_in_splits=False: the ROPE_APPEND tasks rotate the query and append the key
+    and value, and each warp split stages the rotated query heads as they are (gemv.cuh stage_x)
+    instead of rotating its own. 300 puts the step's key past the first blocks; 4097 is past the
+    sliding window. The same checks as the default kernel, and reruns bitwise the same."""
+    from mkc.ir.ops import Opcode
+
+    spec, weights = nmc_weights
+    dec = nmc_decoder(spec, weights, batch, context, num_sms, rope_in_splits=False)
+    splits = [t for t in dec.schedule.tasks if t.op == Opcode.ATTN_SPLIT]
+    assert splits and all(t.operand("q") != "-" for t in splits), "the splits should read a rotated query"
+    check_rerun_and_mirror(dec, spec, weights, batch, context, f"NMC rope task b{batch} ctx {context}")
+
+
 @pytest.mark.parametrize("batch, context", [(1, 8192), (1, 100), (2, 4097), (4, 8192), (8, 8192), (8, 1)])
 def test_nmc_residual_in_o_proj_matches_mirror(nmc_weights, num_sms, batch, context):
     """LowerOptions.residual_in_o_proj: the O-projection tiles add the residual stream, the dense
