@@ -305,6 +305,7 @@ def test_tiny_profile_phases_are_ordered(tiny, num_sms, batch):
     dec.check()
     assert torch.equal(dec.buffers["logits"], lg) and torch.equal(dec.buffers["next_token"].long(), tok)
     tl = dec.timeline()
+    staging_marked = 0  # LINEAR tiles with their staging's parts marked
     for t in sc.tasks:
         i = t.id
         w, s, st, d, e = (float(tl[k][i]) for k in ("wait", "start", "staged", "done", "end"))
@@ -325,6 +326,17 @@ def test_tiny_profile_phases_are_ordered(tiny, num_sms, batch):
         # routing rather than finding it known) its beginning, the tagged logits read (tagged only:
         # on up to batch 4) and the TOP_K rounds, all before the routing is available
         o, rb, lo, rk = (float(tl[k][i]) for k in ("opened", "routing", "logits", "ranked"))
+        if t.op.name == "LINEAR":
+            # a LINEAR tile that waits inside its op marks its staging's parts in those slots
+            # (ops.cuh WaitStageFinish; profile.staging_phases): every warp through the wait's
+            # barrier, thread 0's copies issued, landed; then the inputs staged
+            if not math.isnan(o):
+                staging_marked += 1
+                assert s <= o <= rb <= lo <= st, (t.name, s, o, rb, lo, st)
+            else:
+                assert math.isnan(rb) and math.isnan(lo), (t.name, rb, lo)
+            assert math.isnan(rk), (t.name, rk)
+            continue
         if t.op.name in ("EXPERT_SWIGLU", "EXPERT_MLP"):
             assert s <= o <= r, (t.name, s, o, r)
         else:
@@ -336,6 +348,8 @@ def test_tiny_profile_phases_are_ordered(tiny, num_sms, batch):
         marks = [m for m in (o, rb, lo, rk, r) if not math.isnan(m)]
         assert marks == sorted(marks) and not math.isnan(rb), (t.name, o, rb, lo, rk, r)
         assert math.isnan(lo) == (not dec.artifact.config.tagged_logits or t.op.name != "EXPERT_SWIGLU"), (t.name, lo)
+    # every LINEAR tile waits inside its op with the default weights_before_wait
+    assert staging_marked == sum(t.op.name == "LINEAR" for t in sc.tasks) > 0, staging_marked
 
 
 def ancestors(sc, tid: int) -> set[int]:
