@@ -163,8 +163,8 @@ __device__ __forceinline__ void stage_norm_finish(bf16* xs, int k0, int k, int n
 // plain loop with no index arithmetic per piece. The flat walk over (row, piece) of every thread
 // (ChunkWalk, until 2026-12-06) kept an O-projection tile's thread 0 issuing for 1.6 µs at batch 1
 // (a phase profile: 0.9 µs this way; 0.73 → 0.42 µs at batch 4) and measured a tie to 1.1% slower
-// at batch 1-8 (an H100, BENCHMARKS.md). A division per step of that walk, before it, took
-// 2,900-3,000 more SASS instructions at batch 1-8 and measured 0.5-1.1% slower at batch 2-8.
+// at batch 1-8 (an H100, BENCHMARKS.md). Before that, the walk divided per step: 2,900-3,000 more
+// SASS instructions at batch 1-8, 0.5-1.1% slower at batch 2-8.
 __device__ __forceinline__ void stage_x_async(bf16* xs, const bf16* x, int x_ld, int k0, int k, int nrows = BATCH) {
     const int ld = xs_ld(k), chunks = k / 8, lane = threadIdx.x % 32;
 #pragma unroll 1
