@@ -31,6 +31,7 @@ from mkc.runtime.bench import (
     decoder_in_place,
     device_random_weights,
     fill_bench_kv,
+    format_rounds,
     in_turn,
     measure_read_bandwidth,
     time_step,
@@ -143,6 +144,7 @@ def main() -> None:
         tokens = bench_tokens(spec, batch)  # mkc bench's tokens and KV cache
         positions = torch.full((batch,), a.context - 1, dtype=torch.int32)
         ref = None
+        times_us: dict[str, list[float]] = {name: [] for name in a.variants}
         for name in in_turn(a.variants, a.rounds):
             with decoder_in_place(sc, spec, weights, options=VARIANTS[name]) as dec:
                 fill_bench_kv(dec, spec)
@@ -158,6 +160,8 @@ def main() -> None:
                 print(f"batch {batch} {name:<26} {t * 1e6:9.1f} µs  {batch / t:7.1f} tok/s  {sol:6.1%} SOL  "
                       f"(min {min(times) * 1e6:.1f}, max {max(times) * 1e6:.1f})  logits {same}  "
                       f"[{dec.artifact.name}, {dec.artifact.regs} regs]", flush=True)
+                times_us[name].append(t * 1e6)
+        print(format_rounds(batch, times_us), flush=True)
 
 
 if __name__ == "__main__":

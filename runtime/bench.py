@@ -281,6 +281,24 @@ def in_turn(options: Sequence[T], rounds: int) -> list[T]:
     return [o for r in range(rounds) for o in (options if r % 2 == 0 else options[::-1])]
 
 
+def format_rounds(batch: int, times_us: dict[str, list[float]]) -> str:
+    """One batch's variants timed in turn (in_turn), side by side: per variant the step time of
+    each of its rounds (µs, in the order they ran), their mean and the mean's change against the
+    first variant's, so that a comparison is read off one table rather than worked out from the
+    log's lines."""
+    if not times_us:
+        return f"batch {batch}: no variant timed"
+    base_name, base = next(iter(times_us.items()))
+    base_mean = statistics.fmean(base)
+    width = max(len(n) for n in times_us)
+    lines = [f"batch {batch} side by side (µs per round, in the order run; the mean's change against {base_name}):"]
+    for name, ts in times_us.items():
+        mean = statistics.fmean(ts)
+        change = "" if name == base_name else f"  {100 * (mean / base_mean - 1):+.1f}%"
+        lines.append(f"  {name:<{width}}  {' / '.join(f'{t:.1f}' for t in ts)}  mean {mean:.1f}{change}")
+    return "\n".join(lines)
+
+
 def bench_tokens(spec: ModelSpec, batch: int) -> torch.Tensor:
     """The [batch] token ids every benchmark step of a batch size decodes (seeded by the batch)."""
     return torch.randint(0, spec.vocab_size, (batch,), dtype=torch.int32,

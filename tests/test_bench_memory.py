@@ -12,7 +12,17 @@ import torch
 
 from mkc.ir.lower import lower
 from mkc.runtime import bench
-from mkc.runtime.bench import MEMORY_MARGIN, Row, Skip, format_table, memory_estimate, memory_skip, write_json
+from mkc.runtime.bench import (
+    MEMORY_MARGIN,
+    Row,
+    Skip,
+    format_rounds,
+    format_table,
+    in_turn,
+    memory_estimate,
+    memory_skip,
+    write_json,
+)
 
 GB = 1e9
 H200 = 141 * GB  # the weights and everything else share it
@@ -193,3 +203,20 @@ def test_decoder_in_place_holds_the_weights_once(tiny, monkeypatch):
     assert seen == {"same storage": True, "tiled": True, "listed": True, "decoder": seen["decoder"]}
     assert seen["decoder"].closed
     assert all(torch.equal(weights[n], row_major[n]) for n in weights), "weights not row-major after the block"
+
+
+def test_rounds_side_by_side_give_each_mean_against_the_first():
+    """kernel_variants.py's summary: each variant's rounds in the order run, their mean, and the
+    mean's change against the first variant (the 2026-12-06 09:23 UTC batch-1 run, BENCHMARKS.md)."""
+    out = format_rounds(1, {"default": [2850.9, 2848.1, 2838.4, 2846.8],
+                            "logits-ahead": [2883.4, 2875.2, 2874.9, 2886.4]})
+    lines = out.splitlines()
+    assert lines[0].startswith("batch 1 side by side") and "against default" in lines[0]
+    assert lines[1].split() == ["default", "2850.9", "/", "2848.1", "/", "2838.4", "/", "2846.8", "mean", "2846.1"]
+    assert lines[2].split()[-3:] == ["mean", "2880.0", "+1.2%"]
+    assert format_rounds(4, {}) == "batch 4: no variant timed"
+
+
+def test_rounds_alternate_their_order():
+    """in_turn: A B, then B A, so a place in the round weighs on every variant alike."""
+    assert in_turn(["a", "b", "c"], 3) == ["a", "b", "c", "c", "b", "a", "a", "b", "c"]
