@@ -286,6 +286,7 @@ def format_rounds(batch: int, times_us: dict[str, list[float]]) -> str:
     each of its rounds (µs, in the order they ran), their mean and the mean's change against the
     first variant's, so that a comparison is read off one table rather than worked out from the
     log's lines."""
+    times_us = {name: ts for name, ts in times_us.items() if ts}
     if not times_us:
         return f"batch {batch}: no variant timed"
     base_name, base = next(iter(times_us.items()))
