@@ -43,30 +43,45 @@ from mkc.schedule.schedule import Schedule
 TORCH_DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32}
 ABORT_WORDS = 8  # flag, task id, counter, counter value, value needed, SM, -, -
 # a profiled step's %globaltimer words per record, in the kernel's order (kernel.cu.j2: PROF_WORDS):
-# the first 3, or every one with CodegenOptions.profile_phases; a LINEAR tile that waits inside its op
-# writes its staging's marks into "opened", "routing" and "logits" (profile.LINEAR_STAGING_PHASES)
-TIMELINE_COLUMNS = ("wait", "start", "end", "staged", "done", "routed", "opened", "routing", "logits", "ranked")
+# the first 3, or every one with CodegenOptions.profile_phases
+PROFILE_WORDS = ("wait", "start", "end", "staged", "done", "routed", "opened", "routing", "logits", "ranked")
+# A LINEAR tile that waits inside its op derives no routing and writes its staging's marks into the
+# routing's slots (ops.cuh WaitStageFinish); the timeline gives them columns of their own: every warp
+# through the wait's barrier (synced), thread 0's copies issued, landed (profile.LINEAR_STAGING_PHASES)
+STAGING_MARK_OPS = ("LINEAR",)
+STAGING_MARKS = {"opened": "synced", "routing": "issued", "logits": "landed"}
+TIMELINE_COLUMNS = PROFILE_WORDS + tuple(STAGING_MARKS.values())
 
 
-def timeline_from_profile(raw, queues) -> dict[str, np.ndarray]:
+def timeline_from_profile(raw, queues, staging=None) -> dict[str, np.ndarray]:
     """A profiled step's timeline (CudaDecoder.timeline) from the kernel's profile buffer: ``raw``
-    holds one row of %globaltimer words (ns) per record in queue order (kernel.cu.j2: PROF_WORDS,
-    the columns of TIMELINE_COLUMNS; 0 where a mark was not taken), ``queues`` the schedule's task
-    ids per SM. Times are µs from the earliest wait, rows in task-id order; a task starts when its
-    wait ends."""
+    holds one row of %globaltimer words (ns) per record in queue order (PROFILE_WORDS; 0 where a
+    mark was not taken), ``queues`` the schedule's task ids per SM. Times are µs from the earliest
+    wait, rows in task-id order; a task starts when its wait ends. With every word of the
+    phase-marking kernel, ``staging`` (bool per task id: the tasks of STAGING_MARK_OPS) says which
+    tasks' routing slots hold staging marks: those move to the STAGING_MARKS columns (NaN for every
+    other task), leaving the routing's columns NaN for them."""
     raw = np.asarray(raw, dtype=np.float64).copy()
     words = raw.shape[1] if raw.ndim == 2 else 0
-    if words == len(TIMELINE_COLUMNS):
+    if words == len(PROFILE_WORDS):
         for j in (3, 5, 6, 7, 8, 9):  # not a staging op; routes nothing; no such routing phase
             raw[raw[:, j] == 0, j] = np.nan
     order = np.concatenate([np.asarray(q, dtype=np.int64) for q in queues] or [np.zeros(0, dtype=np.int64)])
     sm = np.concatenate([np.full(len(q), i) for i, q in enumerate(queues)] or [np.zeros(0, dtype=np.int64)])
     t0 = raw[:, 0].min() if len(raw) else 0.0
     out = {"sm": np.empty(len(order), dtype=np.int64)}
-    for j, name in enumerate(TIMELINE_COLUMNS[:words]):
+    for j, name in enumerate(PROFILE_WORDS[:words]):
         out[name] = np.empty(len(order))
         out[name][order] = (raw[:, j] - t0) / 1e3
     out["sm"][order] = sm
+    if words == len(PROFILE_WORDS):
+        marks = np.zeros(len(order), dtype=bool) if staging is None else np.asarray(staging, dtype=bool)
+        if marks.shape != (len(order),):
+            raise ValueError(f"timeline_from_profile: staging has {marks.shape} entries, expected one per task "
+                             f"({len(order)})")
+        for slot, name in STAGING_MARKS.items():
+            out[name] = np.where(marks, out[slot], np.nan)
+            out[slot] = np.where(marks, np.nan, out[slot])
     return out
 
 
@@ -305,7 +320,7 @@ class CudaDecoder:
     @property
     def _prof_words(self) -> int:
         """%globaltimer values per record of a profiled step (kernel.cu.j2: PROF_WORDS)."""
-        return len(TIMELINE_COLUMNS) if self.artifact.config.profile_phases else 3
+        return len(PROFILE_WORDS) if self.artifact.config.profile_phases else 3
 
     def timeline(self) -> dict[str, np.ndarray]:
         """Per task of the last profiled step (see launch(profile=True)), in task-id order:
@@ -317,14 +332,15 @@ class CudaDecoder:
         routing derived by the task (NaN where there is none): ``opened`` (an expert gate/up
         tile's op entered), ``routing`` (the derivation began), ``logits`` (the tagged logits read,
         all of this step; NaN on the counter path) and ``ranked`` (the TOP_K rounds, or the ranks,
-        done). A LINEAR tile that waits inside its op has no routing and puts its staging's parts in
-        ``opened`` (every warp through its wait's barrier), ``routing`` (its copies issued) and
-        ``logits`` (its copies landed) instead (profile.staging_phases)."""
+        done). A LINEAR tile that waits inside its op marks its staging's parts instead
+        (profile.staging_phases): ``synced`` (every warp through its wait's barrier), ``issued``
+        (thread 0's copies issued) and ``landed`` (those copies landed); NaN for other tasks."""
         if self._prof is None:
             raise RuntimeError("timeline(): no profiled step yet (launch(..., profile=True))")
         torch.cuda.current_stream(self.device).synchronize()
         raw = self._prof.view(-1, self._prof_words).cpu().numpy()
-        return timeline_from_profile(raw, self.schedule.queues)
+        staging = np.array([t.op.name in STAGING_MARK_OPS for t in self.schedule.tasks], dtype=bool)
+        return timeline_from_profile(raw, self.schedule.queues, staging)
 
     def check(self) -> None:
         """Wait for the launched steps and raise StepTimeout if the watchdog fired."""

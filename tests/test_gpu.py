@@ -284,8 +284,9 @@ def test_tiny_profile_phases_are_ordered(tiny, num_sms, batch):
     waiting <= inputs ready <= (inputs staged: GEMV tiles and warp attention splits) <= op done <=
     signalled; the tasks that route have their routing between their inputs being ready and their
     op's end (an expert-down tile may have it before its wait, when its SM knows the layer's
-    routing), the others none; the routing's own marks in order where a task derived it; and the
-    profiled step computes bitwise what the default kernel does."""
+    routing), the others none; the routing's own marks in order where a task derived it; every
+    LINEAR tile's staging marks in order in their own columns (synced, issued, landed), none for
+    other tasks; and the profiled step computes bitwise what the default kernel does."""
     from mkc.codegen import CodegenOptions
     from mkc.runtime.cuda_backend import CudaDecoder
 
@@ -326,17 +327,19 @@ def test_tiny_profile_phases_are_ordered(tiny, num_sms, batch):
         # routing rather than finding it known) its beginning, the tagged logits read (tagged only:
         # on up to batch 4) and the TOP_K rounds, all before the routing is available
         o, rb, lo, rk = (float(tl[k][i]) for k in ("opened", "routing", "logits", "ranked"))
+        sy, iss, la = (float(tl[k][i]) for k in ("synced", "issued", "landed"))
         if t.op.name == "LINEAR":
-            # a LINEAR tile that waits inside its op marks its staging's parts in those slots
-            # (ops.cuh WaitStageFinish; profile.staging_phases): every warp through the wait's
-            # barrier, thread 0's copies issued, landed; then the inputs staged
-            if not math.isnan(o):
+            # a LINEAR tile that waits inside its op marks its staging's parts (ops.cuh
+            # WaitStageFinish; profile.staging_phases): every warp through the wait's barrier, thread
+            # 0's copies issued, landed; then the inputs staged. It derives no routing.
+            if not math.isnan(sy):
                 staging_marked += 1
-                assert s <= o <= rb <= lo <= st, (t.name, s, o, rb, lo, st)
+                assert s <= sy <= iss <= la <= st, (t.name, s, sy, iss, la, st)
             else:
-                assert math.isnan(rb) and math.isnan(lo), (t.name, rb, lo)
-            assert math.isnan(rk), (t.name, rk)
+                assert math.isnan(iss) and math.isnan(la), (t.name, iss, la)
+            assert all(math.isnan(v) for v in (o, rb, lo, rk)), (t.name, o, rb, lo, rk)
             continue
+        assert all(math.isnan(v) for v in (sy, iss, la)), (t.name, sy, iss, la)
         if t.op.name in ("EXPERT_SWIGLU", "EXPERT_MLP"):
             assert s <= o <= r, (t.name, s, o, r)
         else:

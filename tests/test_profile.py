@@ -393,8 +393,8 @@ def test_staging_after_groups_by_the_task_before_on_the_sm(sc_tl):
 
 
 def test_staging_phases_split_a_linear_tiles_staging(sc_tl):
-    """staging_phases on a timeline made to order: every LINEAR tile's marks (written by the kernel
-    into the routing's columns) put its barrier, copies' issue, landing and the rest at 0.25, 0.5,
+    """staging_phases on a timeline made to order: every LINEAR tile's marks (the kernel's, moved
+    to columns of their own by timeline_from_profile) put its barrier, copies' issue, landing and the rest at 0.25, 0.5,
     1 and 0.125 µs times the stage's rank; other ops carry no such marks, and a LINEAR tile that
     lacks one (as a tile that waited in the kernel loop does) counts nowhere. The means come back
     per stage, every marked tile counted once, the stages with the most tiles first; format_phases
@@ -405,11 +405,11 @@ def test_staging_phases_split_a_linear_tiles_staging(sc_tl):
     names = sorted({stage(t) for t in linear})
     assert len(names) >= 2  # qkv, router, o_proj at least
     k = np.array([names.index(stage(t)) + 1.0 if t.op.name == "LINEAR" else np.nan for t in sc.tasks])
-    opened, routing = start + 0.25 * k, start + 0.75 * k
-    logits, staged = routing + 1.0 * k, routing + 1.125 * k
+    synced, issued = start + 0.25 * k, start + 0.75 * k
+    landed, staged = issued + 1.0 * k, issued + 1.125 * k
     unmarked = linear[0].id  # a LINEAR tile without the marks
-    opened[unmarked] = np.nan
-    made = {**tl, "opened": opened, "routing": routing, "logits": logits, "staged": staged,
+    synced[unmarked] = np.nan
+    made = {**tl, "synced": synced, "issued": issued, "landed": landed, "staged": staged,
             "done": np.where(np.isnan(staged), start, staged) + 1.0, "ranked": np.full(len(start), np.nan)}
     report = staging_phases(sc, made)
     assert set(report) == set(names)
@@ -425,7 +425,7 @@ def test_staging_phases_split_a_linear_tiles_staging(sc_tl):
         1 for i in chain if sc.tasks[i].op.name == "LINEAR" and i != unmarked)
     text = format_staging_phases(sc, made)
     assert text in format_phases(sc, made) and all(f"  {n:<14}" in text for n in names)
-    assert "LINEAR tile's staging" not in format_phases(sc, {k: v for k, v in made.items() if k != "opened"})
+    assert "LINEAR tile's staging" not in format_phases(sc, {k: v for k, v in made.items() if k != "synced"})
 
 
 def test_handoffs_split_each_take_over_into_dispatch_and_poll(sc_tl):
@@ -545,3 +545,14 @@ def test_timeline_from_profile_reads_the_words_in_task_order():
     marks[0, 3] = 1500
     ph = timeline_from_profile(marks, queues)
     assert ph["staged"][2] == 0.5 and np.isnan(ph["staged"][0]) and np.isnan(ph["routed"]).all()
+    # the routing's slots (opened, routing, logits): a LINEAR tile's staging marks there (task 0
+    # here) move to synced / issued / landed, and a routing task's (task 3) stay
+    marks[1, 6:9] = [10100, 10200, 10400]  # task 0's row (queue index 1)
+    marks[2, 6:9] = [13100, 13300, 13600]  # task 3's
+    ph = timeline_from_profile(marks, queues, staging=[True, False, False, False])
+    np.testing.assert_allclose([ph["synced"][0], ph["issued"][0], ph["landed"][0]], [9.1, 9.2, 9.4])
+    np.testing.assert_allclose([ph["opened"][3], ph["routing"][3], ph["logits"][3]], [12.1, 12.3, 12.6])
+    assert np.isnan([ph[k][0] for k in ("opened", "routing", "logits")]).all()
+    assert np.isnan([ph[k][i] for k in ("synced", "issued", "landed") for i in (1, 2, 3)]).all()
+    with pytest.raises(ValueError, match="expected one per task"):
+        timeline_from_profile(marks, queues, staging=[True])

@@ -292,7 +292,7 @@ def format_phases(sc: Schedule, timeline: Mapping[str, np.ndarray]) -> str:
     lines = [title, head, *table(phases(sc, timeline, by_stage=True)),
              "the critical chain's tasks:", head, *table(phases(sc, timeline, chain, by_stage=True))]
     lines.append(format_staging_after(sc, timeline))
-    if "opened" in timeline:
+    if "synced" in timeline:
         lines.append(format_staging_phases(sc, timeline, chain))
     if "ranked" in timeline:
         lines.append(format_routing_phases(sc, timeline))
@@ -300,20 +300,20 @@ def format_phases(sc: Schedule, timeline: Mapping[str, np.ndarray]) -> str:
 
 
 # A LINEAR tile's staging parts (a timeline of CodegenOptions.profile_phases; the kernel writes them
-# into the routing's columns, which a LINEAR tile does not use: ops.cuh WaitStageFinish): (name, from
-# mark, to mark). "barrier": warp 0's poll done → every warp through the wait's barrier; "issue": →
-# thread 0's copies issued; "landing": → thread 0's copies landed; "rest": → inputs staged (the
-# RMSNorm, where the tile has one).
-LINEAR_STAGING_PHASES = (("barrier", "start", "opened"), ("issue", "opened", "routing"),
-                         ("landing", "routing", "logits"), ("rest", "logits", "staged"))
+# into the routing's slots, which a LINEAR tile does not use, and CudaDecoder.timeline gives them
+# columns of their own: ops.cuh WaitStageFinish): (name, from mark, to mark). "barrier": warp 0's
+# poll done → every warp through the wait's barrier; "issue": → thread 0's copies issued; "landing":
+# → thread 0's copies landed; "rest": → inputs staged (the RMSNorm, where the tile has one).
+LINEAR_STAGING_PHASES = (("barrier", "start", "synced"), ("issue", "synced", "issued"),
+                         ("landing", "issued", "landed"), ("rest", "landed", "staged"))
 
 
 def staging_phases(sc: Schedule, timeline: Mapping[str, np.ndarray], ids=None) -> dict[str, dict[str, float]]:
     """Per stage of the LINEAR tiles that waited inside their op (every mark of
     LINEAR_STAGING_PHASES; all such tiles, or those in ``ids``), the mean µs of each part of their
     staging and ``tasks``, the stages with the most tasks first. Empty where the timeline has none."""
-    cols = {k: np.asarray(timeline[k], np.float64) for k in ("start", "opened", "routing", "logits", "staged")}
-    marked = ~np.isnan(cols["opened"]) & ~np.isnan(cols["logits"]) & ~np.isnan(cols["staged"])
+    cols = {k: np.asarray(timeline[k], np.float64) for k in ("start", "synced", "issued", "landed", "staged")}
+    marked = ~np.isnan(cols["synced"]) & ~np.isnan(cols["landed"]) & ~np.isnan(cols["staged"])
     groups: dict[str, list[int]] = {}
     for i in (range(len(sc.tasks)) if ids is None else ids):
         if sc.tasks[i].op.name == "LINEAR" and marked[i]:
