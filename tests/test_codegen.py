@@ -5,6 +5,7 @@ the tensor cores; the cache is content-addressed; errors carry what a person nee
 from __future__ import annotations
 
 import re
+import subprocess
 from functools import cache as cache_fn
 from pathlib import Path
 
@@ -375,8 +376,13 @@ def test_stalls_by_op_attributes_ncu_samples_to_ops(tiny, tmp_path, monkeypatch,
     n_linear = owners.count("LINEAR")
     assert f"{2 * len(owners)} samples" in out
     assert re.search(rf"^LINEAR\s+{2 * n_linear}\s+\S+\s+2\s+{100 / n_linear:.1f}%", out, re.MULTILINE), out
-    # --op: the same op's samples by source line; every LINEAR instruction sits on one line's row
+    # --op: the same op's samples by source line; every LINEAR instruction sits on one line's row.
+    # The listing of this cubin is nvdisasm's of the owners above: nvdisasm does not run again.
+    runs = []
+    real_run = subprocess.run
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: runs.append(a) or real_run(*a, **k))
     chains = instruction_lines(cubin)
+    assert runs == []
     assert len(chains) == len(owners) and all(chains[i] for i in range(len(owners)) if owners[i] == "LINEAR")
     stalled = " < ".join(chains[first_linear][:1])
     same_line = sum(1 for o, c in zip(owners, chains) if o == "LINEAR" and c[:1] == chains[first_linear][:1])

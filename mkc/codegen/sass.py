@@ -10,6 +10,7 @@ time (docs/kernel.md, "Code size").
 
 from __future__ import annotations
 
+import functools
 import re
 import shutil
 import subprocess
@@ -85,9 +86,11 @@ def function_name(symbol: str) -> str:
     return symbol[m.end():m.end() + int(m.group(1))]
 
 
+@functools.lru_cache(maxsize=2)
 def _line_table(cubin: bytes, tool: str | None) -> str:
     """nvdisasm -gi of the cubin: its SASS with the line table's file and line comments (raises
-    FileNotFoundError without nvdisasm)."""
+    FileNotFoundError without nvdisasm). The last two listings are kept, so instruction_owners and
+    instruction_lines of one cubin (benchmarks/stalls_by_op.py --op) run nvdisasm once."""
     tool = tool or find_binary_utility("nvdisasm")
     if tool is None:
         raise FileNotFoundError("nvdisasm not found: install nvidia-cuda-nvdisasm or set CUDA_HOME")
