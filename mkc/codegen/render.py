@@ -129,7 +129,8 @@ class CodegenOptions:
     # 6790 / 6309 / 6766, batch 8 10756 / 9876 / 10160. Three stages need 201,856 B of shared memory
     # and so the SM's 228 KB configuration, which leaves 28 KB of L1 beside it (two: 164 KB, L1 92
     # KB); the default kernel in that configuration measured as slow as three stages (an H100,
-    # 2026-12-06: +1.0% at batch 1, +3.9% at batch 4; BENCHMARKS.md).
+    # 2026-12-06: +1.0% at batch 1, +3.9% at batch 4; in the 196 KB one, L1 60 KB, a tie), so the
+    # third stage's own effect is a tie (BENCHMARKS.md).
     attn_warp_stages: int = 2
     # Attention splits that rotate their own query compute its RoPE sines and cosines while they
     # wait (warps 1.., one pair each, the same rope_sincos), so the query's staging after the wait
