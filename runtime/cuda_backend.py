@@ -50,7 +50,6 @@ PROFILE_WORDS = ("wait", "start", "end", "staged", "done", "routed", "opened", "
 # through the wait's barrier (synced), thread 0's copies issued, landed (profile.LINEAR_STAGING_PHASES)
 STAGING_MARK_OPS = ("LINEAR",)
 STAGING_MARKS = {"opened": "synced", "routing": "issued", "logits": "landed"}
-TIMELINE_COLUMNS = PROFILE_WORDS + tuple(STAGING_MARKS.values())
 
 
 def timeline_from_profile(raw, queues, staging=None) -> dict[str, np.ndarray]:
