@@ -309,10 +309,10 @@ LINEAR_STAGING_PHASES = (("barrier", "start", "synced"), ("issue", "synced", "is
 
 
 def staging_phases(sc: Schedule, timeline: Mapping[str, np.ndarray], ids=None) -> dict[str, dict[str, float]]:
-    """Per stage of the LINEAR tiles that waited inside their op (every mark of
-    LINEAR_STAGING_PHASES; the timeline has them for those tiles alone: CudaDecoder.timeline; all
-    such tiles, or those in ``ids``), the mean µs of each part of their staging and ``tasks``, the
-    stages with the most tasks first. Empty where the timeline has none."""
+    """The mean µs of each part of LINEAR_STAGING_PHASES, and ``tasks``, per stage of the tasks
+    (all, or those in ``ids``) that have every mark: CudaDecoder.timeline gives them to the LINEAR
+    tiles that waited inside their op alone. Stages with the most tasks first; empty where the
+    timeline has none."""
     cols = {k: np.asarray(timeline[k], np.float64) for k in ("start", "synced", "issued", "landed", "staged")}
     marked = ~np.isnan(cols["synced"]) & ~np.isnan(cols["landed"]) & ~np.isnan(cols["staged"])
     groups: dict[str, list[int]] = {}
