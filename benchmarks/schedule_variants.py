@@ -13,7 +13,9 @@ tiles, placement, queue order and counters change. The profile of 2026-11-29 (BE
 time goes now") found the model optimistic between tasks: it credits up to 96 KB of prefetch per
 task as overlap with its wait and charges 0.6 µs per hand-off, while the critical chain measured
 0.75 µs a hop and no overlap. Timing as megakernel_step.py: one warm-up, then ``reps`` steps timed
-one by one with CUDA events, median. ``default`` is what ships: with the attention SMs chosen by
+one by one with CUDA events, median; after each batch a side-by-side summary (every variant's rounds,
+their mean and its change against the first variant's, runtime/bench.py: format_rounds) names each
+variant by what sets it apart from the others. ``default`` is what ships: with the attention SMs chosen by
 the planner (auto), a raise of the splits' inputs' priority recorded in the tuning table applies to
 it too (configs/tuning/h200.json: batch 4 at 8K), so there it schedules as attention-inputs-first.
 """
@@ -34,6 +36,7 @@ from mkc.runtime.bench import (
     decoder_in_place,
     device_random_weights,
     fill_bench_kv,
+    format_rounds,
     in_turn,
     measure_read_bandwidth,
     time_step,
@@ -98,6 +101,25 @@ def chosen(lowering: dict) -> dict:
         if name in out:
             out[name] = int(out[name])
     return out
+
+
+def short_name(variant: tuple, variants: list[tuple]) -> str:
+    """A variant named by what sets it apart from the others of the run (the attention-SM count, the
+    lowering choices and the cost-model variant that differ between them), for the side-by-side
+    summary; "default" where the run has one variant."""
+    att, lowering, name = variant
+    parts = []
+    if len({v[0] for v in variants}) > 1:
+        parts.append(f"attention_sms={'auto' if att is None else att}")
+    for k in sorted({k for v in variants for k in v[1]}):
+        if len({repr(v[1].get(k)) for v in variants}) > 1:
+            value = lowering.get(k, "auto")
+            if isinstance(value, tuple):  # expert tile rows: () is the tiling rule's
+                value = "+".join(map(str, value)) or "rule"
+            parts.append(f"{k}={value}")
+    if len({v[2] for v in variants}) > 1:
+        parts.append(name)
+    return ", ".join(parts) or "default"
 
 
 def late_down(text: str) -> dict[str, int]:
@@ -189,6 +211,7 @@ def main() -> None:
         positions = torch.full((batch,), a.context - 1, dtype=torch.int32)
         ref = None
         plans = {}  # each variant planned once (planning is deterministic; it takes seconds per plan)
+        times_us: dict[str, list[float]] = {short_name(v, variants): [] for v in variants}
         for att, lowering, name in in_turn(variants, a.rounds):
             key = repr((att, sorted(lowering.items()), name))
             if key not in plans:
@@ -221,8 +244,10 @@ def main() -> None:
                         + ("equal" if torch.equal(ref.argmax(-1), logits.argmax(-1)) else "DIFFERS")
                         + ", rerun " + ("bitwise the same" if repeat else "DIFFERS (a race)"))
                 med, sol, _ = time_step(dec, spec, batch, a.context, bw, a.reps)
+                times_us[short_name((att, lowering, name), variants)].append(med * 1e6)
                 print(f"batch {batch} attention_sms {label:<110} {name:<20} measured {med * 1e6:8.1f} µs ({sol:.1%} SOL), "
                       f"predicted {sc.predicted['step_us']:8.1f} µs; {same}", flush=True)
+        print(format_rounds(batch, times_us), flush=True)
 
 
 if __name__ == "__main__":

@@ -900,3 +900,20 @@ def test_tile_row_labels_read_back_as_their_rows(rows):
     assert tuning.ROW_LIST.fullmatch(label), label
     assert tuning.row_list(label) == rows
     assert tuning.row_list("80+48x2") == (80, 48, 48)
+
+
+def test_schedule_variants_names_each_variant_by_what_sets_it_apart():
+    """benchmarks/schedule_variants.py's side-by-side summary: a variant's name lists only the choices
+    that differ between the run's variants (an expert-tile row list of () is the tiling rule's)."""
+    import importlib.util
+
+    spec_ = importlib.util.spec_from_file_location("schedule_variants", ROOT / "benchmarks" / "schedule_variants.py")
+    mod = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(mod)
+    rows = [(None, {"rope_in_splits": True}, "default"),
+            (None, {"rope_in_splits": True, "expert_down_rows": 256}, "default")]
+    assert [mod.short_name(v, rows) for v in rows] == ["expert_down_rows=auto", "expert_down_rows=256"]
+    mixed = [(None, {"expert_up_rows": (128, 128)}, "default"), (32, {"expert_up_rows": ()}, "spread")]
+    assert [mod.short_name(v, mixed) for v in mixed] == ["attention_sms=auto, expert_up_rows=128+128, default",
+                                                         "attention_sms=32, expert_up_rows=rule, spread"]
+    assert mod.short_name(rows[0], rows[:1]) == "default"
