@@ -103,6 +103,12 @@ def chosen(lowering: dict) -> dict:
     return out
 
 
+def variant_key(variant: tuple) -> str:
+    """A variant (attention SMs, lowering choices, cost-model variant) as a dictionary key."""
+    att, lowering, name = variant
+    return repr((att, sorted(lowering.items()), name))
+
+
 def short_name(variant: tuple, variants: list[tuple]) -> str:
     """A variant named by what sets it apart from the others of the run (the attention-SM count, the
     lowering choices and the cost-model variant that differ between them), for the side-by-side
@@ -211,9 +217,10 @@ def main() -> None:
         positions = torch.full((batch,), a.context - 1, dtype=torch.int32)
         ref = None
         plans = {}  # each variant planned once (planning is deterministic; it takes seconds per plan)
-        times_us: dict[str, list[float]] = {short_name(v, variants): [] for v in variants}
+        names = {variant_key(v): short_name(v, variants) for v in variants}
+        times_us: dict[str, list[float]] = {n: [] for n in names.values()}
         for att, lowering, name in in_turn(variants, a.rounds):
-            key = repr((att, sorted(lowering.items()), name))
+            key = variant_key((att, lowering, name))
             if key not in plans:
                 plans[key] = plan(spec, batch, a.context, sms, attention_sms=att, ceilings=VARIANTS[name], **lowering)
             sc = plans[key]
@@ -244,7 +251,7 @@ def main() -> None:
                         + ("equal" if torch.equal(ref.argmax(-1), logits.argmax(-1)) else "DIFFERS")
                         + ", rerun " + ("bitwise the same" if repeat else "DIFFERS (a race)"))
                 med, sol, _ = time_step(dec, spec, batch, a.context, bw, a.reps)
-                times_us[short_name((att, lowering, name), variants)].append(med * 1e6)
+                times_us[names[key]].append(med * 1e6)
                 print(f"batch {batch} attention_sms {label:<110} {name:<20} measured {med * 1e6:8.1f} µs ({sol:.1%} SOL), "
                       f"predicted {sc.predicted['step_us']:8.1f} µs; {same}", flush=True)
         print(format_rounds(batch, times_us), flush=True)

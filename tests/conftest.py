@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 from collections.abc import Callable
@@ -17,6 +18,7 @@ if TYPE_CHECKING:  # types only: every test session loads this file
     from mkc.runtime.sampling import SamplingParams
 
 SEED = 1234  # one seed for everything a test does not seed itself
+ROOT = Path(__file__).resolve().parents[1]
 
 # The CPU tests run thousands of tiny ops (one per tile); on a 2-core machine torch's intra-op
 # thread pool makes them ~10x slower (threads spin and hand off for 100-element matmuls).
@@ -28,7 +30,7 @@ def tiny():
     """The tiny North Mini Code look-alike (configs/tiny.yaml); a test file may define its own."""
     from mkc.ir.spec import load_spec
 
-    return load_spec(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
+    return load_spec(ROOT / "configs" / "tiny.yaml")
 
 
 @pytest.fixture(scope="session")
@@ -36,7 +38,7 @@ def nmc():
     """North Mini Code at full size (configs/north_mini_code.yaml)."""
     from mkc.ir.spec import load_spec
 
-    return load_spec(Path(__file__).resolve().parents[1] / "configs" / "north_mini_code.yaml")
+    return load_spec(ROOT / "configs" / "north_mini_code.yaml")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -165,3 +167,11 @@ def fill_random_kv(spec, gen: torch.Generator, ex, dec) -> None:
         kc, vc = dec.kv_cache(layer)
         kc.copy_(k)
         vc.copy_(v)
+
+
+def load_benchmark(name: str):
+    """The script benchmarks/NAME.py as a module (the folder is not a package), to test its parts."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

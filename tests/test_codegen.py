@@ -12,6 +12,7 @@ from pathlib import Path
 import jinja2
 import numpy as np
 import pytest
+from conftest import load_benchmark
 
 from mkc.codegen import CodegenOptions, CompileError, build_kernel, write_kernel
 from mkc.codegen import cvalues as cv
@@ -350,7 +351,6 @@ def test_stalls_by_op_attributes_ncu_samples_to_ops(tiny, tmp_path, monkeypatch,
     order) summed by the op each instruction belongs to (sass.instruction_owners); a page of another
     kernel (another instruction count) is refused with a message, not a wrong table."""
     import csv
-    import importlib.util
     import sys
 
     spec, sc = tiny
@@ -367,9 +367,7 @@ def test_stalls_by_op_attributes_ncu_samples_to_ops(tiny, tmp_path, monkeypatch,
         w.writerow(["Address", "Source", "Warp Stall Sampling (All Samples)", "stall_no_inst"])
         for i in range(len(owners)):  # 2 samples per instruction, the first LINEAR one stalled on fetch
             w.writerow([hex(16 * i), "NOP", 2, 2 if i == first_linear else 0])
-    spec_ = importlib.util.spec_from_file_location("stalls_by_op", ROOT / "benchmarks" / "stalls_by_op.py")
-    mod = importlib.util.module_from_spec(spec_)
-    spec_.loader.exec_module(mod)
+    mod = load_benchmark("stalls_by_op")
     monkeypatch.setattr(sys, "argv", ["stalls_by_op.py", str(tmp_path / "k"), str(page)])
     mod.main()
     out = capsys.readouterr().out
@@ -660,12 +658,7 @@ def test_routing_options_are_checked(tiny):
 
 
 def _sm_stream():
-    import importlib.util
-
-    spec_ = importlib.util.spec_from_file_location("sm_stream", ROOT / "benchmarks" / "sm_stream.py")
-    mod = importlib.util.module_from_spec(spec_)
-    spec_.loader.exec_module(mod)
-    return mod
+    return load_benchmark("sm_stream")
 
 
 def test_sm_stream_kernels_compile_without_spills():

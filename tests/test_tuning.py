@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import load_benchmark
 
 from mkc.ir.ops import Opcode
 from mkc.ir.spec import load_spec
@@ -905,11 +906,7 @@ def test_tile_row_labels_read_back_as_their_rows(rows):
 def test_schedule_variants_names_each_variant_by_what_sets_it_apart():
     """benchmarks/schedule_variants.py's side-by-side summary: a variant's name lists only the choices
     that differ between the run's variants (an expert-tile row list of () is the tiling rule's)."""
-    import importlib.util
-
-    spec_ = importlib.util.spec_from_file_location("schedule_variants", ROOT / "benchmarks" / "schedule_variants.py")
-    mod = importlib.util.module_from_spec(spec_)
-    spec_.loader.exec_module(mod)
+    mod = load_benchmark("schedule_variants")
     rows = [(None, {"rope_in_splits": True}, "default"),
             (None, {"rope_in_splits": True, "expert_down_rows": 256}, "default")]
     assert [mod.short_name(v, rows) for v in rows] == ["expert_down_rows=auto", "expert_down_rows=256"]
