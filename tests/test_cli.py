@@ -3,11 +3,9 @@
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT
 
 
 def mkc(*args, cwd=ROOT):

@@ -12,7 +12,7 @@ from pathlib import Path
 import jinja2
 import numpy as np
 import pytest
-from conftest import load_benchmark
+from conftest import ROOT, load_benchmark
 
 from mkc.codegen import CodegenOptions, CompileError, build_kernel, write_kernel
 from mkc.codegen import cvalues as cv
@@ -65,7 +65,6 @@ from mkc.ir.spec import load_spec
 from mkc.schedule.schedule import routing_edge
 from mkc.schedule.scheduler import schedule
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
 NMC = ROOT / "configs" / "north_mini_code.yaml"
 

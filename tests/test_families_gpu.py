@@ -6,16 +6,13 @@ A round whose routing differs (a near-tie of router logits flipped by that round
 compared; every family must compare most rounds.
 """
 
-from pathlib import Path
-
 import pytest
 import torch
-from conftest import fill_random_kv
+from conftest import ROOT, fill_random_kv
 
 from mkc.ir.spec import load_spec
 from mkc.schedule.plan import plan
 
-ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = ["tiny", "qwen3_moe_tiny", "llama_tiny", "qwen3_tiny", "mixtral_tiny"]
 REL_TOL = 1e-2  # bf16 storage at the same points, fp32 accumulation: summation order only
 

@@ -31,18 +31,16 @@ import gc
 import math
 import os
 import re
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import fill_random_kv
+from conftest import ROOT, fill_random_kv
 
 from mkc.ir.spec import load_spec
 from mkc.schedule.plan import plan
 
 pytestmark = pytest.mark.gpu
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
 NMC = ROOT / "configs" / "north_mini_code.yaml"
 SHIPPED_TABLE = ROOT / "configs" / "tuning" / "h200.json"  # measured on an H200 (mkc bench --tune and others)

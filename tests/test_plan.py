@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import ROOT
 
 from mkc.ir.lower import lower
 from mkc.ir.ops import Opcode
@@ -25,7 +25,6 @@ from mkc.schedule.validator import validate
 # attention splits, taller MLP tiles). The budget of tests/test_executor.py; measured 1.4e-6 at
 # most here, while a wrong split or tile gives errors of 1e-2 and more
 F32_ATOL, F32_RTOL = 5e-5, 5e-5
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def layer_ops(prog, layer: int) -> dict[str, int]:

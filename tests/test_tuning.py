@@ -7,12 +7,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import load_benchmark
+from conftest import ROOT, load_benchmark
 
 from mkc.ir.ops import Opcode
 from mkc.ir.spec import load_spec
@@ -25,8 +24,6 @@ from mkc.schedule.plan import (
     plan_choices,
     transferred_global_count,
 )
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture()
