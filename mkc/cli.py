@@ -308,6 +308,13 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="OpenAI-compatible server with continuous batching")
     add_serve_arguments(s)
     s.set_defaults(fn=cmd_serve)
+
+    from mkc.runtime.serve_bench import add_bench_serve_arguments
+
+    v = sub.add_parser("bench-serve", help="serving benchmark of a running server (--url) or one started in-process: "
+                                           "TTFT, time per output token, inter-token latency, tok/s")
+    add_bench_serve_arguments(v)
+    v.set_defaults(fn=cmd_bench_serve)
     return p
 
 
@@ -318,6 +325,12 @@ def cmd_serve(a: argparse.Namespace) -> int:
         raise UsageError(f"mkc serve needs the server dependencies ({e.name} is missing): "
                          f"pip install 'mkc[serve]'") from e
     return serve_main(a)
+
+
+def cmd_bench_serve(a: argparse.Namespace) -> int:
+    from mkc.runtime.serve_bench import bench_serve_main
+
+    return bench_serve_main(a)
 
 
 def main(argv: list[str] | None = None) -> int:
