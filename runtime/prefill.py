@@ -1,16 +1,26 @@
-"""Prefill in plain PyTorch: a whole prompt (or the part after a cached prefix) in one batched
-forward over its positions, writing its K/V straight into a slot's cache.
+"""Prefill: a prompt (or the part after a cached prefix) as batched forwards over its positions,
+writing its K/V straight into a slot's cache.
 
-The arithmetic mirrors the decode tasks (``mkc/schedule/cpu_ops.py``) so the cache it writes is
-what token-by-token decoding would have written: float32 compute, and every tensor the lowering
-stores as "bf16" rounded to the activation dtype at the same points (normed input, qkv, q/k after
-RoPE, the cache, attention output, SwiGLU hidden). Any backend whose KV cache is a torch tensor
-[kv_heads, context, head_dim] per layer and slot can use it.
+Two implementations of one model:
+
+* ``Prefill``, the reference and the CPU path: float32 arithmetic that mirrors the decode tasks
+  (``mkc/schedule/cpu_ops.py``), so the cache it writes is what token-by-token decoding would
+  have written; every tensor the lowering stores as "bf16" is rounded to the activation dtype at
+  the same points (normed input, qkv, q/k after RoPE, the cache, attention output, SwiGLU hidden).
+* ``FastPrefill``, the GPU path: bf16 GEMMs with float32 accumulation, the experts as grouped
+  GEMMs over the tokens sorted by expert (no host synchronisation per expert or layer), attention
+  through SDPA (the flash kernel for causal layers; sliding-window layers key-blocked with a band
+  mask), never all [query, key] scores at once.
+
+Both run layer by layer as a generator (``layers``): the engine can stop between two layers, run
+a decode step for the other streams and go on. The cache is reached through ``SlotKV``: one slot's
+slab (``SlabKV``) or its pages in a pool (``PagedKV``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +64,78 @@ def matmul_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.cat([x @ w[r:r + rows].float().T for r in range(0, w.shape[0], rows)], dim=-1)
 
 
+class SlotKV(Protocol):
+    """One slot's KV cache, per layer, as the prefill reads and writes it."""
+
+    context: int  # positions the slot may hold
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [T, kv_heads, head_dim] at positions start..start+T-1."""
+        ...
+
+    def read(self, layer: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k, v) of positions [lo, hi), each [kv_heads, hi - lo, head_dim] in the cache's dtype."""
+        ...
+
+
+class SlabKV:
+    """A slot's slab: per layer (k, v) views [kv_heads, context, head_dim]."""
+
+    def __init__(self, kv: Sequence[tuple[torch.Tensor, torch.Tensor]]):
+        self.kv, self.context = kv, kv[0][0].shape[1]
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        kc, vc = self.kv[layer]
+        kc[:, start:start + k.shape[0]] = k.transpose(0, 1).to(kc.dtype)
+        vc[:, start:start + v.shape[0]] = v.transpose(0, 1).to(vc.dtype)
+
+    def read(self, layer: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        kc, vc = self.kv[layer]
+        return kc[:, lo:hi], vc[:, lo:hi]
+
+
+class PagedKV:
+    """A slot's positions in a page pool: per layer (k, v) pools [kv_heads, pages, page_size,
+    head_dim]; position p lives in page ``pages[p // page_size]`` at offset ``p % page_size``."""
+
+    def __init__(self, pools: Sequence[tuple[torch.Tensor, torch.Tensor]], pages: Sequence[int]):
+        self.pools = pools
+        self.page_size = pools[0][0].shape[2]
+        self.context = len(pages) * self.page_size
+        self._pages = torch.tensor(list(pages), dtype=torch.long, device=pools[0][0].device)
+
+    def _where(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = torch.arange(lo, hi, device=self._pages.device)
+        return self._pages[pos // self.page_size], pos % self.page_size
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        page, off = self._where(start, start + k.shape[0])
+        kp, vp = self.pools[layer]
+        kp[:, page, off] = k.transpose(0, 1).to(kp.dtype)
+        vp[:, page, off] = v.transpose(0, 1).to(vp.dtype)
+
+    def read(self, layer: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        page, off = self._where(lo, hi)
+        kp, vp = self.pools[layer]
+        return kp[:, page, off], vp[:, page, off]
+
+
+def as_slot_kv(kv: SlotKV | Sequence[tuple[torch.Tensor, torch.Tensor]]) -> SlotKV:
+    return kv if hasattr(kv, "read") else SlabKV(kv)  # type: ignore[arg-type,return-value]
+
+
+PrefillSteps = Generator[None, None, "torch.Tensor | None"]
+
+
+def run_to_end(steps: PrefillSteps) -> torch.Tensor | None:
+    """Drive a ``layers`` generator to its end; its return value (the logits or None)."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
 class Prefill:
     """Runs prompts through ``spec`` with ``weights`` (logical names, see runtime/weights.py).
 
@@ -65,6 +147,51 @@ class Prefill:
                  act_dtype: torch.dtype = torch.float32, chunk: int = 256):
         self.spec, self.w, self.act_dtype, self.chunk = spec, weights, act_dtype, chunk
 
+    def run(self, token_ids: Sequence[int], start: int,
+            kv: SlotKV | Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Write K/V of ``token_ids`` at positions ``start..`` into the slot's cache (positions
+        below ``start`` already written: ``kv`` is a SlotKV, or per layer (k, v) [kv_heads,
+        context, head_dim]); return the float32 logits [vocab] of the last token."""
+        logits = run_to_end(self.layers(token_ids, start, kv))
+        assert logits is not None
+        return logits
+
+    def layers(self, token_ids: Sequence[int], start: int,
+               kv: SlotKV | Sequence[tuple[torch.Tensor, torch.Tensor]], *, logits: bool = True) -> PrefillSteps:
+        """``run`` as a generator that yields after each layer of each chunk and returns the
+        logits (None when ``logits`` is False: a chunk before the prompt's last). Raises
+        ValueError at once, before any work, on an empty prompt or one past the context."""
+        kv = as_slot_kv(kv)
+        if not len(token_ids):
+            raise ValueError("prefill: no tokens")
+        if start + len(token_ids) > kv.context:
+            raise ValueError(f"prefill: positions {start}..{start + len(token_ids) - 1} exceed the context "
+                             f"({kv.context})")
+        return self._steps(list(token_ids), start, kv, logits)
+
+    @torch.inference_mode()
+    def _steps(self, token_ids: list[int], start: int, kv: SlotKV, logits: bool) -> PrefillSteps:
+        device = self.w["final_norm"].device
+        x = None
+        for lo in range(0, len(token_ids), self.chunk):
+            ids = torch.tensor(token_ids[lo:lo + self.chunk], dtype=torch.long, device=device)
+            pos = torch.arange(start + lo, start + lo + ids.numel(), device=device)
+            x = self._embed(ids)  # [T, H] residual stream, float32
+            for i in range(self.spec.num_layers):
+                x = self._layer(i, x, pos, start + lo, kv)
+                yield
+        assert x is not None
+        return self._logits(x[-1:]) if logits else None
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.w["embed"][ids].float()
+
+    def _logits(self, last: torch.Tensor) -> torch.Tensor:
+        """float32 logits [vocab] of one position's residual ``last`` [1, H]."""
+        s = self.spec
+        n = self._r(_rms_norm(last, self.w["final_norm"], s.norm_eps))
+        return self._mm(n, "embed" if s.tie_word_embeddings else "lm_head")[0] * s.logit_scale
+
     def _r(self, x: torch.Tensor) -> torch.Tensor:
         """Round to the activation storage dtype, as a store to a "bf16" buffer does."""
         return x if self.act_dtype == torch.float32 else x.to(self.act_dtype).float()
@@ -72,44 +199,17 @@ class Prefill:
     def _mm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return matmul_f32(x, self.w[name])
 
-    @torch.inference_mode()
-    def run(self, token_ids: Sequence[int], start: int,
-            kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Write K/V of ``token_ids`` at positions ``start..`` into ``kv[layer] = (k, v)``, each
-        [kv_heads, context, head_dim] (positions below ``start`` already written); return the
-        float32 logits [vocab] of the last token."""
-        device = kv[0][0].device
-        ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=device)
-        if ids.numel() == 0:
-            raise ValueError("prefill: no tokens")
-        ctx = kv[0][0].shape[1]
-        if start + ids.numel() > ctx:
-            raise ValueError(f"prefill: positions {start}..{start + ids.numel() - 1} exceed the context ({ctx})")
-        x = None
-        for lo in range(0, ids.numel(), self.chunk):
-            x = self._chunk(ids[lo:lo + self.chunk], start + lo, kv)
-        assert x is not None
-        s = self.spec
-        last = self._r(_rms_norm(x[-1:], self.w["final_norm"], s.norm_eps))
-        return self._mm(last, "embed" if s.tie_word_embeddings else "lm_head")[0] * s.logit_scale
+    def _layer(self, i: int, x: torch.Tensor, pos: torch.Tensor, p0: int, kv: SlotKV) -> torch.Tensor:
+        """Layer i over positions ``pos`` [T] (the first, ``p0``, also on the host)."""
+        s, P = self.spec, f"L{i}"
+        n = self._r(_rms_norm(x, self.w[f"{P}.attn_norm"], s.norm_eps))  # [T, H]
+        attn = self._attention(i, n, pos, p0, kv)
+        if s.block == "parallel":
+            return x + attn + self._mlp(i, n)
+        x = x + attn
+        return x + self._mlp(i, self._r(_rms_norm(x, self.w[f"{P}.mlp_norm"], s.norm_eps)))
 
-    def _chunk(self, ids: torch.Tensor, start: int, kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        s = self.spec
-        x = self.w["embed"][ids].float()  # [T, H] residual stream, float32
-        pos = torch.arange(start, start + ids.numel(), device=ids.device)
-        for i, ls in enumerate(s.layers):
-            P = f"L{i}"
-            n = self._r(_rms_norm(x, self.w[f"{P}.attn_norm"], s.norm_eps))  # [T, H]
-            attn = self._attention(i, n, pos, kv[i])
-            if s.block == "parallel":
-                x = x + attn + self._mlp(i, n)
-            else:
-                x = x + attn
-                x = x + self._mlp(i, self._r(_rms_norm(x, self.w[f"{P}.mlp_norm"], s.norm_eps)))
-        return x
-
-    def _attention(self, layer: int, n: torch.Tensor, pos: torch.Tensor,
-                   cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def _attention(self, layer: int, n: torch.Tensor, pos: torch.Tensor, p0: int, kv: SlotKV) -> torch.Tensor:
         s, a = self.spec, self.spec.attention
         ls = s.layers[layer]
         D, G, QH, T = a.head_dim, a.num_kv_heads, a.num_heads, n.shape[0]
@@ -124,14 +224,12 @@ class Prefill:
         if ls.rope:
             q = self._r(_rope(q, pos, a.rope_theta, a.rope_style))
             k = _rope(k, pos, a.rope_theta, a.rope_style)
-        kc, vc = cache  # [G, ctx, D]
-        p0, p1 = int(pos[0]), int(pos[-1]) + 1
-        kc[:, p0:p1] = k.transpose(0, 1).to(kc.dtype)
-        vc[:, p0:p1] = v.transpose(0, 1).to(vc.dtype)
+        p1 = p0 + T
+        kv.write(layer, p0, k, v)
         window = a.sliding_window if ls.attention == "sliding" else 0
         k0 = max(0, p0 + 1 - window) if window else 0  # first key any query of the chunk attends
-        keys = kc[:, k0:p1].float()  # [G, S, D]
-        vals = vc[:, k0:p1].float()
+        kc, vc = kv.read(layer, k0, p1)
+        keys, vals = kc.float(), vc.float()  # [G, S, D]
         kpos = torch.arange(k0, p1, device=pos.device)
         allowed = kpos[None, :] <= pos[:, None]  # [T, S] causal
         if window:
@@ -162,3 +260,119 @@ class Prefill:
             h = self._r(F.silu(gate) * up)
             parts[tok, slot] = wts[tok, slot, None] * matmul_f32(h, self.w[f"{P}.w_experts_down"][e])
         return parts.sum(1)
+
+
+def _grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Rows ``x`` [M, K] sorted by group, group g's rows ending at ``ends[g]`` (int32), times
+    ``w[g]`` [N, K] transposed: [M, N] in x's dtype, float32 accumulation."""
+    mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
+    return mm(x, w.transpose(-2, -1), offs=ends)
+
+
+class FastPrefill(Prefill):
+    """The same model on the tensor cores (see the module docstring); K/V and logits equal the
+    reference's within bf16 rounding (tests/test_prefill.py states the budget).
+
+    Activations are stored in ``act_dtype`` (bf16 on the GPU) where the reference rounds to it;
+    the residual stream and the router logits stay float32. ``weights`` may be tile-ordered
+    behind a mapping with ``matrix(name)`` (a whole expert stack row-major) and ``rows(name,
+    ids)`` (embedding rows), as ``LogicalWeights`` is: each layer's matrices are reordered once
+    per chunk, one layer at a time, so the GPU never holds a second copy of the model.
+    """
+
+    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], *,
+                 act_dtype: torch.dtype = torch.bfloat16, chunk: int = 8192, query_block: int = 2048):
+        super().__init__(spec, weights, act_dtype=act_dtype, chunk=chunk)
+        self.query_block = query_block  # queries per SDPA call of a sliding layer (bounds its mask)
+
+    def _weight(self, name: str) -> torch.Tensor:
+        whole = getattr(self.w, "matrix", None)
+        return whole(name) if whole is not None else self.w[name]
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = getattr(self.w, "rows", None)
+        return (rows("embed", ids) if rows is not None else self.w["embed"][ids]).float()
+
+    def _act_mm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """x @ w.T stored in the activation dtype (fp32 accumulation on the tensor cores)."""
+        w = self._weight(name)
+        return (x.to(w.dtype) @ w.T).to(self.act_dtype)
+
+    def _mm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return matmul_f32(x, self._weight(name))
+
+    def _layer(self, i: int, x: torch.Tensor, pos: torch.Tensor, p0: int, kv: SlotKV) -> torch.Tensor:
+        s, P, act = self.spec, f"L{i}", self.act_dtype
+        n = _rms_norm(x, self.w[f"{P}.attn_norm"], s.norm_eps).to(act)  # [T, H]
+        attn = self._attention(i, n, pos, p0, kv)
+        if s.block == "parallel":
+            return x + attn + self._mlp(i, n)
+        x = x + attn
+        return x + self._mlp(i, _rms_norm(x, self.w[f"{P}.mlp_norm"], s.norm_eps).to(act))
+
+    def _attention(self, layer: int, n: torch.Tensor, pos: torch.Tensor, p0: int, kv: SlotKV) -> torch.Tensor:
+        s, a, act = self.spec, self.spec.attention, self.act_dtype
+        D, G, QH, T = a.head_dim, a.num_kv_heads, a.num_heads, n.shape[0]
+        qkv = self._act_mm(n, f"L{layer}.w_qkv")  # [T, (QH + 2G) * D]
+        q = qkv[:, :QH * D].view(T, QH, D).float()
+        k = qkv[:, QH * D:(QH + G) * D].view(T, G, D).float()
+        v = qkv[:, (QH + G) * D:].view(T, G, D)
+        if a.qk_norm:
+            q = head_rms_norm(q, self.w[f"L{layer}.q_norm"].float(), s.norm_eps, act)
+            k = head_rms_norm(k, self.w[f"L{layer}.k_norm"].float(), s.norm_eps, act)
+        if s.layers[layer].rope:
+            q = _rope(q, pos, a.rope_theta, a.rope_style)
+            k = _rope(k, pos, a.rope_theta, a.rope_style)
+        kv.write(layer, p0, k, v)
+        window = a.sliding_window if s.layers[layer].attention == "sliding" else 0
+        out = self._sdpa(layer, q.to(act).transpose(0, 1)[None], p0, kv, window)  # [1, QH, T, D]
+        return self._mm(out[0].transpose(0, 1).reshape(T, QH * D), f"L{layer}.w_o")
+
+    def _sdpa(self, layer: int, q: torch.Tensor, p0: int, kv: SlotKV, window: int) -> torch.Tensor:
+        """Attention of queries q [1, QH, T, D] at positions p0.. over the slot's cache."""
+        T = q.shape[2]
+        p1 = p0 + T
+        if not window or p1 <= window:  # every query sees every earlier key: causal, flash
+            k, v = self._heads(kv.read(layer, 0, p1), q)
+            if p0 == 0:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            from torch.nn.attention.bias import causal_lower_right
+
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(T, p1))
+        # sliding window: per block of queries, the keys its window reaches, under a band mask
+        outs = []
+        for b0 in range(0, T, self.query_block):
+            q0, q1 = p0 + b0, min(p0 + b0 + self.query_block, p1)
+            k0 = max(0, q0 + 1 - window)
+            k, v = self._heads(kv.read(layer, k0, q1), q)
+            qpos = torch.arange(q0, q1, device=q.device)[:, None]
+            kpos = torch.arange(k0, q1, device=q.device)[None, :]
+            allowed = (kpos <= qpos) & (kpos > qpos - window)  # [Tb, S]
+            mask = torch.zeros(q1 - q0, -(-(q1 - k0) // 16) * 16, dtype=q.dtype, device=q.device)
+            mask = mask[:, :q1 - k0].masked_fill(~allowed, float("-inf"))  # 16-aligned rows (mem-efficient)
+            outs.append(F.scaled_dot_product_attention(q[:, :, q0 - p0:q1 - p0], k, v, attn_mask=mask))
+        return torch.cat(outs, dim=2)
+
+    def _heads(self, kv: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cache (k, v) [G, S, D] as [1, QH, S, D] in q's dtype (each KV head for its query group)."""
+        group = q.shape[1] // kv[0].shape[0]
+        return tuple(t.to(q.dtype).repeat_interleave(group, dim=0)[None] for t in kv)  # type: ignore[return-value]
+
+    def _mlp(self, layer: int, n: torch.Tensor) -> torch.Tensor:
+        s, P = self.spec, f"L{layer}"
+        if s.layers[layer].mlp == "dense":
+            gate, up = self._mm(n, f"{P}.w_gate_up").chunk(2, dim=-1)
+            return self._mm((F.silu(gate) * up).to(self.act_dtype), f"{P}.w_down")
+        m = s.moe
+        assert m is not None
+        experts, wts = route(self._mm(n, f"{P}.w_router"), m.top_k, m.scoring, m.normalize_top_k)  # [T, k]
+        # the (token, expert) pairs sorted by expert: each expert's rows are one group of the GEMMs
+        by_expert, order = torch.sort(experts.reshape(-1), stable=True)
+        ends = torch.searchsorted(by_expert, torch.arange(m.num_experts, device=n.device), right=True)
+        ends = ends.to(torch.int32)
+        token = order // m.top_k
+        gate, up = _grouped_mm(n[token], self._weight(f"{P}.w_experts_gate_up"), ends).float().chunk(2, dim=-1)
+        h = (F.silu(gate) * up).to(self.act_dtype)
+        down = _grouped_mm(h, self._weight(f"{P}.w_experts_down"), ends).float()  # [T * k, H]
+        weighted = down * wts.reshape(-1)[order, None]
+        return torch.zeros(n.shape[0], n.shape[1], device=n.device).index_add_(0, token, weighted)
