@@ -179,11 +179,11 @@ class RequestRecord:
     output_len: int  # max_tokens asked for
     scheduled_s: float  # due, after the benchmark's start
     start_s: float = 0.0  # sent, after the start (later than due while --concurrency is full)
-    ttft_s: float | None = None  # first chunk with output, after start_s
+    ttft_s: float | None = None  # first chunk of output, after start_s
     latency_s: float | None = None  # end of the stream, after start_s
     prompt_tokens: int = 0  # from the usage chunk
     output_tokens: int = 0  # from the usage chunk (chunks with output when the server sends none)
-    chunk_times_s: list[float] = field(default_factory=list)  # each chunk with output, after start_s
+    chunk_times_s: list[float] = field(default_factory=list)  # each chunk of output, after start_s
     # output tokens in each chunk, where chunks carry running usage (vLLM's continuous_usage_stats); else None
     chunk_tokens: list[int] | None = None
     error: str | None = None
@@ -233,12 +233,12 @@ class StreamParser:
             return
         usage = event.get("usage") or None
         if event.get("choices"):
-            self._chunk(event["choices"][0], usage, t)
+            self._chunk(usage, t)
         elif usage:  # the final usage chunk (stream_options.include_usage)
             self.record.prompt_tokens = int(usage.get("prompt_tokens", 0))
             self.record.output_tokens = int(usage.get("completion_tokens", 0))
 
-    def _chunk(self, choice: dict[str, Any], usage: dict[str, Any] | None, t: float) -> None:
+    def _chunk(self, usage: dict[str, Any] | None, t: float) -> None:
         r = self.record
         if usage is not None and "completion_tokens" in usage:
             tokens = int(usage["completion_tokens"]) - self._running
@@ -246,8 +246,8 @@ class StreamParser:
             if tokens <= 0:
                 return
             r.chunk_tokens = (r.chunk_tokens or []) + [tokens]
-        elif not choice.get("text"):
-            return  # the finishing chunk: no output
+        # else every chunk counts, empty text too (as vLLM's benchmark does): mkc's server sends one
+        # per engine output with text, and the finishing one, which brings the last token
         if r.ttft_s is None:
             r.ttft_s = t
         r.chunk_times_s.append(t)

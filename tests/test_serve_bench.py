@@ -17,6 +17,9 @@ from mkc.runtime.serve_bench import (
     LoadConfig,
     RequestRecord,
     StreamParser,
+    Target,
+    add_bench_serve_arguments,
+    in_process_server,
     make_workload,
     poisson_arrivals,
     summarize,
@@ -48,7 +51,7 @@ def test_in_process_counts(run):
     for r in report["requests"]:
         assert r["error"] is None
         assert (r["prompt_tokens"], r["output_tokens"]) == (PROMPT, OUTPUT)
-        # the server sends a chunk per token with text; byte-level ids above 255 decode to nothing
+        # the server sends a chunk per token with text and the last; byte-level ids above 255 have none
         assert 1 <= len(r["chunk_times_s"]) <= OUTPUT
         assert r["chunk_times_s"] == sorted(r["chunk_times_s"])
         assert r["ttft_s"] == r["chunk_times_s"][0] <= r["latency_s"]
@@ -61,6 +64,40 @@ def test_in_process_statistics_ordered(run):
         st = report["summary"][key]
         assert st["p50"] <= st["p90"] <= st["p99"], (key, st)
     assert report["config"]["request_rate"] == "inf"  # JSON has no infinity
+
+
+@pytest.fixture(scope="module")
+def server():
+    """A tiny model served in this process, for the --url runs."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_bench_serve_arguments(parser)
+    args = parser.parse_args(["--config", str(ROOT / "configs" / "tiny.yaml"), "--random-weights", "--backend", "cpu",
+                              "--context", "32", "--max-batch", "2"])
+    with in_process_server(args) as target:
+        yield target
+
+
+def test_url_poisson_run(server: Target, tmp_path, capsys):
+    out = tmp_path / "report.json"
+    assert main(["bench-serve", "--url", server.url + "/", "--num-requests", "3", "--request-rate", "20",
+                 "--prompt-len", "2:5", "--output-len", "1:3", "--seed", "3", "-o", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["server"]["model"] == "tiny" and report["server"]["context"] == 32  # from /v1/models
+    records = report["requests"]
+    assert [r["error"] for r in records] == [None] * 3
+    assert [r["output_tokens"] for r in records] == [r["output_len"] for r in records]
+    assert [r["prompt_tokens"] for r in records] == [r["prompt_len"] for r in records]
+    assert records[0]["scheduled_s"] == 0 < records[1]["scheduled_s"] < records[2]["scheduled_s"]
+    assert report["summary"]["output_tokens"] == sum(r["output_len"] for r in records)
+
+
+def test_url_context_too_short(server: Target, capsys):
+    assert main(["bench-serve", "--url", server.url, "--prompt-len", "30", "--output-len", "3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [("mkc: error: --prompt-len 30 and --output-len 3 need up to 33 positions; the server's "
+                    "context is 32")]
 
 
 def test_poisson_arrivals_mean_gap():
@@ -110,7 +147,8 @@ def test_stream_parser_text_chunks_and_usage():
     rec = _parse([(_chunk("a"), 0.1), ("", 0.1), (_chunk("b"), 0.3), (_chunk("", finish="length"), 0.35),
                   ('data: {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4}}', 0.36),
                   ("data: [DONE]", 0.37)], end=0.4)
-    assert rec.ok and rec.chunk_times_s == [0.1, 0.3] and rec.chunk_tokens is None
+    # without running usage every chunk counts, the empty finishing one too (it brings the last token)
+    assert rec.ok and rec.chunk_times_s == [0.1, 0.3, 0.35] and rec.chunk_tokens is None
     assert (rec.ttft_s, rec.latency_s, rec.prompt_tokens, rec.output_tokens) == (0.1, 0.4, 3, 4)
     assert rec.tpot_s == pytest.approx((0.4 - 0.1) / 3)
 
