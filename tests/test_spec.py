@@ -55,6 +55,15 @@ def test_unknown_key(tmp_path):
     assert "attention.num_haeds" in msg and "unknown key" in msg
 
 
+def test_misspelt_key_is_named_not_reported_missing(tmp_path):
+    """A key typed wrong is named with the key it resembles, not reported as the right one missing."""
+    msg = _bad(tmp_path, lambda d: d["attention"].update(num_kv_head=d["attention"].pop("num_kv_heads")))
+    assert "unknown key 'attention.num_kv_head': did you mean 'num_kv_heads'?" in msg, msg
+    assert "missing" not in msg, msg
+    msg = _bad(tmp_path, lambda d: d["layers"]["pattern"][0].update(mpl=d["layers"]["pattern"][0].pop("mlp")))
+    assert "unknown key 'layers.pattern[0].mpl': did you mean 'mlp'?" in msg, msg
+
+
 def test_wrong_type(tmp_path):
     msg = _bad(tmp_path, lambda d: d.update(hidden_size="big"))
     assert "hidden_size" in msg and "'big'" in msg and "integer" in msg

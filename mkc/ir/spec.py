@@ -9,6 +9,7 @@ is hidden in code: every field must be present in the YAML (``import-hf`` writes
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,20 +136,27 @@ def _compress_layers(layers: tuple[LayerSpec, ...]) -> tuple[tuple[LayerSpec, ..
 
 
 class _Reader:
-    """Reads one mapping of the YAML, naming the full key path in every error."""
+    """Reads one mapping of the YAML, naming the full key path in every error. ``keys`` are the
+    keys the mapping may hold: one it holds beyond them is reported first, with the expected key
+    it most resembles, so a misspelt key is named rather than reported as the right one missing."""
 
-    def __init__(self, data: Any, path: str, source: str):
+    def __init__(self, data: Any, path: str, source: str, keys: tuple[str, ...]):
         if not isinstance(data, dict):
             raise SpecError(f"{source}: '{path or '<top level>'}' must be a mapping, got {_show(data)}")
         self.data, self.path, self.source = data, path, source
-        self.used: set[str] = set()
+        unknown = sorted(set(map(str, data)) - set(keys))
+        if unknown:
+            absent = [k for k in keys if k not in data]
+            close = difflib.get_close_matches(unknown[0], absent, n=1, cutoff=0.6)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            raise SpecError(f"{source}: unknown key '{self.key(unknown[0])}': {hint}(expected the keys "
+                            f"{', '.join(keys)})")
 
     def key(self, name: str) -> str:
         return f"{self.path}.{name}" if self.path else name
 
     def get(self, name: str, kind: type | tuple[type, ...], *, choices: tuple | None = None,
             positive: bool = False, nonneg: bool = False, optional_none: bool = False) -> Any:
-        self.used.add(name)
         if name not in self.data:
             raise SpecError(f"{self.source}: missing key '{self.key(name)}' (expected {_kind_name(kind)})")
         v = self.data[name]
@@ -170,17 +178,15 @@ class _Reader:
             raise SpecError(f"{self.source}: '{self.key(name)}' = {_show(v)}: expected a number >= 0")
         return v
 
-    def sub(self, name: str) -> _Reader:
-        self.used.add(name)
+    def sub(self, name: str, keys: tuple[str, ...]) -> _Reader:
         if name not in self.data:
             raise SpecError(f"{self.source}: missing key '{self.key(name)}' (expected a mapping)")
-        return _Reader(self.data[name], self.key(name), self.source)
+        return _Reader(self.data[name], self.key(name), self.source, keys)
 
-    def finish(self) -> None:
-        unknown = sorted(set(map(str, self.data)) - self.used)
-        if unknown:
-            raise SpecError(f"{self.source}: unknown key '{self.key(unknown[0])}' "
-                            f"(expected one of {sorted(self.used)})")
+
+def _keys(cls: type) -> tuple[str, ...]:
+    """The YAML keys of a spec mapping: its dataclass's fields, in order."""
+    return tuple(f.name for f in dataclasses.fields(cls))
 
 
 def _kind_name(kind: type | tuple[type, ...]) -> str:
@@ -197,17 +203,15 @@ def _show(v: Any) -> str:
 
 
 def _layer(data: Any, path: str, source: str) -> LayerSpec:
-    r = _Reader(data, path, source)
-    out = LayerSpec(attention=r.get("attention", str, choices=ATTENTION_KINDS), rope=r.get("rope", bool),
-                    mlp=r.get("mlp", str, choices=MLP_KINDS))
-    r.finish()
-    return out
+    r = _Reader(data, path, source, _keys(LayerSpec))
+    return LayerSpec(attention=r.get("attention", str, choices=ATTENTION_KINDS), rope=r.get("rope", bool),
+                     mlp=r.get("mlp", str, choices=MLP_KINDS))
 
 
 def spec_from_dict(data: Any, source: str = "<spec>") -> ModelSpec:
     """Validate a parsed YAML mapping into a ModelSpec (raises SpecError)."""
-    r = _Reader(data, "", source)
-    a = r.sub("attention")
+    r = _Reader(data, "", source, _keys(ModelSpec))
+    a = r.sub("attention", _keys(AttentionSpec))
     attention = AttentionSpec(
         num_heads=a.get("num_heads", int, positive=True),
         num_kv_heads=a.get("num_kv_heads", int, positive=True),
@@ -217,11 +221,9 @@ def spec_from_dict(data: Any, source: str = "<spec>") -> ModelSpec:
         rope_style=a.get("rope_style", str, choices=ROPE_STYLES),
         qk_norm=a.get("qk_norm", bool),
     )
-    a.finish()
     moe = None
-    r.used.add("moe")
     if r.data.get("moe") is not None:
-        m = r.sub("moe")
+        m = r.sub("moe", _keys(MoESpec))
         moe = MoESpec(
             num_experts=m.get("num_experts", int, positive=True),
             top_k=m.get("top_k", int, positive=True),
@@ -229,11 +231,10 @@ def spec_from_dict(data: Any, source: str = "<spec>") -> ModelSpec:
             scoring=m.get("scoring", str, choices=ROUTER_SCORINGS),
             normalize_top_k=m.get("normalize_top_k", bool),
         )
-        m.finish()
     elif "moe" not in r.data:
         raise SpecError(f"{source}: missing key 'moe' (expected a mapping, or null for a dense-only model)")
     num_layers = r.get("num_layers", int, positive=True)
-    lr = r.sub("layers")
+    lr = r.sub("layers", ("pattern", "overrides"))
     pat = lr.get("pattern", list)
     if not pat:
         raise SpecError(f"{source}: 'layers.pattern' is empty: expected at least one layer description")
@@ -245,7 +246,6 @@ def spec_from_dict(data: Any, source: str = "<spec>") -> ModelSpec:
             raise SpecError(f"{source}: 'layers.overrides' key {_show(k)}: expected a layer index in "
                             f"[0, {num_layers})")
         overrides[k] = _layer(v, f"layers.overrides.{k}", source)
-    lr.finish()
     layers = tuple(overrides.get(i, pattern[i % len(pattern)]) for i in range(num_layers))
     spec = ModelSpec(
         name=r.get("name", str),
@@ -263,7 +263,6 @@ def spec_from_dict(data: Any, source: str = "<spec>") -> ModelSpec:
         moe=moe,
         layers=layers,
     )
-    r.finish()
     check_shapes(spec, source)
     return spec
 
