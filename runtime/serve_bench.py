@@ -370,6 +370,7 @@ def summarize(records: Sequence[RequestRecord], duration_s: float) -> dict[str, 
     return {
         "completed": len(ok), "failed": len(records) - len(ok), "duration_s": duration_s,
         "input_tokens": input_tokens, "output_tokens": output_tokens,
+        "output_chunks": sum(len(r.chunk_times_s) for r in ok),
         "request_throughput": len(ok) / duration_s, "output_throughput": output_tokens / duration_s,
         "total_token_throughput": (input_tokens + output_tokens) / duration_s,
         "ttft_ms": _stats([r.ttft_s for r in ok if r.ttft_s is not None]),
@@ -390,6 +391,9 @@ def format_summary(s: dict[str, Any]) -> str:
         st = s[key]
         cells = [st["mean"], *(st[f"p{p}"] for p in PERCENTILES)] if st else []
         lines.append(f"{name:<15} " + (" ".join(f"{v:9.2f}" for v in cells) if cells else "-"))
+    if s["output_chunks"] < s["output_tokens"]:
+        lines.append(f"note: {s['output_chunks']} chunks streamed for {s['output_tokens']} output tokens (a token "
+                     f"without text of its own comes with a later chunk): TTFT may be late, ITL is per chunk")
     return "\n".join(lines)
 
 
@@ -514,12 +518,16 @@ async def _bench(target: Target, load: LoadConfig, workload: Workload) -> tuple[
 
 
 def bench_serve_main(args: argparse.Namespace) -> int:
-    """Run ``mkc bench-serve``; returns 0, 1 when some request failed, 2 on bad input."""
+    """Run ``mkc bench-serve``; returns 0, 1 when some request failed, 2 on bad input, 130 when
+    interrupted."""
     try:
         return _main(args)
     except BenchServeError as e:
         print(f"mkc: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # the in-process server stops on the way out; nothing is written
+        print("mkc: bench-serve interrupted", file=sys.stderr)
+        return 130
 
 
 def _main(args: argparse.Namespace) -> int:

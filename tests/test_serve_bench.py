@@ -51,8 +51,11 @@ def test_in_process_counts(run):
     for r in report["requests"]:
         assert r["error"] is None
         assert (r["prompt_tokens"], r["output_tokens"]) == (PROMPT, OUTPUT)
-        # the server sends a chunk per token with text and the last; byte-level ids above 255 have none
-        assert 1 <= len(r["chunk_times_s"]) <= OUTPUT
+        if r["chunk_tokens"] is None:
+            # a chunk per token with text, and the last; byte-level ids above 255 have no text
+            assert 1 <= len(r["chunk_times_s"]) <= OUTPUT
+        else:  # the server reports running usage: a chunk per token
+            assert r["chunk_tokens"] == [1] * OUTPUT and len(r["chunk_times_s"]) == OUTPUT
         assert r["chunk_times_s"] == sorted(r["chunk_times_s"])
         assert r["ttft_s"] == r["chunk_times_s"][0] <= r["latency_s"]
     assert "TTFT" in stdout and "wrote" in stdout
@@ -98,6 +101,24 @@ def test_url_context_too_short(server: Target, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [("mkc: error: --prompt-len 30 and --output-len 3 need up to 33 positions; the server's "
                     "context is 32")]
+
+
+def test_options_tolerate_a_serve_seed(monkeypatch):
+    """Where the serve options have their own --seed, it seeds the load too; --url needs neither
+    --checkpoint nor --random-weights, though the serve options make one of them required."""
+    import argparse
+
+    import mkc.runtime.serve_bench as sb
+
+    def serve_options(p):
+        p.add_mutually_exclusive_group(required=True).add_argument("--random-weights", action="store_true")
+        p.add_argument("--seed", type=int, default=5)
+
+    monkeypatch.setattr(sb, "add_serve_arguments", serve_options)
+    parser = argparse.ArgumentParser()
+    sb.add_bench_serve_arguments(parser)
+    assert parser.parse_args(["--url", "http://x"]).seed == 5
+    assert parser.parse_args(["--random-weights", "--seed", "9"]).seed == 9
 
 
 def test_poisson_arrivals_mean_gap():
@@ -178,6 +199,7 @@ def test_summarize():
 
     s = summarize([rec(0, [1.0, 2.0, 4.0]), rec(1, [2.0, 3.0]), rec(2, [9.0, 99.0], error="x")], duration_s=5.0)
     assert (s["completed"], s["failed"], s["input_tokens"], s["output_tokens"]) == (2, 1, 4, 5)
+    assert s["output_chunks"] == 5
     assert s["output_throughput"] == pytest.approx(1.0) and s["request_throughput"] == pytest.approx(0.4)
     assert s["itl_ms"]["mean"] == pytest.approx(4000 / 3)  # gaps 1, 2 and 1 s; the failed request left out
     assert s["tpot_ms"]["mean"] == pytest.approx((1500 + 1000) / 2)
