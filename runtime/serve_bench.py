@@ -138,6 +138,7 @@ class Workload:
     prompts: tuple[tuple[int, ...], ...]  # token ids of each request
     output_lens: tuple[int, ...]  # max_tokens of each request
     arrivals: tuple[float, ...]  # seconds after the start at which each request is due
+    probe: tuple[int, ...]  # the probe request's prompt: as long as the first, sharing no prefix with it
 
 
 def poisson_arrivals(n: int, rate: float, rng: np.random.Generator) -> np.ndarray:
@@ -160,10 +161,10 @@ def make_workload(load: LoadConfig, vocab_size: int) -> Workload:
     n = load.num_requests
     prompt_lens = lengths.integers(load.prompt_len[0], load.prompt_len[1] + 1, size=n)
     output_lens = lengths.integers(load.output_len[0], load.output_len[1] + 1, size=n)
-    return Workload(prompts=tuple(tuple(int(t) for t in prompts.integers(0, vocab_size, size=int(p)))
-                                  for p in prompt_lens),
-                    output_lens=tuple(int(o) for o in output_lens),
-                    arrivals=tuple(float(t) for t in poisson_arrivals(n, load.request_rate, arrivals)))
+    ids = [tuple(int(t) for t in prompts.integers(0, vocab_size, size=int(p))) for p in (*prompt_lens, prompt_lens[0])]
+    return Workload(prompts=tuple(ids[:-1]), output_lens=tuple(int(o) for o in output_lens),
+                    arrivals=tuple(float(t) for t in poisson_arrivals(n, load.request_rate, arrivals)),
+                    probe=ids[-1])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -499,15 +500,15 @@ def open_target(args: argparse.Namespace) -> Iterator[Target]:
 
 
 async def _bench(target: Target, load: LoadConfig, workload: Workload) -> tuple[list[RequestRecord], float]:
-    """A probe request first (the first prompt, one token: a bad model id or prompt fails here, as
-    one error), then the load."""
+    """A probe request first (a prompt as long as the first, one token: a bad model id or prompt
+    fails here, as one error; it also warms the server up), then the load."""
     import httpx
 
     limits = httpx.Limits(max_connections=load.concurrency + 1, max_keepalive_connections=load.concurrency + 1)
     timeout = httpx.Timeout(10.0, read=READ_TIMEOUT_S)
     async with httpx.AsyncClient(base_url=target.url, limits=limits, timeout=timeout, trust_env=False) as client:
-        probe = RequestRecord(index=-1, prompt_len=len(workload.prompts[0]), output_len=1, scheduled_s=0.0)
-        await send_request(client, target.model, probe, workload.prompts[0], time.perf_counter())
+        probe = RequestRecord(index=-1, prompt_len=len(workload.probe), output_len=1, scheduled_s=0.0)
+        await send_request(client, target.model, probe, workload.probe, time.perf_counter())
         if not probe.ok:
             raise BenchServeError(f"{target.url}: the probe request failed: {probe.error}")
         progress = _progress(load.num_requests)

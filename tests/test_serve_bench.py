@@ -145,6 +145,7 @@ def test_workload_lengths_and_seed():
     assert min(lens) == 3 and max(lens) == 9  # the range is inclusive
     assert set(w.output_lens) == {5}
     assert all(0 <= t < 50 for p in w.prompts for t in p)
+    assert len(w.probe) == lens[0] and w.probe[:3] != w.prompts[0][:3]  # not a prefix-cache hit for the first
     assert make_workload(_load(), vocab_size=50) == w
     other_rate = make_workload(_load(request_rate=100.0), vocab_size=50)
     assert other_rate.prompts == w.prompts and other_rate.arrivals != w.arrivals
