@@ -16,6 +16,7 @@ from mkc.ir.spec import SpecError
 
 EXIT_UNSAFE = 1  # mkc check: the schedule is unsafe
 EXIT_USAGE = 2  # bad input (config, options, files)
+DEFAULT_MAX_CONTEXT = 8192  # mkc generate: the longest context it picks by itself (--context for more)
 
 
 class UsageError(Exception):
@@ -105,7 +106,7 @@ def _kernel_line(kernel_json: Path, schedule) -> str:
 
 
 def cmd_compile(a: argparse.Namespace) -> int:
-    from mkc.compiler import compile_to_folder
+    from mkc.compiler import OutputError, compile_to_folder
     from mkc.schedule import visualize
 
     out = Path(a.output or f"build/{Path(a.config).stem}-b{a.batch}-c{a.context}")
@@ -113,9 +114,12 @@ def cmd_compile(a: argparse.Namespace) -> int:
     lowering = {} if a.residual_in_o_proj == "auto" else {"residual_in_o_proj": a.residual_in_o_proj == "on"}
     if a.global_attention_sms is not None:
         lowering["global_attention_sms"] = a.global_attention_sms
-    res = compile_to_folder(a.config, out, batch=a.batch, context=a.context, num_sms=a.num_sms,
-                            page_size=a.page_size, attention_sms=a.attention_sms, kernel=not a.no_kernel, gpu=a.gpu,
-                            **lowering)
+    try:
+        res = compile_to_folder(a.config, out, batch=a.batch, context=a.context, num_sms=a.num_sms,
+                                page_size=a.page_size, attention_sms=a.attention_sms, kernel=not a.no_kernel,
+                                gpu=a.gpu, **lowering)
+    except OutputError as e:
+        raise UsageError(str(e)) from None
     wall = time.perf_counter() - t0
     print(visualize.format_summary(visualize.summary(res.schedule, res.spec)))
     if "kernel.json" in res.files:
@@ -135,8 +139,10 @@ def cmd_check(a: argparse.Namespace) -> int:
         raise UsageError(f"{p}: no such file: expected a schedule.json written by mkc compile")
     try:
         sc = Schedule.load(p)
-    except (ValueError, KeyError, TypeError) as e:
-        raise UsageError(f"{p}: not a valid mkc schedule ({e.__class__.__name__}: {e})") from None
+    except ValueError as e:  # not JSON, not UTF-8, or not a schedule (Schedule.from_json)
+        raise UsageError(f"{p}: not a valid mkc schedule: {e}") from None
+    except OSError as e:
+        raise UsageError(f"{p}: cannot read it ({e.strerror or e})") from None
     problems = validate(sc)
     if not problems:
         print(f"{p}: safe ({len(sc.tasks)} tasks on {len(sc.queues)} SMs, {len(sc.counters)} counters)")
@@ -171,30 +177,85 @@ def cmd_import_hf(a: argparse.Namespace) -> int:
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
-    import torch
-
     from mkc.ir.spec import load_spec
-    from mkc.runtime.generate import greedy_generate
-    from mkc.runtime.weights import load_checkpoint, random_weights
 
     spec = load_spec(a.config)
+    bad = [i for i in a.prompt_ids if i >= spec.vocab_size]
+    if bad:
+        raise UsageError(f"--prompt-ids: {bad[0]} is outside the vocabulary: expected ids < {spec.vocab_size}")
+    context = _generate_context(a, _max_positions(a.config, a.checkpoint))
+    import torch  # after the checks: importing torch takes seconds
+
+    from mkc.runtime.generate import Progress, greedy_generate
+    from mkc.runtime.weights import load_checkpoint, random_weights
+
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[a.dtype]
     if a.checkpoint:
         weights = load_checkpoint(a.checkpoint, spec, dtype)
     else:
         weights = random_weights(spec, a.seed, dtype)
-    bad = [i for i in a.prompt_ids if i >= spec.vocab_size]
-    if bad:
-        raise UsageError(f"--prompt-ids: {bad[0]} is outside the vocabulary: expected ids < {spec.vocab_size}")
+    progress = Progress(len(a.prompt_ids) + a.max_new_tokens - 1, context=context)
     try:
-        tokens = greedy_generate(spec, weights, a.prompt_ids, a.max_new_tokens, dtype=dtype, backend=a.backend)
+        tokens = greedy_generate(spec, weights, a.prompt_ids, a.max_new_tokens, dtype=dtype, backend=a.backend,
+                                 context=context, progress=progress)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    finally:
+        progress.close()
     if a.json:
         print(json.dumps({"tokens": tokens}))
     else:
         print(" ".join(map(str, tokens)))
     return 0
+
+
+def _generate_context(a: argparse.Namespace, model_max: int | None) -> int:
+    """The context mkc generate compiles for: --context, else the positions the request needs
+    rounded up to a power of two (at least 64). A request that does not fit it, or that passes
+    the model's own limit, or that asks more than DEFAULT_MAX_CONTEXT without --context, is
+    refused before anything is loaded."""
+    from mkc.runtime.generate import context_bucket
+
+    need = len(a.prompt_ids) + a.max_new_tokens  # positions, the last generated token's included
+    what = f"the prompt ({len(a.prompt_ids)} tokens) and --max-new-tokens {a.max_new_tokens} need {need} positions"
+    if model_max is not None and need > model_max:
+        raise UsageError(f"{what}: the model allows {model_max} (max_position_embeddings): expected at most "
+                         f"{max(model_max - len(a.prompt_ids), 0)} new tokens")
+    if a.context is not None:
+        if need > a.context:
+            raise UsageError(f"{what}, more than --context {a.context}: expected at most "
+                             f"{max(a.context - len(a.prompt_ids), 0)} new tokens, or a larger --context")
+        return a.context
+    if need > DEFAULT_MAX_CONTEXT:
+        raise UsageError(f"{what}, more than {DEFAULT_MAX_CONTEXT}, the longest context picked by default: "
+                         f"pass --context {context_bucket(need)} to compile for it (slow on the cpu backend, which "
+                         f"reports its tokens/s)")
+    return context_bucket(need)
+
+
+def _max_positions(config: str, checkpoint: str | None) -> int | None:
+    """The model's max_position_embeddings where its Hugging Face config or GGUF metadata gives
+    one (a YAML spec carries none)."""
+    for src in (checkpoint, config):
+        if src is None:
+            continue
+        p = Path(src)
+        cfg = p / "config.json" if p.is_dir() else p
+        try:
+            if cfg.suffix == ".json":
+                d = json.loads(cfg.read_text())
+            elif cfg.suffix == ".gguf":
+                from mkc.ir.gguf_config import hf_config_from_gguf
+
+                d = hf_config_from_gguf(cfg)
+            else:
+                continue
+        except (OSError, ValueError):
+            continue
+        n = d.get("max_position_embeddings") if isinstance(d, dict) else None
+        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+            return n
+    return None
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
@@ -217,10 +278,12 @@ def _model_arguments(p: argparse.ArgumentParser, *, seed: int) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mkc", description="Compile an LLM decode step into one persistent GPU kernel.")
-    sub = p.add_subparsers(dest="command", required=True)
+    p.add_argument("--version", action="version", version=f"mkc {_version()}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
     c = sub.add_parser("compile", help="lower, schedule, validate and write the artifacts of a model")
-    c.add_argument("config", help="model YAML, a Hugging Face config.json, or a checkpoint folder")
+    c.add_argument("config", help="model YAML, a Hugging Face config.json, a checkpoint folder, or a llama.cpp "
+                                  ".gguf file")
     c.add_argument("-o", "--output", help="output folder (default build/<config>-b<batch>-c<context>)")
     c.add_argument("--batch", type=_batch, default=1, help="sequences decoded together, 1-8 (default 1)")
     c.add_argument("--context", type=_positive, default=8192, help="context bucket in positions (default 8192)")
@@ -254,9 +317,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-kernel", action="store_true", help="skip rendering and compiling the CUDA kernel")
     c.set_defaults(fn=cmd_compile)
 
-    k = sub.add_parser("check", help="re-validate a schedule.json: exit 0 if safe, 1 if not")
-    k.add_argument("schedule")
-    k.add_argument("--max-problems", type=_positive, default=20)
+    k = sub.add_parser("check", help="re-validate a schedule.json: exit 0 if safe, 1 if not",
+                       description="Prove again that a schedule cannot deadlock or race (the checks mkc compile "
+                                   "runs). Exit 0: safe; 1: unsafe, with the tasks, counters and buffers "
+                                   "involved; 2: not a schedule.")
+    k.add_argument("schedule", help="the schedule.json written by mkc compile (possibly edited)")
+    k.add_argument("--max-problems", type=_positive, default=20, help="problems to list at most (default 20)")
     k.set_defaults(fn=cmd_check)
 
     h = sub.add_parser("import-hf", help="write the YAML equivalent of a Hugging Face config.json")
@@ -265,12 +331,22 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--name", help="model name to use in the YAML")
     h.set_defaults(fn=cmd_import_hf)
 
-    g = sub.add_parser("generate", help="greedy decoding through the compiled schedule")
+    g = sub.add_parser("generate", help="greedy decoding through the compiled schedule",
+                       description="Greedy-decode after a prompt of token ids, every token (the prompt's too) "
+                                   "through the compiled schedule; prints the generated ids. A run longer than "
+                                   "a few seconds reports its progress in tokens/s on stderr.")
     _model_arguments(g, seed=0)
-    g.add_argument("--prompt-ids", type=_ids, required=True, help="comma-separated token ids")
-    g.add_argument("--max-new-tokens", type=_positive, default=16)
-    g.add_argument("--backend", choices=("cpu", "cuda"), default="cpu")
-    g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    g.add_argument("--prompt-ids", type=_ids, required=True, help="comma-separated prompt token ids, e.g. 1,2,3")
+    g.add_argument("--max-new-tokens", type=_positive, default=16, help="tokens to generate (default 16)")
+    g.add_argument("--context", type=_positive, default=None,
+                   help="KV positions the schedule is compiled for; the prompt and the new tokens must fit "
+                        f"(default: their count rounded up to a power of two, from 64 to {DEFAULT_MAX_CONTEXT})")
+    g.add_argument("--backend", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu: the CPU executor runs the task list tile by tile (anywhere, slow); cuda: the "
+                        "megakernel on an H100/H200 (default cpu)")
+    g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="weights and activations of the cpu backend (default float32; the cuda backend runs "
+                        "bfloat16)")
     g.add_argument("--json", action="store_true", help='print {"tokens": [...]} (generated ids only)')
     g.set_defaults(fn=cmd_generate)
 
@@ -281,13 +357,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--reps", type=_positive, default=20, help="timed steps per point (median reported)")
     b.add_argument("--profile", action="store_true", help="also write a per-task Perfetto trace of a real step")
     b.add_argument("--tune", action="store_true",
-                   help="first time every count of attention SMs the compiler considers, then with the fastest "
-                        "the scheduler's priority raises and sibling spread, then the residual added by the "
-                        "O-projection, then more splits in the layers of global attention where the context is "
-                        "longer than the sliding window (the sliding layers on that count or the next smaller), "
-                        "and record the fastest, unless the point's entry runs as fast side by side (then it stays) "
-                        "(MKC_TUNING_FILE, default tuning.json in the kernel cache); later compiles, benches and "
-                        "servers at the same point use it instead of the cost model's prediction")
+                   help="time the schedule's choices at each point (attention SMs, priority raises, sibling spread, "
+                        "the layer's end, global layers' splits) and record the fastest in MKC_TUNING_FILE "
+                        "(default tuning.json in the kernel cache) for later compiles, benches and servers")
     b.add_argument("--tune-rounds", type=_positive, default=1,
                    help="with --tune: time each decision's options in turn this many times, every other round in "
                         "reverse order, and compare medians (default 1: each schedule once)")
@@ -336,17 +408,43 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)
+    if a.command is None:  # a bare `mkc`: what it can do
+        parser.print_help()
+        return 0
     try:
         return int(a.fn(a) or 0)
-    except SpecError as e:
-        print(f"mkc: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except UsageError as e:
+    except (SpecError, UsageError, *_user_errors()) as e:
         print(f"mkc: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except _schedule_error() as e:
         print(f"mkc: error: the schedule is unsafe: {e}", file=sys.stderr)
         return EXIT_UNSAFE
+    except KeyboardInterrupt:
+        print("mkc: interrupted", file=sys.stderr)
+        return 130  # 128 + SIGINT, as shells report it
+
+
+def _version() -> str:
+    """The installed distribution's version, else the source tree's."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("mkc")
+    except PackageNotFoundError:
+        import mkc
+
+        return mkc.__version__
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    """Errors of later stages that mean bad input: a shape the kernel cannot take, a checkpoint that
+    does not match its config (looked up only when one is raised, so that nothing is imported)."""
+    found: list[type[Exception]] = []
+    for module, name in (("mkc.codegen.render", "CodegenError"), ("mkc.runtime.weights", "CheckpointError")):
+        mod = sys.modules.get(module)
+        if mod is not None:
+            found.append(getattr(mod, name))
+    return tuple(found)
 
 
 def _schedule_error() -> type[Exception]:

@@ -6,7 +6,12 @@ trace.json, schedule.html, manifest.json (and kernel.cu / kernel.cubin when code
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
+import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,17 +62,36 @@ def _check_kernel_resources(sc: Schedule, kernel_json: Path) -> None:
                     threads=int(k["threads"]))
 
 
+class OutputError(ValueError):
+    """The output folder cannot be written (a file is in its place, or no permission)."""
+
+
 def compile_to_folder(spec_path: str | Path, out_dir: str | Path, *, batch: int = 1, context: int = 8192,
                       num_sms: int = 132, page_size: int = 0, attention_sms: int | None = None,
                       kernel: bool = True, gpu: str = "h200", **lowering) -> CompileResult:
     """Run the whole pipeline and write every artifact into out_dir (``lowering``: as
-    compile_schedule)."""
+    compile_schedule).
+
+    All or nothing: the artifacts are written into a hidden folder beside out_dir and moved into
+    it only once every stage has passed, so a failed or interrupted compile leaves out_dir as it
+    was (or absent). Files of out_dir that the compile does not write are kept. Raises
+    OutputError when out_dir cannot be written, before any work."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"-o {out}: a file of that name exists: expected a folder (new, or one to add "
+                          f"the artifacts to)")
+    with _staging(out) as stage:
+        spec = load_spec(spec_path)
+        sc, times = compile_schedule(spec, batch, context, num_sms, page_size, attention_sms, gpu, **lowering)
+        files = _write_artifacts(spec_path, spec, sc, stage, times, kernel, batch, context, num_sms)
+    return CompileResult(spec=spec, schedule=sc, files={k: out / p.name for k, p in files.items()}, timings=times)
+
+
+def _write_artifacts(spec_path: str | Path, spec: ModelSpec, sc: Schedule, out: Path, times: dict[str, float],
+                     kernel: bool, batch: int, context: int, num_sms: int) -> dict[str, Path]:
+    """Every artifact of compile_to_folder, into ``out``; adds each stage's seconds to ``times``."""
     from mkc.schedule import visualize
 
-    spec = load_spec(spec_path)
-    sc, times = compile_schedule(spec, batch, context, num_sms, page_size, attention_sms, gpu, **lowering)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     files = {
         "schedule.json": out / "schedule.json",
@@ -92,4 +116,37 @@ def compile_to_folder(spec_path: str | Path, out_dir: str | Path, *, batch: int 
     visualize.write_manifest(files["manifest.json"], spec_path=spec_file, spec=spec,
                              options={"batch": batch, "context": context, "num_sms": num_sms},
                              files={k: v for k, v in files.items() if k != "manifest.json"})
-    return CompileResult(spec=spec, schedule=sc, files=files, timings=times)
+    return files
+
+
+@contextlib.contextmanager
+def _staging(out: Path) -> Iterator[Path]:
+    """A fresh hidden folder beside ``out`` to write into; on success its files move into ``out``
+    (the folder is renamed when ``out`` does not exist yet), on any failure it is removed, with
+    the parent folders this call created."""
+    created = [p for p in (out.absolute(), *out.absolute().parents) if not p.exists()]
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    except OSError as e:
+        _remove_empty(created)
+        raise OutputError(f"-o {out}: cannot create the output folder ({e.strerror or e})") from None
+    try:
+        yield stage
+        if out.exists():
+            for f in stage.iterdir():
+                os.replace(f, out / f.name)
+            stage.rmdir()
+        else:
+            os.replace(stage, out)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        _remove_empty([p for p in created if p != out.absolute()])
+        raise
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove the given folders, innermost first, where they are empty."""
+    for p in sorted(folders, key=lambda p: len(p.parts), reverse=True):
+        with contextlib.suppress(OSError):
+            p.rmdir()

@@ -8,6 +8,10 @@ scheduling and the executor. A real prefill is the runtime's job.
 from __future__ import annotations
 
 import contextlib
+import sys
+import time
+from collections.abc import Callable
+from typing import TextIO
 
 import torch
 
@@ -26,6 +30,54 @@ def context_bucket(tokens: int) -> int:
     while c < tokens:
         c *= 2
     return c
+
+
+class Progress:
+    """How far a long generation is, on ``stream`` (stderr): steps done of all, tokens/s and the
+    time left, the rate counted from the first step. Silent for the first ``after`` seconds (from
+    its creation), so short runs print nothing; then a line at most every ``every`` seconds,
+    rewritten in place on a terminal. Call it with the steps done after each step; ``close`` ends
+    the line. ``clock`` is for tests."""
+
+    def __init__(self, total_steps: int, *, batch: int = 1, context: int | None = None, stream: TextIO | None = None,
+                 after: float = 3.0, every: float = 2.0, clock: Callable[[], float] = time.monotonic):
+        self.total, self.batch, self.context = total_steps, batch, context
+        self.stream = stream if stream is not None else sys.stderr
+        self.after, self.every, self.clock = after, every, clock
+        self.t0 = clock()
+        self.last: float | None = None  # when a line was last printed
+        self.first: tuple[float, int] | None = None  # (time, steps done) at the first call
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+
+    def __call__(self, done: int) -> None:
+        now = self.clock()
+        if self.first is None:  # the rate counts from the first step, not from the set-up before it
+            self.first = (now, done)
+            return
+        if now - self.t0 < self.after or (self.last is not None and now - self.last < self.every and done < self.total):
+            return
+        self.last = now
+        t1, d1 = self.first
+        rate = (done - d1) * self.batch / (now - t1) if now > t1 else 0.0
+        left = (self.total - done) * self.batch / rate if rate > 0 else float("inf")
+        ctx = f", context {self.context}" if self.context else ""
+        line = (f"generate: {done}/{self.total} steps{ctx}, {rate:.1f} tokens/s"
+                + (f", about {_duration(left)} left" if done < self.total else ", done"))
+        self.stream.write(("\r" + line + "\x1b[K") if self.tty else line + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty and self.last is not None:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _duration(s: float) -> str:
+    if s == float("inf"):
+        return "an unknown time"
+    if s < 120:
+        return f"{s:.0f} s"
+    return f"{s / 60:.0f} min" if s < 7200 else f"{s / 3600:.1f} h"
 
 
 @contextlib.contextmanager
@@ -58,7 +110,8 @@ def _check(spec: ModelSpec, prompts: list[list[int]], max_new_tokens: int, backe
 def greedy_generate_batch(spec: ModelSpec, weights: dict[str, torch.Tensor], prompts: list[list[int]],
                           max_new_tokens: int, *, dtype: torch.dtype = torch.float32, backend: str = "cpu",
                           context: int | None = None, num_sms: int = 8, seed: int | None = None,
-                          poison_weights: bool = True) -> list[list[int]]:
+                          poison_weights: bool = True,
+                          progress: Callable[[int], None] | None = None) -> list[list[int]]:
     """Greedy-decode ``max_new_tokens`` for each prompt together (batch = len(prompts)).
 
     Every sequence advances one position per step, so a sequence with a shorter prompt starts
@@ -66,6 +119,7 @@ def greedy_generate_batch(spec: ModelSpec, weights: dict[str, torch.Tensor], pro
     until the longest is done. ``seed`` seeds the interleavings (step s uses seed + s).
     ``poison_weights=False`` skips the executor's poisoned weight copies (one full copy of a
     matrix per distinct tile: ~1 GB and ~10 s for a 135M model; the tiny tests keep it on).
+    ``progress`` is called with the steps done after each step (e.g. a Progress).
     """
     _check(spec, prompts, max_new_tokens, backend)
     steps = max(len(p) for p in prompts) + max_new_tokens - 1
@@ -99,6 +153,8 @@ def greedy_generate_batch(spec: ModelSpec, weights: dict[str, torch.Tensor], pro
                 elif len(out[b]) < max_new_tokens:
                     out[b].append(nxt[b])
                     current[b] = nxt[b]
+            if progress is not None:
+                progress(pos + 1)
     return out
 
 
@@ -122,7 +178,8 @@ def _cuda_runner(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, 
 
 def greedy_generate(spec: ModelSpec, weights: dict[str, torch.Tensor], prompt_ids: list[int], max_new_tokens: int,
                     *, dtype: torch.dtype = torch.float32, backend: str = "cpu", context: int | None = None,
-                    num_sms: int = 8, seed: int | None = None, poison_weights: bool = True) -> list[int]:
+                    num_sms: int = 8, seed: int | None = None, poison_weights: bool = True,
+                    progress: Callable[[int], None] | None = None) -> list[int]:
     """Greedy-decode ``max_new_tokens`` after ``prompt_ids``; returns the generated ids only.
 
     Compiles for batch 1 and a context bucket (the next power of two >= prompt + new tokens, at
@@ -132,4 +189,4 @@ def greedy_generate(spec: ModelSpec, weights: dict[str, torch.Tensor], prompt_id
     """
     return greedy_generate_batch(spec, weights, [list(prompt_ids)], max_new_tokens, dtype=dtype, backend=backend,
                                  context=context or context_bucket(len(prompt_ids) + max_new_tokens),
-                                 num_sms=num_sms, seed=seed, poison_weights=poison_weights)[0]
+                                 num_sms=num_sms, seed=seed, poison_weights=poison_weights, progress=progress)[0]

@@ -157,3 +157,161 @@ def test_compile_names_the_kernel_and_its_weight_layout(config, batch, layout, t
     assert "SASS instructions; the largest: " in code, code
     by_op = json.loads((tmp_path / "kernel.json").read_text())["sass_by_op"]
     assert f"{sum(by_op.values()):,} SASS instructions" in code and by_op["LINEAR"] > 0, by_op
+
+
+# -- a newcomer's mistakes: one line, exit 2, nothing half-written --------------------------------
+
+
+def run_main(capsys, *args) -> tuple[int, str, str]:
+    """The CLI in this process (no interpreter start-up per case): exit code, stdout, stderr. An
+    exception escaping main fails the test, as a traceback would show the user."""
+    from mkc.cli import main
+
+    rc = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def assert_one_line_error(rc: int, err: str, needle: str) -> None:
+    assert rc == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mkc: error: "), err
+    assert needle in lines[0], err
+
+
+def _mutations(d: dict) -> dict[str, tuple[object, str]]:
+    """A compiled schedule.json broken in the ways a hand edit or a wrong file breaks it, each with
+    what the error must name."""
+    import copy
+
+    def edit(f):
+        e = copy.deepcopy(d)
+        f(e)
+        return e
+    return {
+        "array": ([1, 2], "a JSON array"),
+        "null": (None, "a JSON null"),
+        "no tasks": (edit(lambda e: e.pop("tasks")), "missing key 'tasks'"),
+        "unknown op": (edit(lambda e: e["tasks"][0].update(op="NOPE")), "op 'NOPE'"),
+        "wait not a list": (edit(lambda e: e["tasks"][1].update(wait=7)), "wrong type"),
+        "queue past the tasks": (edit(lambda e: e["queues"][0].append(10**6)), "task 1000000"),
+        "counter past the counters": (edit(lambda e: e["tasks"][1].update(signal=10**6)), "counter 1000000"),
+        "producer past the tasks": (edit(lambda e: e["counters"][0].update(producers=[-5])), "producer -5"),
+        "unknown buffer": (edit(lambda e: e["tasks"][0]["reads"].append(["nope", [[0, 1]]])), "'nope'"),
+    }
+
+
+def test_check_names_what_is_wrong_with_a_malformed_schedule(compiled, tmp_path, capsys):
+    out, _ = compiled
+    d = json.loads((out / "schedule.json").read_text())
+    for name, (doc, needle) in _mutations(d).items():
+        bad = tmp_path / f"{name.replace(' ', '_')}.json"
+        bad.write_text(json.dumps(doc))
+        rc, _, err = run_main(capsys, "check", bad)
+        assert_one_line_error(rc, err, "not a valid mkc schedule")
+        assert needle in err, (name, err)
+    (tmp_path / "text.json").write_text("not json at all")
+    (tmp_path / "bytes.json").write_bytes(b"\xff\xfe\x00binary")
+    for f in ("text.json", "bytes.json"):
+        rc, _, err = run_main(capsys, "check", tmp_path / f)
+        assert_one_line_error(rc, err, "not a valid mkc schedule")
+
+
+def test_compile_into_a_file_is_refused_before_any_work(tmp_path, capsys):
+    f = tmp_path / "taken"
+    f.write_text("mine")
+    rc, out, err = run_main(capsys, "compile", "configs/tiny.yaml", "-o", f, "--no-kernel")
+    assert_one_line_error(rc, err, f"-o {f}: a file of that name exists")
+    assert f.read_text() == "mine" and out == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
+
+
+@pytest.mark.parametrize("error", [OSError("disk full"), KeyboardInterrupt()])
+def test_failed_compile_leaves_nothing_half_written(tmp_path, monkeypatch, error):
+    """A stage failing after planning (here the trace writer) leaves no output folder, no partial
+    folder beside it, and no parent folder it created; an existing folder keeps its files as they
+    were."""
+    from mkc.compiler import compile_to_folder
+    from mkc.schedule import visualize
+
+    def broken(*a, **k):
+        raise error
+
+    monkeypatch.setattr(visualize, "write_trace", broken)
+    out = tmp_path / "new" / "deeper" / "out"
+    with pytest.raises(type(error)):
+        compile_to_folder(ROOT / "configs" / "tiny.yaml", out, context=64, num_sms=8, kernel=False)
+    assert list(tmp_path.iterdir()) == []
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "report.md").write_text("an earlier report")
+    (kept / "notes.txt").write_text("the user's")
+    with pytest.raises(type(error)):
+        compile_to_folder(ROOT / "configs" / "tiny.yaml", kept, context=64, num_sms=8, kernel=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"]
+    assert {p.name: p.read_text() for p in kept.iterdir()} == {"report.md": "an earlier report",
+                                                                 "notes.txt": "the user's"}
+    monkeypatch.undo()
+    res = compile_to_folder(ROOT / "configs" / "tiny.yaml", kept, context=64, num_sms=8, kernel=False)
+    assert (kept / "notes.txt").read_text() == "the user's"  # the compile's own files replaced, others kept
+    assert (kept / "report.md").read_text().startswith("# Schedule report: tiny")
+    assert all(p.parent == kept and p.is_file() for p in res.files.values())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"]
+
+
+def test_bare_mkc_prints_help_and_version(capsys):
+    rc, out, _ = run_main(capsys)
+    assert rc == 0 and "usage: mkc" in out and "compile" in out and "generate" in out
+    import mkc
+
+    with pytest.raises(SystemExit) as e:
+        run_main(capsys, "--version")
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"mkc {mkc.__version__}"
+
+
+@pytest.mark.parametrize("command,needles", [
+    ("check", ["the schedule.json written by mkc compile", "--max-problems MAX_PROBLEMS", "(default 20)"]),
+    ("generate", ["tokens to generate (default 16)", "(default cpu)", "(default float32", "--context"]),
+    ("compile", [".gguf"]),
+])
+def test_help_documents_every_argument(capsys, command, needles):
+    with pytest.raises(SystemExit) as e:
+        run_main(capsys, command, "--help")
+    out = capsys.readouterr().out
+    assert e.value.code == 0
+    for n in needles:
+        assert n in " ".join(out.split()), (n, out)
+
+
+def test_bench_tune_help_is_short(capsys):
+    with pytest.raises(SystemExit):
+        run_main(capsys, "bench", "--help")
+    out = capsys.readouterr().out
+    block = out[out.index("--tune "):out.index("--tune-rounds")]
+    assert len(block.splitlines()) <= 5, block
+
+
+@pytest.mark.parametrize("args,needle", [
+    (("--max-new-tokens", 100000), "pass --context 131072 to compile for it"),
+    (("--max-new-tokens", 100, "--context", 64), "more than --context 64: expected at most 61 new tokens"),
+    (("--prompt-ids", "1,2,600"), "600 is outside the vocabulary"),
+])
+def test_generate_refuses_what_does_not_fit_up_front(capsys, args, needle):
+    base = {"--prompt-ids": "1,2,3"}
+    argv = ["generate", "--config", "configs/tiny.yaml", "--random-weights"]
+    argv += [x for k, v in base.items() if k not in args for x in (k, v)] + list(args)
+    rc, out, err = run_main(capsys, *argv)
+    assert_one_line_error(rc, err, needle)
+    assert out == ""
+
+
+def test_generate_refuses_past_the_models_positions(tmp_path, capsys):
+    """A Hugging Face config's max_position_embeddings bounds the request."""
+    cfg = {"model_type": "llama", "vocab_size": 300, "hidden_size": 64, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
+           "max_position_embeddings": 32, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "hidden_act": "silu",
+           "tie_word_embeddings": True}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    rc, _, err = run_main(capsys, "generate", "--config", tmp_path, "--random-weights", "--prompt-ids", "1,2",
+                          "--max-new-tokens", 40)
+    assert_one_line_error(rc, err, "the model allows 32 (max_position_embeddings): expected at most 30 new tokens")

@@ -26,6 +26,7 @@ from mkc.ir.graph import Buffer, Region, Task
 from mkc.ir.ops import OP_INFO, Opcode
 
 FORMAT = "mkc-schedule/1"
+_JSON_KINDS = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
 
 
 def logits_operand(t: Task) -> str:
@@ -98,9 +99,27 @@ class Schedule:
         Path(path).write_text(json.dumps(self.to_json(), separators=(",", ":")))
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> Schedule:
-        if d.get("format") != FORMAT:
-            raise ValueError(f"schedule format {d.get('format')!r}: expected {FORMAT!r}")
+    def from_json(cls, d: Any) -> Schedule:
+        """The schedule of a parsed schedule.json. Raises ValueError naming what is wrong for a
+        document that is not one (another JSON value, a missing key, a value of the wrong type, a
+        task, counter or queue entry that refers past the end of its list), so that nothing
+        downstream (the validator, the executor) meets an index it cannot follow."""
+        fmt = d.get("format") if isinstance(d, dict) else None
+        if fmt != FORMAT:
+            what = (f"schedule format {fmt!r}" if isinstance(d, dict)
+                    else f"a JSON {_JSON_KINDS.get(type(d), type(d).__name__)}")
+            raise ValueError(f"{what}: expected an object with \"format\": {FORMAT!r}")
+        try:
+            sc = cls._from_json(d)
+        except KeyError as e:
+            raise ValueError(f"missing key {e.args[0]!r}") from None
+        except (TypeError, AttributeError, IndexError) as e:
+            raise ValueError(f"a value of the wrong type or shape ({e})") from None
+        _check_references(sc)
+        return sc
+
+    @classmethod
+    def _from_json(cls, d: dict[str, Any]) -> Schedule:
         buffers = {b["name"]: Buffer(b["name"], tuple(b["shape"]), b["dtype"], b["kind"], b.get("doc", ""))
                    for b in d["buffers"]}
 
@@ -111,17 +130,45 @@ class Schedule:
         for i, t in enumerate(d["tasks"]):
             if t["id"] != i:
                 raise ValueError(f"task at index {i} has id {t['id']}: expected ids 0..n-1 in order")
-            tasks.append(Task(id=i, op=Opcode[t["op"]], layer=t["layer"], name=t["name"],
+            if t["op"] not in Opcode.__members__:
+                raise ValueError(f"task {i} has op {t['op']!r}: expected one of {list(Opcode.__members__)}")
+            tasks.append(Task(id=i, op=Opcode[t["op"]], layer=int(t["layer"]), name=str(t["name"]),
                               operands=tuple(t["operands"]), args=tuple(t["args"]), reads=regions(t["reads"]),
-                              writes=regions(t["writes"]), weight_bytes=t["weight_bytes"],
-                              act_bytes=t["act_bytes"], flops=t["flops"]))
+                              writes=regions(t["writes"]), weight_bytes=int(t["weight_bytes"]),
+                              act_bytes=int(t["act_bytes"]), flops=int(t["flops"])))
             waits.append([(int(c), int(n)) for c, n in t["wait"]])
             signals.append(int(t["signal"]))
-        counters = [Counter(c["id"], c["target"], tuple(c["producers"])) for c in d["counters"]]
-        return cls(model=d["model"], batch=d["batch"], context=d["context"], num_sms=d["num_sms"],
-                   buffers=buffers, tasks=tasks, queues=[list(q) for q in d["queues"]], waits=waits,
-                   signals=signals, counters=counters, predicted=d.get("predicted", {}), meta=d.get("meta", {}))
+        counters = [Counter(int(c["id"]), int(c["target"]), tuple(int(p) for p in c["producers"]))
+                    for c in d["counters"]]
+        return cls(model=str(d["model"]), batch=int(d["batch"]), context=int(d["context"]),
+                   num_sms=int(d["num_sms"]), buffers=buffers, tasks=tasks,
+                   queues=[[int(t) for t in q] for q in d["queues"]], waits=waits, signals=signals,
+                   counters=counters, predicted=dict(d.get("predicted") or {}), meta=dict(d.get("meta") or {}))
 
     @classmethod
     def load(cls, path: str | Path) -> Schedule:
         return cls.from_json(json.loads(Path(path).read_text()))
+
+
+def _check_references(sc: Schedule) -> None:
+    """Every id a schedule holds names an existing task, counter or buffer (ValueError if not)."""
+    n, nc = len(sc.tasks), len(sc.counters)
+    for i, c in enumerate(sc.counters):
+        if c.id != i:
+            raise ValueError(f"counter at index {i} has id {c.id}: expected ids 0..n-1 in order")
+        bad = [p for p in c.producers if not 0 <= p < n]
+        if bad:
+            raise ValueError(f"counter {i} names producer {bad[0]}: expected task ids 0..{n - 1}")
+    for sm, q in enumerate(sc.queues):
+        bad = [t for t in q if not 0 <= t < n]
+        if bad:
+            raise ValueError(f"the queue of SM {sm} holds task {bad[0]}: expected task ids 0..{n - 1}")
+    for t in sc.tasks:
+        bad = [c for c, _ in sc.waits[t.id] if not 0 <= c < nc]
+        if bad or not -1 <= sc.signals[t.id] < nc:
+            c = bad[0] if bad else sc.signals[t.id]
+            raise ValueError(f"task {t.id} ({t.name}) refers to counter {c}: expected counter ids 0..{nc - 1}")
+        unknown = [r.buffer for r in (*t.reads, *t.writes) if r.buffer not in sc.buffers]
+        if unknown:
+            raise ValueError(f"task {t.id} ({t.name}) touches buffer {unknown[0]!r}, which the schedule does "
+                             f"not declare")
