@@ -57,30 +57,81 @@ def message_text(m: dict[str, Any]) -> str:
 
 
 class ByteTokenizer:
-    """ids 0..255 are the UTF-8 bytes, id 256 is EOS; ids above 256 decode to nothing.
+    """ids 0..255 are the UTF-8 bytes, id 256 is EOS; the fallback when there are no tokenizer
+    files, as in the random-weights demo.
 
-    Invalid bytes decode as ``\\xNN`` (readable, stable as text grows); an incomplete UTF-8
-    character at the end decodes as U+FFFD, which tells the detokenizer to wait for more bytes.
+    Every id decodes to visible text, so a demo's output shows that the model runs: valid UTF-8
+    decodes as itself; an id above 256 and a byte that is not valid UTF-8 where it stands each
+    decode as one printable ASCII character (``visible``), and a character Python does not call
+    printable (control, format, unassigned; tab, newline and carriage return stay) as those of its
+    bytes, stable as text grows. An incomplete UTF-8 character at the end
+    decodes as U+FFFD, which tells the detokenizer to wait for more ids.
     """
 
     name = "bytes"
+    EOS = 256
 
     def __init__(self, vocab_size: int):
         if vocab_size < 257:
             raise ValueError(f"vocab_size = {vocab_size}: the byte-level tokenizer needs at least 257 "
                              f"ids (256 bytes + EOS); pass a checkpoint with tokenizer files")
-        self.eos_ids = (256,)
+        self.eos_ids = (self.EOS,)
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def decode(self, ids: Sequence[int]) -> str:
-        dec = codecs.getincrementaldecoder("utf-8")(errors="backslashreplace")
-        text = dec.decode(bytes(i for i in ids if 0 <= i < 256), final=False)
-        return text + "\ufffd" if dec.getstate()[0] else text
+    def decode(self, ids: Sequence[int], final: bool = False) -> str:
+        """The text of ``ids``; ``final``: the sequence has ended, so an incomplete character at
+        the end shows as its bytes' ``visible`` characters rather than U+FFFD."""
+        parts: list[str] = []
+        run = bytearray()  # consecutive byte ids, decoded together (a character spans several)
+        for i in ids:
+            if 0 <= i < 256:
+                run.append(i)
+                continue
+            if run:
+                parts.append(_decode_bytes(bytes(run), final=True))
+                run.clear()
+            if i != self.EOS:
+                parts.append(visible(i))
+        if run:
+            parts.append(_decode_bytes(bytes(run), final=final))
+        return "".join(parts)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
         return plain_chat_template(messages, tools)
+
+
+_PRINTABLE = 95  # the printable ASCII characters, space (32) to tilde (126)
+
+
+def visible(i: int) -> str:
+    """The printable ASCII character that ByteTokenizer shows for an id or byte it cannot show as
+    text."""
+    return chr(32 + i % _PRINTABLE)
+
+
+def _visible_errors(e: UnicodeDecodeError) -> tuple[str, int]:
+    """A codecs error handler: each byte that is not valid UTF-8 becomes ``visible(byte)``."""
+    return "".join(visible(b) for b in e.object[e.start:e.end]), e.end
+
+
+codecs.register_error("mkc.visible", _visible_errors)
+def _decode_bytes(data: bytes, final: bool) -> str:
+    """UTF-8 with every invalid byte and unprintable character shown as ``visible``; when not final,
+    an incomplete character at the end decodes as U+FFFD."""
+    dec = codecs.getincrementaldecoder("utf-8")(errors="mkc.visible")
+    text = "".join(map(_shown, dec.decode(data, final=final)))
+    return text + "\ufffd" if not final and dec.getstate()[0] else text
+
+
+def _shown(c: str) -> str:
+    """A decoded character as ByteTokenizer shows it: itself where printable (tab, newline and
+    carriage return too), else the ``visible`` characters of its bytes (control, format,
+    unassigned, and U+FFFD itself, which marks an incomplete character)."""
+    if (c.isprintable() and c != "\ufffd") or c in "\t\n\r":
+        return c
+    return "".join(visible(b) for b in c.encode("utf-8"))
 
 
 class HFTokenizer:
@@ -158,6 +209,9 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset])
-        text = self.tok.decode(self.ids[self.prefix_offset:])
+        if isinstance(self.tok, ByteTokenizer):  # the sequence ended: no character is still incomplete
+            text = self.tok.decode(self.ids[self.prefix_offset:], final=True)
+        else:
+            text = self.tok.decode(self.ids[self.prefix_offset:])
         self.prefix_offset = self.read_offset = len(self.ids)
         return text[len(prefix):]
