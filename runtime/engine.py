@@ -7,6 +7,11 @@ running request needs a page that is not there, the youngest running request is 
 slot and pages are freed and it goes back to the front of the queue, to be resumed later by
 re-prefilling its prompt plus what it has generated so far. Nothing is ever dropped.
 
+Prompts are prefilled in chunks of ``prefill_chunk`` tokens, between decode steps: while other
+streams decode, a step runs at most ``prefill_budget`` decode steps' time of prefill (whole layers,
+at least one) before their next token, so a long prompt never freezes them; with nobody decoding
+a step runs one whole chunk.
+
 Full pages of prompts are kept in a prefix cache (when the backend can copy KV out and in), keyed by
 the chain of token ids up to the page's end, evicted least recently used whenever a running request
 needs the space.
@@ -24,7 +29,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -60,6 +65,17 @@ class Backend(Protocol):
 
     def free(self, slot: int) -> None:
         """The slot's sequence is gone (its cache may be reused from position 0)."""
+        ...
+
+
+class LayeredBackend(Backend, Protocol):
+    """Optional: a prefill that can stop between layers (the engine interleaves it with decode)."""
+
+    def prefill_layers(self, slot: int, token_ids: Sequence[int], start: int = 0, *,
+                       logits: bool = True) -> Generator[None, None, torch.Tensor | None]:
+        """``prefill`` as a generator: it yields once a layer's work is done (finished on the
+        device, so the engine can time it) and returns the logits [V] of the last token, or None
+        when ``logits`` is False. Bad arguments raise at the call, before any work."""
         ...
 
 
@@ -102,10 +118,12 @@ class _Request:
     arrival: float
     output: list[int] = field(default_factory=list)  # generated ids
     slot: int = -1  # backend slot while running
-    kv_len: int = 0  # positions of the slot's cache that hold this request (running only)
+    kv_len: int = 0  # positions of the slot's cache that hold this request
     pages: int = 0  # KV pages held
     admitted: int = 0  # admission order (preemption takes the youngest)
     held: str = ""  # text held back: it may be the start of a stop string
+    steps: Generator[None, None, torch.Tensor | None] | None = None  # the prefill chunk in flight
+    chunk_end: int = 0  # position after the chunk in flight
     last_token_at: float | None = None
     finished: bool = False
     preemptions: int = 0
@@ -162,8 +180,14 @@ class Engine:
     """Continuous batching over ``backend``; see the module docstring for the policy."""
 
     def __init__(self, backend: Backend, tokenizer: Tokenizer, *, page_size: int = 16,
-                 kv_pages: int | None = None, prefix_cache: bool = True, metrics: Metrics | None = None):
+                 kv_pages: int | None = None, prefix_cache: bool = True, metrics: Metrics | None = None,
+                 prefill_chunk: int = 2048, prefill_budget: float = 2.0):
+        if prefill_chunk < 1 or prefill_budget <= 0:
+            raise ValueError(f"prefill_chunk = {prefill_chunk}, prefill_budget = {prefill_budget}: expected a "
+                             f"chunk of at least one token and a positive budget")
         self.backend, self.tok, self.page_size = backend, tokenizer, page_size
+        self.prefill_chunk = prefill_chunk  # prompt tokens per backend prefill call
+        self.prefill_budget = prefill_budget  # prefill time between decode steps, in decode steps
         full = backend.max_batch * _pages(backend.context, page_size)
         self.kv_pages = full if kv_pages is None else kv_pages
         if self.kv_pages < _pages(backend.context, page_size):
@@ -180,7 +204,9 @@ class Engine:
         self._incoming: deque[_Request] = deque()
         self._aborts: set[str] = set()
         self._waiting: deque[_Request] = deque()
-        self._running: list[_Request] = []
+        self._running: list[_Request] = []  # decoding
+        self._prefilling: deque[_Request] = deque()  # holding a slot, prompt not yet all prefilled
+        self._step_seconds: float | None = None  # a decode step's time, smoothed
         self._free_slots = list(range(backend.max_batch))
         self._pages_used = 0
         self._admissions = itertools.count()
@@ -231,7 +257,8 @@ class Engine:
 
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        """Requests holding a slot: decoding, or with their prompt being prefilled."""
+        return len(self._running) + len(self._prefilling)
 
     @property
     def num_waiting(self) -> int:
@@ -243,13 +270,14 @@ class Engine:
 
     def has_work(self) -> bool:
         with self._lock:
-            return bool(self._incoming or self._waiting or self._running or self._aborts)
+            return bool(self._incoming or self._waiting or self._running or self._prefilling or self._aborts)
 
     # -- the loop --------------------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not (self._stopping or self._incoming or self._waiting or self._running or self._aborts):
+                while not (self._stopping or self._incoming or self._waiting or self._running or self._prefilling
+                           or self._aborts):
                     self._lock.wait()
                 if self._stopping:
                     break
@@ -261,40 +289,96 @@ class Engine:
         self._fail_all("server shutting down", reason="abort")
 
     def step(self) -> None:
-        """Admit what fits, prefill it, then run one decode step over the running batch."""
+        """Admit what fits, run prefill work (one chunk, or the budget while others decode), then
+        one decode step over the running batch."""
         with self._lock:
             self._waiting.extend(self._incoming)
             self._incoming.clear()
             aborts, self._aborts = self._aborts, set()
         if aborts:
             self._apply_aborts(aborts)
-        self._admit()
+        self._prefill_some()
         if self._running:
             self._decode()
         self._report_state()
 
     # -- admission and prefill -------------------------------------------------------------------
-    def _admit(self) -> None:
-        while self._waiting and self._free_slots:
-            req = self._waiting[0]
-            # resumed requests re-prefill everything but their last token, which the next decode feeds
-            resumed = bool(req.output)
-            ids = req.ids[:-1] if resumed else req.prompt
-            # leave a page of headroom per running request, or the next decode step would
-            # preempt the request just admitted (and waste its prefill)
-            if not self._reserve(_pages(len(ids), self.page_size), headroom=len(self._running)):
-                break
-            self._waiting.popleft()
-            req.pages = _pages(len(ids), self.page_size)
-            req.slot = self._free_slots.pop(0)
-            req.admitted = next(self._admissions)
-            start = self._load_prefix(req, ids)
-            logits = self.backend.prefill(req.slot, ids[start:], start)
-            req.kv_len = len(ids)
-            self._running.append(req)
-            self._store_prefix(req, ids)
-            if not resumed:
-                self._emit_token(req, sample(logits, req.params, req.gen))
+    def _admit(self) -> bool:
+        """Give the oldest waiting request a slot and its prompt's pages, if they are free; True if
+        it was admitted. One request is prefilled at a time, so a prompt admitted after another
+        finds that one's pages in the prefix cache."""
+        if not (self._waiting and self._free_slots):
+            return False
+        req = self._waiting[0]
+        ids = self._prompt_ids(req)
+        # leave a page of headroom per request holding a slot, or the next decode step would
+        # preempt the request just admitted (and waste its prefill)
+        if not self._reserve(_pages(len(ids), self.page_size), headroom=self.num_running):
+            return False
+        self._waiting.popleft()
+        req.pages = _pages(len(ids), self.page_size)
+        req.slot = self._free_slots.pop(0)
+        req.admitted = next(self._admissions)
+        req.kv_len = self._load_prefix(req, ids)
+        self._prefilling.append(req)
+        return True
+
+    @staticmethod
+    def _prompt_ids(req: _Request) -> list[int]:
+        """What a request prefills: its prompt; a resumed one everything but its last token, which
+        the next decode step feeds."""
+        return req.ids[:-1] if req.output else req.prompt
+
+    def _prefill_some(self) -> None:
+        """Admit and prefill prompts, oldest first, up to ``prefill_chunk`` tokens in all: to the
+        end of the chunk when nobody decodes, else layers until ``prefill_budget`` decode steps'
+        time is spent (at least one layer); a chunk cut short goes on at the next step."""
+        deadline = None
+        if self._running and self._step_seconds is not None:
+            deadline = time.monotonic() + self.prefill_budget * self._step_seconds
+        tokens = self.prefill_chunk
+        while tokens > 0 and (self._prefilling or self._admit()):
+            req = self._prefilling[0]
+            ids = self._prompt_ids(req)
+            if req.steps is None:
+                req.chunk_end = min(len(ids), req.kv_len + tokens)
+                req.steps = self._prefill_steps(req.slot, ids[req.kv_len:req.chunk_end], req.kv_len,
+                                                logits=req.chunk_end == len(ids) and not req.output)
+            tokens -= req.chunk_end - req.kv_len
+            while True:
+                try:
+                    next(req.steps)
+                except StopIteration as done:
+                    req.steps, req.kv_len = None, req.chunk_end
+                    if req.kv_len == len(ids):
+                        self._prefilled(req, ids, done.value)
+                    break
+                if self._running and (deadline is None or time.monotonic() >= deadline):
+                    return
+            if self._running and (deadline is None or time.monotonic() >= deadline):
+                return
+
+    def _prefill_steps(self, slot: int, ids: list[int], start: int,
+                       logits: bool) -> Generator[None, None, torch.Tensor | None]:
+        layered = getattr(self.backend, "prefill_layers", None)
+        if layered is not None:
+            return layered(slot, ids, start, logits=logits)
+        return self._whole_prefill(slot, ids, start)
+
+    def _whole_prefill(self, slot: int, ids: list[int], start: int) -> Generator[None, None, torch.Tensor]:
+        """A backend with no layered prefill: the chunk in one call, as a generator that ends at
+        its first ``next``."""
+        return self.backend.prefill(slot, ids, start)
+        yield  # unreachable: makes this function a generator
+
+    def _prefilled(self, req: _Request, ids: list[int], logits: torch.Tensor | None) -> None:
+        """The prompt is all in the cache: the request decodes from now on."""
+        self._prefilling.remove(req)
+        self._running.append(req)
+        self._store_prefix(req, ids)
+        if not req.output:  # a new request's first token; a resumed one has it already
+            assert logits is not None
+            self._emit_token(req, sample(logits, req.params, req.gen))
 
     def _reserve(self, pages: int, headroom: int = 0) -> bool:
         """Take ``pages`` (evicting prefix-cache pages, never preempting) if ``headroom`` more would
@@ -345,7 +429,8 @@ class Engine:
                 continue
             need = _pages(req.kv_len + 1, self.page_size) - req.pages
             while need > 0 and not self._reserve(need):
-                victim = max((r for r in self._running if not r.finished), key=lambda r: r.admitted)
+                holders = [r for r in self._running if not r.finished] + list(self._prefilling)
+                victim = max(holders, key=lambda r: r.admitted)
                 self._preempt(victim)
                 if victim is req:
                     break
@@ -357,9 +442,11 @@ class Engine:
         t0 = time.monotonic()
         logits = self.backend.decode([r.slot for r in batch], [r.ids[-1] for r in batch],
                                      [r.kv_len for r in batch])
+        seconds = time.monotonic() - t0
+        self._step_seconds = seconds if self._step_seconds is None else 0.8 * self._step_seconds + 0.2 * seconds
         self.steps += 1
         if self.metrics:
-            self.metrics.on_step(time.monotonic() - t0)
+            self.metrics.on_step(seconds)
         # greedy rows take one argmax over the batch where the logits live (no per-row copies)
         greedy = [i for i, r in enumerate(batch) if r.params.temperature == 0 or r.params.top_k == 1]
         picked = dict(zip(greedy, logits[greedy].argmax(-1).tolist())) if greedy else {}
@@ -379,6 +466,11 @@ class Engine:
     def _release(self, req: _Request) -> None:
         if req in self._running:
             self._running.remove(req)
+        if req in self._prefilling:
+            self._prefilling.remove(req)
+        if req.steps is not None:  # a chunk in flight: its positions are dropped with the slot
+            req.steps.close()
+            req.steps = None
         if req.slot >= 0:
             self.backend.free(req.slot)
             self._free_slots.append(req.slot)
@@ -449,7 +541,7 @@ class Engine:
             self.metrics.on_finish(reason, len(req.prompt))
 
     def _apply_aborts(self, ids: set[str]) -> None:
-        for q in (self._waiting, self._running):
+        for q in (self._waiting, self._prefilling, self._running):
             for req in [r for r in q if r.id in ids]:
                 if q is self._waiting:
                     self._waiting.remove(req)
@@ -460,13 +552,13 @@ class Engine:
         with self._lock:
             self._waiting.extend(self._incoming)
             self._incoming.clear()
-        for req in list(self._running) + list(self._waiting):
+        for req in list(self._running) + list(self._prefilling) + list(self._waiting):
             self._send(req, Output(req.id, "", [], reason, len(req.prompt), len(req.output), error=message))
             self._finish(req, reason)
         self._waiting.clear()
 
     def _report_state(self) -> None:
         if self.metrics:
-            self.metrics.on_state(running=len(self._running), waiting=self.num_waiting,
+            self.metrics.on_state(running=self.num_running, waiting=self.num_waiting,
                                   max_batch=self.backend.max_batch, pages_used=self._pages_used,
                                   pages_cached=self._cached_pages(), pages_total=self.kv_pages)
