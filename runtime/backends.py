@@ -7,7 +7,9 @@ and ``kv_cache(layer) -> (k, v)``, each ``[B, kv_heads, context, head_dim]`` liv
 ``DecoderBackend`` adapts one to the engine. The schedule is compiled once for
 ``batch = max_batch``; each batch row is a slot. A decode step runs every row: rows not in the
 step get a dummy token at position 0 (the attention of a row reads only its own row; MoE routing
-weights of other rows are zero for it). Prefill is plain PyTorch (``runtime/prefill.py``).
+weights of other rows are zero for it). Prefill is PyTorch (``runtime/prefill.py``): the float32
+reference on the CPU backend, the tensor-core ``FastPrefill`` on the CUDA backend; either writes
+the slot's cache in place, layer by layer (``prefill_layers``), slab or pages.
 
 Two cache layouts (mkc/ir/kv_layout.py):
 
@@ -16,7 +18,7 @@ Two cache layouts (mkc/ir/kv_layout.py):
 * paged (``page_size`` > 0): a pool of ``kv_pages`` pages per layer plus one scratch page. A slot
   takes pages as its positions grow and gives them back when freed (``PagePool``); an idle row's
   page-table row points at the scratch page, so a step cannot touch any slot's pages. Prefill
-  runs on a gathered copy of the slot's pages and scatters back what it wrote. Prefix-cache pages
+  writes and reads the slot's pages through its page list (``PagedKV``). Prefix-cache pages
   are shared by reference (``retain_page`` / ``attach_page`` / ``drop_page``, reference-counted).
 """
 
@@ -28,7 +30,7 @@ from typing import Any, Protocol
 import torch
 
 from mkc.ir.spec import ModelSpec
-from mkc.runtime.prefill import Prefill
+from mkc.runtime.prefill import FastPrefill, PagedKV, Prefill, PrefillSteps, SlabKV, SlotKV, run_to_end
 from mkc.schedule.plan import plan
 from mkc.schedule.schedule import Schedule
 
@@ -94,14 +96,19 @@ class DecoderBackend:
 
     ``weights`` are the decoder's own, by logical name and row-major (same device and dtype as its
     cache; for the CUDA decoder a ``LogicalWeights`` view of its tile-ordered buffers) and feed the
-    prefill; ``act_dtype`` is the storage dtype of the decoder's "bf16" activations.
+    prefill; ``act_dtype`` is the storage dtype of the decoder's "bf16" activations; ``prefill``
+    is "reference" (float32, ``Prefill``) or "fast" (tensor cores, ``FastPrefill``).
     """
 
     def __init__(self, decoder: StepDecoder, spec: ModelSpec, weights: Mapping[str, torch.Tensor], *,
-                 max_batch: int, context: int, act_dtype: torch.dtype, buffers: dict[str, torch.Tensor]):
+                 max_batch: int, context: int, act_dtype: torch.dtype, buffers: dict[str, torch.Tensor],
+                 prefill: str = "reference"):
         self.decoder, self.spec = decoder, spec
         self.max_batch, self.context, self.vocab_size = max_batch, context, spec.vocab_size
-        self._prefill = Prefill(spec, weights, act_dtype=act_dtype)
+        kinds = {"reference": Prefill, "fast": FastPrefill}
+        if prefill not in kinds:
+            raise ValueError(f"prefill {prefill!r}: expected one of {sorted(kinds)}")
+        self._prefill = kinds[prefill](spec, weights, act_dtype=act_dtype)  # type: ignore[arg-type]
         self._pool_kv = [(buffers[f"L{i}.k_cache"], buffers[f"L{i}.v_cache"]) for i in range(spec.num_layers)]
         if "page_table" in buffers:
             self._table = buffers["page_table"]
@@ -115,45 +122,36 @@ class DecoderBackend:
 
     def slot_kv(self, slot: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (k, v) of positions [0, end) of a slot, [G, end, D]: views of a slab, or
-        copies gathered from a paged slot's pages (positions it holds no page for read as 0)."""
+        copies gathered from a paged slot's pages (it must hold pages up to ``end``)."""
         if self.pages is None:
             return [(k[slot, :, :end], v[slot, :, :end]) for k, v in self._kv]
-        return [(self._gather(k, slot, end), self._gather(v, slot, end)) for k, v in self._pool_kv]
-
-    def _gather(self, pool: torch.Tensor, slot: int, end: int) -> torch.Tensor:
-        assert self.pages is not None
-        g, _, p, d = pool.shape
-        held = self.pages.held[slot]
-        out = torch.zeros(g, len(held) * p, d, dtype=pool.dtype, device=pool.device)
-        if held:
-            out.copy_(pool[:, torch.tensor(held, device=pool.device)].reshape(g, len(held) * p, d))
-        return out[:, :end] if end <= out.shape[1] else torch.cat(
-            [out, torch.zeros(g, end - out.shape[1], d, dtype=pool.dtype, device=pool.device)], 1)
-
-    def _scatter(self, slot: int, start: int, kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Write positions [start, end) of per-layer [G, end, D] copies into the slot's pages."""
-        assert self.pages is not None
-        p = self.pages.page_size
-        end = kv[0][0].shape[1]
-        pos = torch.arange(start, end)
-        pages = torch.tensor(self.pages.held[slot], dtype=torch.long)[pos // p]
-        for (pk, pv), (k, v) in zip(self._pool_kv, kv, strict=True):
-            dev = pk.device
-            pk[:, pages.to(dev), (pos % p).to(dev)] = k[:, start:end].to(pk.dtype)
-            pv[:, pages.to(dev), (pos % p).to(dev)] = v[:, start:end].to(pv.dtype)
+        kv = PagedKV(self._pool_kv, self.pages.held[slot])
+        return [kv.read(layer, 0, end) for layer in range(self.spec.num_layers)]
 
     def prefill(self, slot: int, token_ids: Sequence[int], start: int = 0) -> torch.Tensor:
+        logits = run_to_end(self.prefill_layers(slot, token_ids, start))
+        assert logits is not None
+        return logits
+
+    def prefill_layers(self, slot: int, token_ids: Sequence[int], start: int = 0, *,
+                       logits: bool = True) -> PrefillSteps:
+        """The engine's layered prefill (runtime/engine.py: LayeredBackend): writes the slot's
+        cache in place, slab or pages, and yields after each layer."""
         self._check_slot(slot)
-        if self.pages is None:
-            return self._prefill.run(token_ids, start, [(k[slot], v[slot]) for k, v in self._kv])
         end = start + len(token_ids)
         if end > self.context:
             raise ValueError(f"prefill: positions {start}..{end - 1} exceed the context ({self.context})")
+        return self._settled(self._prefill.layers(token_ids, start, self._slot_kv(slot, end), logits=logits))
+
+    def _settled(self, steps: PrefillSteps) -> PrefillSteps:
+        """``steps`` as they are: a CPU layer is done when it yields (the CUDA backend waits for it)."""
+        return steps
+
+    def _slot_kv(self, slot: int, end: int) -> SlotKV:
+        if self.pages is None:
+            return SlabKV([(k[slot], v[slot]) for k, v in self._kv])
         self.pages.ensure(slot, end)
-        kv = self.slot_kv(slot, end)  # copies: the prefill reads [0, start) and writes [start, end)
-        logits = self._prefill.run(token_ids, start, kv)
-        self._scatter(slot, start, kv)
-        return logits
+        return PagedKV(self._pool_kv, self.pages.held[slot])
 
     def decode(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
         for s in slots:
@@ -187,21 +185,14 @@ class DecoderBackend:
 
     def read_kv(self, slot: int, start: int, end: int) -> torch.Tensor:
         """[layers, 2, kv_heads, end - start, head_dim] copy of the slot's cache positions."""
-        return torch.stack([torch.stack([k[:, start:end], v[:, start:end]]) for k, v in self.slot_kv(slot, end)])
+        kv = self._slot_kv(slot, end)
+        return torch.stack([torch.stack(kv.read(layer, start, end)) for layer in range(self.spec.num_layers)])
 
     def write_kv(self, slot: int, start: int, kv: torch.Tensor) -> None:
-        n = kv.shape[3]
-        if self.pages is None:
-            for (k, v), x in zip(self._kv, kv, strict=True):
-                k[slot, :, start:start + n] = x[0]
-                v[slot, :, start:start + n] = x[1]
-            return
-        self.pages.ensure(slot, start + n)
-        full = self.slot_kv(slot, start + n)
-        for (k, v), x in zip(full, kv, strict=True):
-            k[:, start:] = x[0]
-            v[:, start:] = x[1]
-        self._scatter(slot, start, full)
+        self._check_slot(slot)
+        cache = self._slot_kv(slot, start + kv.shape[3])
+        for layer, x in enumerate(kv):
+            cache.write(layer, start, x[0].transpose(0, 1), x[1].transpose(0, 1))
 
     # prefix-cache pages by reference (the paged layout; the engine uses them when shares_pages)
     @property
@@ -240,27 +231,40 @@ class CpuBackend(DecoderBackend):
 
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], *, max_batch: int = 8,
                  context: int = 512, num_sms: int = 8, dtype: torch.dtype = torch.float32, page_size: int = 0,
-                 kv_pages: int = 0):
+                 kv_pages: int = 0, prefill: str = "reference"):
         from mkc.schedule.executor import CpuExecutor
 
         sc = compile_schedule(spec, max_batch, context, num_sms, page_size, kv_pages)
         self.exe = CpuExecutor(sc, spec, weights, dtype=dtype, poison_weights=False, check=False)
         super().__init__(self.exe, spec, self.exe.weights, max_batch=max_batch, context=context, act_dtype=dtype,
-                         buffers=self.exe.bufs)
+                         buffers=self.exe.bufs, prefill=prefill)
 
 
 class CudaBackend(DecoderBackend):
     """The megakernel (``runtime/cuda_backend.py: CudaDecoder``) on the current CUDA device, bf16.
 
-    ``num_sms`` defaults to every SM of the device.
+    ``num_sms`` defaults to every SM of the device. Prompts go through ``FastPrefill`` unless
+    ``prefill`` says "reference".
     """
 
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], *, max_batch: int = 8,
-                 context: int = 4096, num_sms: int | None = None, page_size: int = 0, kv_pages: int = 0):
+                 context: int = 4096, num_sms: int | None = None, page_size: int = 0, kv_pages: int = 0,
+                 prefill: str = "fast"):
         from mkc.runtime.cuda_backend import CudaDecoder
 
         if num_sms is None:
             num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
         self.dec = CudaDecoder(compile_schedule(spec, max_batch, context, num_sms, page_size, kv_pages), spec, weights)
         super().__init__(self.dec, spec, self.dec.logical_weights(), max_batch=max_batch,
-                         context=context, act_dtype=torch.bfloat16, buffers=self.dec.buffers)
+                         context=context, act_dtype=torch.bfloat16, buffers=self.dec.buffers, prefill=prefill)
+
+    def _settled(self, steps: PrefillSteps) -> PrefillSteps:
+        """Each layer finished on the GPU before it yields, so the engine's clock times real work."""
+        stream = torch.cuda.current_stream(self.dec.device)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+            stream.synchronize()
+            yield

@@ -35,7 +35,7 @@ from mkc import settings
 from mkc.codegen import KernelArtifact, build_kernel
 from mkc.codegen.render import CodegenOptions
 from mkc.codegen.taskwords import buffer_table, encode, record_descriptors, routing_logits, tagged_words
-from mkc.codegen.weight_tiles import TiledWeights, from_tiles, tiled_weights, to_tiles
+from mkc.codegen.weight_tiles import TILE_ROWS, TiledWeights, from_tiles, tiled_weights, to_tiles
 from mkc.ir.kv_layout import identity_page_table, logical_view, page_size_of
 from mkc.ir.spec import ModelSpec
 from mkc.schedule.schedule import Schedule
@@ -141,6 +141,22 @@ class LogicalWeights(Mapping):
         if name not in self._tiled:
             return t
         return _TiledStack(t) if t.dim() == 3 else from_tiles(t)
+
+    def matrix(self, name: str) -> torch.Tensor:
+        """The whole weight row-major, an expert stack [E, R, K] included (one reordered copy)."""
+        if name not in self._names:
+            raise KeyError(name)
+        t = self._buffers[name]
+        return from_tiles(t) if name in self._tiled else t
+
+    def rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` [T] of a matrix [R, K] (an embedding), reordering only their 16-row groups."""
+        t = self._buffers[name]
+        if name not in self._tiled:
+            return t[ids]
+        r, k = t.shape
+        groups = from_tiles(t.view(r // TILE_ROWS, TILE_ROWS, k)[ids // TILE_ROWS])  # [T, 16, K]
+        return groups[torch.arange(ids.numel(), device=ids.device), ids % TILE_ROWS]
 
     def __iter__(self):
         return iter(self._names)

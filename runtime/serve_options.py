@@ -13,7 +13,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     w = parser.add_mutually_exclusive_group(required=True)
     w.add_argument("--checkpoint", help="Hugging Face checkpoint folder (safetensors; tokenizer files if any)")
     w.add_argument("--random-weights", action="store_true", help="random weights (demo; byte-level tokenizer)")
-    parser.add_argument("--weights-seed", type=int, default=0, help="seed of --random-weights")
+    parser.add_argument("--seed", "--weights-seed", dest="seed", type=int, default=0,
+                        help="seed of --random-weights (default 0)")
     parser.add_argument("--backend", choices=("auto", "cuda", "cpu"), default="auto",
                         help="cuda: the megakernel; cpu: the CPU executor (runs anywhere); auto: cuda when a "
                              "GPU and the CUDA backend are present")
@@ -26,6 +27,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="KV pages in the pool (default: max-batch x context / page-size); fewer pages "
                              "make the engine preempt and requeue requests")
     parser.add_argument("--no-prefix-cache", action="store_true", help="do not cache full prompt pages")
+    parser.add_argument("--prefill-chunk", type=int, default=2048,
+                        help="prompt tokens prefilled per engine step (default 2048); a longer prompt takes "
+                             "several steps, with the running streams' decode steps between them")
+    parser.add_argument("--prefill-budget", type=float, default=2.0,
+                        help="while other streams decode: prefill time between two of their steps, in decode "
+                             "steps (default 2.0; whole layers, at least one)")
     parser.add_argument("--kv-layout", choices=("slab", "paged"), default="slab",
                         help="slab: one KV slab of the whole context per batch slot; paged: a pool of --kv-pages "
                              "pages of --page-size positions that slots take as they grow (the kernel reads them "

@@ -85,6 +85,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # extension (as vLLM's): the usage so far on every chunk
 
 
 class _Sampling(_Strict):
@@ -450,12 +451,15 @@ async def _stream(state: ServerState, gen: _Generation, req: _Sampling, rid: str
     ``choices`` makes of an output; an error event if generation fails or the server shuts down;
     the usage chunk when ``stream_options.include_usage`` asks for it; ``[DONE]`` last."""
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    # a chunk for every token, even one with no text of its own, carrying the usage so far: a
+    # client can time each token
+    continuous = include_usage and bool(req.stream_options and req.stream_options.continuous_usage_stats)
     base = {"id": rid, "object": object_type, "created": created, "model": state.model_name}
 
-    def chunk(choice: dict[str, Any]) -> dict[str, Any]:
+    def chunk(choice: dict[str, Any], out: Output | None = None) -> dict[str, Any]:
         c = {**base, "choices": [choice]}
         if include_usage:
-            c["usage"] = None
+            c["usage"] = _usage(out) if continuous and out is not None else None
         return c
 
     for choice in first:
@@ -466,8 +470,13 @@ async def _stream(state: ServerState, gen: _Generation, req: _Sampling, rid: str
         if out.finish_reason in ("error", "abort"):  # abort here = the server is shutting down
             yield _error_event(out)
             break
+        sent = False
         for choice in choices(out):
-            yield chunk(choice)
+            yield chunk(choice, out)
+            sent = True
+        if continuous and not sent and out.token_ids:
+            empty = _choice(None, text="") if object_type == "text_completion" else _choice(None, delta={})
+            yield chunk(empty, out)
     if include_usage and last is not None:
         yield {**base, "choices": [], "usage": _usage(last)}
     yield "[DONE]"
@@ -531,17 +540,28 @@ def build_state(args: argparse.Namespace) -> ServerState:
     if threads:
         torch.set_num_threads(threads)
     dtype = getattr(torch, args.dtype or ("float32" if backend_name == "cpu" else "bfloat16"))
-    weights = (random_weights(spec, args.weights_seed, dtype) if args.random_weights
+    if args.prefill_chunk < 1 or args.prefill_budget <= 0:
+        raise ValueError(f"--prefill-chunk {args.prefill_chunk} / --prefill-budget {args.prefill_budget}: "
+                         f"expected at least 1 token / a positive number of decode steps")
+    t0 = time.monotonic()
+    log.info("loading %s weights of %s (%s) ...", "random" if args.random_weights else "checkpoint", spec.name,
+             str(dtype).removeprefix("torch."))
+    weights = (random_weights(spec, args.seed, dtype) if args.random_weights
                else load_checkpoint(args.checkpoint, spec, dtype))
+    log.info("weights ready in %.1f s; building the %s backend (schedule, kernel, weights on the device) ...",
+             time.monotonic() - t0, backend_name)
+    t1 = time.monotonic()
     paged = args.kv_layout == "paged"
     kv_pages = args.kv_pages or args.max_batch * -(-args.context // args.page_size)
     backend = make_backend(backend_name, spec, weights, max_batch=args.max_batch, context=args.context,
                            dtype=dtype, num_sms=args.num_sms, page_size=args.page_size if paged else 0,
                            kv_pages=kv_pages if paged else 0)
+    log.info("backend ready in %.1f s", time.monotonic() - t1)
     tokenizer = load_tokenizer(args.checkpoint, spec.vocab_size)
     metrics = Metrics()
     engine = Engine(backend, tokenizer, page_size=args.page_size, kv_pages=args.kv_pages,
-                    prefix_cache=not args.no_prefix_cache, metrics=metrics)
+                    prefix_cache=not args.no_prefix_cache, metrics=metrics, prefill_chunk=args.prefill_chunk,
+                    prefill_budget=args.prefill_budget)
     log.info("serving %s: backend %s, batch %d, context %d, tokenizer %s, %d KV pages of %d",
              spec.name, backend_name, args.max_batch, args.context, tokenizer.name, engine.kv_pages, args.page_size)
     return ServerState(engine=engine, tokenizer=tokenizer, model_name=args.served_model_name or spec.name,
@@ -567,8 +587,12 @@ def make_backend(name: str, spec: Any, weights: dict[str, Any], *, max_batch: in
                           page_size=page_size, kv_pages=kv_pages)
     if name == "cuda":
         if not _has_cuda_backend():
-            raise ValueError("--backend cuda: no usable CUDA device or driver bindings (pip install mkc[cuda]); "
-                             "use --backend cpu")
+            try:
+                import cuda.bindings  # noqa: F401
+            except ImportError:
+                raise ValueError("--backend cuda: the CUDA driver bindings are not installed "
+                                 "(pip install 'mkc[cuda]'); or use --backend cpu") from None
+            raise ValueError("--backend cuda: no usable CUDA GPU or driver on this machine; use --backend cpu")
         return CudaBackend(spec, weights, max_batch=max_batch, context=context, num_sms=num_sms,
                            page_size=page_size, kv_pages=kv_pages)
     raise ValueError(f"--backend {name!r}: expected one of ['auto', 'cuda', 'cpu']")
@@ -582,7 +606,7 @@ def serve_main(args: argparse.Namespace) -> int:
     try:
         state = build_state(args)
     except (ValueError, OSError, KeyError) as e:  # SpecError and CheckpointError are ValueErrors
-        print(f"mkc serve: {e}", file=sys.stderr)
+        print(f"mkc: error: {e}", file=sys.stderr)
         return 2
     uvicorn.run(build_app(state), host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=5)

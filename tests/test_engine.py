@@ -181,3 +181,68 @@ def test_backend_failure_ends_requests_not_engine():
         assert again[-1].finish_reason == "length" and eng.pages_used == 0
     finally:
         eng.stop()
+
+
+class LayeredBackend(FakeBackend):
+    """FakeBackend whose prefill runs LAYERS layers, each advancing a fake clock by PREFILL_LAYER
+    seconds (a decode step takes DECODE), and which logs every event in order."""
+
+    LAYERS, PREFILL_LAYER, DECODE = 6, 0.004, 0.010
+
+    def __init__(self, clock: list[float], **kw):
+        super().__init__(**kw)
+        self.clock, self.events = clock, []  # events: ("layer", slot, start, n, layer) | ("decode", slots)
+
+    def prefill_layers(self, slot, token_ids, start=0, *, logits=True):
+        if start + len(token_ids) > self.context:
+            raise ValueError("past the context")
+        return self._layers(slot, list(token_ids), start, logits)
+
+    def _layers(self, slot, ids, start, logits):
+        for layer in range(self.LAYERS):
+            self.clock[0] += self.PREFILL_LAYER
+            self.events.append(("layer", slot, start, len(ids), layer))
+            yield
+        out = FakeBackend.prefill(self, slot, ids, start)  # the cache is written when the chunk ends
+        return out if logits else None
+
+    def decode(self, slots, tokens, positions):
+        self.clock[0] += self.DECODE
+        self.events.append(("decode", tuple(slots)))
+        return super().decode(slots, tokens, positions)
+
+
+def test_long_prompt_is_chunked_between_decode_steps(monkeypatch):
+    """A long prompt arriving while a stream decodes: it is prefilled in chunks of prefill_chunk
+    tokens, a chunk's layers cut into slices of at most prefill_budget decode steps (here 2 x 10
+    ms = 20 ms: five 4 ms layers), and the running stream decodes between slices; its tokens and
+    the long prompt's are those of the two run alone."""
+    clock = [0.0]
+    monkeypatch.setattr("mkc.runtime.engine.time.monotonic", lambda: clock[0])
+    tok = ByteTokenizer(V)
+    greedy = SamplingParams(max_tokens=30, temperature=0)
+    be = LayeredBackend(clock, context=128)
+    eng = Engine(be, tok, prefill_chunk=32, prefill_budget=2.0)
+    short, long = tok.encode("hi"), tok.encode("a long prompt " * 6)  # 84 tokens: 3 chunks
+    got: dict[str, list[Output]] = {"short": [], "long": []}
+    eng.submit(short, greedy, got["short"].append, request_id="short")
+    for _ in range(3):
+        eng.step()
+    eng.submit(long, greedy, got["long"].append, request_id="long")
+    while eng.has_work():
+        eng.step()
+    # the long prompt's chunks: positions 0, 32, 64 of 32, 32, 20 tokens, each layer once
+    chunks = [(e[2], e[3]) for e in be.events if e[0] == "layer" and e[1] == 1]
+    assert sorted(set(chunks)) == [(0, 32), (32, 32), (64, 20)] and len(chunks) == 3 * be.LAYERS
+    # between two decode steps of the short stream, at most 20 ms of prefill: 5 layers
+    first_long = next(i for i, e in enumerate(be.events) if e[0] == "layer" and e[1] == 1)
+    last_long = max(i for i, e in enumerate(be.events) if e[0] == "layer" and e[1] == 1)
+    run = 0
+    for e in be.events[first_long:last_long + 1]:
+        run = run + 1 if e[0] == "layer" else 0
+        assert run <= 5, "a slice of prefill longer than the budget froze the running stream"
+    decodes = [e for e in be.events[first_long:last_long] if e[0] == "decode"]
+    assert len(decodes) >= 3 and all(0 in e[1] for e in decodes), "the short stream did not decode meanwhile"
+    for name, prompt in (("short", short), ("long", long)):
+        alone = run_engine(Engine(FakeBackend(context=128), tok), [prompt], greedy)[0]
+        assert text_of(got[name]) == text_of(alone)

@@ -286,3 +286,21 @@ def test_missing_or_misshapen_tensor_is_named(checkpoint, spec, tmp_path):
     with pytest.raises(CheckpointError, match=r"model\.safetensors: tensor 'model\.layers\.0\.self_attn\.o_proj"):
         load_checkpoint(tmp_path / "shape", spec, torch.float32)
     assert json.loads((tmp_path / "shape" / "config.json").read_text())["model_type"] == "cohere2_moe"
+
+
+def test_chunked_fast_prefill_then_decode_matches_transformers(hf_model, spec, weights):
+    """The serving path with the tensor-core prefill (FastPrefill, float32 on the CPU) in chunks of
+    7 tokens, through the engine: greedy tokens equal transformers'."""
+    from conftest import run_engine
+
+    from mkc.runtime.backends import CpuBackend
+    from mkc.runtime.engine import Engine
+    from mkc.runtime.sampling import SamplingParams
+    from mkc.runtime.tokenizer import ByteTokenizer
+
+    prompts = _prompts()
+    want = [_hf_greedy(hf_model, p, NEW_TOKENS) for p in prompts]
+    be = CpuBackend(spec, weights, max_batch=2, context=64, prefill="fast")
+    engine = Engine(be, ByteTokenizer(spec.vocab_size), page_size=8, prefill_chunk=7)
+    outs = run_engine(engine, prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
+    assert [[t for o in out for t in o.token_ids] for out in outs] == want
