@@ -50,7 +50,7 @@ def test_summary_is_consistent(sc, spec):
     assert 0 < d["sol_fraction"] <= 1
     assert d["sol_fraction"] == pytest.approx(d["sol_us"] / d["step_us"])
     assert d["tok_s"] == pytest.approx(sc.batch / d["step_us"] * 1e6)
-    assert d["critical_path_tasks"] == len(sc.predicted["critical_path"])
+    assert d["critical_path_tasks"] == len(viz.chain(sc).tasks)
     tp = d["tasks_per_sm"]
     assert tp["min"] <= tp["mean"] <= tp["max"]
     assert tp["mean"] * sc.num_sms == pytest.approx(len(sc.tasks))
@@ -115,7 +115,7 @@ def test_html_is_self_contained(sc, out):
     data = json.loads(m.group(1))
     assert len(data["t"]["n"]) == len(data["t"]["s"]) == len(sc.tasks)
     assert data["t"]["n"] == [t.name for t in sc.tasks]
-    assert data["crit"] == sc.predicted["critical_path"]
+    assert data["crit"] == viz.chain(sc).tasks
     assert data["meta"]["num_sms"] == sc.num_sms
     assert set(data["dag"]) == set(data["layers"])
 
@@ -127,8 +127,22 @@ def test_layer_dags_cover_every_op_and_flow_forward(sc, spec):
         expect = {viz.op_label(t) for t in sc.tasks if viz.layer_label(t.layer, spec.num_layers) == layer}
         assert own == expect, layer
         for a, b, n in g["edges"]:
-            assert g["nodes"][a][1] < g["nodes"][b][1] and n > 0  # columns are generations
-    assert any(g["edges"] for g in data["dag"].values())
+            assert g["nodes"][a][1] < g["nodes"][b][1] and n >= 0  # columns are generations
+        if len(g["nodes"]) > 1:  # every op is joined to what it depends on or what depends on it
+            joined = {i for a, b, _ in g["edges"] for i in (a, b)}
+            assert joined == set(range(len(g["nodes"]))), (layer, [n[0] for n in g["nodes"]])
+    assert any(n > 0 for g in data["dag"].values() for _, _, n in g["edges"])
+
+
+def test_an_op_ordered_without_a_wait_of_its_own_keeps_its_edge(sc, spec):
+    """topk reads the router's logits: an edge, with no wait where queue order or other waits
+    order it (the scheduler leaves such a wait out)."""
+    edges = viz.op_edges(sc)
+    for t in sc.tasks:
+        if t.op.name == "TOPK":
+            assert ((t.layer, "router"), (t.layer, "topk")) in edges
+    # every wait still counts on an edge: at least one per wait, one per producer op of its counter
+    assert sum(edges.values()) >= sum(len(w) for w in sc.waits) > 0
 
 
 def test_report_per_op_counts_sum_to_tasks(sc, out):
@@ -141,7 +155,41 @@ def test_report_per_op_counts_sum_to_tasks(sc, out):
     assert set(counts) == {viz.op_label(t) for t in sc.tasks}
     assert "## Per layer" in text and "## Per-SM load" in text
     crit = text.split("## Critical path")[1].split("\n## ")[0]
-    assert sum(1 for r in crit.splitlines() if re.match(r"\| \d+ \|", r)) == len(sc.predicted["critical_path"])
+    assert sum(1 for r in crit.splitlines() if re.match(r"\| \d+ \|", r)) == len(viz.chain(sc).tasks)
+
+
+@pytest.fixture(scope="module")
+def simulated(spec) -> Schedule:
+    from mkc.schedule.simulate import predict
+
+    return predict(schedule(lower(spec, 2, 64, 8), spec.name))
+
+
+def _table_rows(text: str, section: str) -> list[list[str]]:
+    part = text.split(f"## {section}")[1].split("\n## ")[0]
+    rows = [[c.strip() for c in r.strip().strip("|").split("|")] for r in part.splitlines() if r.startswith("| ")]
+    return [r for r in rows[2:]]  # past the header and its rule
+
+
+def test_report_numbers_agree(simulated, spec, tmp_path):
+    """Every time in report.md comes from the one simulated timeline: the per-op total is the
+    summary's utilisation, the critical path fits in the step and its per-layer parts add up to it,
+    and each layer's time to the next layer adds up to the step."""
+    sc = simulated
+    d = viz.summary(sc, spec)
+    text = viz.write_report(sc, spec, tmp_path / "report.md").read_text()
+    assert "report.md" not in text  # the report does not send the reader to itself
+    total = _table_rows(text, "Per op")[-1]
+    assert total[0] == "**total**" and total[5] == f"{d['utilisation']:.1%}", total
+    assert d["critical_path_us"] <= d["step_us"]
+    assert d["critical_path_us"] == pytest.approx(d["critical_run_us"] + d["critical_handoff_us"])
+    layers = _table_rows(text, "Per layer")
+    assert sum(float(r[8]) for r in layers) == pytest.approx(d["critical_path_us"], abs=0.1 * len(layers))
+    assert sum(float(r[7]) for r in layers) == pytest.approx(d["step_us"], abs=0.1 * len(layers))
+    assert float(layers[0][6]) == 0.0  # the first layer starts the step
+    ch = viz.chain(sc)
+    start, end = sc.predicted["start_us"], sc.predicted["end_us"]
+    assert all(start[b] >= end[a] for a, b in zip(ch.tasks, ch.tasks[1:]))  # each waits for the one before
 
 
 def test_manifest_hashes_every_file(out):

@@ -32,15 +32,17 @@ from typing import Any
 
 import jinja2
 import networkx as nx
+import numpy as np
 from jinja2.utils import htmlsafe_json_dumps
 from markupsafe import Markup
 
 import mkc
-from mkc.ir.graph import Task
+from mkc.ir.graph import Task, conflicts
 from mkc.ir.ops import OP_INFO
 from mkc.ir.spec import ModelSpec
 from mkc.schedule.cost import H200, Ceilings, expected_weight_bytes, task_time
 from mkc.schedule.plan import LOWERING_CHOICES
+from mkc.schedule.profile import Chain, critical_chain
 from mkc.schedule.schedule import Schedule
 
 HTML_TEMPLATE = "schedule.html.j2"
@@ -80,9 +82,23 @@ def _ceilings(sc: Schedule) -> Ceilings:
 
 
 def _task_us(sc: Schedule) -> list[float]:
-    """Predicted run time of each task (cost model, µs), the same numbers ``sm_busy_us`` sums."""
+    """Predicted run time of each task (µs), the same numbers ``sm_busy_us`` sums: in the simulated
+    step (simulate.predict) its end less its start; in the list scheduler's estimate alone, the
+    cost model's time at a 1/num_sms share of the read bandwidth (whose start and end may hold a
+    wait too)."""
+    p = sc.predicted
+    if "timeline" in p:
+        return [e - s for s, e in zip(p["start_us"], p["end_us"])]
     c = _ceilings(sc)
     return [task_time(t, sc.num_sms, c) * 1e6 for t in sc.tasks]
+
+
+def chain(sc: Schedule) -> Chain:
+    """The critical chain of the predicted step (profile.critical_chain): from the task that ends
+    last back to the first, each task's blocker being whichever ended last of its producers and
+    the task before it on its SM. Its run times and hand-offs add up to the step without the
+    launch, so it is the path that sets the predicted step."""
+    return critical_chain(sc, sc.predicted["start_us"], sc.predicted["end_us"])
 
 
 def _op_labels(sc: Schedule) -> list[str]:
@@ -136,14 +152,16 @@ def summary(sc: Schedule, spec: ModelSpec) -> dict[str, Any]:
     read_bw = float(on.get("read_bw") or _ceilings(sc).read_bw)
     sol_us = (wbytes + abytes) / read_bw * 1e6
     busy = p.get("sm_busy_us") or [0.0] * sc.num_sms
+    ch = chain(sc)
     return {
         "model": spec.name, "batch": sc.batch, "context": sc.context, "num_sms": sc.num_sms,
         "layers": spec.num_layers,
         "tasks": len(sc.tasks), "counters": len(sc.counters), "waits": sum(len(w) for w in sc.waits),
         "sms_used": sum(1 for n in n_tasks if n),
         "tasks_per_sm": _stats(n_tasks), "bytes_per_sm": _stats(sm_bytes), "busy_us_per_sm": _stats(busy),
-        "critical_path_tasks": len(p.get("critical_path", [])),
-        "critical_path_us": float(p.get("critical_path_us", 0.0)),
+        "critical_path_tasks": len(ch.tasks),
+        "critical_path_us": ch.total_run_us + ch.total_handoff_us,
+        "critical_run_us": ch.total_run_us, "critical_handoff_us": ch.total_handoff_us,
         "step_us": step_us, "placement_step_us": p.get("placement_step_us"),
         "attention_sms": sc.meta.get("attention_sms"),
         "lowering": {k: sc.meta.get(k) for k in LOWERING_CHOICES},
@@ -165,8 +183,9 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def _summary_rows(d: dict[str, Any]) -> list[tuple[str, str]]:
-    """(label, value) pairs shared by the CLI block, the report and the HTML table."""
+def _summary_rows(d: dict[str, Any], unused_all: str = "report.md lists all") -> list[tuple[str, str]]:
+    """(label, value) pairs shared by the CLI block, the report and the HTML table; ``unused_all``
+    says where the bandwidth left unused is listed in full."""
     tp, bp, up = d["tasks_per_sm"], d["bytes_per_sm"], d["busy_us_per_sm"]
     return [
         ("model", (f"{d['model']}  batch {d['batch']}  context {d['context']}  {d['num_sms']} SMs  "
@@ -181,7 +200,9 @@ def _summary_rows(d: dict[str, Any]) -> list[tuple[str, str]]:
         ("layer end", _layer_end_row(d)),
         *([("expert gate/up", _expert_up_row(d))] if d.get("lowering", {}).get("expert_up_rows") else []),
         *([("expert-down", _expert_down_row(d))] if d.get("lowering", {}).get("expert_down_rows") else []),
-        ("critical path", f"{d['critical_path_tasks']} tasks, {d['critical_path_us']:.1f} µs"),
+        ("critical path", (f"{d['critical_path_tasks']} tasks, {d['critical_path_us']:.1f} µs: "
+                           f"{d['critical_run_us']:.1f} running, {d['critical_handoff_us']:.1f} in hand-offs "
+                           f"(the chain of tasks, each waiting for the one before, that ends the step)")),
         ("bytes read", (f"{_fmt_bytes(d['bytes'])}  (weights {_fmt_bytes(d['weight_bytes'])}, "
                        f"activations/KV {_fmt_bytes(d['act_bytes'])}"
                        + (f"; the routing slots' experts as expected under random routing, "
@@ -193,17 +214,17 @@ def _summary_rows(d: dict[str, Any]) -> list[tuple[str, str]]:
                            f"{d['sol_fraction']:.1%} of SOL"
                            + (f"  (simulated under shared bandwidth; the list scheduler's placement estimate "
                               f"{d['placement_step_us']:.1f} µs)" if d.get("placement_step_us") else ""))),
-        *([("bandwidth unused", _unused_row(d))] if d.get("unused_bandwidth_us") else []),
+        *([("bandwidth unused", _unused_row(d, unused_all))] if d.get("unused_bandwidth_us") else []),
     ]
 
 
-def _unused_row(d: dict[str, Any]) -> str:
+def _unused_row(d: dict[str, Any], listed: str) -> str:
     """The simulated step's unused read bandwidth and its largest causes (simulate.py)."""
     u = d["unused_bandwidth_us"]
     total = sum(x["us"] for x in u)
     top = ", ".join(f"{_unused_label(x)} {x['us']:.1f}" for x in u[:4])
     return (f"{total:.1f} µs of the simulated step in all (SMs not streaming), largest while the SMs are in: "
-            f"{top} (report.md lists all)")
+            f"{top} ({listed})")
 
 
 def _unused_label(x: dict[str, Any]) -> str:
@@ -382,19 +403,35 @@ def _layer_kind(spec: ModelSpec, layer: int) -> str:
     return f"{ls.attention} attn{' + rope' if ls.rope else ''}, {ls.mlp}"
 
 
+def _timeline_note(sc: Schedule) -> str:
+    """Where the report's times come from."""
+    if "timeline" in sc.predicted:
+        return ("Predicted: the schedule's step simulated under shared read bandwidth "
+                "(mkc/schedule/simulate.py) with the cost model's per-task constants (mkc/schedule/cost.py); "
+                "no measurement.")
+    return ("Predicted by the list scheduler's estimate (mkc/schedule/scheduler.py: each task streams a "
+            "1/num_sms share of the read bandwidth); no measurement.")
+
+
 def write_report(sc: Schedule, spec: ModelSpec, path: str | Path) -> Path:
-    """report.md: summary, per-op and per-layer tables, the critical path and per-SM load."""
+    """report.md: summary, per-op and per-layer tables, the critical path and per-SM load. Every
+    time in it comes from the one predicted timeline, so its numbers add up: the per-op SM-µs
+    total is the summary's busy / SM, the per-layer chain µs add up to the critical path."""
     d = summary(sc, spec)
     step, nsm = d["step_us"], sc.num_sms
     share = nsm * step if step > 0 else 1.0
     L = _num_layers(sc)
     lines = [f"# Schedule report: {spec.name}, batch {sc.batch}, context {sc.context}, {nsm} SMs", "",
-             "Predicted by the cost model (mkc/schedule/cost.py); no measurement.", "", "## Summary", ""]
-    lines += _table(["", "value"], [[k, v] for k, v in _summary_rows(d)], "ll")
+             _timeline_note(sc), "", "## Summary", ""]
+    lines += _table(["", "value"], [[k, v] for k, v in _summary_rows(d, "by stage below")], "ll")
 
     lines += ["", "## Per op", "",
-              ("SM-µs is the sum of the op's predicted task times; *% of step* is SM-µs over "
-              f"{nsm} SMs × {step:.1f} µs, so the total is the SM utilisation."), ""]
+              ("SM-µs is the sum of the op's task run times in the predicted step; *% of step* is SM-µs over "
+               f"{nsm} SMs × {step:.1f} µs, so the total is the share of SM-time spent running tasks, the "
+               f"summary's utilisation ({d['utilisation']:.1%}). An SM runs a task while it streams and in its "
+               "fixed time, so this is not the speed-of-light fraction "
+               f"({d['sol_fraction']:.1%}: the step's bytes at the full read bandwidth, over the step). "
+               "*Span* runs from the op's first task start to its last task end."), ""]
     labels, cost = _op_labels(sc), _task_us(sc)
     by_op = _aggregate(sc, labels, cost)
     opcode = {op: t.op.name for op, t in zip(reversed(labels), reversed(sc.tasks))}
@@ -407,22 +444,31 @@ def write_report(sc: Schedule, spec: ModelSpec, path: str | Path) -> Path:
     rows.append(["**total**", "", tot.tasks, _fmt_bytes(tot.bytes), f"{tot.us:.1f}", f"{tot.us / share:.1%}", ""])
     lines += _table(["op", "opcode", "tasks", "bytes", "SM-µs", "% of step", "span µs"], rows, "llrrrrl")
 
-    lines += ["", "## Per layer", ""]
-    by_layer = _aggregate(sc, [t.layer for t in sc.tasks], cost)
-    rows = [[layer_label(ly, L), _layer_kind(spec, ly), a.tasks, _fmt_bytes(a.bytes), f"{a.us:.1f}",
-             f"{a.us / share:.1%}", f"{a.first_us:.1f} – {a.last_us:.1f}"]
-            for ly, a in sorted(by_layer.items())]
-    lines += _table(["layer", "kind", "tasks", "bytes", "SM-µs", "% of step", "span µs"], rows, "llrrrrl")
+    ch = chain(sc)
+    lines += _per_layer(sc, spec, cost, ch, share)
 
-    crit = sc.predicted.get("critical_path", [])
-    start = sc.predicted["start_us"]
+    start, end = sc.predicted["start_us"], sc.predicted["end_us"]
     sm = sc.sm_of()
     lines += ["", "## Critical path", "",
-              (f"The longest chain of predicted task times through the DAG: {len(crit)} tasks, "
-              f"{d['critical_path_us']:.1f} µs of the {step:.1f} µs step."), ""]
-    rows = [[i, labels[t], layer_label(sc.tasks[t].layer, L), tile_label(sc.tasks[t]) or "–",
-             sm[t], f"{start[t]:.1f}", f"{cost[t]:.2f}"] for i, t in enumerate(crit)]
-    lines += _table(["#", "op", "layer", "tile", "SM", "start µs", "µs"], rows, "rlllrrr")
+              (f"The chain of tasks that ends the step: from the task that ends last, back through whichever "
+               f"of its producers and the task before it on its SM ended last. {len(ch.tasks)} tasks, "
+               f"{d['critical_path_us']:.1f} µs of the {step:.1f} µs step: {ch.total_run_us:.1f} running, "
+               f"{ch.total_handoff_us:.1f} in hand-offs (a blocker's end to the next task's start)"
+               + (f", {step - d['critical_path_us']:.1f} the launch" if step - d["critical_path_us"] > 0.05 else "")
+               + "."), ""]
+    if "critical_path_us" in sc.predicted and "timeline" in sc.predicted:
+        lines += [(f"The list scheduler placed the tasks by the DAG's longest path at each task's cost-model "
+                   f"time, {float(sc.predicted['critical_path_us']):.1f} µs: a priority, not a time, since it "
+                   f"gives every task a 1/{nsm} share of the read bandwidth, where in the step a task gets more "
+                   f"whenever fewer SMs stream."), ""]
+    prev_end = None
+    rows = []
+    for i, t in enumerate(ch.tasks):
+        wait = f"{start[t] - prev_end:.2f}" if prev_end is not None else "–"
+        rows.append([i, labels[t], layer_label(sc.tasks[t].layer, L), tile_label(sc.tasks[t]) or "–", sm[t],
+                     f"{start[t]:.1f}", wait, f"{cost[t]:.2f}"])
+        prev_end = end[t]
+    lines += _table(["#", "op", "layer", "tile", "SM", "start µs", "hand-off µs", "run µs"], rows, "rlllrrrr")
 
     if d.get("unused_bandwidth_us"):
         u = d["unused_bandwidth_us"]
@@ -450,6 +496,43 @@ def write_report(sc: Schedule, spec: ModelSpec, path: str | Path) -> Path:
              f"{max(0.0, 1 - busy[i] / step) if step > 0 else 0.0:.1%}"] for i, q in enumerate(sc.queues)]
     lines += _table(["SM", "tasks", "bytes", "busy µs", "idle"], rows, "rrrrr")
     return _write_text(path, "\n".join(lines) + "\n")
+
+
+def layer_chain_us(sc: Schedule, ch: Chain) -> dict[int, float]:
+    """µs of the critical chain in each layer: its tasks' run times there, each with the hand-off
+    before it. They add up to the chain, from its first task's start to its last task's end."""
+    start, end = sc.predicted["start_us"], sc.predicted["end_us"]
+    out: dict[int, float] = defaultdict(float)
+    prev = None
+    for t in ch.tasks:
+        out[sc.tasks[t].layer] += end[t] - (end[prev] if prev is not None else start[t])
+        prev = t
+    return dict(out)
+
+
+def _per_layer(sc: Schedule, spec: ModelSpec, cost: list[float], ch: Chain, share: float) -> list[str]:
+    """report.md's per-layer section: what each layer costs and how long it holds the step."""
+    L = _num_layers(sc)
+    step = float(sc.predicted["step_us"])
+    by_layer = _aggregate(sc, [t.layer for t in sc.tasks], cost)
+    layers = sorted(by_layer)
+    on_chain = layer_chain_us(sc, ch)
+    lines = ["", "## Per layer", "",
+             ("*Starts* is the layer's first task start; *to next* the time from it to the next layer's "
+              "first start (the last row: to the step's end), how long the layer holds the stream; *chain "
+              "µs* the critical path's time in the layer (its tasks' run times and the hand-offs before "
+              "them), which adds up to the critical path. A layer's last tasks can end much later than "
+              "the next layer starts: its KV-cache appends, which nothing in the step waits for, run "
+              "where SMs are free."), ""]
+    rows = []
+    for i, ly in enumerate(layers):
+        a = by_layer[ly]
+        nxt = by_layer[layers[i + 1]].first_us if i + 1 < len(layers) else step
+        rows.append([layer_label(ly, L), _layer_kind(spec, ly), a.tasks, _fmt_bytes(a.bytes), f"{a.us:.1f}",
+                     f"{a.us / share:.1%}", f"{a.first_us:.1f}", f"{nxt - a.first_us:.1f}",
+                     f"{on_chain.get(ly, 0.0):.1f}"])
+    return lines + _table(["layer", "kind", "tasks", "bytes", "SM-µs", "% of step", "starts µs", "to next µs",
+                           "chain µs"], rows, "llrrrrrrr")
 
 
 # -- trace.json ----------------------------------------------------------------------------------
@@ -516,20 +599,30 @@ def write_trace(sc: Schedule, path: str | Path) -> Path:
 
 # -- op-level DAG --------------------------------------------------------------------------------
 def op_edges(sc: Schedule, labels: list[str] | None = None) -> dict[tuple[tuple[int, str], tuple[int, str]], int]:
-    """Op-level edges (layer, op) → (layer, op) with the number of waits behind each, from the
-    counters: every producer op of a waited counter → the waiting task's op. Dependencies that
-    queue order on one SM already covers have no wait and so do not show. labels is
+    """Op-level edges (layer, op) → (layer, op), each with the number of waits behind it. An edge
+    joins two ops whenever a task of one must precede a task of the other: their regions overlap
+    with at least one write (mkc/ir/graph.py: conflicts, as the scheduler derives the task DAG).
+    Its waits count, per counter a task of the second op waits on, the first op among the
+    counter's producers; an edge with none is ordered by queue order on one SM or through other
+    waits (the scheduler leaves out a wait that another already implies). labels is
     ``_op_labels(sc)`` if the caller has it."""
     labels = _op_labels(sc) if labels is None else labels
+    keys = list(dict.fromkeys((t.layer, labels[t.id]) for t in sc.tasks))
+    index = {k: i for i, k in enumerate(keys)}
+    key = np.array([index[(t.layer, labels[t.id])] for t in sc.tasks], dtype=np.int64)
+    edges: dict[tuple[tuple[int, str], tuple[int, str]], int] = {}
+    c = conflicts(sc.tasks, sc.buffers)
+    ka, kb = key[c.a], key[c.b]
+    for pair in np.unique(ka[ka != kb] * len(keys) + kb[ka != kb]).tolist():
+        edges[(keys[pair // len(keys)], keys[pair % len(keys)])] = 0
     prod_ops: list[set[tuple[int, str]]] = [
         {(sc.tasks[p].layer, labels[p]) for p in c.producers} for c in sc.counters]
-    edges: dict[tuple[tuple[int, str], tuple[int, str]], int] = defaultdict(int)
     for t in sc.tasks:
         dst = (t.layer, labels[t.id])
         for cid, _ in sc.waits[t.id]:
             for src in prod_ops[cid]:
                 if src != dst:
-                    edges[(src, dst)] += 1
+                    edges[(src, dst)] = edges.get((src, dst), 0) + 1
     return edges
 
 
@@ -604,7 +697,7 @@ def _template_text(name: str) -> str:
 
 def html_data(sc: Schedule, spec: ModelSpec) -> dict[str, Any]:
     """The JSON embedded in schedule.html: per-task columns (times in ns), ops, the critical path
-    and the per-layer op DAGs."""
+    (``chain``) and the per-layer op DAGs."""
     p = sc.predicted
     L = _num_layers(sc)
     labels, cost = _op_labels(sc), _task_us(sc)
@@ -614,7 +707,7 @@ def html_data(sc: Schedule, spec: ModelSpec) -> dict[str, Any]:
     ly_idx = {ly: i for i, ly in enumerate(layers)}
     start, end = p["start_us"], p["end_us"]
     sm = sc.sm_of()
-    crit = list(p.get("critical_path", []))
+    crit = chain(sc).tasks
     crit_ops = {(sc.tasks[i].layer, labels[i]) for i in crit}
     by_op = _aggregate(sc, labels, cost)
     return {
@@ -646,6 +739,8 @@ def render_html(sc: Schedule, spec: ModelSpec) -> str:
     return tmpl.render(
         title=f"{spec.name} b{sc.batch} ctx{sc.context} – mkc schedule",
         summary_rows=_summary_rows(d),
+        source=("Predicted by the mkc shared-bandwidth simulation of the step" if "timeline" in sc.predicted
+                else "Predicted by the mkc list scheduler's estimate"),
         legend=[{"op": o, "color": c, "tasks": s[0], "bytes": _fmt_bytes(s[1]), "us": s[2],
                  "share": s[2] / (sc.num_sms * d["step_us"]) if d["step_us"] > 0 else 0.0}
                 for o, c, s in zip(data["ops"], data["colors"], data["op_stats"])],
