@@ -169,7 +169,10 @@ def cmd_import_hf(a: argparse.Namespace) -> int:
     text = yaml.safe_dump(spec.to_yaml_dict(), sort_keys=False, default_flow_style=None)
     header = f"# imported by `mkc import-hf` from {src}\n"
     if a.output:
-        Path(a.output).write_text(header + text)
+        try:
+            Path(a.output).write_text(header + text)
+        except OSError as e:
+            raise UsageError(f"-o {a.output}: cannot write it ({e.strerror or e}): expected a YAML file path") from None
         print(f"wrote {a.output}")
     else:
         sys.stdout.write(header + text)

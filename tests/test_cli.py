@@ -119,6 +119,7 @@ def test_import_hf_round_trip(tmp_path):
     (("compile", "configs/tiny.yaml", "--batch", "9"), "--batch"),
     (("compile", "nope.yaml", "--no-kernel"), "no such file"),
     (("import-hf", "configs"), "config.json"),
+    (("import-hf", "configs/tiny.yaml", "-o", "configs"), "-o configs: cannot write it (Is a directory)"),
     (("compile", "configs/tiny.yaml", "--page-size", "-3", "--no-kernel"), "--page-size"),
     (("compile", "configs/tiny.yaml", "--context", "64", "--page-size", "65", "--no-kernel"), "--page-size 65"),
     (("bench", "--config", "configs/tiny.yaml", "--random-weights", "--context", "128", "--page-size", "256"),
