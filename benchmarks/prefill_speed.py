@@ -1,0 +1,100 @@
+"""Prefill throughput on a GPU: the tensor-core prefill (FastPrefill) beside the float32
+reference (Prefill) in the same run, over the weights as the CUDA backend holds them (tile order,
+each layer's matrices reordered per chunk) and, for comparison, row-major.
+
+    python benchmarks/prefill_speed.py --config configs/north_mini_code.yaml --prompts 1024,8192,32768 \
+        --reference-prompts 1024,4096 --chunks 2048,8192 -o build/prefill.json
+
+Random bf16 weights made on the GPU; one slot's slab cache of the longest prompt. Each point is
+timed once after a warm-up prompt of the same chunk size (prefill of a long prompt is seconds,
+not microseconds: one run is the measurement). Writes JSON with every point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from mkc.codegen.weight_tiles import to_tiles
+from mkc.ir.spec import load_spec
+from mkc.runtime.bench import device_random_weights
+from mkc.runtime.cuda_backend import LogicalWeights
+from mkc.runtime.prefill import FastPrefill, Prefill, SlabKV
+
+
+def _ints(v: str) -> list[int]:
+    return [int(x) for x in v.split(",") if x]
+
+
+def _time(fn) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="configs/north_mini_code.yaml")
+    p.add_argument("--prompts", type=_ints, default=[1024, 8192, 32768], help="prompt lengths (tokens)")
+    p.add_argument("--reference-prompts", type=_ints, default=[1024, 4096],
+                   help="prompt lengths for the float32 reference (slow: keep them short)")
+    p.add_argument("--chunks", type=_ints, default=[2048, 8192], help="FastPrefill chunk sizes to time")
+    p.add_argument("--row-major", action="store_true", help="also time over row-major weights (no reorder)")
+    p.add_argument("-o", "--output", default="build/prefill.json")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("mkc: error: prefill_speed.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    spec = load_spec(a.config)
+    att = spec.attention
+    weights = device_random_weights(spec, 0)
+    ctx = max(a.prompts + a.reference_prompts)
+    cache = SlabKV([tuple(torch.zeros(att.num_kv_heads, ctx, att.head_dim, dtype=torch.bfloat16, device="cuda")
+                          for _ in range(2)) for _ in range(spec.num_layers)])  # type: ignore[misc]
+    gen = torch.Generator().manual_seed(0)
+    rows: list[dict] = []
+
+    def point(kind: str, layout: str, chunk: int, n: int, run) -> None:
+        ids = torch.randint(0, spec.vocab_size, (n,), generator=gen).tolist()
+        seconds = _time(lambda: run(ids))
+        row = {"prefill": kind, "weights": layout, "chunk": chunk, "prompt": n, "seconds": round(seconds, 4),
+               "tok_per_s": round(n / seconds, 1), "peak_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    def fast_points(w, layout: str) -> None:
+        for chunk in a.chunks:
+            fast = FastPrefill(spec, w, chunk=chunk)
+            fast.run(list(range(min(chunk, 512))), 0, cache)  # warm-up: kernels, allocator
+            for n in a.prompts:
+                point("fast", layout, chunk, n, lambda ids, fast=fast: fast.run(ids, 0, cache))
+
+    if a.row_major:
+        fast_points(weights, "row-major")
+    # the CUDA backend's layout: every GEMV weight in tile order, read back a layer at a time
+    tiled = [n for n, t in weights.items() if t.dim() >= 2 and n != "embed" or (n == "embed" and
+                                                                              spec.tie_word_embeddings)]
+    tiled = [n for n in tiled if weights[n].shape[-2] % 16 == 0 and weights[n].shape[-1] % 64 == 0]
+    for n in tiled:
+        weights[n].copy_(to_tiles(weights[n]))
+    lw = LogicalWeights(weights, list(weights), frozenset(tiled))
+    fast_points(lw, "tiles")
+    ref = Prefill(spec, lw, act_dtype=torch.bfloat16)  # type: ignore[arg-type]
+    for n in a.reference_prompts:
+        point("reference", "tiles", ref.chunk, n, lambda ids: ref.run(ids, 0, cache))
+    out = Path(a.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(0), "model": spec.name, "rows": rows}, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
