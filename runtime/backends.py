@@ -24,6 +24,8 @@ Two cache layouts (mkc/ir/kv_layout.py):
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -33,6 +35,8 @@ from mkc.ir.spec import ModelSpec
 from mkc.runtime.prefill import FastPrefill, PagedKV, Prefill, PrefillSteps, SlabKV, SlotKV, run_to_end
 from mkc.schedule.plan import plan
 from mkc.schedule.schedule import Schedule
+
+log = logging.getLogger("mkc.backend")
 
 
 class StepDecoder(Protocol):
@@ -244,17 +248,33 @@ class CudaBackend(DecoderBackend):
     """The megakernel (``runtime/cuda_backend.py: CudaDecoder``) on the current CUDA device, bf16.
 
     ``num_sms`` defaults to every SM of the device. Prompts go through ``FastPrefill`` unless
-    ``prefill`` says "reference".
+    ``prefill`` says "reference". Weights already on the GPU are taken over: the GEMV weights are
+    reordered into tile order in their own storage, so the model is held once (the caller must not
+    read them row-major afterwards); host weights are moved one at a time.
     """
 
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], *, max_batch: int = 8,
                  context: int = 4096, num_sms: int | None = None, page_size: int = 0, kv_pages: int = 0,
                  prefill: str = "fast"):
+        from mkc.codegen import build_kernel
+        from mkc.codegen.weight_tiles import TiledWeights, tiled_weights, to_tiles
         from mkc.runtime.cuda_backend import CudaDecoder
 
         if num_sms is None:
             num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-        self.dec = CudaDecoder(compile_schedule(spec, max_batch, context, num_sms, page_size, kv_pages), spec, weights)
+        t0 = time.monotonic()
+        schedule = compile_schedule(spec, max_batch, context, num_sms, page_size, kv_pages)
+        artifact = build_kernel(schedule, spec, None)
+        log.info("schedule and kernel %s (batch %d, context %d) in %.1f s", artifact.name, max_batch, context,
+                 time.monotonic() - t0)
+        t0 = time.monotonic()
+        if artifact.config.weights_tiled and all(t.is_cuda for t in weights.values()):
+            names = [n for n in tiled_weights(schedule) if n in weights]
+            for n in names:
+                weights[n].copy_(to_tiles(weights[n]))
+            weights = TiledWeights(weights, names)
+        self.dec = CudaDecoder(schedule, spec, weights, artifact=artifact)
+        log.info("weights on the GPU in tile order, KV cache and buffers allocated in %.1f s", time.monotonic() - t0)
         super().__init__(self.dec, spec, self.dec.logical_weights(), max_batch=max_batch,
                          context=context, act_dtype=torch.bfloat16, buffers=self.dec.buffers, prefill=prefill)
 

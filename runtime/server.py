@@ -536,6 +536,8 @@ def build_state(args: argparse.Namespace) -> ServerState:
     backend_name = args.backend
     if backend_name == "auto":
         backend_name = "cuda" if _has_cuda_backend() else "cpu"
+    if backend_name == "cuda":
+        _require_cuda()
     threads = args.cpu_threads or (1 if backend_name == "cpu" else None)
     if threads:
         torch.set_num_threads(threads)
@@ -546,8 +548,13 @@ def build_state(args: argparse.Namespace) -> ServerState:
     t0 = time.monotonic()
     log.info("loading %s weights of %s (%s) ...", "random" if args.random_weights else "checkpoint", spec.name,
              str(dtype).removeprefix("torch."))
-    weights = (random_weights(spec, args.seed, dtype) if args.random_weights
-               else load_checkpoint(args.checkpoint, spec, dtype))
+    if args.random_weights and backend_name == "cuda":  # made on the GPU: seconds, not minutes on the host
+        from mkc.runtime.bench import device_random_weights
+
+        weights = device_random_weights(spec, args.seed)
+    else:
+        weights = (random_weights(spec, args.seed, dtype) if args.random_weights
+                   else load_checkpoint(args.checkpoint, spec, dtype))
     log.info("weights ready in %.1f s; building the %s backend (schedule, kernel, weights on the device) ...",
              time.monotonic() - t0, backend_name)
     t1 = time.monotonic()
@@ -576,6 +583,18 @@ def _has_cuda_backend() -> bool:
     return cuda_available()
 
 
+def _require_cuda() -> None:
+    """Raise ValueError, saying what is missing, unless the CUDA backend can run here."""
+    if _has_cuda_backend():
+        return
+    try:
+        import cuda.bindings  # noqa: F401
+    except ImportError:
+        raise ValueError("--backend cuda: the CUDA driver bindings are not installed (pip install 'mkc[cuda]'); "
+                         "or use --backend cpu") from None
+    raise ValueError("--backend cuda: no usable CUDA GPU or driver on this machine; use --backend cpu")
+
+
 def make_backend(name: str, spec: Any, weights: dict[str, Any], *, max_batch: int, context: int, dtype: Any,
                  num_sms: int | None = None, page_size: int = 0, kv_pages: int = 0) -> Any:
     """The decode backend by name; unknown names raise with the list of valid ones. With a
@@ -586,13 +605,7 @@ def make_backend(name: str, spec: Any, weights: dict[str, Any], *, max_batch: in
         return CpuBackend(spec, weights, max_batch=max_batch, context=context, num_sms=num_sms or 8, dtype=dtype,
                           page_size=page_size, kv_pages=kv_pages)
     if name == "cuda":
-        if not _has_cuda_backend():
-            try:
-                import cuda.bindings  # noqa: F401
-            except ImportError:
-                raise ValueError("--backend cuda: the CUDA driver bindings are not installed "
-                                 "(pip install 'mkc[cuda]'); or use --backend cpu") from None
-            raise ValueError("--backend cuda: no usable CUDA GPU or driver on this machine; use --backend cpu")
+        _require_cuda()
         return CudaBackend(spec, weights, max_batch=max_batch, context=context, num_sms=num_sms,
                            page_size=page_size, kv_pages=kv_pages)
     raise ValueError(f"--backend {name!r}: expected one of ['auto', 'cuda', 'cpu']")
