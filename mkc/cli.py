@@ -136,7 +136,8 @@ def cmd_check(a: argparse.Namespace) -> int:
 
     p = Path(a.schedule)
     if not p.is_file():
-        raise UsageError(f"{p}: no such file: expected a schedule.json written by mkc compile")
+        what = "a folder" if p.is_dir() else "no such file"
+        raise UsageError(f"{p}: {what}: expected a schedule.json written by mkc compile")
     try:
         sc = Schedule.load(p)
     except ValueError as e:  # not JSON, not UTF-8, or not a schedule (Schedule.from_json)

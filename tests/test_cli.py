@@ -95,6 +95,8 @@ def test_check_rejects_a_dropped_wait(compiled, tmp_path):
 def test_check_bad_files(tmp_path):
     r = mkc("check", tmp_path / "missing.json")
     assert r.returncode == 2 and "no such file" in r.stderr and "Traceback" not in r.stderr
+    r = mkc("check", tmp_path)
+    assert r.returncode == 2 and f"{tmp_path}: a folder: expected a schedule.json" in r.stderr
     (tmp_path / "junk.json").write_text('{"format": "something else"}')
     r = mkc("check", tmp_path / "junk.json")
     assert r.returncode == 2 and "not a valid mkc schedule" in r.stderr and "Traceback" not in r.stderr
