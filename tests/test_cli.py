@@ -318,3 +318,15 @@ def test_generate_refuses_past_the_models_positions(tmp_path, capsys):
     rc, _, err = run_main(capsys, "generate", "--config", tmp_path, "--random-weights", "--prompt-ids", "1,2",
                           "--max-new-tokens", 40)
     assert_one_line_error(rc, err, "the model allows 32 (max_position_embeddings): expected at most 30 new tokens")
+
+
+@pytest.mark.parametrize("command", ["compile", "check", "import-hf", "generate", "bench"])
+def test_every_argument_has_help(command):
+    import argparse
+
+    from mkc.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    missing = [a.option_strings or a.dest for a in sub.choices[command]._actions
+               if not isinstance(a, argparse._HelpAction) and not a.help]
+    assert not missing, missing
