@@ -118,10 +118,10 @@ def main() -> None:
                     help="CodegenOptions.attn_warp_stages values to run (0: CTA-wide attention chunks; "
                          "default: the default kernel)")
     ap.add_argument("--options", nargs="*", default=[], metavar="FIELD=VALUE",
-                    help="CodegenOptions fields for every run, e.g. descriptors=table gemv_unroll=6")
+                    help="CodegenOptions fields for every run, e.g. gemv_unroll=6 tagged_logits=off")
     ap.add_argument("--lowering", nargs="*", default=[], metavar="CHOICE=VALUE",
                     help="lowering choices for every run (plan's LOWERING_CHOICES; booleans as 0 / 1), e.g. "
-                         "fused_experts=1 residual_in_o_proj=1 qkv_tile_rows=48")
+                         "residual_in_o_proj=1 expert_down_rows=256")
     a = ap.parse_args()
     extra = codegen_fields(a.options)
     lowering = profiled.lowering_of(a)

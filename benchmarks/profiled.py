@@ -30,7 +30,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--page-size", type=int, default=0)
     ap.add_argument("--attention-sms", type=int, default=None, help="as profiled (default: the compiler's choice)")
     ap.add_argument("--lowering", nargs="*", default=[], metavar="CHOICE=VALUE",
-                    help="lowering choices as profiled (megakernel_step.py --lowering), e.g. residual_as_terms=1")
+                    help="lowering choices as profiled (megakernel_step.py --lowering), e.g. residual_in_o_proj=1")
 
 
 def spec_of(a: argparse.Namespace):

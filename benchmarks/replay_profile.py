@@ -3,7 +3,7 @@
     python benchmarks/replay_profile.py TIMELINE.npz --batch 1 [--context 8192] \
         [--scale router=0.5 EXPERT_DOWN=0.75 ...] [--cut EXPERT_SWIGLU=2 expert_up@qkv=3 ...] \
         [--queue-gap LINEAR=1.0 ...] \
-        [--place-greedily o_proj expert_down] [--lowering residual_as_terms=1 ...]
+        [--place-greedily o_proj expert_down] [--lowering residual_in_o_proj=1 ...]
 
 TIMELINE.npz is written by ``benchmarks/megakernel_step.py --profile DIR`` or ``mkc bench --profile``
 (``trace-b1-c8192.npz``); the schedule is planned again with the same options, so run this on the

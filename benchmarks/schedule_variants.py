@@ -1,9 +1,8 @@
 """Step time of schedules made with different cost-model assumptions or lowerings, side by side in one run.
 
     python benchmarks/schedule_variants.py --batch 1 8 --context 8192 [--reps 20] [--variants NAME ...] \
-        [--attention-sms 0 32 ...] [--rope-in-splits yes no] [--mlp-share rest bytes] [--mlp-waves 1 2] \
-        [--residual-in-o-proj yes no] [--fused-experts yes no] [--qkv-tile-rows 0 48] [--residual-as-terms no yes]
-        [--global-attention-sms 0 128 256] [--expert-up-rows rule 80x6+48x6]
+        [--attention-sms 0 32 ...] [--rope-in-splits yes no] [--residual-in-o-proj yes no] \
+        [--global-attention-sms 0 128 256] [--expert-up-rows rule 80x6+48x6] [--expert-down-rows 0 256]
         [--rounds 2] [--build-only]
 
 Every variant runs the default kernel over the same weights and KV cache; only the scheduler's
@@ -79,15 +78,6 @@ VARIANTS = {
     "splits-first": dataclasses.replace(H200, attention_inputs_first_us=100.0, splits_first=True),
     "splits-first-spread": dataclasses.replace(H200, attention_inputs_first_us=100.0, splits_first=True,
                                                spread_siblings=True),
-    # an expert-down tile placed by where its layer's routing is held (Ceilings.routing_derive_us:
-    # the cost of deriving it elsewhere; a point's measured raise and spread apply with it)
-    "routing-aware": dataclasses.replace(H200, routing_derive_us=2.5),
-    "routing-aware-4": dataclasses.replace(H200, routing_derive_us=4.0),
-    # the attention combines and the O-projection tiles that read them this many µs earlier in the
-    # list scheduler's order (Ceilings.attention_tail_first_us; a tuned raise and spread apply too)
-    "tail-first-5": dataclasses.replace(H200, attention_tail_first_us=5.0),
-    "tail-first-20": dataclasses.replace(H200, attention_tail_first_us=20.0),
-    "tail-first-100": dataclasses.replace(H200, attention_tail_first_us=100.0),
 }
 
 
@@ -128,14 +118,6 @@ def short_name(variant: tuple, variants: list[tuple]) -> str:
     return ", ".join(parts) or "default"
 
 
-def late_down(text: str) -> dict[str, int]:
-    """--late-down SLOTSxROWS (or off) as plan's late_slots and late_down_rows."""
-    if text == "off":
-        return {}
-    slots, _, rows = text.partition("x")
-    return {"late_slots": int(slots), "late_down_rows": int(rows)}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=str(ROOT / "configs" / "north_mini_code.yaml"))
@@ -149,24 +131,10 @@ def main() -> None:
     ap.add_argument("--rope-in-splits", nargs="+", default=["yes"], choices=["yes", "no"],
                     help="LowerOptions.rope_in_splits values to lower with (no: a ROPE_APPEND task rotates q "
                          "and the splits wait for it)")
-    ap.add_argument("--mlp-share", nargs="+", default=["bytes"], choices=["rest", "bytes"],
-                    help="LowerOptions.mlp_share values to lower with (bytes: the MLP's first GEMV and the QKV "
-                         "projection share the SMs by bytes)")
-    ap.add_argument("--mlp-waves", type=int, nargs="+", default=[1],
-                    help="LowerOptions.mlp_waves values to lower with (waves of the MLP's SM share its first GEMV "
-                         "is tiled into)")
     ap.add_argument("--residual-in-o-proj", nargs="+", default=["auto"], choices=["yes", "no", "auto"],
                     help="LowerOptions.residual_in_o_proj values to lower with (yes: the O-projection tiles add "
                          "the residual and the MLP's output, no RESIDUAL tiles; auto, the default: the planner's "
                          "choice, as mkc bench and mkc compile make it)")
-    ap.add_argument("--fused-experts", nargs="+", default=["no"], choices=["yes", "no"],
-                    help="LowerOptions.fused_experts values to lower with (yes: EXPERT_MLP tiles, each its rows' gate, "
-                         "up and share of the down projection; needs --residual-in-o-proj yes)")
-    ap.add_argument("--qkv-tile-rows", type=int, nargs="+", default=[0],
-                    help="LowerOptions.qkv_tile_rows values to lower with (0: the tiling rule's head-aligned tiles)")
-    ap.add_argument("--residual-as-terms", nargs="+", default=["no"], choices=["yes", "no"],
-                    help="LowerOptions.residual_as_terms values to lower with (yes: the MLP's outputs stay terms of "
-                         "the residual stream, summed by the next layer's readers; needs --residual-in-o-proj yes)")
     ap.add_argument("--global-attention-sms", nargs="+", default=["auto"],
                     help="LowerOptions.global_attention_sms values to lower with (the SMs' worth of splits of the "
                          "layers of global attention; 0: as --attention-sms; auto, the default: the planner's choice)")
@@ -177,10 +145,6 @@ def main() -> None:
     ap.add_argument("--expert-down-rows", nargs="+", default=["auto"],
                     help="LowerOptions.expert_down_rows values to lower with (0: the tiling rule's expert-down tiles; "
                          "auto, the default: the planner's choice)")
-    ap.add_argument("--late-down", nargs="+", default=["off"],
-                    help="LowerOptions.late_slots and late_down_rows values to lower with, as SLOTSxROWS (the planner "
-                         "gives the SLOTS routing slots of each layer whose expert-down tiles its first schedule ends "
-                         "last tiles of ROWS rows) or off")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time every variant this many times, in turn, every other round in reverse order (drift "
                          "between variants shows; a place in the round weighs on every variant alike)")
@@ -190,15 +154,12 @@ def main() -> None:
     a.attention_sms = [None if v == "auto" else int(v) for v in a.attention_sms]
     spec = load_spec(a.config)
     options = CodegenOptions()
-    variants = [(att, chosen({"rope_in_splits": rope == "yes", "mlp_share": share, "mlp_waves": waves,
-                              "residual_in_o_proj": fold, "fused_experts": fx == "yes", "qkv_tile_rows": qr,
-                              "residual_as_terms": rt == "yes", "global_attention_sms": ga,
+    variants = [(att, chosen({"rope_in_splits": rope == "yes", "residual_in_o_proj": fold, "global_attention_sms": ga,
                               "expert_up_rows": er if er == "auto" else () if er == "rule" else tuning.row_list(er),
-                              "expert_down_rows": dr, **late_down(ld)}), name)
-                for att in a.attention_sms for rope in a.rope_in_splits for share in a.mlp_share for waves in a.mlp_waves
-                for fold in a.residual_in_o_proj for fx in a.fused_experts for qr in a.qkv_tile_rows
-                for rt in a.residual_as_terms for ga in a.global_attention_sms for er in a.expert_up_rows
-                for dr in a.expert_down_rows for ld in a.late_down for name in a.variants]
+                              "expert_down_rows": dr}), name)
+                for att in a.attention_sms for rope in a.rope_in_splits for fold in a.residual_in_o_proj
+                for ga in a.global_attention_sms for er in a.expert_up_rows for dr in a.expert_down_rows
+                for name in a.variants]
     if a.build_only:
         for batch in a.batch:
             for att, lowering, name in variants:
@@ -225,17 +186,11 @@ def main() -> None:
                 plans[key] = plan(spec, batch, a.context, sms, attention_sms=att, ceilings=VARIANTS[name], **lowering)
             sc = plans[key]
             label = f"{sc.meta['attention_sms']['chosen']}" + (" (auto)" if att is None else "")
-            label += f", rope in splits {'yes' if lowering['rope_in_splits'] else 'no'}, mlp share {lowering['mlp_share']}"
-            label += f" x {lowering['mlp_waves']}"
+            label += f", rope in splits {'yes' if lowering['rope_in_splits'] else 'no'}"
             label += f", residual in o_proj {'yes' if sc.meta['residual_in_o_proj'] else 'no'}"
-            label += f", fused experts {'yes' if lowering['fused_experts'] else 'no'}"
-            label += f", qkv tile rows {lowering['qkv_tile_rows'] or 'rule'}"
-            label += f", residual as terms {'yes' if lowering['residual_as_terms'] else 'no'}"
             label += f", global attention SMs {sc.meta['global_attention_sms'] or 'same'}"
             if sc.meta["expert_down_rows"]:
                 label += f", expert-down tile rows {sc.meta['expert_down_rows']}"
-            if sc.meta["late_slots"] and sc.meta["late_down_rows"]:
-                label += f", late slots {sc.meta['late_slots']} x {sc.meta['late_down_rows']} rows"
             if sc.meta["expert_up_rows"]:
                 label += f", expert tile rows {'+'.join(map(str, sc.meta['expert_up_rows']))}"
             with decoder_in_place(sc, spec, weights, options=options) as dec:

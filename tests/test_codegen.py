@@ -211,51 +211,6 @@ def test_residual_in_o_proj_kernel_compiles_without_local_memory(cache):
     assert not kernel_config(plain, spec8).residual_epilogue_inline
 
 
-def test_fused_experts_kernel_compiles_without_local_memory(cache):
-    """North Mini Code at batch 1 with fused expert tiles (LowerOptions.fused_experts, off: measured
-    slower): the kernel compiles the fused op for the tiles' one size (FUSED_DOWN_BLOCKS = rows / 64:
-    1 at batch 1, 64-row tiles) without spills or local memory, the O-projection stages every
-    part of every slot, and the routing's first wait is the router tiles' (tagged at batch 1). A
-    kernel without fused tiles compiles the op to nothing."""
-    spec = load_spec(NMC)
-    for batch, blocks in ((1, 1),):  # batch 8 (6 blocks, 384-row tiles) compiled on the device's runs
-        sc = schedule(lower(spec, batch, 8192, 132, attention_sms=32, residual_in_o_proj=True, fused_experts=True),
-                      spec.name)
-        fused = [t for t in sc.tasks if t.op == Opcode.EXPERT_MLP]
-        cfg = kernel_config(sc, spec)
-        assert cfg.fused_down_blocks == blocks and {t.arg("rows") for t in fused} == {64 * blocks}
-        parts = spec.moe.intermediate // (64 * blocks)
-        assert sc.buffers["L1.moe_out"].shape == (min(128, 8 * batch) * parts, batch, spec.hidden_size)
-        art = build_kernel(sc, spec, cache_dir=cache)
-        assert art.spills == 0, f"ptxas reports {art.spills} bytes of spills\n{art.log}"
-        assert not local_memory_ops(disassemble(art.cubin))
-        assert instructions_by_op(art.cubin, art.cu_source).get("EXPERT_MLP", 0) > 500
-        words = encode(sc)
-        t = fused[0]
-        rec = next(r for r in words.records if r[W_ID] == t.id)
-        assert all(routing_edge(sc.tasks[p], t) for p in sc.counters[words.waits[rec[W_WAIT_OFF]][0]].producers)
-    spec1, plain = _nmc_schedule(1)
-    assert kernel_config(plain, spec1).fused_down_blocks == 0
-
-
-def test_residual_as_terms_kernel_compiles_without_local_memory(cache):
-    """North Mini Code at batch 1 with the residual stream left as terms (LowerOptions.
-    residual_as_terms): every normed reader stages the 8 routing slots' outputs beside the stream
-    (NORM_TERMS = 8, the scratch sized for them), and the kernel compiles without spills or local
-    memory."""
-    spec = load_spec(NMC)
-    sc = schedule(lower(spec, 1, 8192, 132, attention_sms=32, residual_in_o_proj=True, residual_as_terms=True),
-                  spec.name)
-    cfg = kernel_config(sc, spec)
-    assert cfg.norm_terms == 8
-    assert cfg.gemv_bytes >= cfg.gemv_xs_bytes + (1 + 8) * spec.hidden_size * 4
-    art = build_kernel(sc, spec, cache_dir=cache)
-    assert art.spills == 0, f"ptxas reports {art.spills} bytes of spills\n{art.log}"
-    assert not local_memory_ops(disassemble(art.cubin))
-    spec1, plain = _nmc_schedule(1)
-    assert kernel_config(plain, spec1).norm_terms == 0
-
-
 def test_a_residual_tile_off_the_copy_grain_is_refused(tiny):
     """The residual terms are copied 16 bytes at a time: a tile whose columns do not start on 4
     floats gets a CodegenError naming it, not a misaligned copy."""

@@ -181,26 +181,6 @@ def test_residual_in_o_proj_matches_reference(config, batch):
         assert dead, "no step left a routing slot dead: the zeros of dead slots were not exercised"
 
 
-@pytest.mark.parametrize("batch", [1, 3])
-def test_fused_experts_match_reference(batch):
-    """LowerOptions.fused_experts: each EXPERT_MLP tile computes its expert's intermediate rows and
-    their split-K share of the down projection, and the O-projection tiles sum the parts. The same
-    logits as the dense reference in random interleavings, with an expert intermediate of 256 cut
-    into 2 parts per slot at batch 1 (one at batch 3, 12 slots); at batch 3 some slots are dead in some step and their parts (zeros) are
-    summed too."""
-    spec = load_spec(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
-    spec = dataclasses.replace(spec, moe=dataclasses.replace(spec.moe, intermediate=256))
-    w = random_weights(spec, seed=11, dtype=torch.float32, std=0.1)
-    sc = schedule(lower(spec, batch, 64, 8, residual_in_o_proj=True, fused_experts=True), spec.name)
-    fused = [t for t in sc.tasks if t.op == Opcode.EXPERT_MLP]
-    slots = min(spec.moe.num_experts, batch * spec.moe.top_k)
-    assert fused and not any(t.op in (Opcode.EXPERT_SWIGLU, Opcode.EXPERT_DOWN) for t in sc.tasks)
-    (rows,) = {t.arg("rows") for t in fused}
-    assert sc.buffers["L1.moe_out"].shape == (slots * 256 // rows, batch, 128)
-    assert rows == (128 if batch == 1 else 256)  # batch 1: two parts per slot
-    _matches_reference(sc, spec, w, batch, 20 + batch, "fused experts")
-
-
 def _matches_reference(sc, spec, w, batch: int, seed: int, what: str, steps: int = 8) -> None:
     """``steps`` steps of random tokens on the executor of ``sc`` (random interleavings), each
     with the dense reference's logits."""
@@ -211,21 +191,6 @@ def _matches_reference(sc, spec, w, batch: int, seed: int, what: str, steps: int
         pos = _positions(step, batch)
         logits, _ = ex.step(tokens, pos, seed=step)
         _assert_close(logits, ref.step(tokens, pos), f"{what} batch {batch} step {step}")
-
-
-def test_fused_experts_need_the_o_projection_to_end_the_layer():
-    """The fused tiles' partials are summed only by O-projection tiles that end the layer: asked
-    without residual_in_o_proj, or for a sequential block, or for an intermediate off the 64-wide
-    blocks, lowering says so."""
-    root = Path(__file__).resolve().parents[1] / "configs"
-    tiny = load_spec(root / "tiny.yaml")
-    with pytest.raises(SpecError, match="fused_experts.*residual_in_o_proj"):
-        lower(tiny, 1, 64, 8, fused_experts=True)
-    with pytest.raises(SpecError, match="fused_experts.*sequential block"):
-        lower(load_spec(root / "qwen3_moe_tiny.yaml"), 1, 64, 8, residual_in_o_proj=True, fused_experts=True)
-    odd = dataclasses.replace(tiny, moe=dataclasses.replace(tiny.moe, intermediate=96))
-    with pytest.raises(SpecError, match="intermediate size 96.*multiple of 64"):
-        lower(odd, 1, 64, 8, residual_in_o_proj=True, fused_experts=True)
 
 
 @pytest.mark.parametrize("batch", [1, 3])
@@ -248,47 +213,15 @@ def test_expert_tiles_of_two_sizes_match_reference(batch):
 
 def test_expert_up_rows_are_checked():
     """Tile rows that are not multiples of 16, that do not add up to the expert's intermediate size,
-    that come with fused expert tiles, or for a model without experts: lowering says what it expected."""
+    or for a model without experts: lowering says what it expected."""
     root = Path(__file__).resolve().parents[1] / "configs"
     tiny = load_spec(root / "tiny.yaml")  # expert intermediate 64
     with pytest.raises(SpecError, match="expert_up_rows = \\(40, 24\\): expected positive multiples of 16"):
         lower(tiny, 1, 64, 8, expert_up_rows=(40, 24))
     with pytest.raises(SpecError, match="add up to 80 rows: expected the expert intermediate size, 64"):
         lower(tiny, 1, 64, 8, expert_up_rows=(48, 32))
-    with pytest.raises(SpecError, match="expert_up_rows with fused_experts"):
-        lower(tiny, 1, 64, 8, residual_in_o_proj=True, fused_experts=True, expert_up_rows=(32, 32))
     with pytest.raises(SpecError, match="has no routed experts"):
         lower(load_spec(root / "llama_tiny.yaml"), 1, 64, 8, expert_up_rows=(32, 32))
-
-
-@pytest.mark.parametrize("batch", [1, 2])
-def test_residual_as_terms_matches_reference(batch):
-    """LowerOptions.residual_as_terms: the O-projection adds the residual stream into its layer and
-    each MLP's output stays a term that the next layer's readers sum (RMSNorm staging, the next
-    O-projection's residual, the LM head's norm). The same logits as the dense reference in random
-    interleavings, over a dense layer (one term) and MoE layers (every routing slot a term); at
-    batch 2 the tiny model's 8 slots are not all live in some step, and a dead slot's zeros are
-    terms too."""
-    spec = load_spec(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
-    w = random_weights(spec, seed=13, dtype=torch.float32, std=0.1)
-    sc = schedule(lower(spec, batch, 64, 8, residual_in_o_proj=True, residual_as_terms=True), spec.name)
-    assert any(t.operand("terms") == "L1.moe_out" for t in sc.tasks if t.op == Opcode.LINEAR)
-    _matches_reference(sc, spec, w, batch, 30 + batch, "residual as terms")
-
-
-def test_residual_as_terms_needs_its_conditions():
-    """Residual terms need the O-projection to add the residual, a parallel block, no fused expert
-    tiles and few enough term rows to stage: lowering says which is missing."""
-    root = Path(__file__).resolve().parents[1] / "configs"
-    tiny = load_spec(root / "tiny.yaml")
-    with pytest.raises(SpecError, match="residual_as_terms.*residual_in_o_proj"):
-        lower(tiny, 1, 64, 8, residual_as_terms=True)
-    with pytest.raises(SpecError, match="residual_as_terms with fused_experts"):
-        lower(tiny, 1, 64, 8, residual_in_o_proj=True, residual_as_terms=True, fused_experts=True)
-    with pytest.raises(SpecError, match="residual_as_terms.*sequential block"):
-        lower(load_spec(root / "qwen3_moe_tiny.yaml"), 1, 64, 8, residual_in_o_proj=True, residual_as_terms=True)
-    with pytest.raises(SpecError, match="residual_as_terms at batch 3.*at most 16 rows"):
-        lower(tiny, 3, 64, 8, residual_in_o_proj=True, residual_as_terms=True)
 
 
 def test_generate_cpu_equals_reference(spec, weights):
@@ -447,41 +380,6 @@ def test_expert_down_rows_match_reference(batch, fold):
         down = [t for t in sc.tasks if t.op == Opcode.EXPERT_DOWN and t.layer == 1]
         assert {t.arg("rows") for t in down} == ({16} if rows == 16 else {48, 32})
         _matches_reference(sc, spec, w, batch, 50 + batch, f"expert-down tiles of {rows} rows")
-
-
-@pytest.mark.parametrize("batch, fold", [(2, False), (3, True)])
-def test_late_slots_expert_down_tiles_match_reference(batch, fold):
-    """LowerOptions.late_down_slots: the planner gives each layer's slots whose expert-down tiles its
-    first schedule ends last tiles of late_down_rows (here 16 rows, the others the rule's): the
-    same logits as the dense reference in random interleavings, and the pairs it picked in meta."""
-    from mkc.schedule.plan import plan
-
-    spec = load_spec(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
-    w = random_weights(spec, seed=23, dtype=torch.float32, std=0.1)
-    rule = plan(spec, batch, 64, 8, attention_sms=0, residual_in_o_proj=fold)
-    sc = plan(spec, batch, 64, 8, attention_sms=0, residual_in_o_proj=fold, late_slots=1, late_down_rows=16)
-    moe_layers = sorted({t.layer for t in sc.tasks if t.op == Opcode.EXPERT_DOWN})
-    pairs = sc.meta["late_down_slots"]
-    assert [lay for lay, _ in pairs] == moe_layers  # one slot a layer
-    for layer, slot in pairs:
-        rows = {t.arg("rows") for t in sc.tasks if t.op == Opcode.EXPERT_DOWN and t.layer == layer
-                and t.arg("slot") == slot}
-        others = {t.arg("rows") for t in rule.tasks if t.op == Opcode.EXPERT_DOWN and t.layer == layer
-                  and t.arg("slot") != slot}
-        assert rows == {16} and 16 not in others, (layer, slot, rows, others)
-    _matches_reference(sc, spec, w, batch, 60 + batch, "late slots' expert-down tiles of 16 rows")
-    # planning again with the pairs given (as a compile's meta does) lowers the same tasks
-    again = plan(spec, batch, 64, 8, attention_sms=0, residual_in_o_proj=fold, late_slots=1, late_down_rows=16,
-                 late_down_slots=pairs)
-    assert [t.name for t in again.tasks] == [t.name for t in sc.tasks]
-
-
-def test_late_down_slots_are_checked():
-    tiny = load_spec(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
-    with pytest.raises(SpecError, match="late_down_rows = 40: expected"):
-        lower(tiny, 1, 64, 8, late_slots=2, late_down_rows=40)
-    with pytest.raises(SpecError, match="late_down_slots without late_down_rows"):
-        lower(tiny, 1, 64, 8, late_down_slots=((1, 0),))
 
 
 def test_expert_down_rows_are_checked():

@@ -659,22 +659,6 @@ def test_nmc_tuned_long_context_entries_match_mirror(nmc_weights, num_sms, batch
         torch.cuda.empty_cache()
 
 
-@pytest.mark.parametrize("batch, context", [(1, 8192), (1, 100), (2, 4097), (8, 8192)])
-def test_nmc_fused_experts_match_mirror(nmc_weights, num_sms, batch, context):
-    """LowerOptions.fused_experts: EXPERT_MLP tiles compute their expert's intermediate rows and
-    their split-K share of the down projection (gemv_short_k), and the O-projection tiles sum the
-    parts; no EXPERT_SWIGLU or EXPERT_DOWN tile runs. Batch 8 routes to fewer than 64 distinct
-    experts, so dead slots' zeros are summed too. The same checks as the default lowering, and
-    reruns bitwise the same."""
-    from mkc.ir.ops import Opcode
-
-    spec, weights = nmc_weights
-    dec = nmc_decoder(spec, weights, batch, context, num_sms, residual_in_o_proj=True, fused_experts=True)
-    ops = {t.op for t in dec.schedule.tasks}
-    assert Opcode.EXPERT_MLP in ops and not ops & {Opcode.EXPERT_SWIGLU, Opcode.EXPERT_DOWN, Opcode.RESIDUAL}
-    check_rerun_and_mirror(dec, spec, weights, batch, context, f"NMC fused experts b{batch} ctx {context}")
-
-
 @pytest.mark.parametrize("batch, context", [(1, 8192), (1, 100), (2, 4097)])
 def test_nmc_expert_tiles_of_two_sizes_match_mirror(nmc_weights, num_sms, batch, context):
     """LowerOptions.expert_up_rows: each slot's expert gate/up tiles of 80 and 48 rows (5 and 3 row
@@ -709,19 +693,6 @@ def test_nmc_expert_down_rows_match_mirror(nmc_weights, num_sms, batch, context,
     check_rerun_and_mirror(dec, spec, weights, batch, context, f"NMC expert-down tiles of {rows} rows b{batch} ctx {context}")
 
 
-@pytest.mark.parametrize("batch, context", [(1, 8192), (1, 100)])
-def test_nmc_residual_as_terms_match_mirror(nmc_weights, num_sms, batch, context):
-    """LowerOptions.residual_as_terms: the O-projection adds the residual stream into its layer and
-    the routing slots' outputs stay terms, which every normed reader of the next layer (and the LM
-    head) stages and sums before its RMSNorm (batch 1 only: 8 terms of one row; batch 2 would stage
-    32 rows). The same checks as the default lowering, with the stream into each layer taken as the
-    readers sum it, and reruns bitwise the same."""
-    spec, weights = nmc_weights
-    dec = nmc_decoder(spec, weights, batch, context, num_sms, residual_in_o_proj=True, residual_as_terms=True)
-    assert any(t.operand("terms") != "-" for t in dec.schedule.tasks if t.op.name == "LM_HEAD")
-    check_rerun_and_mirror(dec, spec, weights, batch, context, f"NMC residual as terms b{batch} ctx {context}")
-
-
 def check_rerun_and_mirror(dec, spec, weights, batch: int, context: int, what: str) -> None:
     """One step of random tokens at nmc_positions, rerun bitwise the same, then check_against_mirror."""
     tokens = torch.randint(0, spec.vocab_size, (batch,), dtype=torch.int32)
@@ -732,21 +703,6 @@ def check_rerun_and_mirror(dec, spec, weights, batch: int, context: int, what: s
     check_against_mirror(dec, spec, weights, tokens, positions, lg, nt, what)
 
 
-def residual_stream(dec, layer: int) -> torch.Tensor:
-    """The residual stream into ``layer`` (the LM head's: the number of layers) as the kernel left
-    it: L<layer>.x, plus its terms in ascending order where the layer before left them
-    (LowerOptions.residual_as_terms: the normed readers' "terms" operand), summed as the readers
-    sum them."""
-    x = dec.buffers[f"L{layer}.x"]
-    readers = [t for t in dec.schedule.tasks if t.layer == layer and t.op.name in ("LINEAR", "LM_HEAD")
-               and t.operand("norm") != "-" and t.operand("terms") != "-"]
-    if not readers:
-        return x
-    for term in dec.buffers[readers[0].operand("terms")]:
-        x = x + term
-    return x
-
-
 def check_against_mirror(dec, spec, weights, tokens, positions, lg, nt, what: str) -> None:
     """Layer by layer with the kernel's residual stream as input (tight), and end to end with
     only the routing teacher-forced (looser: bf16 noise compounds over the layers)."""
@@ -755,7 +711,7 @@ def check_against_mirror(dec, spec, weights, tokens, positions, lg, nt, what: st
     L = spec.num_layers
     kv = [dec.kv_cache(i) for i in range(L)]  # rows below each position are not written by a step
     forced = {i: routing(dec, spec, i) for i, ls in enumerate(spec.layers) if ls.mlp == "moe"}
-    xs = [residual_stream(dec, i) for i in range(L + 1)]
+    xs = [dec.buffers[f"L{i}.x"] for i in range(L + 1)]
     weights = row_major(weights)
     res = mirror_step(spec, weights, kv, tokens.cuda(), positions.cuda(), forced=forced, layer_inputs=xs)
     flips = check_routing_flips(res.route_flips, res, what)
@@ -837,22 +793,16 @@ def test_nmc_routing_options_match_default(nmc_weights, num_sms, batch, option):
             assert torch.equal(dec.buffers[name], picks[name]), f"{option}, step {i}: {name} differs from the default"
 
 
-TERMS = {"residual_in_o_proj": True, "residual_as_terms": True}
-
-
-@pytest.mark.parametrize("batch, context, lowering", [
-    (2, 4097, {}), (4, 8192, {}), (8, 8192, {}), (1, 8192, TERMS),
-])
-def test_nmc_norm_beside_routing_matches_mirror(nmc_weights, num_sms, batch, context, lowering):
+@pytest.mark.parametrize("batch, context", [(2, 4097), (4, 8192), (8, 8192)])
+def test_nmc_norm_beside_routing_matches_mirror(nmc_weights, num_sms, batch, context):
     """CodegenOptions(norm_beside_routing="on"): the expert gate/up tiles' warps 1.. stage their
-    input (and, with residual_as_terms, its terms) while warp 0 routes, at the batches where "auto"
-    does not (2, 4 and 8) and with the terms at batch 1. The same checks against the mirror as the
-    default kernel, and reruns bitwise the same."""
+    input while warp 0 routes, at the batches where "auto" does not (2, 4 and 8). The same checks
+    against the mirror as the default kernel, and reruns bitwise the same."""
     from mkc.codegen import CodegenOptions
 
     spec, weights = nmc_weights
-    dec = nmc_decoder(spec, weights, batch, context, num_sms, CodegenOptions(norm_beside_routing="on"), **lowering)
-    check_rerun_and_mirror(dec, spec, weights, batch, context, f"NMC norm beside routing b{batch} ctx {context} {lowering}")
+    dec = nmc_decoder(spec, weights, batch, context, num_sms, CodegenOptions(norm_beside_routing="on"))
+    check_rerun_and_mirror(dec, spec, weights, batch, context, f"NMC norm beside routing b{batch} ctx {context}")
 
 
 @pytest.mark.parametrize("batch, context", [(1, 1), (1, 300), (1, 8192), (2, 4097), (8, 8192), (1, 131072)])

@@ -7,7 +7,7 @@ import pytest
 
 from mkc.ir.graph import conflicting_pairs
 from mkc.ir.lower import lower
-from mkc.ir.ops import OP_INFO, Opcode
+from mkc.ir.ops import Opcode
 from mkc.ir.spec import SpecError, load_spec
 from mkc.ir.tiling import row_tile
 
@@ -128,38 +128,6 @@ def test_residual_in_o_proj_ends_each_layer(tiny):
     ends = {t.operand("out") for t in prog.tasks if ".o_proj[" in t.name}
     assert ends == {f"L{i}.x_mid" for i in range(seq.num_layers)}
     assert {t.name.split(".")[1].split("[")[0] for t in prog.tasks if t.op == Opcode.RESIDUAL} == {"residual"}
-
-
-def test_residual_as_terms_leaves_the_mlp_output_to_the_readers(tiny):
-    """LowerOptions.residual_as_terms: the O-projection of layer i adds the stream into its layer (x
-    and layer i - 1's MLP output) and waits for the attention only, not for its own layer's experts;
-    every normed reader of layer i + 1 (router, QKV, expert-up; the LM head after the last layer)
-    reads x and layer i's MLP output as its terms, so it waits for both branches."""
-    prog = lower(tiny, batch=1, context=40, num_sms=8, residual_in_o_proj=True, residual_as_terms=True)
-    assert not any(t.op == Opcode.RESIDUAL for t in prog.tasks)
-    mlp_out = lambda i: f"L{i}.mlp_out" if tiny.layers[i].mlp == "dense" else f"L{i}.moe_out"
-    for layer in range(tiny.num_layers):
-        tiles = [t for t in prog.tasks if t.name.startswith(f"L{layer}.o_proj[")]
-        assert tiles
-        for t in tiles:
-            assert t.operand("residual") == f"L{layer}.x" and t.operand("out") == f"L{layer + 1}.x"
-            prev = {"mlp": t.operand("mlp"), "routed": t.operand("routed")}
-            assert prev == ({"mlp": "-", "routed": "-"} if layer == 0 else
-                            {"mlp": mlp_out(layer - 1), "routed": "-"} if tiny.layers[layer - 1].mlp == "dense"
-                            else {"mlp": "-", "routed": mlp_out(layer - 1)})
-            before = nx.ancestors(prog.graph, t.id)
-            assert not any(prog.tasks[d].layer == layer and prog.tasks[d].op == Opcode.EXPERT_DOWN for d in before)
-        readers = [t for t in prog.tasks if "norm" in OP_INFO[t.op].operands and t.operand("norm") != "-"
-                   and t.layer == layer]
-        assert readers
-        for t in readers:
-            assert t.operand("x") == f"L{layer}.x"
-            assert t.operand("terms") == ("-" if layer == 0 else mlp_out(layer - 1)), t.name
-    head = [t for t in prog.tasks if t.op == Opcode.LM_HEAD]
-    last = tiny.num_layers - 1
-    assert all(t.operand("terms") == mlp_out(last) for t in head)
-    before = nx.ancestors(prog.graph, head[0].id)
-    assert all(t.id in before for t in prog.tasks if t.layer == last and t.op in (Opcode.EXPERT_DOWN, Opcode.LINEAR))
 
 
 def test_attention_splits_scale_with_context(tiny):

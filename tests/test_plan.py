@@ -63,36 +63,6 @@ def test_attention_sms_gives_the_splits_their_own_wave(nmc):
     assert layer_ops(lower(nmc, 1, 8192, 132, attention_sms=32), 4)["ATTN_SPLIT"] == 32
 
 
-def test_mlp_tiles_share_the_sms_by_bytes_against_qkv(nmc):
-    """LowerOptions.mlp_share: with 64 attention SMs at batch 1, "rest" sizes the expert gate/up
-    tiles for the 68 SMs the splits leave (8 experts x 8 tiles of 96 rows); "bytes" for their share
-    against the QKV projection (50 MB against 21 MB: 93 SMs, 8 x 12 tiles of 64 rows). Without
-    attention SMs both fill every SM; nothing else of the layer changes."""
-    rest = layer_ops(lower(nmc, 1, 8192, 132, attention_sms=64, mlp_share="rest"), 1)
-    share = layer_ops(lower(nmc, 1, 8192, 132, attention_sms=64, mlp_share="bytes"), 1)
-    assert rest["EXPERT_SWIGLU"] == 64 and share["EXPERT_SWIGLU"] == 96
-    assert {op: n for op, n in rest.items() if op != "EXPERT_SWIGLU"} == \
-        {op: n for op, n in share.items() if op != "EXPERT_SWIGLU"}
-    assert layer_ops(lower(nmc, 1, 8192, 132, mlp_share="rest"), 1) == layer_ops(lower(nmc, 1, 8192, 132), 1)
-    with pytest.raises(SpecError, match="mlp_share = 'half': expected 'rest' or 'bytes'"):
-        lower(nmc, 1, 8192, 132, attention_sms=64, mlp_share="half")
-
-
-def test_mlp_waves_tile_the_mlp_share_finer(nmc):
-    """LowerOptions.mlp_waves: at batch 4 with 64 attention SMs the expert gate/up tiles fill the
-    MLP's share of the SMs once (32 slots x 4 tiles of 192 rows); two waves halve their rows (32 x 8
-    of 96), and nothing else of the layer changes. Out of range: an error naming the range."""
-    one = lower(nmc, 4, 8192, 132, attention_sms=64)
-    two = lower(nmc, 4, 8192, 132, attention_sms=64, mlp_waves=2)
-    up = [[t.arg("rows") for t in p.tasks if t.layer == 1 and t.op.name == "EXPERT_SWIGLU"] for p in (one, two)]
-    assert up[0] == [192] * 128 and up[1] == [96] * 256
-    assert {op: n for op, n in layer_ops(one, 1).items() if op != "EXPERT_SWIGLU"} == \
-        {op: n for op, n in layer_ops(two, 1).items() if op != "EXPERT_SWIGLU"}
-    assert validate(schedule(two, nmc.name)) == []
-    with pytest.raises(SpecError, match="mlp_waves = 0: expected 1 to 8"):
-        lower(nmc, 4, 8192, 132, attention_sms=64, mlp_waves=0)
-
-
 @pytest.mark.parametrize("batch, attention_sms", [(1, 32), (8, 64)])
 def test_split_schedules_are_safe(nmc, batch, attention_sms):
     sc = schedule(lower(nmc, batch, 8192, 132, attention_sms=attention_sms), nmc.name)

@@ -218,7 +218,7 @@ def test_an_entrys_expert_down_rows_are_planned_unless_asked_otherwise(tiny, tun
 
 def test_an_entrys_expert_up_rows_are_planned_unless_asked_otherwise(tiny, tuning_file):
     """An entry that names each slot's expert gate/up tile rows lowers with them and says who chose
-    them; an explicit choice (or fused expert tiles) wins, and rows that are no multiples of 16 or
+    them; an explicit choice wins, and rows that are no multiples of 16 or
     do not add up to the expert intermediate size are ignored (the rule)."""
     from mkc.schedule.visualize import format_summary, summary
 
@@ -237,8 +237,6 @@ def test_an_entrys_expert_up_rows_are_planned_unless_asked_otherwise(tiny, tunin
     assert (f"each slot's rows in {len(rows)} tiles of 16; measured fastest by schedule_variants.py, a test"
             in format_summary(summary(sc, tiny)))
     assert up_rows(plan(tiny, 2, 40, 16, expert_up_rows=())) == rule
-    fused = plan(tiny, 2, 40, 16, residual_in_o_proj=True, fused_experts=True)
-    assert fused.meta["expert_up_rows"] == () and "expert_up_rows" not in fused.meta["attention_sms"]
     for bad in ([24] * 2 + [16] * ((inter - 48) // 16), [16] * (inter // 16 + 1), "16x4", [True] * 4):
         tuning.record(key, {**entry(4), "expert_up_rows": bad})
         assert up_rows(plan(tiny, 2, 40, 16)) == rule, bad
@@ -330,10 +328,8 @@ def test_tune_times_every_candidate_and_records_the_fastest(tiny, tuning_file, t
     rec = json.loads(tuning_file.read_text())[tuning.tuning_key(tiny, 2, 40, 16)]
     assert rec["attention_sms"] == 4 and rec["gpu"] == "NVIDIA H200" and rec["reps"] == 3
     # what the counts were timed with
-    assert rec["lowering"] == {"rope_in_splits": True, "mlp_share": "bytes", "mlp_waves": 1, "residual_in_o_proj": False,
-                               "fused_experts": False, "qkv_tile_rows": 0, "residual_as_terms": False,
-                               "global_attention_sms": 0, "expert_up_rows": [], "expert_down_rows": 0,
-                               "late_slots": 0, "late_down_rows": 0, "late_down_slots": []}
+    assert rec["lowering"] == {"rope_in_splits": True, "residual_in_o_proj": False, "global_attention_sms": 0,
+                               "expert_up_rows": [], "expert_down_rows": 0}
     assert set(rec["measured_us"]) == {str(a) for a in candidates}
     assert any("fastest with 4 attention SMs" in ln for ln in logs)
     t4 = rec["measured_us"]["4"]
@@ -853,22 +849,22 @@ def test_a_measured_count_names_its_tool_and_lowering(nmc, tuning_file):
     being compiled."""
     from mkc.schedule.visualize import format_summary, summary
 
-    rest = {"mlp_share": "rest", "rope_in_splits": True}
-    tuning.record(tuning.tuning_key(nmc, 2, 8192, 132), {**entry(32), "lowering": rest})
+    unrotated = {"rope_in_splits": False}
+    tuning.record(tuning.tuning_key(nmc, 2, 8192, 132), {**entry(32), "lowering": unrotated})
     tuning.record(tuning.tuning_key(nmc, 1, 8192, 132),
                   {**entry(32), "lowering": {"mlp_share": "bytes", "rope_in_splits": True},
                    "by": "benchmarks/schedule_variants.py"})
     sc = plan(nmc, 2, 8192, 132)
-    assert sc.meta["attention_sms"]["measured_lowering"] == rest
+    assert sc.meta["attention_sms"]["measured_lowering"] == unrotated
     text = format_summary(summary(sc, nmc))
     assert "measured fastest by mkc bench --tune on NVIDIA H200" in text
-    assert "measured under mlp_share=rest (this compile: mlp_share=bytes)" in text
+    assert "measured under rope_in_splits=False (this compile: rope_in_splits=True)" in text
     sc = plan(nmc, 1, 8192, 132)
     text = format_summary(summary(sc, nmc))
     assert "measured fastest by benchmarks/schedule_variants.py on NVIDIA H200" in text
     assert "measured under" not in text
     # compiled under the lowering it was measured with: no remark
-    sc = plan(nmc, 2, 8192, 132, mlp_share="rest")
+    sc = plan(nmc, 2, 8192, 132, rope_in_splits=False)
     assert "measured under" not in format_summary(summary(sc, nmc))
 
 

@@ -41,51 +41,12 @@ class LowerOptions:
     # to the KV cache, after the splits (no one in the step waits for it). False: ROPE_APPEND
     # rotates q too and appends first, and the splits wait for it.
     rope_in_splits: bool = True
-    # parallel block with attention_sms > 0: the SMs the MLP's first GEMV (expert gate/up, dense
-    # SwiGLU) fills in one wave. "bytes": its share of num_sms by bytes against the QKV projection,
-    # which streams beside it before the splits can start (North Mini Code at batch 1: 96 expert
-    # tiles of 64 rows instead of 64 of 96). "rest": the SMs the attention splits leave (num_sms -
-    # attention_sms). Measured on an H200 (benchmarks/schedule_variants.py, 2026-11-30 06:18 UTC,
-    # step µs bytes / rest at the tuned attention SMs): batch 1 3072 / 3190, batch 2 4066 / 4119,
-    # batch 4 6112 / 6120; batch 8 lowers the same either way. Again on 2026-12-02 (15:45-15:49 UTC,
-    # two rounds, with each batch's raise and spread variants): "rest" at its best tied the shipped
-    # schedules (batch 4 5270-5419 against 5311-5373 µs, batch 8 8549 / 8602 against 8536-8634,
-    # batch 2 3343 / 3374 against 3372 / 3392); at 32 attention SMs it was 5-17% slower.
-    mlp_share: str = "bytes"
-    # waves of that share the MLP's first GEMV is tiled into: 2 halves its tiles' rows, so the tiles
-    # that would hold an SM for the whole branch pack beside the attention splits (at batch 4, one
-    # wave of expert-up tiles ran 46 µs each and the splits queued behind them). Measured on an
-    # H200 (schedule_variants.py, 2026-12-02 09:55-09:59 UTC, two rounds, µs for 1 / 2 / 3 waves):
-    # batch 4 5440 / 5544 / 5770 and 5394 / 5492 / 5843, with the splits ranked first and spread
-    # 5722 / 5396 / 5556 and 5568 / 5397 / 5568 (no better than one wave's default); batch 8 8536 /
-    # 8781 / 8597 and 8694 / 8819 / 8601; batch 2 3452 / 3696 and 3438 / 3757. One wave.
-    mlp_waves: int = 1
     # the O-projection ends the layer: one GEMV over every head (no split-K partials by KV group)
     # whose tiles add the residual stream and the MLP's output (a dense MLP's, or every routing
     # slot's expert output) and write the next layer's residual stream, so no RESIDUAL task (and
     # its hand-off) follows them on the layer's chain. Its tiles wait for the whole attention and
     # the MLP. False: O-projection partials per KV group, then RESIDUAL tiles that sum them.
     residual_in_o_proj: bool = False
-    # each expert tile also multiplies its rows of the hidden state by its slice of the expert's
-    # down projection (EXPERT_MLP: split-K partials [slot * parts + part, B, hidden], summed by the
-    # O-projection tiles that end the layer), so no EXPERT_DOWN tile and no hand-off between the
-    # expert's two GEMVs sits on the layer's chain; the down projection's bytes stream on the expert
-    # tiles' SMs right after their gate and up rows. Needs residual_in_o_proj and a parallel block.
-    fused_experts: bool = False
-    # rows per QKV tile; 0: the tiling rule's (mkc/ir/tiling.py: about one tile per SM, but never
-    # straddling a head, so a split waits only for the tiles of its own heads: North Mini Code's 5120
-    # rows in 80 tiles of 64 on 132 SMs). Smaller tiles (a multiple of 16; the last may be shorter)
-    # spread the QKV projection over more SMs, such as those whose expert tiles wait for the routing.
-    qkv_tile_rows: int = 0
-    # the residual stream into each layer is left as terms: the O-projection's output (which adds
-    # the residual stream into its own layer) and the MLP's outputs (every routing slot's expert
-    # output, or a dense MLP's), which every reader sums in ascending order while it stages its
-    # RMSNorm (the next layer's tiles, the LM head) or its residual (the next O-projection). So the
-    # O-projection waits for the attention only and may run beside the MLP's down projection, and
-    # no tile waits for both branches to add them up. Needs residual_in_o_proj and a parallel block;
-    # the readers stage every term, so it is for small batches (at most MAX_TERM_ROWS term rows).
-    # Measured 20% slower at batch 1 on an H200 (docs/tiling.md): off.
-    residual_as_terms: bool = False
     # rows of each expert gate/up tile of a routing slot, in order (multiples of 16 that add up to
     # the expert's intermediate size); (): the tiling rule's equal tiles. Tiles of two sizes are meant
     # to balance the SMs: the scheduler places the larger (costlier) tiles first, on the SMs free at
@@ -104,16 +65,6 @@ class LowerOptions:
     # tiles end last over more SMs, at more hand-offs in all. A tuning entry may name it per point
     # (plan.py: EXPERT_DOWN_ROWS; North Mini Code at batch 8, 256 rows; docs/tiling.md).
     expert_down_rows: int = 0
-    # expert-down tiles of `late_down_rows` rows (a multiple of 16; 0: off) for the (layer, slot) pairs
-    # of late_down_slots, the rest as expert_down_rows says: the slots whose down projection runs
-    # last in a layer drain it over more SMs, the others keep tiles of fewer hand-offs. The planner
-    # picks late_slots pairs a layer from a first schedule (plan.py: late_down_slots) unless given.
-    # Off: on an H200 (2026-12-04 17:12 UTC, BENCHMARKS.md) 8 or 16 of batch 4's 32 slots at 256 rows
-    # were 1-4% slower, 2 of batch 1's 8 at 64 rows 3-5%, 16 of batch 8's 64 at 128 rows 0.4-1.4%,
-    # and 4 of batch 2's 16 at 128 rows tied.
-    late_slots: int = 0
-    late_down_rows: int = 0
-    late_down_slots: tuple[tuple[int, int], ...] = ()
 
     def check(self) -> None:
         if not 1 <= self.batch <= 8:
@@ -132,37 +83,12 @@ class LowerOptions:
         if self.page_size < 0 or self.page_size > self.context:
             raise SpecError(f"--page-size {self.page_size}: expected 0 (contiguous) or 1 to the context "
                             f"({self.context}) positions per KV page")
-        if not 1 <= self.mlp_waves <= 8:
-            raise SpecError(f"mlp_waves = {self.mlp_waves}: expected 1 to 8 waves of MLP tiles")
-        if self.mlp_share not in ("rest", "bytes"):
-            raise SpecError(f"mlp_share = {self.mlp_share!r}: expected 'rest' or 'bytes'")
-        if self.qkv_tile_rows < 0 or self.qkv_tile_rows % 16:
-            raise SpecError(f"qkv_tile_rows = {self.qkv_tile_rows}: expected 0 (the tiling rule) or a positive "
-                            f"multiple of 16 (the GEMV's row group)")
-        if self.fused_experts and not self.residual_in_o_proj:
-            raise SpecError("fused_experts: the expert tiles' split-K partials are summed by the O-projection tiles "
-                            "that end the layer: expected residual_in_o_proj as well")
-        if self.residual_as_terms and not self.residual_in_o_proj:
-            raise SpecError("residual_as_terms: the O-projection adds the residual stream into its layer: expected "
-                            "residual_in_o_proj as well")
-        if self.residual_as_terms and self.fused_experts:
-            raise SpecError("residual_as_terms with fused_experts: the fused tiles' split-K partials are summed by "
-                            "the O-projection of their own layer: expected one of the two")
         if any(r <= 0 or r % 16 for r in self.expert_up_rows):
             raise SpecError(f"expert_up_rows = {tuple(self.expert_up_rows)}: expected positive multiples of 16 (the "
                             f"GEMV's row group)")
         if self.expert_down_rows < 0 or self.expert_down_rows % 16:
             raise SpecError(f"expert_down_rows = {self.expert_down_rows}: expected 0 (the tiling rule) or a positive "
                             f"multiple of 16 (the GEMV's row group)")
-        if self.late_slots < 0 or self.late_down_rows < 0 or self.late_down_rows % 16:
-            raise SpecError(f"late_slots = {self.late_slots}, late_down_rows = {self.late_down_rows}: expected a slot "
-                            f"count of 0 or more and 0 (off) or a positive multiple of 16 (the GEMV's row group)")
-        if self.late_down_slots and not self.late_down_rows:
-            raise SpecError("late_down_slots without late_down_rows: expected the rows of those slots' expert-down "
-                            "tiles as well")
-        if self.expert_up_rows and self.fused_experts:
-            raise SpecError("expert_up_rows with fused_experts: the fused tiles keep equal parts: expected one of "
-                            "the two")
         if self.kv_pages < 0 or (self.kv_pages and not self.page_size):
             raise SpecError(f"kv_pages = {self.kv_pages}: expected 0, or a pool size with a page size")
 
@@ -170,29 +96,22 @@ class LowerOptions:
 # LowerOptions.global_attention_sms: at most this many waves of the SMs' worth of attention splits
 MAX_ATTENTION_WAVES = 4
 
-# LowerOptions.residual_as_terms: at most this many f32 rows of terms (batch x terms) per reader,
-# which stages them all in shared memory (North Mini Code at batch 1: 8 routing slots)
-MAX_TERM_ROWS = 16
 
 
 @dataclass(frozen=True, slots=True)
 class Normed:
-    """The RMSNorm of the f32 residual stream ``x`` (plus ``terms`` [n, B, hidden], where the layer
-    before left it as terms: LowerOptions.residual_as_terms) with ``weight``, as a GEMV input: never
+    """The RMSNorm of the f32 residual stream ``x`` with ``weight``, as a GEMV input: never
     materialised, each consumer task stages it itself (mkc/ir/ops.py)."""
 
     x: Buffer
     weight: Buffer
-    terms: Buffer | None = None
 
 
 def gemv_input(x: Buffer | Normed, k0: int = 0, k: int | None = None) -> tuple[dict[str, Buffer | None], list[Region]]:
-    """Operands ("x", "norm", "terms") and read regions of a GEMV's input columns [k0, k0 + k): a
-    normed input reads whole rows of x and of its terms (the norm's mean is over the row) and the
-    norm weight."""
+    """Operands ("x", "norm") and read regions of a GEMV's input columns [k0, k0 + k): a normed
+    input reads whole rows of x (the norm's mean is over the row) and the norm weight."""
     if isinstance(x, Normed):
-        return ({"x": x.x, "norm": x.weight, "terms": x.terms},
-                [full(x.x), full(x.weight), *([full(x.terms)] if x.terms is not None else [])])
+        return {"x": x.x, "norm": x.weight}, [full(x.x), full(x.weight)]
     k = x.shape[-1] if k is None else k
     return {"x": x, "norm": None}, [box(x, None, (k0, k0 + k))]
 
@@ -208,18 +127,6 @@ def box(buf: Buffer, *ranges: tuple[int, int] | None) -> Region:
 
 class _Lowerer:
     def __init__(self, spec: ModelSpec, opt: LowerOptions):
-        if opt.fused_experts and spec.block != "parallel":
-            raise SpecError(f"fused_experts: {spec.name} has a sequential block, whose MLP output goes to "
-                            f"RESIDUAL tiles, not to the O-projection: expected fused_experts off")
-        if opt.residual_as_terms:
-            if spec.block != "parallel":
-                raise SpecError(f"residual_as_terms: {spec.name} has a sequential block, whose attention output is "
-                                f"added before its MLP: expected residual_as_terms off")
-            terms = max([1] + [spec.moe.slots(opt.batch) for ls in spec.layers if ls.mlp == "moe"])
-            if opt.batch * terms > MAX_TERM_ROWS:
-                raise SpecError(f"residual_as_terms at batch {opt.batch}: every reader would stage {terms} terms of "
-                                f"{opt.batch} rows; expected at most {MAX_TERM_ROWS} rows (a smaller batch, or "
-                                f"residual_as_terms off)")
         if opt.attention_sms and spec.block != "parallel":
             raise SpecError(f"--attention-sms {opt.attention_sms}: {spec.name} has a sequential block, whose "
                             f"attention and MLP do not run side by side: expected 0")
@@ -261,16 +168,14 @@ class _Lowerer:
 
     def mlp_sms(self, mlp_bytes: int) -> int:
         """Tiles of the MLP's first GEMV (dense SwiGLU or expert gate/up, ``mlp_bytes`` of weights in
-        one layer): the SMs it fills beside the attention (LowerOptions.mlp_share), times
-        LowerOptions.mlp_waves."""
+        one layer): with attention SMs set apart, its share of the SMs by bytes against the QKV
+        projection, which streams beside it before the splits can start; else every SM."""
         opt = self.opt
-        if opt.mlp_share == "rest" or not opt.attention_sms:
-            share = opt.num_sms - opt.attention_sms
-        else:
-            a = self.spec.attention
-            qkv_bytes = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim * self.spec.hidden_size * 2
-            share = max(1, min(opt.num_sms, round(opt.num_sms * mlp_bytes / (mlp_bytes + qkv_bytes))))
-        return share * opt.mlp_waves
+        if not opt.attention_sms:
+            return opt.num_sms
+        a = self.spec.attention
+        qkv_bytes = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim * self.spec.hidden_size * 2
+        return max(1, min(opt.num_sms, round(opt.num_sms * mlp_bytes / (mlp_bytes + qkv_bytes))))
 
     # -- ops -----------------------------------------------------------------------------------
     def linear(self, layer: int, label: str, x: Buffer | Normed, w: Buffer, out: Buffer, *, k0: int = 0,
@@ -314,12 +219,11 @@ class _Lowerer:
         x = self.buf("L0.x", (B, H), "f32", "act", "[B, hidden] residual stream into layer 0")
         self.emit(Opcode.EMBED, -1, "embed", {"tokens": tokens, "embed": embed, "out": x}, {},
                   [full(tokens), full(embed)], [full(x)], weight_bytes=B * H * 2)
-        terms: tuple[Buffer | None, Buffer | None] = (None, None)  # the residual stream's terms x lacks
         for layer in range(s.num_layers):
-            x, terms = self.layer(layer, x, terms, tokens, positions)
+            x = self.layer(layer, x, positions)
         L = s.num_layers
         fnw = self.buf("final_norm", (H,), "bf16", "weight", "[hidden]")
-        xin, xreads = gemv_input(Normed(x, fnw, terms[0] or terms[1]))
+        xin, xreads = gemv_input(Normed(x, fnw))
         head = embed if s.tie_word_embeddings else self.buf("lm_head", (s.vocab_size, H), "bf16", "weight",
                                                              "[vocab, hidden]")
         V = s.vocab_size
@@ -340,19 +244,12 @@ class _Lowerer:
         prog = Program(self.buffers, self.tasks, {"batch": B, "context": C, "num_sms": opt.num_sms,
                                                   "page_size": opt.page_size, "attention_sms": opt.attention_sms,
                                                   "rope_in_splits": opt.rope_in_splits,
-                                                  "mlp_share": opt.mlp_share, "mlp_waves": opt.mlp_waves,
-                                                  "residual_in_o_proj": opt.residual_in_o_proj,
-                                                  "fused_experts": opt.fused_experts,
-                                                  "qkv_tile_rows": opt.qkv_tile_rows,
-                                                  "residual_as_terms": opt.residual_as_terms})
+                                                  "residual_in_o_proj": opt.residual_in_o_proj})
         derive_edges(prog)
         return prog
 
-    def layer(self, layer: int, x: Buffer, terms: tuple[Buffer | None, Buffer | None], tokens: Buffer,
-              positions: Buffer) -> tuple[Buffer, tuple[Buffer | None, Buffer | None]]:
-        """Lower one layer; returns the residual stream into the next one: x and the terms x lacks
-        (the MLP's output as (dense, routed); both None unless LowerOptions.residual_as_terms).
-        ``terms``: those of the stream into this layer."""
+    def layer(self, layer: int, x: Buffer, positions: Buffer) -> Buffer:
+        """Lower one layer; returns the residual stream into the next one."""
         s, opt = self.spec, self.opt
         ls = s.layers[layer]
         B, H, C = opt.batch, s.hidden_size, opt.context
@@ -361,12 +258,12 @@ class _Lowerer:
         GS = QH // G
         P = f"L{layer}"
         nw = self.buf(f"{P}.attn_norm", (H,), "bf16", "weight", "[hidden]")
-        n = Normed(x, nw, terms[0] or terms[1])
+        n = Normed(x, nw)
         # --- attention: QKV rows are [q heads..., k heads..., v heads...], D rows per head
         nqkv = (QH + 2 * G) * D
         wqkv = self.buf(f"{P}.w_qkv", (nqkv, H), "bf16", "weight", "[(heads + 2 kv_heads) * head_dim, hidden]")
         qkv = self.buf(f"{P}.qkv", (B, nqkv), "bf16", "act", "[B, (heads + 2 kv_heads) * head_dim]")
-        self.linear(layer, "qkv", n, wqkv, qkv, boundary=D, tile=opt.qkv_tile_rows or None)
+        self.linear(layer, "qkv", n, wqkv, qkv, boundary=D)
         fused = opt.rope_in_splits
         q = None if fused else self.buf(f"{P}.q", (B, QH * D), "bf16", "act", "[B, heads * head_dim] after RoPE")
         pt, psz = self.page_table, opt.page_size
@@ -476,9 +373,7 @@ class _Lowerer:
             nw2 = self.buf(f"{P}.mlp_norm", (H,), "bf16", "weight", "[hidden]")
             mlp_in = Normed(x_mid, nw2)
             x, o_part = x_mid, None
-        x_out = self.buf(f"L{layer + 1}.x", (B, H), "f32", "act",
-                         f"[B, hidden] residual stream into layer {layer + 1}"
-                         + (f", less layer {layer}'s MLP output (its terms)" if opt.residual_as_terms else ""))
+        x_out = self.buf(f"L{layer + 1}.x", (B, H), "f32", "act", f"[B, hidden] residual stream into layer {layer + 1}")
         mo = routed = tslots = None
         if ls.mlp == "dense":
             inter = s.dense_intermediate
@@ -490,20 +385,16 @@ class _Lowerer:
             self.linear(layer, "down", h, wd, mo)
         else:
             routed, tslots = self.moe(layer, mlp_in)
-        if opt.residual_as_terms:  # the O-projection adds the stream into this layer; the MLP's output stays a term
-            self.o_proj_residual(layer, attn, wo, x, x_out, *terms)
-            return x_out, (mo, routed)
         if o_ends and s.block == "parallel":  # the O-projection ends the layer, after the MLP in program order
             self.o_proj_residual(layer, attn, wo, x, x_out, mo, routed)
         else:
             self.residual(layer, x, o_part, mo, routed, None if routed is None else tslots, x_out, "residual")
-        return x_out, (None, None)
+        return x_out
 
     def o_proj_residual(self, layer: int, attn: Buffer, wo: Buffer, x: Buffer, out: Buffer,
                         mlp: Buffer | None = None, routed: Buffer | None = None) -> None:
         """out[:, rows] = x + attn @ wo[rows]^T (+ mlp) (+ every routing slot's output), tiled by
-        rows (LowerOptions.residual_in_o_proj; with residual_as_terms, mlp and routed are the layer
-        before's, the terms of x)."""
+        rows (LowerOptions.residual_in_o_proj)."""
         H, k = wo.shape
         tile = row_tile(H, k * DTYPE_BYTES[wo.dtype], 1, self.opt.num_sms)
         B = self.opt.batch
@@ -538,8 +429,6 @@ class _Lowerer:
         wgu = self.buf(f"{P}.w_experts_gate_up", (E, 2 * I, H), "bf16", "weight",
                        "[experts, 2 * inter (gate; up), hidden]")
         wd = self.buf(f"{P}.w_experts_down", (E, H, I), "bf16", "weight", "[experts, hidden, inter]")
-        if opt.fused_experts:
-            return self.fused_experts(layer, n, rl, wgu, wd, slots), tslots
         h = self.buf(f"{P}.moe_h", (slots, B, I), "bf16", "act", "[slots, B, inter]")
         out = self.buf(f"{P}.moe_out", (slots, B, H), "f32", "act", "[slots, B, hidden] weighted expert outputs")
         up_tile = row_tile(I, 2 * H * 2, slots, self.mlp_sms(slots * I * 2 * H * 2))
@@ -563,9 +452,8 @@ class _Lowerer:
                            box(wgu, None, (I + lo, I + hi), None)],
                           [box(h, (j, j + 1), None, (lo, hi))], flops=4 * B * (hi - lo) * H,
                           weight_bytes=2 * (hi - lo) * H * 2)
-        late = {j for lay, j in opt.late_down_slots if lay == layer}
         for j in range(slots):
-            for lo, hi in tiles(H, min(opt.late_down_rows, H) if j in late else down_tile):
+            for lo, hi in tiles(H, down_tile):
                 self.emit(Opcode.EXPERT_DOWN, layer, f"{P}.expert_down[slot{j}][{lo}:{hi}]",
                           {"h": h, "weight": wd, "logits": rl, "out": out},
                           {"slot": j, "row0": lo, "rows": hi - lo},
@@ -573,38 +461,6 @@ class _Lowerer:
                           [box(out, (j, j + 1), None, (lo, hi))], flops=2 * B * (hi - lo) * I,
                           weight_bytes=(hi - lo) * I * 2)
         return out, tslots
-
-    def fused_experts(self, layer: int, n: Normed, rl: Buffer, wgu: Buffer, wd: Buffer, slots: int) -> Buffer:
-        """EXPERT_MLP tiles (LowerOptions.fused_experts): tile (slot j, rows [lo, hi)) of the expert's
-        intermediate rows computes them and their share of the down projection; returns the
-        partials [slots * parts, B, hidden] (part p of slot j at row j * parts + p). The rows per
-        tile are a multiple of 64, the GEMV's reduction block, since they are the down projection's
-        k."""
-        opt = self.opt
-        B, H, I = opt.batch, self.spec.hidden_size, self.spec.moe.intermediate
-        P = f"L{layer}"
-        if I % 64:
-            raise SpecError(f"fused_experts: the expert intermediate size {I} is the down projection's reduction, "
-                            f"which the GEMV reads in blocks of 64: expected a multiple of 64, or fused_experts off")
-        row_bytes = 3 * H * 2  # gate, up and down
-        tile = row_tile(I, row_bytes, slots, self.mlp_sms(slots * I * row_bytes))
-        tile = min(I, -(-tile // 64) * 64)
-        while I % tile:  # equal parts: every partial covers the same rows
-            tile += 64
-        parts = I // tile
-        out = self.buf(f"{P}.moe_out", (slots * parts, B, H), "f32", "act",
-                       "[slots * parts, B, hidden] weighted split-K partials of the expert outputs")
-        xin, xreads = gemv_input(n)
-        for j in range(slots):
-            for part, (lo, hi) in enumerate(tiles(I, tile)):
-                self.emit(Opcode.EXPERT_MLP, layer, f"{P}.expert_mlp[slot{j}][{lo}:{hi}]",
-                          {**xin, "weight": wgu, "down": wd, "logits": rl, "out": out},
-                          {"slot": j, "row0": lo, "rows": hi - lo, "part": part},
-                          [*xreads, full(rl), box(wgu, None, (lo, hi), None), box(wgu, None, (I + lo, I + hi), None),
-                           box(wd, None, None, (lo, hi))],
-                          [box(out, (j * parts + part, j * parts + part + 1), None, None)],
-                          flops=6 * B * (hi - lo) * H, weight_bytes=3 * (hi - lo) * H * 2)
-        return out
 
     def residual(self, layer: int, x: Buffer, o_part: Buffer | None, mlp: Buffer | None,
                  routed: Buffer | None, tslots: Buffer | None, out: Buffer, label: str) -> None:
@@ -629,11 +485,10 @@ class _Lowerer:
 def lower(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int = 0, kv_pages: int = 0,
           attention_sms: int = 0, **choices) -> Program:
     """Lower a model into a Program (buffers, tasks in program order, derived DAG). ``choices``: the
-    other LowerOptions fields (rope_in_splits, mlp_share, mlp_waves, residual_in_o_proj, ...)."""
+    other LowerOptions fields (rope_in_splits, residual_in_o_proj, ...)."""
     opt = LowerOptions(batch=batch, context=context, num_sms=num_sms, page_size=page_size, kv_pages=kv_pages,
                        attention_sms=attention_sms, **choices)
-    opt = dataclasses.replace(opt, expert_up_rows=tuple(opt.expert_up_rows),  # a list from JSON or a CLI
-                              late_down_slots=tuple((int(lay), int(j)) for lay, j in opt.late_down_slots))
+    opt = dataclasses.replace(opt, expert_up_rows=tuple(opt.expert_up_rows))  # a list from JSON or a CLI
     opt.check()
     if opt.expert_up_rows and spec.moe is None:
         raise SpecError(f"expert_up_rows = {opt.expert_up_rows}: {spec.name} has no routed experts")

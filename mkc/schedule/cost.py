@@ -108,29 +108,6 @@ class Ceilings:
     # shipped spread (+1.0%). Off here; `mkc bench --tune` times it per point and records the
     # faster (plan.py applies a recorded one).
     splits_first: bool = False
-    # µs an expert-down tile costs more on an SM that does not hold its layer's routing: the kernel
-    # keeps the routing the SM's last routing task derived (ops.cuh: routing_known), so an
-    # expert-down tile after an expert gate/up tile of its layer reuses it, and one after an
-    # attention split waits for the router tiles, reads the logits and ranks them first (a batch-1
-    # profile of 2026-12-03 18:57 UTC: 3.6 µs from its SM free to its wait's end, against 1.5 µs
-    # after an expert gate/up tile). With it the list scheduler weighs that placement (scheduler.py,
-    # rule 2); 0: every SM alike. Measured on an H200 (schedule_variants.py, 2026-12-03 20:33 UTC,
-    # three rounds at batch 1, two at 2 and 8, µs default / 2.5 / 4.0): batch 1 2408.7 / 2483.2 /
-    # 2456.2, 2409.9 / 2460.5 / 2453.9, 2405.2 / 2442.9 / 2448.0 (+1.6% to +3.1%: fewer tiles derive
-    # the routing, 1,200 → 1,020 of 6,144 at 2.5, but they queue behind busier SMs); batch 2 and 8
-    # ties. So 0.
-    routing_derive_us: float = 0.0
-    # µs added to the place in the list scheduler's order (not to the upward rank, so their inputs
-    # keep theirs) of the attention branch's tail: the attention combines and the tasks that read
-    # them (the O-projection tiles), so that they take the SMs that go idle first once the splits
-    # are merged instead of queueing behind the expert-down tiles placed before them (a batch-4
-    # profile, 2026-12-04 17:04 UTC: the O-projection tiles' inputs ready 84.3 µs into a layer,
-    # their SMs free at 93.2). The order stays topological (scheduler.py). Measured on an H200
-    # (schedule_variants.py, 2026-12-04 17:21 UTC, µs against the default in the same rounds):
-    # batch 4 at 5 / 20 / 100 µs +0.3-1.2% / +1.5-2.3% / +13%, batch 8 at 20 +1.8%, batch 2 +7%,
-    # batch 1 a tie: an O-projection tile ahead of an expert-down tile on its SM delays that tile,
-    # and the drain of the down projection is the layer's tail too. So 0.
-    attention_tail_first_us: float = 0.0
     # The shared-bandwidth simulation (simulate.py), by which the planner ranks attention-SM counts:
     # the most one SM streams at (bytes/s) when few others do, an attention split's most, the
     # time from a producer's end to its consumer's start, and the fixed µs per task by opcode.
@@ -165,10 +142,6 @@ GPUS: dict[str, Ceilings] = {"h200": H200, "h100": H100}
 def gpu_name(device_name: str) -> str:
     """The name in GPUS of a device as CUDA names it ("NVIDIA H100 80GB HBM3": h100); h200 otherwise."""
     return "h100" if "H100" in device_name.upper() else "h200"
-
-# The opcodes whose tasks derive the routing of their router logits (ops.cuh: route_tokens), so
-# the SM holds it for the next one of the same logits.
-ROUTING_OPS = ("EXPERT_SWIGLU", "EXPERT_MLP", "EXPERT_DOWN", "TOPK")
 
 
 # the opcodes whose tiles read the weights of their routing slot's expert (their "slot" argument):

@@ -48,7 +48,6 @@ import math
 from typing import Any
 
 from mkc.ir.lower import MAX_ATTENTION_WAVES, LowerOptions, lower
-from mkc.ir.ops import Opcode
 from mkc.ir.spec import ModelSpec
 from mkc.schedule import tuning
 from mkc.schedule.cost import H200, Ceilings
@@ -59,9 +58,8 @@ from mkc.schedule.simulate import simulated_step_us
 # The lowering choices plan() passes on to lower() (LowerOptions' fields of these names), and their
 # defaults. mkc bench --tune records them beside each measured count, since the count was fastest
 # for them.
-LOWERING_CHOICES = ("rope_in_splits", "mlp_share", "mlp_waves", "residual_in_o_proj", "fused_experts",
-                    "qkv_tile_rows", "residual_as_terms", "global_attention_sms", "expert_up_rows",
-                    "expert_down_rows", "late_slots", "late_down_rows", "late_down_slots")
+LOWERING_CHOICES = ("rope_in_splits", "residual_in_o_proj", "global_attention_sms", "expert_up_rows",
+                    "expert_down_rows")
 # A tuning entry's measured Ceilings.attention_inputs_first_us for its point (mkc bench --tune times
 # the fastest attention-SM count with and without the raise and records the faster), and the times
 # under INPUTS_FIRST + "_measured_us".
@@ -132,6 +130,14 @@ def lowering_choices(given: dict[str, object]) -> dict[str, object]:
     if unknown:
         raise TypeError(f"unknown lowering choice {', '.join(unknown)}: expected one of {', '.join(LOWERING_CHOICES)}")
     return {**DEFAULT_LOWERING, **given}
+
+
+def current_lowering(recorded: object) -> dict[str, object] | None:
+    """A tuning entry's recorded lowering, less the choices mkc no longer has (an older entry names
+    variants since retired: docs/decisions.md); None where the entry records none."""
+    if not isinstance(recorded, dict):
+        return None
+    return {k: v for k, v in recorded.items() if k in LOWERING_CHOICES}
 
 
 def attention_sms_candidates(spec: ModelSpec, batch: int, num_sms: int) -> list[int]:
@@ -267,7 +273,7 @@ def plan_choices(spec: ModelSpec, batch: int, context: int, num_sms: int, page_s
         return attention_sms, ceilings, how
     how = {"chosen_by": "measured", "measured_us": measured.get("measured_us", {}),
            "measured_on": measured.get("gpu", "?"), "measured_at": measured.get("date", "?"),
-           "measured_lowering": measured.get("lowering"), "measured_by": measured.get("by")}
+           "measured_lowering": current_lowering(measured.get("lowering")), "measured_by": measured.get("by")}
     if measured.get("not_timed_simulated_us"):  # counts mkc bench --tune left out (runtime/bench.py)
         how["not_timed_simulated_us"] = measured["not_timed_simulated_us"]
     if isinstance(measured.get(KEPT_OVER_RETUNE), dict):
@@ -278,10 +284,7 @@ def plan_choices(spec: ModelSpec, batch: int, context: int, num_sms: int, page_s
     # tiles measured at this point (an entry without them: the ceilings' own), unless the caller
     # asked for other ceilings
     first, spread = measured.get(INPUTS_FIRST), measured.get(SPREAD)
-    # (the routing's placement cost and the attention tail's place are separate levers: an entry's
-    # raise and spread apply with them)
-    default_ceilings = dataclasses.replace(ceilings, routing_derive_us=H200.routing_derive_us,
-                                           attention_tail_first_us=H200.attention_tail_first_us) == H200
+    default_ceilings = ceilings == H200
     if isinstance(first, (int, float)) and default_ceilings:
         ceilings = dataclasses.replace(ceilings, attention_inputs_first_us=float(first))
         how[INPUTS_FIRST] = float(first)
@@ -320,7 +323,7 @@ def plan_choices(spec: ModelSpec, batch: int, context: int, num_sms: int, page_s
         how[EXPERT_DOWN_ROWS + "_measured_us"] = measured.get(EXPERT_DOWN_ROWS + "_measured_us", {})
         how[EXPERT_DOWN_ROWS + "_by"] = measured.get(EXPERT_DOWN_ROWS + "_by", "?")
     up = measured_up_rows(spec, measured.get(EXPERT_UP_ROWS))
-    if not given_up and up and not lowering["fused_experts"]:  # fused tiles keep equal parts (LowerOptions)
+    if not given_up and up:
         how[EXPERT_UP_ROWS] = up
         how[EXPERT_UP_ROWS + "_measured_us"] = measured.get(EXPERT_UP_ROWS + "_measured_us", {})
         how[EXPERT_UP_ROWS + "_by"] = measured.get(EXPERT_UP_ROWS + "_by", "?")
@@ -367,25 +370,7 @@ def plan(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int
             lowering[choice] = how[choice]
     program = lower(spec, batch, context, num_sms, page_size, kv_pages, attention_sms=attention_sms, **lowering)
     sc = schedule(program, spec.name, ceilings)
-    if lowering["late_slots"] and lowering["late_down_rows"] and not lowering["late_down_slots"]:
-        lowering["late_down_slots"] = late_down_slots(sc, int(lowering["late_slots"]))
-        program = lower(spec, batch, context, num_sms, page_size, kv_pages, attention_sms=attention_sms, **lowering)
-        sc = schedule(program, spec.name, ceilings)
     sc.meta["attention_sms"] = {"chosen": attention_sms, **how}
     sc.meta.update(lowering)
     return sc
 
-
-def late_down_slots(sc: Schedule, count: int) -> tuple[tuple[int, int], ...]:
-    """The (layer, slot) pairs of LowerOptions.late_down_slots: in each layer, the ``count`` routing
-    slots whose expert-down tiles the schedule ``sc`` predicts to end last (ties: the higher slot).
-    A layer's last slots are not the last in program order: the list scheduler runs a second wave
-    of gate/up tiles behind the first, and the down tiles of the first wave's slots queue behind
-    those (North Mini Code at batch 4: slots 15-28 of 32, on an H200 and in the prediction alike)."""
-    ends: dict[int, dict[int, float]] = {}  # layer -> slot -> its last expert-down tile's end
-    for t, end in zip(sc.tasks, sc.predicted["end_us"]):
-        if t.op == Opcode.EXPERT_DOWN:
-            slots = ends.setdefault(t.layer, {})
-            slots[int(t.arg("slot"))] = max(slots.get(int(t.arg("slot")), 0.0), end)
-    return tuple((layer, j) for layer in sorted(ends)
-                 for j in sorted(sorted(ends[layer], key=lambda j: (-ends[layer][j], -j))[:count]))

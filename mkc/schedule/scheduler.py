@@ -5,10 +5,7 @@ Rules, in the order they apply:
 1. Priority is the upward rank: a task's predicted time plus the longest chain of predicted
    times after it (the critical path to the end of the step). Ties go to program order. With
    Ceilings.attention_inputs_first_us, the tasks that feed an attention split (and with
-   Ceilings.splits_first the splits too) count that much more. With
-   Ceilings.attention_tail_first_us, the attention combines and their consumers come that much
-   earlier in the order, their rank unchanged (their inputs keep theirs), taken in a topological
-   order (priority_order: the ready task of the highest key first).
+   Ceilings.splits_first the splits too) count that much more.
    A routing slot's expert tiles are predicted at their expert's full bytes, though the slots past
    the step's distinct experts stream nothing: placed by their expected bytes
    (cost.expected_weight_bytes) instead, North Mini Code's steps measured 5-7% slower on an H200
@@ -22,11 +19,6 @@ Rules, in the order they apply:
    task whose SM already holds a sibling (a task of its layer and stage, profile.stage: e.g.
    another O-projection tile) goes instead to the first SM without one that can start it before
    it would end there, so a layer's tiles of one op run beside each other, not one after another.
-   With Ceilings.routing_derive_us, an expert-down tile costs that much more on an SM that does
-   not hold its layer's routing (the last routing task placed there routed other logits: the
-   kernel's routing_known), so it goes instead to the SM holding the routing that can start it
-   earliest (the one that went idle last, among those idle by then) wherever it would end no
-   later there.
 3. Counters: an edge a → b already implied by a path a → c → b is not waited on (c's own wait
    covers it), unless the path runs through a routing edge: an expert-up tile's edge from the
    router tiles (schedule.routing_edge) orders the logits alone, since a kernel may read the
@@ -46,15 +38,14 @@ Deterministic: no randomness, no dict-order dependence beyond insertion order.
 from __future__ import annotations
 
 import bisect
-import heapq
 from collections import defaultdict
 
 import networkx as nx
 
 from mkc.ir.graph import Program, Task
-from mkc.schedule.cost import H200, ROUTING_OPS, Ceilings, prefetchable_time, task_time
+from mkc.schedule.cost import H200, Ceilings, prefetchable_time, task_time
 from mkc.schedule.profile import stage
-from mkc.schedule.schedule import Counter, Schedule, logits_operand, routing_edge
+from mkc.schedule.schedule import Counter, Schedule, routing_edge
 
 
 def upward_rank(g: nx.DiGraph, cost: list[float]) -> list[float]:
@@ -62,24 +53,6 @@ def upward_rank(g: nx.DiGraph, cost: list[float]) -> list[float]:
     for n in reversed(list(nx.topological_sort(g))):
         rank[n] = cost[n] + max((rank[s] for s in g.successors(n)), default=0.0)
     return rank
-
-
-def priority_order(g: nx.DiGraph, key: list[float]) -> list[int]:
-    """A topological order that takes, among the tasks whose predecessors are all taken, the one of
-    the highest key (ties: program order). Where the keys already fall along every edge (the upward
-    rank), it is the order of the keys themselves."""
-    left = [g.in_degree(n) for n in range(len(key))]
-    ready = [(-key[n], n) for n in range(len(key)) if left[n] == 0]
-    heapq.heapify(ready)
-    order: list[int] = []
-    while ready:
-        _, n = heapq.heappop(ready)
-        order.append(n)
-        for s in g.successors(n):
-            left[s] -= 1
-            if left[s] == 0:
-                heapq.heappush(ready, (-key[s], s))
-    return order
 
 
 def schedule(program: Program, model: str, ceilings: Ceilings = H200) -> Schedule:
@@ -94,13 +67,7 @@ def schedule(program: Program, model: str, ceilings: Ceilings = H200) -> Schedul
     raised = [boost > 0 and (any(tasks[s].op.name == "ATTN_SPLIT" for s in g.successors(t.id))
                              or (ceilings.splits_first and t.op.name == "ATTN_SPLIT")) for t in tasks]
     rank = upward_rank(g, [c + (boost if r else 0.0) for c, r in zip(cost, raised)])
-    tail = ceilings.attention_tail_first_us * 1e-6
-    if tail > 0:
-        tail_tasks = {t.id for t in tasks if t.op.name == "ATTN_COMBINE"}
-        tail_tasks |= {s for c in tail_tasks for s in g.successors(c)}
-        order = priority_order(g, [rank[i] + (tail if i in tail_tasks else 0.0) for i in range(len(tasks))])
-    else:
-        order = sorted(range(len(tasks)), key=lambda i: (-rank[i], i))
+    order = sorted(range(len(tasks)), key=lambda i: (-rank[i], i))
 
     # list scheduling; free = sorted list of (time the SM goes idle, sm)
     free: list[tuple[float, int]] = [(0.0, sm) for sm in range(n_sm)]
@@ -109,7 +76,6 @@ def schedule(program: Program, model: str, ceilings: Ceilings = H200) -> Schedul
     end = [0.0] * len(tasks)
     sm_of = [-1] * len(tasks)
     holders: dict[tuple[int, str], set[int]] = defaultdict(set)  # (layer, stage) -> SMs holding one
-    routed: list[str | None] = [None] * n_sm  # per SM: the logits its last routing task routed
     for t in order:
         ready = max((end[p] + hop for p in g.predecessors(t)), default=0.0)
         # the SM that went idle last among those idle by `ready`, else the first to go idle
@@ -127,21 +93,11 @@ def schedule(program: Program, model: str, ceilings: Ceilings = H200) -> Schedul
                     i, idle_at, sm = j, idle_j, sm_j
                     s = max(idle_at, ready - pre[t])
                     break
-        logits = logits_operand(tasks[t]) if tasks[t].op.name in ROUTING_OPS else None
-        derive = ceilings.routing_derive_us * 1e-6 if tasks[t].op.name == "EXPERT_DOWN" else 0.0
-        if derive and routed[sm] != logits:
-            j = _holding_routing(free, routed, logits, ready - pre[t])
-            if j is not None and max(free[j][0], ready - pre[t]) <= s + derive:
-                i, (idle_at, sm) = j, free[j]
-                s = max(idle_at, ready - pre[t])
-        extra = derive if routed[sm] != logits else 0.0
         free.pop(i)
         siblings.add(sm)
         start[t] = s
-        end[t] = max(s + cost[t], ready + cost[t] - pre[t]) + extra
+        end[t] = max(s + cost[t], ready + cost[t] - pre[t])
         sm_of[t] = sm
-        if logits is not None:
-            routed[sm] = logits
         queues[sm].append(t)
         bisect.insort(free, (end[t], sm))
 
@@ -198,21 +154,6 @@ def schedule(program: Program, model: str, ceilings: Ceilings = H200) -> Schedul
     return Schedule(model=model, batch=int(program.options["batch"]), context=int(program.options["context"]),
                     num_sms=n_sm, buffers=program.buffers, tasks=tasks, queues=queues, waits=waits,
                     signals=signals, counters=counters, predicted=predicted)
-
-
-def _holding_routing(free: list[tuple[float, int]], routed: list[str | None], logits: str | None,
-                     at: float) -> int | None:
-    """Index in ``free`` (sorted by idle time) of the SM holding the routing of ``logits`` that can
-    start a task due at ``at`` earliest: the one that went idle last among those idle by then, else
-    the first to go idle; None if no SM holds it."""
-    best = None
-    for j, (idle, sm) in enumerate(free):
-        if routed[sm] != logits:
-            continue
-        if idle > at:
-            return j if best is None else best
-        best = j
-    return best
 
 
 def _direct_predecessors(g: nx.DiGraph, tasks: list[Task]) -> list[list[int]]:
