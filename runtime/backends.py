@@ -106,8 +106,13 @@ class DecoderBackend:
 
     def __init__(self, decoder: StepDecoder, spec: ModelSpec, weights: Mapping[str, torch.Tensor], *,
                  max_batch: int, context: int, act_dtype: torch.dtype, buffers: dict[str, torch.Tensor],
-                 prefill: str = "reference"):
+                 prefill: str = "reference", smaller: Sequence[tuple[StepDecoder, dict[str, torch.Tensor]]] = ()):
         self.decoder, self.spec = decoder, spec
+        # the step decoders by batch, smallest first: a step runs the smallest that holds its slots
+        self._steppers = sorted([(max_batch, decoder, buffers)] + [(int(b["tokens"].numel()), d, b)
+                                                                  for d, b in smaller], key=lambda x: x[0])
+        self._row = list(range(max_batch))  # slab: the slab row that holds each slot's cache
+        self._slot_at = list(range(max_batch))  # slab: the slot whose cache each row holds
         self.max_batch, self.context, self.vocab_size = max_batch, context, spec.vocab_size
         kinds = {"reference": Prefill, "fast": FastPrefill}
         if prefill not in kinds:
@@ -128,9 +133,15 @@ class DecoderBackend:
         """Per layer (k, v) of positions [0, end) of a slot, [G, end, D]: views of a slab, or
         copies gathered from a paged slot's pages (it must hold pages up to ``end``)."""
         if self.pages is None:
-            return [(k[slot, :, :end], v[slot, :, :end]) for k, v in self._kv]
+            r = self._row[slot]
+            return [(k[r, :, :end], v[r, :, :end]) for k, v in self._kv]
         kv = PagedKV(self._pool_kv, self.pages.held[slot])
         return [kv.read(layer, 0, end) for layer in range(self.spec.num_layers)]
+
+    @property
+    def step_batches(self) -> list[int]:
+        """The batch sizes of the step decoders, smallest first."""
+        return [b for b, _, _ in self._steppers]
 
     def prefill(self, slot: int, token_ids: Sequence[int], start: int = 0) -> torch.Tensor:
         logits = run_to_end(self.prefill_layers(slot, token_ids, start))
@@ -153,7 +164,8 @@ class DecoderBackend:
 
     def _slot_kv(self, slot: int, end: int) -> SlotKV:
         if self.pages is None:
-            return SlabKV([(k[slot], v[slot]) for k, v in self._kv])
+            r = self._row[slot]
+            return SlabKV([(k[r], v[r]) for k, v in self._kv])
         self.pages.ensure(slot, end)
         return PagedKV(self._pool_kv, self.pages.held[slot])
 
@@ -162,25 +174,42 @@ class DecoderBackend:
             self._check_slot(s)
         if len(set(slots)) != len(slots):
             raise ValueError(f"decode: slots {list(slots)} repeat a slot")
-        tok = [0] * self.max_batch
-        pos = [0] * self.max_batch
-        for s, t, p in zip(slots, tokens, positions, strict=True):
-            tok[s], pos[s] = int(t), int(p)
-        busy = set(slots)
-        idle = [b for b in range(self.max_batch) if b not in busy]
-        if self.pages is not None:  # idle rows write the scratch page: nothing to save
+        batch, decoder, buffers = next(x for x in self._steppers if x[0] >= len(slots))
+        if self.pages is not None:  # row i reads slot i's pages; idle rows the scratch page
             for s, p in zip(slots, positions, strict=True):
                 self.pages.ensure(s, int(p) + 1)
-            rows = [self.pages.row(b if b in busy else None) for b in range(self.max_batch)]
-            self._table.copy_(torch.tensor(rows, dtype=torch.int32))
-            logits, _ = self.decoder.step(tok, pos)
-            return logits[list(slots)]
+            rows = [self.pages.row(s) for s in slots] + [self.pages.row(None)] * (batch - len(slots))
+            buffers["page_table"].copy_(torch.tensor(rows, dtype=torch.int32))
+            pad = [0] * (batch - len(slots))
+            logits, _ = decoder.step([int(t) for t in tokens] + pad, [int(p) for p in positions] + pad)
+            return logits[:len(slots)]
+        self._rows_below(slots, batch)
+        tok, pos = [0] * batch, [0] * batch
+        for s, t, p in zip(slots, tokens, positions, strict=True):
+            tok[self._row[s]], pos[self._row[s]] = int(t), int(p)
+        # an idle row of the step writes its position 0: put back what the slot there had
+        idle = sorted(set(range(batch)) - {self._row[s] for s in slots})
         saved = [(k[idle, :, 0].clone(), v[idle, :, 0].clone()) for k, v in self._kv] if idle else []
-        logits, _ = self.decoder.step(tok, pos)
+        logits, _ = decoder.step(tok, pos)
         for (k, v), (ks, vs) in zip(self._kv, saved, strict=False):
             k[idle, :, 0] = ks
             v[idle, :, 0] = vs
-        return logits[list(slots)]
+        return logits[[self._row[s] for s in slots]]
+
+    def _rows_below(self, slots: Sequence[int], batch: int) -> None:
+        """Move the caches of ``slots`` into slab rows below ``batch`` (the rows a step of that
+        batch runs), swapping whole rows with slots not in the step; rows already there stay."""
+        busy = set(slots)
+        for s in slots:
+            if self._row[s] < batch:
+                continue
+            row = next(r for r in range(batch) if self._slot_at[r] not in busy)
+            here, other = self._row[s], self._slot_at[row]
+            for k, v in self._kv:
+                k[[here, row]] = k[[row, here]]
+                v[[here, row]] = v[[row, here]]
+            self._row[s], self._row[other] = row, here
+            self._slot_at[row], self._slot_at[here] = s, other
 
     def free(self, slot: int) -> None:
         self._check_slot(slot)  # a slab is simply overwritten by the next prefill; pages go back
@@ -230,24 +259,53 @@ def compile_schedule(spec: ModelSpec, max_batch: int, context: int, num_sms: int
                 kv_pages=kv_pages + 1 if page_size and kv_pages else 0)
 
 
+def step_batches(max_batch: int, batches: Sequence[int] | None) -> list[int]:
+    """The batch sizes a backend keeps a step decoder for: ``batches`` (default the powers of two
+    below ``max_batch``) and ``max_batch`` itself, ascending; raises ValueError on a size outside
+    1..max_batch."""
+    chosen = [b for b in (1, 2, 4) if b < max_batch] if batches is None else list(batches)
+    bad = [b for b in chosen if not 1 <= b <= max_batch]
+    if bad:
+        raise ValueError(f"step batch sizes {bad}: expected sizes from 1 to the max batch ({max_batch})")
+    return sorted(set(chosen) | {max_batch})
+
+
+def _kv_buffers(buffers: dict[str, torch.Tensor], batch: int, paged: bool) -> dict[str, torch.Tensor]:
+    """A smaller step decoder's share of the largest one's KV cache: the whole page pool, or the
+    slab's first ``batch`` rows."""
+    return {n: t if paged else t[:batch] for n, t in buffers.items() if n.endswith(("k_cache", "v_cache"))}
+
+
 class CpuBackend(DecoderBackend):
-    """The CPU executor, without the oracle's weight poison and NaN scan (serving, not checking)."""
+    """The CPU executor, without the oracle's weight poison and NaN scan (serving, not checking);
+    an executor for each of ``batches`` (see step_batches) over one KV cache."""
 
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], *, max_batch: int = 8,
                  context: int = 512, num_sms: int = 8, dtype: torch.dtype = torch.float32, page_size: int = 0,
-                 kv_pages: int = 0, prefill: str = "reference"):
+                 kv_pages: int = 0, prefill: str = "reference", batches: Sequence[int] | None = None):
         from mkc.schedule.executor import CpuExecutor
 
+        sizes = step_batches(max_batch, batches)
         sc = compile_schedule(spec, max_batch, context, num_sms, page_size, kv_pages)
         self.exe = CpuExecutor(sc, spec, weights, dtype=dtype, poison_weights=False, check=False)
+        smaller = []
+        for b in sizes[:-1]:
+            exe = CpuExecutor(compile_schedule(spec, b, context, num_sms, page_size, kv_pages), spec, self.exe.weights,
+                              dtype=dtype, poison_weights=False, check=False)
+            for name, t in _kv_buffers(self.exe.bufs, b, bool(page_size)).items():
+                assert exe.bufs[name].shape == t.shape, f"{name}: {tuple(exe.bufs[name].shape)} vs {tuple(t.shape)}"
+                exe.bufs[name] = t  # the executor reads its buffers by name at every task
+            smaller.append((exe, exe.bufs))
         super().__init__(self.exe, spec, self.exe.weights, max_batch=max_batch, context=context, act_dtype=dtype,
-                         buffers=self.exe.bufs, prefill=prefill)
+                         buffers=self.exe.bufs, prefill=prefill, smaller=smaller)
 
 
 class CudaBackend(DecoderBackend):
     """The megakernel (``runtime/cuda_backend.py: CudaDecoder``) on the current CUDA device, bf16.
 
-    ``num_sms`` defaults to every SM of the device. Prompts go through ``FastPrefill`` unless
+    ``num_sms`` defaults to every SM of the device. A kernel for each of ``batches`` (see
+    step_batches) shares the weights and the KV cache: a step runs the smallest that holds its
+    streams, so a lone stream decodes at the batch-1 speed. Prompts go through ``FastPrefill`` unless
     ``prefill`` says "reference". Weights already on the GPU are taken over: the GEMV weights are
     reordered into tile order in their own storage, so the model is held once (the caller must not
     read them row-major afterwards); host weights are moved one at a time.
@@ -255,7 +313,7 @@ class CudaBackend(DecoderBackend):
 
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], *, max_batch: int = 8,
                  context: int = 4096, num_sms: int | None = None, page_size: int = 0, kv_pages: int = 0,
-                 prefill: str = "fast"):
+                 prefill: str = "fast", batches: Sequence[int] | None = None):
         from mkc.codegen import build_kernel
         from mkc.codegen.weight_tiles import TiledWeights, tiled_weights, to_tiles
         from mkc.runtime.cuda_backend import CudaDecoder
@@ -275,8 +333,17 @@ class CudaBackend(DecoderBackend):
             weights = TiledWeights(weights, names)
         self.dec = CudaDecoder(schedule, spec, weights, artifact=artifact)
         log.info("weights on the GPU in tile order, KV cache and buffers allocated in %.1f s", time.monotonic() - t0)
+        held = TiledWeights({n: t for n, t in self.dec.buffers.items() if n in weights}, self.dec.tiled)
+        smaller = []
+        for b in step_batches(max_batch, batches)[:-1]:  # the same weights and KV cache, a smaller step
+            t0 = time.monotonic()
+            sc = compile_schedule(spec, b, context, num_sms, page_size, kv_pages)
+            dec = CudaDecoder(sc, spec, held, shared=_kv_buffers(self.dec.buffers, b, bool(page_size)))
+            log.info("kernel %s (batch %d) in %.1f s", dec.artifact.name, b, time.monotonic() - t0)
+            smaller.append((dec, dec.buffers))
         super().__init__(self.dec, spec, self.dec.logical_weights(), max_batch=max_batch,
-                         context=context, act_dtype=torch.bfloat16, buffers=self.dec.buffers, prefill=prefill)
+                         context=context, act_dtype=torch.bfloat16, buffers=self.dec.buffers, prefill=prefill,
+                         smaller=smaller)
 
     def _settled(self, steps: PrefillSteps) -> PrefillSteps:
         """Each layer finished on the GPU before it yields, so the engine's clock times real work."""

@@ -181,7 +181,9 @@ class CudaDecoder:
 
     def __init__(self, schedule: Schedule, spec: ModelSpec, weights: dict[str, torch.Tensor], *,
                  artifact: KernelArtifact | None = None, options: CodegenOptions | None = None,
-                 device: torch.device | int | None = None):
+                 device: torch.device | int | None = None, shared: dict[str, torch.Tensor] | None = None):
+        """``shared``: buffers by name taken as they are instead of allocated (another decoder's KV
+        cache, for one that runs a smaller batch over the same cache); their shapes must match."""
         from cuda.bindings import driver
 
         self.schedule, self.spec = schedule, spec
@@ -204,7 +206,7 @@ class CudaDecoder:
             # router logits with a tagged copy after them (CodegenOptions.tagged_logits)
             self.tagged = routing_logits(schedule) if self.artifact.config.tagged_logits else frozenset()
             self._tags: list[torch.Tensor] = []  # the tagged copies (zero: no step has written them)
-            self.buffers = self._allocate(weights)
+            self.buffers = self._allocate(weights, shared or {})
             self.page_size = page_size_of(schedule.buffers)
             if self.page_size:  # sequence b's pages are b * pages_per_seq + j until someone remaps them
                 self.buffers["page_table"].copy_(identity_page_table(schedule.batch, schedule.context, self.page_size,
@@ -258,11 +260,17 @@ class CudaDecoder:
         return LaunchConfig(grid=sc.num_sms, threads=art.threads, dynamic_smem=art.dynamic_smem, regs=regs,
                             static_smem=static)
 
-    def _allocate(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _allocate(self, weights: dict[str, torch.Tensor], shared: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         for b in self.schedule.buffers.values():
             dt = TORCH_DTYPES[b.dtype]
-            if b.kind == "weight":
+            if b.name in shared:
+                t = shared[b.name]
+                if tuple(t.shape) != tuple(b.shape) or t.dtype != dt or t.device != self.device:
+                    raise ValueError(f"shared buffer {b.name}: {tuple(t.shape)} {t.dtype} on {t.device}: expected "
+                                     f"{tuple(b.shape)} {dt} on {self.device}")
+                out[b.name] = t
+            elif b.kind == "weight":
                 w = b.given(weights).to(device=self.device, dtype=dt)
                 ready = isinstance(weights, TiledWeights) and b.name in weights.tiled
                 out[b.name] = to_tiles(w) if b.name in self.tiled and not ready else w.contiguous()

@@ -6,6 +6,13 @@ from __future__ import annotations
 import argparse
 
 
+def _sizes(v: str) -> list[int]:
+    try:
+        return [int(x) for x in v.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{v!r}: expected batch sizes separated by commas, e.g. 1,2,4") from None
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``mkc serve``."""
     parser.add_argument("--config", help="model YAML, HF config.json or checkpoint folder "
@@ -21,6 +28,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--max-batch", type=int, default=8, help="sequences decoded together (1-8)")
+    parser.add_argument("--step-batches", type=_sizes, default=None,
+                        help="batch sizes with a decode kernel of their own, e.g. 1,2,4 (default: the powers of "
+                             "two below --max-batch); a step runs the smallest that holds the running streams")
     parser.add_argument("--context", type=int, default=1024, help="KV positions per sequence")
     parser.add_argument("--page-size", type=int, default=16, help="KV page size in positions")
     parser.add_argument("--kv-pages", type=int, default=None,

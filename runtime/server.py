@@ -562,15 +562,16 @@ def build_state(args: argparse.Namespace) -> ServerState:
     kv_pages = args.kv_pages or args.max_batch * -(-args.context // args.page_size)
     backend = make_backend(backend_name, spec, weights, max_batch=args.max_batch, context=args.context,
                            dtype=dtype, num_sms=args.num_sms, page_size=args.page_size if paged else 0,
-                           kv_pages=kv_pages if paged else 0)
+                           kv_pages=kv_pages if paged else 0, batches=getattr(args, "step_batches", None))
     log.info("backend ready in %.1f s", time.monotonic() - t1)
     tokenizer = load_tokenizer(args.checkpoint, spec.vocab_size)
     metrics = Metrics()
     engine = Engine(backend, tokenizer, page_size=args.page_size, kv_pages=args.kv_pages,
                     prefix_cache=not args.no_prefix_cache, metrics=metrics, prefill_chunk=args.prefill_chunk,
                     prefill_budget=args.prefill_budget)
-    log.info("serving %s: backend %s, batch %d, context %d, tokenizer %s, %d KV pages of %d",
-             spec.name, backend_name, args.max_batch, args.context, tokenizer.name, engine.kv_pages, args.page_size)
+    log.info("serving %s: backend %s, step batches %s, context %d, tokenizer %s, %d KV pages of %d",
+             spec.name, backend_name, ",".join(map(str, backend.step_batches)), args.context, tokenizer.name,
+             engine.kv_pages, args.page_size)
     return ServerState(engine=engine, tokenizer=tokenizer, model_name=args.served_model_name or spec.name,
                        context=args.context, vocab_size=spec.vocab_size, metrics=metrics, created=int(time.time()))
 
@@ -596,18 +597,21 @@ def _require_cuda() -> None:
 
 
 def make_backend(name: str, spec: Any, weights: dict[str, Any], *, max_batch: int, context: int, dtype: Any,
-                 num_sms: int | None = None, page_size: int = 0, kv_pages: int = 0) -> Any:
+                 num_sms: int | None = None, page_size: int = 0, kv_pages: int = 0,
+                 batches: list[int] | None = None) -> Any:
     """The decode backend by name; unknown names raise with the list of valid ones. With a
-    ``page_size`` its KV cache is a pool of ``kv_pages`` pages (runtime/backends.py)."""
-    from mkc.runtime.backends import CpuBackend, CudaBackend
+    ``page_size`` its KV cache is a pool of ``kv_pages`` pages; ``batches``: the step decoders'
+    batch sizes besides ``max_batch`` (runtime/backends.py: step_batches)."""
+    from mkc.runtime.backends import CpuBackend, CudaBackend, step_batches
 
+    step_batches(max_batch, batches)  # bad sizes fail here, before any work
     if name == "cpu":
         return CpuBackend(spec, weights, max_batch=max_batch, context=context, num_sms=num_sms or 8, dtype=dtype,
-                          page_size=page_size, kv_pages=kv_pages)
+                          page_size=page_size, kv_pages=kv_pages, batches=batches)
     if name == "cuda":
         _require_cuda()
         return CudaBackend(spec, weights, max_batch=max_batch, context=context, num_sms=num_sms,
-                           page_size=page_size, kv_pages=kv_pages)
+                           page_size=page_size, kv_pages=kv_pages, batches=batches)
     raise ValueError(f"--backend {name!r}: expected one of ['auto', 'cuda', 'cpu']")
 
 

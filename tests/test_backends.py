@@ -72,11 +72,44 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.mark.parametrize("layout", [{}, PAGED], ids=["slab", "paged"])
 def test_idle_rows_leave_other_slots_alone(model, layout):
     spec, w = model
-    be = CpuBackend(spec, w, max_batch=4, context=CONTEXT, **layout)
+    be = CpuBackend(spec, w, max_batch=4, context=CONTEXT, batches=[4], **layout)  # one step decoder
     alone = check_idle_rows_untouched(be, _same_bits)
     # the same row computed beside busy rows gives bit-identical logits
     together = be.decode([0, 1, 3], [4, 9, 5], [5, 6, 8])
     assert torch.equal(together[1], alone[0])
+
+
+@pytest.mark.parametrize("layout", [{}, PAGED], ids=["slab", "paged"])
+def test_steps_run_the_smallest_decoder_over_one_cache(model, layout):
+    """Step decoders of batch 1, 2 and 4 share one KV cache: a step runs the smallest that holds
+    its slots (a slab moves a slot's cache into a row of that batch when needed), other slots'
+    caches stay as they were, and the logits are those of the batch-4 decoder alone (float32:
+    the schedules split the sums differently, ATOL as above)."""
+    spec, w = model
+    be = CpuBackend(spec, w, max_batch=4, context=CONTEXT, **layout)
+    ref = CpuBackend(spec, w, max_batch=4, context=CONTEXT, batches=[4], **layout)
+    assert be.step_batches == [1, 2, 4] and ref.step_batches == [4]
+    ran: list[int] = []
+    for b, dec, _ in be._steppers:
+        step = dec.step
+        dec.step = lambda t, p, b=b, step=step: (ran.append(b), step(t, p))[1]  # type: ignore[method-assign]
+    length = [5 + s for s in range(4)]  # positions each slot holds
+    for x in (be, ref):
+        for s in range(4):
+            x.prefill(s, [s + 1] * length[s])
+    for slots, want_batch in (([3], 1), ([2, 0], 2), ([1, 3, 2], 4), ([3], 1), ([1, 2], 2)):
+        before = {s: be.read_kv(s, 0, length[s]) for s in range(4) if s not in slots}
+        positions = [length[s] for s in slots]
+        got = be.decode(slots, [7] * len(slots), positions)
+        want = ref.decode(slots, [7] * len(slots), positions)
+        for s in slots:
+            length[s] += 1
+        assert ran[-1] == want_batch, f"slots {slots}: ran batch {ran[-1]}, expected {want_batch}"
+        assert max_err(got, want) < ATOL
+        for s, kv in before.items():
+            assert _same_bits(be.read_kv(s, 0, length[s]), kv), f"slot {s} changed by a step it was not in"
+    for s in range(4):
+        assert max_err(be.read_kv(s, 0, length[s]), ref.read_kv(s, 0, length[s])) < ATOL
 
 
 def _engine_tokens(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
