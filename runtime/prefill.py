@@ -349,7 +349,7 @@ class FastPrefill(Prefill):
             kpos = torch.arange(k0, q1, device=q.device)[None, :]
             allowed = (kpos <= qpos) & (kpos > qpos - window)  # [Tb, S]
             mask = torch.zeros(q1 - q0, -(-(q1 - k0) // 16) * 16, dtype=q.dtype, device=q.device)
-            mask = mask[:, :q1 - k0].masked_fill(~allowed, float("-inf"))  # 16-aligned rows (mem-efficient)
+            mask = mask[:, :q1 - k0].masked_fill_(~allowed, float("-inf"))  # rows 16-aligned (mem-efficient)
             outs.append(F.scaled_dot_product_attention(q[:, :, q0 - p0:q1 - p0], k, v, attn_mask=mask))
         return torch.cat(outs, dim=2)
 
