@@ -181,7 +181,7 @@ class Engine:
 
     def __init__(self, backend: Backend, tokenizer: Tokenizer, *, page_size: int = 16,
                  kv_pages: int | None = None, prefix_cache: bool = True, metrics: Metrics | None = None,
-                 prefill_chunk: int = 2048, prefill_budget: float = 2.0):
+                 prefill_chunk: int = 8192, prefill_budget: float = 2.0):
         if prefill_chunk < 1 or prefill_budget <= 0:
             raise ValueError(f"prefill_chunk = {prefill_chunk}, prefill_budget = {prefill_budget}: expected a "
                              f"chunk of at least one token and a positive budget")

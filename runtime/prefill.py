@@ -276,18 +276,45 @@ class FastPrefill(Prefill):
     Activations are stored in ``act_dtype`` (bf16 on the GPU) where the reference rounds to it;
     the residual stream and the router logits stay float32. ``weights`` may be tile-ordered
     behind a mapping with ``matrix(name)`` (a whole expert stack row-major) and ``rows(name,
-    ids)`` (embedding rows), as ``LogicalWeights`` is: each layer's matrices are reordered once
-    per chunk, one layer at a time, so the GPU never holds a second copy of the model.
+    ids)`` (embedding rows), as ``LogicalWeights`` is. A call runs layer by layer over all its
+    positions, ``chunk`` positions at a time within a layer (which bounds the activations): each
+    layer's matrices are read back row-major once a call, one layer at a time, so the GPU never
+    holds a second copy of the model.
     """
 
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], *,
-                 act_dtype: torch.dtype = torch.bfloat16, chunk: int = 8192, query_block: int = 2048):
+                 act_dtype: torch.dtype = torch.bfloat16, chunk: int = 2048, query_block: int = 2048):
         super().__init__(spec, weights, act_dtype=act_dtype, chunk=chunk)
         self.query_block = query_block  # queries per SDPA call of a sliding layer (bounds its mask)
+        self._held: dict[str, torch.Tensor] = {}  # the current layer's matrices, row-major
+
+    @torch.inference_mode()
+    def _steps(self, token_ids: list[int], start: int, kv: SlotKV, logits: bool) -> PrefillSteps:
+        """Layer-major: every position of the call through a layer, then the next layer (a
+        position's keys in a layer are written before any later position of it attends)."""
+        device = self.w["final_norm"].device
+        ids = torch.tensor(token_ids, dtype=torch.long, device=device)
+        pos = torch.arange(start, start + ids.numel(), device=device)
+        x = self._embed(ids)  # [T, H] residual stream, float32
+        try:
+            for i in range(self.spec.num_layers):
+                for lo in range(0, ids.numel(), self.chunk):
+                    hi = min(lo + self.chunk, ids.numel())
+                    x[lo:hi] = self._layer(i, x[lo:hi], pos[lo:hi], start + lo, kv)
+                self._held.clear()
+                yield
+            return self._logits(x[-1:]) if logits else None
+        finally:
+            self._held.clear()
 
     def _weight(self, name: str) -> torch.Tensor:
+        """A matrix row-major: read back from tile order once per layer and call."""
         whole = getattr(self.w, "matrix", None)
-        return whole(name) if whole is not None else self.w[name]
+        if whole is None:
+            return self.w[name]
+        if name not in self._held:
+            self._held[name] = whole(name)
+        return self._held[name]
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         rows = getattr(self.w, "rows", None)

@@ -37,8 +37,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="KV pages in the pool (default: max-batch x context / page-size); fewer pages "
                              "make the engine preempt and requeue requests")
     parser.add_argument("--no-prefix-cache", action="store_true", help="do not cache full prompt pages")
-    parser.add_argument("--prefill-chunk", type=int, default=2048,
-                        help="prompt tokens prefilled per engine step (default 2048); a longer prompt takes "
+    parser.add_argument("--prefill-chunk", type=int, default=8192,
+                        help="prompt tokens prefilled per engine step (default 8192); a longer prompt takes "
                              "several steps, with the running streams' decode steps between them")
     parser.add_argument("--prefill-budget", type=float, default=2.0,
                         help="while other streams decode: prefill time between two of their steps, in decode "

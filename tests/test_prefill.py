@@ -114,19 +114,26 @@ def test_fast_prefill_over_tile_ordered_weights():
     assert torch.equal(plain, tiled)
 
 
-def test_layers_yield_once_a_layer_and_check_up_front():
-    spec = load_spec(CONFIGS / "tiny.yaml")
-    fast = FastPrefill(spec, random_weights(spec, 0, torch.float32), act_dtype=torch.float32, chunk=32)
-    with pytest.raises(ValueError, match="exceed the context"):
-        fast.layers(list(range(CONTEXT)), 1, _cache(spec, torch.float32))  # raises at the call
-    steps = fast.layers(list(range(40)), 0, _cache(spec, torch.float32), logits=False)
+def _count_yields(steps) -> tuple[int, object]:
     yields = 0
     while True:
         try:
             next(steps)
             yields += 1
         except StopIteration as done:
-            assert done.value is None  # logits=False: a chunk before the prompt's last
-            break
-    assert yields == 2 * spec.num_layers  # two chunks of 32 positions
+            return yields, done.value
+
+
+def test_layers_yield_once_a_layer_and_check_up_front():
+    spec = load_spec(CONFIGS / "tiny.yaml")
+    w = random_weights(spec, 0, torch.float32)
+    fast = FastPrefill(spec, w, act_dtype=torch.float32, chunk=32)
+    with pytest.raises(ValueError, match="exceed the context"):
+        fast.layers(list(range(CONTEXT)), 1, _cache(spec, torch.float32))  # raises at the call
+    # layer-major: a yield a layer, however many chunks of 32 positions a layer takes
+    yields, value = _count_yields(fast.layers(list(range(40)), 0, _cache(spec, torch.float32), logits=False))
+    assert (yields, value) == (spec.num_layers, None)  # logits=False: a chunk before the prompt's last
+    # the reference runs chunk by chunk: a yield per layer of each chunk
+    yields, value = _count_yields(Prefill(spec, w, chunk=32).layers(list(range(40)), 0, _cache(spec, torch.float32)))
+    assert yields == 2 * spec.num_layers and value.shape == (spec.vocab_size,)
     assert run_to_end(fast.layers([1, 2, 3], 0, _cache(spec, torch.float32))).shape == (spec.vocab_size,)
