@@ -5,6 +5,9 @@ each layer's matrices reordered per chunk) and, for comparison, row-major.
     python benchmarks/prefill_speed.py --config configs/north_mini_code.yaml --prompts 1024,8192,32768 \
         --reference-prompts 1024,4096 --chunks 2048,8192 -o build/prefill.json
 
+A prompt is prefilled in calls of ``--chunks`` tokens (the engine's ``--prefill-chunk``): each call
+reads every layer's weights back from tile order once.
+
 Random bf16 weights made on the GPU; one slot's slab cache of the longest prompt. Each point is
 timed once after a warm-up prompt of the same chunk size (prefill of a long prompt is seconds,
 not microseconds: one run is the measurement). Writes JSON with every point.
@@ -24,7 +27,7 @@ from mkc.codegen.weight_tiles import to_tiles
 from mkc.ir.spec import load_spec
 from mkc.runtime.bench import device_random_weights
 from mkc.runtime.cuda_backend import LogicalWeights
-from mkc.runtime.prefill import FastPrefill, Prefill, SlabKV
+from mkc.runtime.prefill import FastPrefill, Prefill, SlabKV, run_to_end
 
 
 def _ints(v: str) -> list[int]:
@@ -45,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=_ints, default=[1024, 8192, 32768], help="prompt lengths (tokens)")
     p.add_argument("--reference-prompts", type=_ints, default=[1024, 4096],
                    help="prompt lengths for the float32 reference (slow: keep them short)")
-    p.add_argument("--chunks", type=_ints, default=[2048, 8192], help="FastPrefill chunk sizes to time")
+    p.add_argument("--chunks", type=_ints, default=[2048, 8192],
+                   help="prompt tokens per prefill call (the engine's --prefill-chunk) to time")
     p.add_argument("--row-major", action="store_true", help="also time over row-major weights (no reorder)")
     p.add_argument("-o", "--output", default="build/prefill.json")
     a = p.parse_args(argv)
@@ -70,11 +74,14 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(row), flush=True)
 
     def fast_points(w, layout: str) -> None:
+        fast = FastPrefill(spec, w)
+        fast.run(list(range(512)), 0, cache)  # warm-up: kernels, allocator
         for chunk in a.chunks:
-            fast = FastPrefill(spec, w, chunk=chunk)
-            fast.run(list(range(min(chunk, 512))), 0, cache)  # warm-up: kernels, allocator
+            def calls(ids, chunk=chunk):
+                for lo in range(0, len(ids), chunk):
+                    run_to_end(fast.layers(ids[lo:lo + chunk], lo, cache, logits=lo + chunk >= len(ids)))
             for n in a.prompts:
-                point("fast", layout, chunk, n, lambda ids, fast=fast: fast.run(ids, 0, cache))
+                point("fast", layout, chunk, n, calls)
 
     if a.row_major:
         fast_points(weights, "row-major")
