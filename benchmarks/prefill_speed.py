@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def fast_points(w, layout: str) -> None:
         fast = FastPrefill(spec, w)
-        fast.run(list(range(512)), 0, cache)  # warm-up: kernels, allocator
+        fast.run(list(range(min(512, ctx))), 0, cache)  # warm-up: kernels, allocator
         for chunk in a.chunks:
             def calls(ids, chunk=chunk):
                 for lo in range(0, len(ids), chunk):
