@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 from conftest import record_preemptions, run_engine
 
@@ -80,12 +81,14 @@ def test_batching_matches_one_at_a_time():
         assert sum(o.finish_reason is not None for o in together[i]) == 1
 
 
-def test_preemption_requeues_and_resumes():
+@pytest.mark.parametrize("chunk", [8192, 7], ids=["whole", "chunked"])
+def test_preemption_requeues_and_resumes(chunk):
     greedy = SamplingParams(max_tokens=40, temperature=0)
     tok = ByteTokenizer(V)
     ample = run_all(Engine(FakeBackend(context=128), tok), PROMPTS, greedy)
-    # 8 pages of 16 = one full context: at most a couple of these sequences fit at once
-    tight = Engine(FakeBackend(context=128), tok, page_size=16, kv_pages=8)
+    # 8 pages of 16 = one full context: at most a couple of these sequences fit at once; a chunk of
+    # 7 tokens makes a resumed request's prefill (prompt and output) take several steps
+    tight = Engine(FakeBackend(context=128), tok, page_size=16, kv_pages=8, prefill_chunk=chunk)
     preempted = record_preemptions(tight)
     squeezed = run_all(tight, PROMPTS, greedy)
     assert preempted, "the pool was large enough: the test does not exercise preemption"
