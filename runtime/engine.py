@@ -345,15 +345,20 @@ class Engine:
                 req.steps = self._prefill_steps(req.slot, ids[req.kv_len:req.chunk_end], req.kv_len,
                                                 logits=req.chunk_end == len(ids) and not req.output)
             tokens -= req.chunk_end - req.kv_len
+            t0 = time.monotonic()
             while True:
                 try:
                     next(req.steps)
                 except StopIteration as done:
+                    if self.metrics:
+                        self.metrics.on_prefill(req.chunk_end - req.kv_len, time.monotonic() - t0)
                     req.steps, req.kv_len = None, req.chunk_end
                     if req.kv_len == len(ids):
                         self._prefilled(req, ids, done.value)
                     break
                 if self._running and (deadline is None or time.monotonic() >= deadline):
+                    if self.metrics:
+                        self.metrics.on_prefill(0, time.monotonic() - t0)
                     return
             if self._running and (deadline is None or time.monotonic() >= deadline):
                 return

@@ -29,6 +29,10 @@ class Metrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.step_time = Histogram("mkc_decode_step_seconds", "One batched decode step",
                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self.prefilled_tokens = Counter("mkc_prefilled_tokens", "Prompt positions prefilled (prefix-cache hits "
+                                        "not counted)", registry=r)
+        self.prefill_time = Counter("mkc_prefill_seconds", "Time spent prefilling: prefilled tokens over it is "
+                                    "the prefill rate", registry=r)
         self.running = Gauge("mkc_running_requests", "Requests in the running batch", registry=r)
         self.waiting = Gauge("mkc_waiting_requests", "Requests queued (new or preempted)", registry=r)
         self.batch_occupancy = Gauge("mkc_batch_occupancy", "Running requests / max batch", registry=r)
@@ -58,6 +62,11 @@ class Metrics:
 
     def on_step(self, seconds: float) -> None:
         self.step_time.observe(seconds)
+
+    def on_prefill(self, tokens: int, seconds: float) -> None:
+        """``seconds`` of prefill work that finished ``tokens`` positions (0 for a part of a chunk)."""
+        self.prefilled_tokens.inc(tokens)
+        self.prefill_time.inc(seconds)
 
     def on_state(self, *, running: int, waiting: int, max_batch: int, pages_used: int, pages_cached: int,
                  pages_total: int) -> None:

@@ -249,3 +249,14 @@ def test_long_prompt_is_chunked_between_decode_steps(monkeypatch):
     for name, prompt in (("short", short), ("long", long)):
         alone = run_engine(Engine(FakeBackend(context=128), tok), [prompt], greedy)[0]
         assert text_of(got[name]) == text_of(alone)
+
+
+def test_metrics_count_prefilled_tokens():
+    from mkc.runtime.metrics import Metrics
+
+    tok = ByteTokenizer(V)
+    metrics = Metrics()
+    eng = Engine(FakeBackend(), tok, prefill_chunk=7, prefix_cache=False, metrics=metrics)
+    run_all(eng, PROMPTS[:4], SamplingParams(max_tokens=3, temperature=0))
+    assert metrics.prefilled_tokens._value.get() == sum(len(tok.encode(p)) for p in PROMPTS[:4])
+    assert metrics.prefill_time._value.get() > 0
