@@ -35,6 +35,17 @@
 #   bench compares its memory estimate with the GPU's free memory and skips it with what it needed
 #   and what was free (the log, the table and bench.json's "skipped"): on an H200, batch 8 at
 #   131072 (105 GB of KV cache beside 61 GB of weights) is skipped in both layouts.
+# --prefill (limits 20 + 60 + 200 + 280 = 560 s): pip, the wheels the image lacks (from .whl/),
+#   the prefill's GPU tests (tests/test_prefill_gpu.py, tests/test_backends_gpu.py), then
+#   benchmarks/prefill_speed.py: prompts of 1K, 8K and 32K through the tensor-core prefill in calls
+#   of 2048 and 8192 tokens, and 1K and 4K through the float32 one, over tile-ordered weights.
+# --serve (limits 20 + 60 + 240 + 60 + 40 + 60 + 40 + 30 = 550 s at most): pip and wheels, then
+#   mkc serve --max-batch 8 --context 16384 (start to healthy timed) driven by mkc bench-serve: an
+#   8K prompt's TTFT (3 in turn); a lone stream (512-token prompt, 256 tokens); 8 concurrent
+#   streams at ~8K (7936-token prompts, 256 tokens); 7 streams decoding while an 8K prompt arrives
+#   (their ITL p99); its /metrics; then mkc bench at batch 1 and 8, context 8192, on the same card.
+# The wheels: pip download -d .whl --python-version 3.12 --only-binary=:all: \
+#   --platform manylinux2014_x86_64 fastapi uvicorn httpx prometheus-client tqdm (carry .whl).
 set -u -o pipefail
 OUT=${OUT:-gpu-session}
 mkdir -p "$OUT"
@@ -47,7 +58,10 @@ for arg in "$@"; do
     --bench) mode=bench ;;
     --long) mode=long ;;
     --reads) mode=reads ;;
-    *) echo "usage: OUT=DIR bash benchmarks/gpu_session.sh [--quick | --bench | --long | --reads]" >&2; exit 2 ;;
+    --prefill) mode=prefill ;;
+    --serve) mode=serve ;;
+    *) echo "usage: OUT=DIR bash benchmarks/gpu_session.sh [--quick | --bench | --long | --reads | --prefill | --serve]" >&2
+       exit 2 ;;
   esac
 done
 stage() {  # name, timeout (s), command...
@@ -67,6 +81,45 @@ stage pip 20 python3 -m pip install -q --no-deps --no-build-isolation -e .
 if [ "$mode" = reads ]; then
   stage sm_stream 120 python3 benchmarks/sm_stream.py --json "$OUT/sm_stream.json"
   stage sm_stream_l2 120 python3 benchmarks/sm_stream.py --l2 --json "$OUT/sm_stream_l2.json"
+  exit 0
+fi
+if [ "$mode" = prefill ] || [ "$mode" = serve ]; then
+  stage wheels 60 python3 -m pip install -q --no-index --find-links .whl fastapi uvicorn httpx prometheus-client tqdm
+fi
+if [ "$mode" = prefill ]; then
+  stage prefill_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_prefill_gpu.py \
+    tests/test_backends_gpu.py
+  stage prefill_speed 280 python3 benchmarks/prefill_speed.py --prompts 1024,8192,32768 \
+    --reference-prompts 1024,4096 --chunks 2048,8192 -o "$OUT/prefill.json"
+  exit 0
+fi
+if [ "$mode" = serve ]; then
+  url=http://127.0.0.1:8011
+  t0=$SECONDS
+  python3 -m mkc.cli serve --config configs/north_mini_code.yaml --random-weights --backend cuda --max-batch 8 \
+    --context 16384 --port 8011 > "$OUT/server.log" 2>&1 &
+  server=$!
+  until curl -sf "$url/health" > /dev/null 2>&1; do
+    if ! kill -0 $server 2> /dev/null || [ $((SECONDS - t0)) -gt 240 ]; then break; fi
+    sleep 1
+  done
+  echo "server start to healthy: $((SECONDS - t0)) s" | tee -a "$OUT/summary.log"
+  load() {  # stage name, timeout (s), mkc bench-serve arguments...
+    local name=$1 limit=$2; shift 2
+    stage "$name" "$limit" python3 -m mkc.cli bench-serve --url "$url" --vocab-size 262144 -o "$OUT/$name.json" "$@"
+  }
+  load ttft_8k 60 --num-requests 3 --concurrency 1 --prompt-len 8192 --output-len 2
+  load lone 40 --num-requests 1 --concurrency 1 --prompt-len 512 --output-len 256
+  load eight 60 --num-requests 8 --concurrency 8 --prompt-len 7936 --output-len 256
+  # 7 streams decode; 6 s later an 8K prompt arrives: the streams' ITL p99 is the number
+  load interleave_streams 40 --num-requests 7 --concurrency 7 --prompt-len 512 --output-len 768 --seed 1 &
+  streams=$!
+  sleep 6
+  load interleave_prompt 30 --num-requests 1 --prompt-len 8192 --output-len 2 --seed 2
+  wait $streams
+  curl -s "$url/metrics" > "$OUT/metrics.txt"
+  kill $server; wait $server 2> /dev/null
+  bench bench 100 --batch 1,8 --context 8192
   exit 0
 fi
 if [ "$mode" = long ]; then
