@@ -548,6 +548,8 @@ def build_state(args: argparse.Namespace) -> ServerState:
     t0 = time.monotonic()
     log.info("loading %s weights of %s (%s) ...", "random" if args.random_weights else "checkpoint", spec.name,
              str(dtype).removeprefix("torch."))
+    if backend_name == "cuda":
+        _check_gpu_memory(spec, args)
     if args.random_weights and backend_name == "cuda":  # made on the GPU: seconds, not minutes on the host
         from mkc.runtime.bench import device_random_weights
 
@@ -582,6 +584,53 @@ def _has_cuda_backend() -> bool:
     except ImportError:  # the cuda extra is not installed
         return False
     return cuda_available()
+
+
+def serve_memory(spec: Any, max_batch: int, context: int, page_size: int, kv_pages: int, prefill_chunk: int) -> dict:
+    """Bytes ``mkc serve --backend cuda`` needs on the GPU, by part: the bf16 weights; the KV
+    cache (a slab per slot, or ``kv_pages`` pages and the scratch page); the prefill's working
+    memory (the largest layer's matrices read back row-major, and a chunk's activations and
+    expert rows, bounded by FastPrefill's 2048-position chunks within a layer); a margin for the
+    step decoders' activations and the allocator."""
+    import math
+
+    from mkc.runtime.weights import weight_shapes
+
+    a, m, H = spec.attention, spec.moe, spec.hidden_size
+    position = 2 * spec.num_layers * a.num_kv_heads * a.head_dim * 2  # K and V of every layer, bf16
+    kv = ((kv_pages + 1) * page_size if page_size else max_batch * context) * position
+    shapes = weight_shapes(spec)
+    weights = sum(math.prod(s) for s in shapes.values()) * 2
+    layer = max(sum(math.prod(s) for n, s in shapes.items() if n.startswith(f"L{i}.")) for i in range(spec.num_layers))
+    rows = min(prefill_chunk, 2048) * (m.top_k if m else 1)
+    wide = max(m.intermediate if m else 0, spec.dense_intermediate)
+    acts = rows * (2 * wide + H) * 4 * 2 + prefill_chunk * H * 4 + context * a.num_heads * a.head_dim * 2 * 2
+    return {"weights": weights, "kv_cache": kv, "prefill": layer * 2 + acts, "margin": 1 << 30}
+
+
+def _check_gpu_memory(spec: Any, args: argparse.Namespace) -> None:
+    """One line, before anything is allocated, when the model and its cache cannot fit on the GPU."""
+    import torch
+
+    paged = args.kv_layout == "paged"
+    kv_pages = args.kv_pages or args.max_batch * -(-args.context // args.page_size)
+    need = serve_memory(spec, args.max_batch, args.context, args.page_size if paged else 0, kv_pages,
+                        args.prefill_chunk)
+    problem = memory_problem(spec.name, need, torch.cuda.mem_get_info()[0], torch.cuda.get_device_name(),
+                             args.max_batch, args.context)
+    if problem:
+        raise ValueError(problem)
+
+
+def memory_problem(model: str, need: dict, free: int, gpu: str, max_batch: int, context: int) -> str | None:
+    """The one-line error when ``need`` (serve_memory's parts) exceeds ``free`` bytes, else None."""
+    total = sum(need.values())
+    if total <= free:
+        return None
+    parts = ", ".join(f"{k.replace('_', ' ')} {v / 1e9:.1f}" for k, v in need.items())
+    return (f"{model} needs {total / 1e9:.1f} GB on the GPU ({parts} GB) at --max-batch {max_batch} and "
+            f"--context {context}; {free / 1e9:.1f} GB are free on {gpu}: lower --context or --max-batch, or "
+            f"serve a smaller model")
 
 
 def _require_cuda() -> None:

@@ -410,3 +410,24 @@ def test_checkpoint_folder_with_its_tokenizer(tmp_path_factory, hf_checkpoint):
         streamed = "".join(ch.choices[0].text for ch in c.completions.create(
             model="north-tiny", prompt="the quick brown fox", max_tokens=5, temperature=0, stream=True) if ch.choices)
         assert streamed == t.choices[0].text
+
+
+def test_serve_memory_names_what_does_not_fit():
+    """Mixtral-8x7B in bf16 (93 GB of weights) on an 80 GB GPU: one line naming what it needs,
+    its parts and what is free; North Mini Code at batch 8 and 16K fits in the same 85 GB."""
+    from mkc.ir.spec import load_spec
+    from mkc.runtime.server import memory_problem, serve_memory
+
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    free = 85_000_000_000  # an 80 GB H100's free memory
+    mixtral = serve_memory(load_spec(configs / "mixtral_8x7b.yaml"), 1, 4096, 0, 0, 8192)
+    assert 93e9 < mixtral["weights"] < 94e9
+    line = memory_problem("mixtral_8x7b", mixtral, free, "NVIDIA H100 80GB HBM3", 1, 4096)
+    assert line is not None and "\n" not in line
+    assert "needs" in line and "weights 93.4" in line and "85.0 GB are free on NVIDIA H100" in line
+    nmc = serve_memory(load_spec(configs / "north_mini_code.yaml"), 8, 16384, 0, 0, 8192)
+    assert memory_problem("north_mini_code", nmc, free, "H100", 8, 16384) is None
+    # the KV cache: K and V of 49 layers, 4 heads of 128, bf16, every position of 8 slots
+    assert nmc["kv_cache"] == 8 * 16384 * 2 * 49 * 4 * 128 * 2
+    paged = serve_memory(load_spec(configs / "north_mini_code.yaml"), 8, 16384, 16, 100, 8192)
+    assert paged["kv_cache"] == 101 * 16 * 2 * 49 * 4 * 128 * 2  # the pages and the scratch page
