@@ -25,8 +25,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=("auto", "cuda", "cpu"), default="auto",
                         help="cuda: the megakernel; cpu: the CPU executor (runs anywhere); auto: cuda when a "
                              "GPU and the CUDA backend are present")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     parser.add_argument("--max-batch", type=int, default=8, help="sequences decoded together (1-8)")
     parser.add_argument("--step-batches", type=_sizes, default=None,
                         help="batch sizes with a decode kernel of their own, e.g. 1,2,4 (default: the powers of "
@@ -55,4 +55,5 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch intra-op threads (default: 1 with the cpu backend, whose per-tile ops "
                              "are too small to split; the torch default otherwise)")
     parser.add_argument("--served-model-name", default=None, help="model id clients send (default: the spec name)")
-    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                        help="server and engine log level (default info: start-up progress, preemptions)")
