@@ -326,7 +326,16 @@ class FastPrefill(Prefill):
         return (x.to(w.dtype) @ w.T).to(self.act_dtype)
 
     def _mm(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return matmul_f32(x, self._weight(name))
+        """x @ w.T in float32: the product of bf16 operands with a float32 result where torch
+        offers it, else rounded to bf16 and widened (never a float32 copy of the weight)."""
+        w = self._weight(name)
+        if w.dtype == torch.float32:
+            return x.float() @ w.T
+        x = x.to(w.dtype)
+        try:
+            return torch.mm(x, w.T, out_dtype=torch.float32)
+        except (RuntimeError, TypeError):
+            return (x @ w.T).float()
 
     def _layer(self, i: int, x: torch.Tensor, pos: torch.Tensor, p0: int, kv: SlotKV) -> torch.Tensor:
         s, P, act = self.spec, f"L{i}", self.act_dtype
