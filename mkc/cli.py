@@ -391,7 +391,23 @@ def build_parser() -> argparse.ArgumentParser:
                                            "TTFT, time per output token, inter-token latency, tok/s")
     add_bench_serve_arguments(v)
     v.set_defaults(fn=cmd_bench_serve)
+
+    from mkc.runtime.quantize import add_quantize_arguments
+
+    q = sub.add_parser("quantize", help="write an FP8 (e4m3) copy of a bf16/fp32 checkpoint folder",
+                       description="Store the attention, MLP, expert and untied LM-head matrices of a Hugging Face "
+                                   "checkpoint as float8_e4m3fn with float32 scales, in transformers' FineGrainedFP8 "
+                                   "layout (--scheme block) or compressed-tensors float-quantized (--scheme channel); "
+                                   "mkc --checkpoint, transformers and vLLM read it.")
+    add_quantize_arguments(q)
+    q.set_defaults(fn=cmd_quantize)
     return p
+
+
+def cmd_quantize(a: argparse.Namespace) -> int:
+    from mkc.runtime.quantize import quantize_main
+
+    return quantize_main(a)
 
 
 def cmd_serve(a: argparse.Namespace) -> int:

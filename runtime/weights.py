@@ -28,10 +28,19 @@ logical name                   shape                                  transforme
 
 Per-expert tensors are ``mlp.experts.{e}.{gate,up,down}_proj.weight`` (what ``save_pretrained``
 writes for Cohere2-MoE and Qwen3-MoE) or Mixtral's ``block_sparse_moe.experts.{e}.{w1,w3,w2}``.
+
+FP8 checkpoints (``quantization_config`` in config.json) are dequantised on load, one tensor at a
+time: transformers' FineGrainedFP8 (``quant_method: "fp8"``, ``weight_block_size``: an e4m3
+``weight`` beside a float32 ``weight_scale_inv`` of one scale per block) and compressed-tensors
+``float-quantized`` (``weight_scale`` per tensor, per output channel or per block). ``mkc quantize``
+(``runtime/quantize.py``) writes both.
 """
 
 from __future__ import annotations
 
+import json
+import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -85,8 +94,119 @@ def random_weights(spec: ModelSpec, seed: int, dtype: torch.dtype = torch.float3
     return out
 
 
+# ----------------------------------------------------------------------------------------------
+# FP8 (e4m3) checkpoints
+
+E4M3_MAX = 448.0  # the largest finite float8_e4m3fn value
+_FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+                    if hasattr(torch, n))
+_DEQUANT_CHUNK = 1 << 24  # elements dequantised at once: bounds the float32 temporaries (64 MB each)
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Format:
+    """How an FP8 checkpoint stores its scales (read from config.json's ``quantization_config``).
+
+    Every scheme is a block grid over the last two dims of a weight [..., out, in]: one scale per
+    ``block[0]`` rows x ``block[1]`` columns, the edge blocks ragged. Per output channel is (1, in),
+    per tensor a single scale. ``scale_suffix`` is appended to the weight's tensor name.
+    """
+
+    quant_method: str  # "fp8" (transformers FineGrainedFP8) or "compressed-tensors"
+    strategy: str  # "block", "channel" or "tensor"
+    block: tuple[int, int] | None  # rows x columns per scale, for strategy "block"
+    scale_suffix: str  # "_scale_inv" (fp8) or "_scale" (compressed-tensors): weight -> weight_scale_inv
+
+    def blocks(self, out: int, inp: int) -> tuple[int, int]:
+        """Rows and columns one scale covers in a weight of ``out`` x ``inp``."""
+        if self.strategy == "block":
+            assert self.block is not None
+            return self.block
+        return (1, inp) if self.strategy == "channel" else (out, inp)
+
+    def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The scale tensor's shape for a weight of ``shape`` [..., out, in] (per tensor: [1], or [])."""
+        if self.strategy == "tensor":
+            return (1,)
+        out, inp = shape[-2:]
+        bo, bi = self.blocks(out, inp)
+        return (*shape[:-2], math.ceil(out / bo), math.ceil(inp / bi))
+
+
+def fp8_format(config: dict, source: str) -> Fp8Format | None:
+    """The FP8 layout a Hugging Face config.json declares; None when it declares no quantization.
+
+    Raises ``CheckpointError`` for a quantization mkc cannot read (another method, e8m0 scales,
+    compressed-tensors groups of several strategies)."""
+    qc = config.get("quantization_config")
+    if not qc:
+        return None
+    method = qc.get("quant_method")
+    if method == "fp8":
+        if qc.get("scale_fmt", "float") != "float":
+            raise CheckpointError(f"{source}: quantization_config.scale_fmt = {qc['scale_fmt']!r}: expected 'float' "
+                                  f"(float32 scales)")
+        block = qc.get("weight_block_size")
+        if block is None:
+            return Fp8Format("fp8", "tensor", None, "_scale_inv")
+        return Fp8Format("fp8", "block", _block_size(block, "weight_block_size", source), "_scale_inv")
+    if method == "compressed-tensors":
+        groups = (qc.get("config_groups") or {}).values()
+        weights = [g.get("weights") or {} for g in groups]
+        fmts = {g.get("format", qc.get("format")) for g in groups}
+        if not weights or fmts != {"float-quantized"}:
+            raise CheckpointError(f"{source}: compressed-tensors format {sorted(map(str, fmts)) or qc.get('format')}: "
+                                  f"expected 'float-quantized' (FP8 weights) in every config group")
+        bad = [w for w in weights if w.get("type") != "float" or w.get("num_bits") != 8]
+        if bad:
+            raise CheckpointError(f"{source}: compressed-tensors weights of type {bad[0].get('type')!r} with "
+                                  f"{bad[0].get('num_bits')} bits: expected type 'float' with num_bits 8 (e4m3)")
+        strategies = {w.get("strategy") for w in weights}
+        if len(strategies) != 1 or not strategies <= {"tensor", "channel", "block"}:
+            raise CheckpointError(f"{source}: compressed-tensors weight strategies {sorted(map(str, strategies))}: "
+                                  f"expected one of 'tensor', 'channel' or 'block' for every group")
+        strategy = strategies.pop()
+        block = _block_size(weights[0].get("block_structure"), "block_structure", source) \
+            if strategy == "block" else None
+        return Fp8Format("compressed-tensors", strategy, block, "_scale")
+    raise CheckpointError(f"{source}: quantization_config.quant_method = {method!r}: expected 'fp8' or "
+                          f"'compressed-tensors' (FP8 e4m3 weights with scales)")
+
+
+def _block_size(v, key: str, source: str) -> tuple[int, int]:
+    if (not isinstance(v, (list, tuple)) or len(v) != 2
+            or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in v)):
+        raise CheckpointError(f"{source}: quantization_config {key} = {v!r}: expected two positive integers, "
+                              f"e.g. [128, 128]")
+    return int(v[0]), int(v[1])
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format, dtype: torch.dtype) -> torch.Tensor:
+    """w = float(q) * scale, each scale broadcast over its block; the result in ``dtype``.
+
+    q: [..., out, in] e4m3; scale: ``fmt.scale_shape(q.shape)``, already checked. Rows go in
+    chunks of whole blocks so the float32 temporaries stay small next to the weight itself."""
+    if fmt.strategy == "tensor":
+        return (q.float() * scale.float().reshape(())).to(dtype)
+    out_rows, inp = q.shape[-2:]
+    bo, bi = fmt.blocks(out_rows, inp)
+    lead = q.shape[:-2]
+    q3, s3 = q.reshape(-1, out_rows, inp), scale.float().reshape(-1, *scale.shape[-2:])
+    res = torch.empty(q3.shape, dtype=dtype)
+    step = max(bo, (_DEQUANT_CHUNK // max(inp, 1)) // bo * bo)  # rows per chunk: whole blocks
+    for n in range(q3.shape[0]):
+        for r0 in range(0, out_rows, step):
+            r1 = min(r0 + step, out_rows)
+            s = s3[n, r0 // bo:math.ceil(r1 / bo)].repeat_interleave(bo, 0)[:r1 - r0]
+            s = s.repeat_interleave(bi, 1)[:, :inp]
+            res[n, r0:r1] = (q3[n, r0:r1].float() * s).to(dtype)
+    return res.reshape(*lead, out_rows, inp)
+
+
 class _Checkpoint:
-    """All tensors of the ``*.safetensors`` files of a folder, opened lazily by name."""
+    """All tensors of the ``*.safetensors`` files of a folder, opened lazily by name; FP8 weights
+    (float8_e4m3fn beside a scale tensor, as config.json's quantization_config says) come back
+    dequantised."""
 
     def __init__(self, folder: Path):
         self.folder = folder
@@ -98,9 +218,19 @@ class _Checkpoint:
             with safe_open(str(f), framework="pt") as h:
                 for k in h.keys():  # noqa: SIM118 - safe_open handles are not iterable
                     self.where[k] = f
+        cfg = folder / "config.json"
+        try:
+            config = json.loads(cfg.read_text()) if cfg.is_file() else {}
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{cfg}: cannot read it as JSON ({e}): expected a Hugging Face config.json") from None
+        self.fp8 = fp8_format(config, str(cfg)) if isinstance(config, dict) else None
 
     def has(self, name: str) -> bool:
         return name in self.where
+
+    def _read(self, name: str) -> torch.Tensor:
+        with safe_open(str(self.where[name]), framework="pt") as h:
+            return h.get_tensor(name)
 
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, needed_for: str) -> torch.Tensor:
         f = self.where.get(name)
@@ -108,12 +238,64 @@ class _Checkpoint:
             files = ", ".join(p.name for p in self.files)
             raise CheckpointError(f"{self.folder}: tensor '{name}' (needed for {needed_for}) is in none of the "
                                   f"checkpoint files ({files})")
-        with safe_open(str(f), framework="pt") as h:
-            t = h.get_tensor(name)
+        t = self._read(name)
         if tuple(t.shape) != tuple(shape):
             raise CheckpointError(f"{f}: tensor '{name}' has shape {list(t.shape)}: expected {list(shape)} "
                                   f"for {needed_for} (does the config match the checkpoint?)")
-        return t.to(dtype)
+        scale_name = self._scale_name(name, t, f)
+        if scale_name is None:
+            return t.to(dtype)
+        assert self.fp8 is not None
+        return dequantize_fp8(t, self._scale(scale_name, t, f), self.fp8, dtype)
+
+    def _scale_name(self, name: str, t: torch.Tensor, f: Path) -> str | None:
+        """The scale tensor beside FP8 weight ``name``; None for a plain tensor. A float8 tensor
+        without a quantization_config or a scale, or a scale beside a non-FP8 tensor, is an error."""
+        is_fp8 = t.dtype in _FP8_DTYPES
+        if self.fp8 is None:
+            if is_fp8:
+                raise CheckpointError(f"{f}: tensor '{name}' is {_dtype_name(t.dtype)} but config.json has no "
+                                      f"quantization_config: expected quant_method 'fp8' or 'compressed-tensors'")
+            return None
+        scale_name = name + self.fp8.scale_suffix
+        if not is_fp8:
+            if scale_name in self.where:
+                raise CheckpointError(f"{f}: tensor '{name}' is {_dtype_name(t.dtype)} beside its scale "
+                                      f"'{scale_name}': expected float8_e4m3fn")
+            return None  # a module left unquantised (router, embedding, ignored layers)
+        if t.dtype != torch.float8_e4m3fn:
+            raise CheckpointError(f"{f}: tensor '{name}' is {_dtype_name(t.dtype)}: expected float8_e4m3fn")
+        if scale_name not in self.where:
+            raise CheckpointError(f"{f}: FP8 tensor '{name}' has no scale '{scale_name}' in the checkpoint: "
+                                  f"expected a float32 tensor of shape {list(self.fp8.scale_shape(tuple(t.shape)))}")
+        return scale_name
+
+    def _scale(self, scale_name: str, q: torch.Tensor, f: Path) -> torch.Tensor:
+        """The scale tensor, checked: shape per the format, a float dtype, every value finite and >= 0."""
+        assert self.fp8 is not None
+        s = self._read(scale_name)
+        want = self.fp8.scale_shape(tuple(q.shape))
+        got = tuple(s.shape)
+        fine = got in ((), (1,)) if self.fp8.strategy == "tensor" else got == want
+        if not fine:
+            what = {"block": f"one per {self.fp8.block[0]}x{self.fp8.block[1]} block" if self.fp8.block else "",
+                    "channel": "one per output row", "tensor": "a single scale"}[self.fp8.strategy]
+            raise CheckpointError(f"{self.where[scale_name]}: scale '{scale_name}' has shape {list(got)}: expected "
+                                  f"{list(want)} ({what} of weight {list(q.shape)}, {self.fp8.quant_method} "
+                                  f"{self.fp8.strategy} scales)")
+        if not s.dtype.is_floating_point or s.dtype in _FP8_DTYPES:
+            raise CheckpointError(f"{self.where[scale_name]}: scale '{scale_name}' is {_dtype_name(s.dtype)}: "
+                                  f"expected float32 (or bfloat16/float16)")
+        bad = ~torch.isfinite(s) | (s < 0)
+        if bool(bad.any()):
+            v = float(s[bad].flatten()[0])
+            raise CheckpointError(f"{self.where[scale_name]}: scale '{scale_name}' holds {v} at "
+                                  f"{[int(i) for i in bad.nonzero()[0]]}: expected finite, non-negative scales")
+        return s
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _moe_tensors(ck: _Checkpoint, spec: ModelSpec, i: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -149,7 +331,8 @@ def load_checkpoint(folder: str | Path, spec: ModelSpec, dtype: torch.dtype = to
     (a ``.gguf`` file is handed to ``load_gguf``).
 
     Raises ``CheckpointError`` naming the tensor and the file when a tensor is missing or has
-    the wrong shape. Expert weights may be stored per expert (what ``save_pretrained`` writes:
+    the wrong shape, or an FP8 weight's scale is missing, misshapen or not finite and >= 0. FP8
+    weights are dequantised to ``dtype`` one tensor at a time (``dequantize_fp8``). Expert weights may be stored per expert (what ``save_pretrained`` writes:
     ``mlp.experts.{e}.{gate,up,down}_proj.weight``, Mixtral's ``block_sparse_moe.experts.{e}.w1``
     ...) or fused (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]).
     """

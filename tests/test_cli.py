@@ -320,7 +320,8 @@ def test_generate_refuses_past_the_models_positions(tmp_path, capsys):
     assert_one_line_error(rc, err, "the model allows 32 (max_position_embeddings): expected at most 30 new tokens")
 
 
-@pytest.mark.parametrize("command", ["compile", "check", "import-hf", "generate", "bench", "serve", "bench-serve"])
+@pytest.mark.parametrize("command", ["compile", "check", "import-hf", "generate", "bench", "serve", "bench-serve",
+                                     "quantize"])
 def test_every_argument_has_help(command):
     import argparse
 
