@@ -326,6 +326,56 @@ def test_quantize_weight_round_trip(shape, scheme, scale_shape):
     assert torch.all(q[..., 129, 199].float() == 448.0)  # the outlier is its block's amax: it maps to 448
 
 
+def test_fused_expert_layout_quantizes_and_loads(ck, tmp_path):
+    """Experts stored fused (mlp.experts.gate_up_proj [E, 2I, H], down_proj [E, H, I]): quantised
+    with one block grid per expert ([E, ceil(2I/128), ceil(H/128)] scales beside the tensor) and
+    loaded to the reference values; the same logical weights as the per-expert layout within
+    e4m3's rounding."""
+    src = ck.source("qwen3_moe")
+    spec = load_spec(src)
+    t = _tensors(src)
+    m = spec.moe
+    for i, ls in enumerate(spec.layers):
+        if ls.mlp != "moe":
+            continue
+        X = f"model.layers.{i}.mlp.experts"
+        gate, up, down = ([t.pop(f"{X}.{e}.{p}_proj.weight") for e in range(m.num_experts)]
+                          for p in ("gate", "up", "down"))
+        t[f"{X}.gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u in zip(gate, up, strict=True)])
+        t[f"{X}.down_proj"] = torch.stack(down)
+    fused = _rewrite(src, tmp_path / "fused", t)
+    quantize_checkpoint(fused, tmp_path / "fp8", scheme="block")
+    q = _tensors(tmp_path / "fp8")
+    X = "model.layers.1.mlp.experts"
+    assert q[f"{X}.gate_up_proj"].dtype == torch.float8_e4m3fn
+    assert tuple(q[f"{X}.gate_up_proj_scale_inv"].shape) == (m.num_experts, 1, 1)  # 2I = 128, H = 128
+    cfg = _config(tmp_path / "fp8")
+    del cfg["quantization_config"]
+    ref = _rewrite(src, tmp_path / "ref", reference_dequantize(tmp_path / "fp8"), cfg)
+    got = load_checkpoint(tmp_path / "fp8", spec, torch.float32)
+    want, orig = load_checkpoint(ref, spec, torch.float32), load_checkpoint(src, spec, torch.float32)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+        # the tensor-wide amax / 448 bounds every block scale of the logical tensor
+        err, bound = (got[k] - orig[k]).abs(), REL_STEP * orig[k].abs() + SUBNORMAL_STEP * orig[k].abs().max() / 448
+        assert torch.all(err <= bound), f"{k}: max error {float(err.max()):.3g}"
+
+
+def test_bfloat16_scales_load(ck, tmp_path):
+    """compressed-tensors checkpoints often store scales in the weights' dtype (bfloat16): read as
+    float(fp8) * float(scale)."""
+    src = ck.fp8("qwen3_moe", "channel")
+    t = {k: v.bfloat16() if k.endswith("_scale") else v for k, v in _tensors(src).items()}
+    folder = _rewrite(src, tmp_path / "bf16", t)
+    spec = load_spec(src)
+    got = load_checkpoint(folder, spec, torch.float32)
+    cfg = _config(src)
+    del cfg["quantization_config"]
+    want = load_checkpoint(_rewrite(src, tmp_path / "ref", reference_dequantize(folder), cfg), spec, torch.float32)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
 def test_per_tensor_scales_load(ck, tmp_path):
     """A single scale per tensor, as [] (FineGrainedFP8 without weight_block_size) or [1]
     (compressed-tensors strategy "tensor"), loads to float(fp8) * scale."""
