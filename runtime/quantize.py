@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import shutil
 from pathlib import Path
@@ -142,12 +143,11 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, *, scheme: str = "bloc
     ``quantization_config``), an updated index and every other file (tokenizer, generation
     config) copied. Returns counts: quantized, kept, bytes_in, bytes_out.
 
-    Raises ``CheckpointError`` (one line, naming the folder or tensor) on a missing folder, a
-    folder without config.json or safetensors, a model mkc does not load, an already quantised
-    checkpoint, a non-finite weight, or an output folder that is not new or empty."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
+    The files are written into a temporary folder beside ``dst`` that is renamed to ``dst`` at
+    the end, so a failure halfway leaves no partial checkpoint. Raises ``CheckpointError`` (one
+    line, naming the folder or tensor) on a missing folder, a folder without config.json or
+    safetensors, a model mkc does not load, an already quantised checkpoint, a non-finite weight,
+    or an output folder that is not new or empty."""
     from mkc.ir.spec import SpecError, load_spec
     from mkc.runtime.weights import CheckpointError
 
@@ -159,8 +159,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, *, scheme: str = "bloc
     if not src.is_dir():
         what = "a file" if src.exists() else "no such folder"
         raise CheckpointError(f"{src}: {what}: expected a Hugging Face checkpoint folder (config.json + *.safetensors)")
-    files = sorted(src.glob("*.safetensors"))
-    if not files:
+    if not any(src.glob("*.safetensors")):
         raise CheckpointError(f"{src}: no *.safetensors files: expected a Hugging Face checkpoint folder")
     try:
         spec = load_spec(src)  # the model must be one mkc loads (config.json read and checked)
@@ -174,18 +173,35 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, *, scheme: str = "bloc
         raise CheckpointError(f"-o {dst}: the input folder: expected a new or empty folder")
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise CheckpointError(f"-o {dst}: exists and is not an empty folder: expected a new or empty folder")
-    fmt = fp8_format_for(scheme, block)
-    dst.mkdir(parents=True, exist_ok=True)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}"  # mkdir, unlike mkdtemp, keeps the umask's mode
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        stats = _write(src, tmp, config, spec.tie_word_embeddings, fp8_format_for(scheme, block))
+        os.replace(tmp, dst)  # an empty dst is replaced
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return stats
+
+
+def _write(src: Path, dst: Path, config: dict, tied: bool, fmt: Fp8Format) -> dict[str, int]:
+    """quantize_checkpoint's work, into the existing empty folder ``dst``."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from mkc.runtime.weights import CheckpointError
 
     stats = {"quantized": 0, "kept": 0, "bytes_in": 0, "bytes_out": 0}
     weight_map: dict[str, str] = {}
-    for f in files:
+    for f in sorted(src.glob("*.safetensors")):
         out: dict[str, torch.Tensor] = {}
         with safe_open(str(f), framework="pt") as h:
             for name in h.keys():  # noqa: SIM118 - safe_open handles are not iterable
                 t = h.get_tensor(name)
                 stats["bytes_in"] += t.numel() * t.element_size()
-                if _QUANTIZED.match(name) or (name == "lm_head.weight" and not spec.tie_word_embeddings):
+                if _QUANTIZED.match(name) or (name == "lm_head.weight" and not tied):
                     if t.dim() < 2 or not t.is_floating_point():
                         raise CheckpointError(f"{f}: tensor '{name}' is {t.dtype} of shape {list(t.shape)}: "
                                               f"expected a bf16/fp16/fp32 matrix")
@@ -202,9 +218,9 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, *, scheme: str = "bloc
         stats["bytes_out"] += sum(t.numel() * t.element_size() for t in out.values())
         weight_map.update(dict.fromkeys(out, f.name))
 
-    keep = ["lm_head"] if spec.tie_word_embeddings else []
+    keep = ["lm_head"] if tied else []
     keep += sorted({m.group(1) for m in map(_ROUTER.match, weight_map) if m}, key=lambda n: int(n.split(".")[2]))
-    config["quantization_config"] = quantization_config(fmt, keep)
+    config = {**config, "quantization_config": quantization_config(fmt, keep)}
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if (src / "model.safetensors.index.json").is_file():
         index = {"metadata": {"total_size": stats["bytes_out"]}, "weight_map": dict(sorted(weight_map.items()))}

@@ -549,6 +549,7 @@ def test_cli_quantize_refuses_a_non_finite_weight(ck, tmp_path, capsys):
     t[W][3, 5] = float("inf")
     rc, _, err = run_main(capsys, "quantize", _rewrite(src, tmp_path / "inf", t), "-o", tmp_path / "o")
     assert_one_line_error(rc, err, f"tensor '{W}' holds inf or NaN values: expected finite weights")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["inf"], "a partial checkpoint was left behind"
 
 
 def test_cli_generate_on_a_bad_scale_is_one_line(ck, tmp_path, capsys):
