@@ -81,9 +81,13 @@ def quantize_main(a: argparse.Namespace) -> int:
     """``mkc quantize``: write the checkpoint, print what was quantised and the bytes saved."""
     stats = quantize_checkpoint(a.checkpoint, a.output, scheme=a.scheme, block=a.block)
     print(f"quantized {stats['quantized']} matrices to float8_e4m3fn ({a.scheme} scales), kept "
-          f"{stats['kept']} tensors as they were; {stats['bytes_in'] / 1e9:.3f} GB -> {stats['bytes_out'] / 1e9:.3f} GB")
+          f"{stats['kept']} tensors as they were; {_size(stats['bytes_in'])} -> {_size(stats['bytes_out'])}")
     print(f"wrote {a.output}")
     return 0
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
 
 
 def fp8_format_for(scheme: str, block: int) -> Fp8Format:
