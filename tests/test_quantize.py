@@ -474,8 +474,11 @@ def test_channel_scale_of_the_wrong_shape(ck, tmp_path):
 
 
 def run_main(capsys, *args) -> tuple[int, str, str]:
+    """The CLI in this process: exit code, stdout, stderr (what was printed before is dropped:
+    building a checkpoint prints progress bars)."""
     from mkc.cli import main
 
+    capsys.readouterr()
     rc = main([str(a) for a in args])
     out, err = capsys.readouterr()
     return rc, out, err
