@@ -361,6 +361,22 @@ def test_fused_expert_layout_quantizes_and_loads(ck, tmp_path):
         assert torch.all(err <= bound), f"{k}: max error {float(err.max()):.3g}"
 
 
+def test_compressed_tensors_block_scales_load(ck, tmp_path):
+    """compressed-tensors strategy "block" (``weight_scale`` [ceil(out/128), ceil(in/128)],
+    ``block_structure`` in the config) reads as the same blocks under FineGrainedFP8's names."""
+    src = ck.fp8("qwen3_moe", "block")
+    t = {k.removesuffix("_scale_inv") + "_scale" if k.endswith("_scale_inv") else k: v
+         for k, v in _tensors(src).items()}
+    qc = {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "block",
+                                           "block_structure": [128, 128]}}}}
+    folder = _rewrite(src, tmp_path / "ct", t, {**_config(src), "quantization_config": qc})
+    spec = load_spec(src)
+    got, want = load_checkpoint(folder, spec, torch.float32), load_checkpoint(src, spec, torch.float32)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
 def test_bfloat16_scales_load(ck, tmp_path):
     """compressed-tensors checkpoints often store scales in the weights' dtype (bfloat16): read as
     float(fp8) * float(scale)."""
