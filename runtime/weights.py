@@ -151,6 +151,8 @@ def fp8_format(config: dict, source: str) -> Fp8Format | None:
             return Fp8Format("fp8", "tensor", None, "_scale_inv")
         return Fp8Format("fp8", "block", _block_size(block, "weight_block_size", source), "_scale_inv")
     if method == "compressed-tensors":
+        if qc.get("quantization_status", "compressed") != "compressed":
+            return None  # "frozen" and earlier: the weights are stored unquantised, the scales are unused
         groups = (qc.get("config_groups") or {}).values()
         weights = [g.get("weights") or {} for g in groups]
         fmts = {g.get("format", qc.get("format")) for g in groups}

@@ -377,6 +377,18 @@ def test_compressed_tensors_block_scales_load(ck, tmp_path):
         assert torch.equal(got[k], want[k]), k
 
 
+def test_frozen_compressed_tensors_checkpoint_loads_as_stored(ck, tmp_path):
+    """quantization_status "frozen": the weights are stored unquantised beside unused scales."""
+    src = ck.source("qwen3_moe")
+    t = _tensors(src)
+    t[W + "_scale"] = torch.ones(256, 1)
+    qc = {**_config(ck.fp8("qwen3_moe", "channel"))["quantization_config"], "quantization_status": "frozen"}
+    folder = _rewrite(src, tmp_path / "frozen", t, {**_config(src), "quantization_config": qc})
+    spec = load_spec(src)
+    got, want = load_checkpoint(folder, spec, torch.float32), load_checkpoint(src, spec, torch.float32)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
 def test_bfloat16_scales_load(ck, tmp_path):
     """compressed-tensors checkpoints often store scales in the weights' dtype (bfloat16): read as
     float(fp8) * float(scale)."""
