@@ -132,7 +132,7 @@ def summary(sc: Schedule, spec: ModelSpec) -> dict[str, Any]:
     ``bytes`` is what the tasks as lowered move on average: their activations and weights, a
     routing slot's expert tiles' weights at their expected bytes under random routing
     (cost.expected_weight_bytes: the slots past the step's distinct experts read none), as the
-    speed-of-light bytes count the distinct experts routed (DESIGN.md) and the simulated step
+    speed-of-light bytes count the distinct experts routed (docs/design.md) and the simulated step
     streams them; ``bytes_every_slot`` counts every slot live. ``sol_us`` is ``bytes`` at the read
     ceiling the schedule was predicted with, so ``sol_fraction`` is in (0, 1] for a step the list
     scheduler or the simulation predicts: no task streams faster than that bandwidth in all.
