@@ -47,30 +47,9 @@ VARIANTS: dict[str, CodegenOptions] = {
     "unroll-6": CodegenOptions(gemv_unroll=6),
     "unroll-12": CodegenOptions(gemv_unroll=12),  # 12 KB per warp per batch (batch 1: 255 registers, 8 B of spills)
     "rows": CodegenOptions(weight_layout="rows"),
-    "prefetch-128k": CodegenOptions(prefetch_bytes=128 * 1024),
-    # attention: P.V loads V from global memory, key lanes reduced head by head (the default until
-    # 2026-11-30 copies V chunks to shared memory ahead of P.V)
-    "attn-global-v": CodegenOptions(attn_stage_v=False),
-    "prefetch-256k": CodegenOptions(prefetch_bytes=256 * 1024),
-    # K and V rows an attention split asks L2 for while it waits (CodegenOptions.attn_prefetch_bytes)
-    "attn-prefetch-128k": CodegenOptions(attn_prefetch_bytes=128 * 1024),
-    "attn-prefetch-512k": CodegenOptions(attn_prefetch_bytes=512 * 1024),
-    "attn-prefetch-all": CodegenOptions(attn_prefetch_bytes=1 << 30),
     # one online softmax per warp, blocks streamed through a per-warp ring (CodegenOptions.attn_warp_stages)
     "attn-warps-2": CodegenOptions(attn_warp_stages=2),
     "attn-warps-3": CodegenOptions(attn_warp_stages=3),
-    # a split's query's RoPE sines and cosines computed after the wait (rope_before_wait off: the
-    # default until 2026-12-03)
-    "rope-after-wait": CodegenOptions(rope_before_wait=False),
-    # LINEAR tiles wait for their inputs after issuing their first weight batch, expert-down tiles
-    # after reading the routing (the default since 2026-11-30); off: the kernel loop waits first
-    "weights-after-wait": CodegenOptions(weights_before_wait=False),
-    # expert-down tiles ask L2 for the start of their weights once the routing is read
-    "down-prefetch-64k": CodegenOptions(run_prefetch_bytes=64 * 1024),
-    "down-prefetch-256k": CodegenOptions(run_prefetch_bytes=256 * 1024),
-    # operand descriptors read from the global table after the wait (the default until 2026-11-30;
-    # now they are copied with the record, a task ahead)
-    "desc-table": CodegenOptions(descriptors="table"),
     # the routing's picks by rank, one thread per (token, expert), instead of TOP_K arg-max rounds
     # (the same picks and weights: bitwise the same logits)
     "routing-rank": CodegenOptions(routing_argmax="rank", norm_beside_routing="off"),
@@ -80,10 +59,6 @@ VARIANTS: dict[str, CodegenOptions] = {
     "norm-beside-routing": CodegenOptions(norm_beside_routing="on", routing_argmax="redux"),
     "norm-beside-rank": CodegenOptions(norm_beside_routing="on", routing_argmax="rank"),
     "redux-after": CodegenOptions(norm_beside_routing="off", routing_argmax="redux"),
-    # expert-down tiles ask L2 for one row of their weights before waiting for their hidden states
-    # (the default until 2026-11-30 17:40 UTC; now they issue their first weight batch, as LINEAR
-    # tiles do)
-    "down-l2-row": CodegenOptions(down_weights_before_wait=False),
     # the profiling kernel (phase marks in a profiled step; an unprofiled step runs the default's work)
     "profile-phases": CodegenOptions(profile_phases=True),
     # expert-up tiles wait for the router tiles' counter, then read the logits, or read the logits'

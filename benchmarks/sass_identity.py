@@ -1,7 +1,7 @@
 """Prove that a change leaves the shipped kernels alone: a digest of each kernel's SASS and schedule.
 
     python benchmarks/sass_identity.py record benchmarks/results/sass_baseline.json
-    python benchmarks/sass_identity.py check benchmarks/results/sass_baseline.json
+    python benchmarks/sass_identity.py check benchmarks/results/sass_baseline.json [--only b1/c8192 ...]
 
 The shipped kernels are North Mini Code's at batch 1, 2, 4 and 8 and contexts 8K, 32K and 128K,
 plus the point of every entry of configs/tuning/h200.json, each planned as ``mkc compile`` plans it
@@ -10,7 +10,8 @@ holds a digest of the kernel's SASS (cuobjdump's instruction text, addresses and
 stripped: instruction for instruction the same code has the same digest), its instruction count,
 and a digest of the schedule (tasks with their present operands and arguments, queues, waits,
 signals and counter targets), so a change that keeps the binary but moves a task shows too.
-``check`` exits 1 naming every point that differs. Needs NVRTC and cuobjdump, no GPU; builds go
+``check`` exits 1 naming every point that differs (``--only``: the points whose key starts so,
+for a quick look while editing; the full check is what counts). Needs NVRTC and cuobjdump, no GPU; builds go
 through the kernel cache (MKC_CACHE_DIR), two at a time.
 """
 
@@ -92,18 +93,24 @@ def digest_point(spec, point: tuple[int, int, int, int]) -> dict:
             "attention_sms": sc.meta["attention_sms"]["chosen"], "kernel": art.name}
 
 
-def digests() -> dict[str, dict]:
-    """Every shipped point's digests, keyed b<batch>/c<context>/sms<n>/page<p>."""
+def point_key(point: tuple[int, int, int, int]) -> str:
+    b, c, sms, page = point
+    return f"b{b}/c{c}/sms{sms}/page{page}"
+
+
+def digests(only: tuple[str, ...] = ()) -> dict[str, dict]:
+    """The digests of every shipped point (or those whose key starts with one of ``only``), keyed
+    b<batch>/c<context>/sms<n>/page<p>."""
     os.environ["MKC_TUNING_FILE"] = str(TUNING)  # the shipped table alone, not a local tuning.json
     from mkc.ir.spec import load_spec
 
     spec = load_spec(CONFIG)
-    pts = points()
+    pts = [p for p in points() if not only or point_key(p).startswith(only)]
     with ThreadPoolExecutor(WORKERS) as pool:
         results = list(pool.map(lambda p: digest_point(spec, p), pts))
     out = {}
-    for (b, c, sms, page), r in zip(pts, results):
-        key = f"b{b}/c{c}/sms{sms}/page{page}"
+    for p, r in zip(pts, results):
+        key = point_key(p)
         out[key] = r
         print(f"{key}: {r['instructions']} instructions, sass {r['sass_sha256'][:12]}, "
               f"schedule {r['schedule_sha256'][:12]}", flush=True)
@@ -133,14 +140,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("mode", choices=("record", "check"))
     ap.add_argument("file", type=Path, help="the digests JSON (written by record, read by check)")
+    ap.add_argument("--only", nargs="+", default=[], help="check only the points whose key starts so (b1/c8192 ...)")
     a = ap.parse_args()
-    now = digests()
+    now = digests(tuple(a.only))
     if a.mode == "record":
+        if a.only:
+            ap.error("record writes every point: leave out --only")
         a.file.parent.mkdir(parents=True, exist_ok=True)
         a.file.write_text(json.dumps(now, indent=1, sort_keys=True) + "\n")
         print(f"wrote {a.file}")
         return
-    problems = compare(json.loads(a.file.read_text()), now)
+    baseline = json.loads(a.file.read_text())
+    if a.only:
+        baseline = {k: v for k, v in baseline.items() if k in now}
+    problems = compare(baseline, now)
     for p in problems:
         print("DIFFERS", p)
     print(f"{len(now)} kernels: " + (f"{len(problems)} differ" if problems else "SASS and schedules identical"))

@@ -1,7 +1,7 @@
 """Step time of schedules made with different cost-model assumptions or lowerings, side by side in one run.
 
     python benchmarks/schedule_variants.py --batch 1 8 --context 8192 [--reps 20] [--variants NAME ...] \
-        [--attention-sms 0 32 ...] [--rope-in-splits yes no] [--residual-in-o-proj yes no] \
+        [--attention-sms 0 32 ...] [--rope-in-splits yes no] [--residual-in-o-proj yes no] [--fused-experts yes no] \
         [--global-attention-sms 0 128 256] [--expert-up-rows rule 80x6+48x6] [--expert-down-rows 0 256]
         [--rounds 2] [--build-only]
 
@@ -135,6 +135,9 @@ def main() -> None:
                     help="LowerOptions.residual_in_o_proj values to lower with (yes: the O-projection tiles add "
                          "the residual and the MLP's output, no RESIDUAL tiles; auto, the default: the planner's "
                          "choice, as mkc bench and mkc compile make it)")
+    ap.add_argument("--fused-experts", nargs="+", default=["no"], choices=["yes", "no"],
+                    help="LowerOptions.fused_experts values to lower with (yes: EXPERT_MLP tiles, each its rows' gate, "
+                         "up and share of the down projection; needs --residual-in-o-proj yes)")
     ap.add_argument("--global-attention-sms", nargs="+", default=["auto"],
                     help="LowerOptions.global_attention_sms values to lower with (the SMs' worth of splits of the "
                          "layers of global attention; 0: as --attention-sms; auto, the default: the planner's choice)")
@@ -154,12 +157,13 @@ def main() -> None:
     a.attention_sms = [None if v == "auto" else int(v) for v in a.attention_sms]
     spec = load_spec(a.config)
     options = CodegenOptions()
-    variants = [(att, chosen({"rope_in_splits": rope == "yes", "residual_in_o_proj": fold, "global_attention_sms": ga,
+    variants = [(att, chosen({"rope_in_splits": rope == "yes", "residual_in_o_proj": fold, "fused_experts": fx == "yes",
+                              "global_attention_sms": ga,
                               "expert_up_rows": er if er == "auto" else () if er == "rule" else tuning.row_list(er),
                               "expert_down_rows": dr}), name)
                 for att in a.attention_sms for rope in a.rope_in_splits for fold in a.residual_in_o_proj
-                for ga in a.global_attention_sms for er in a.expert_up_rows for dr in a.expert_down_rows
-                for name in a.variants]
+                for fx in a.fused_experts for ga in a.global_attention_sms for er in a.expert_up_rows
+                for dr in a.expert_down_rows for name in a.variants]
     if a.build_only:
         for batch in a.batch:
             for att, lowering, name in variants:
@@ -188,6 +192,7 @@ def main() -> None:
             label = f"{sc.meta['attention_sms']['chosen']}" + (" (auto)" if att is None else "")
             label += f", rope in splits {'yes' if lowering['rope_in_splits'] else 'no'}"
             label += f", residual in o_proj {'yes' if sc.meta['residual_in_o_proj'] else 'no'}"
+            label += f", fused experts {'yes' if lowering['fused_experts'] else 'no'}"
             label += f", global attention SMs {sc.meta['global_attention_sms'] or 'same'}"
             if sc.meta["expert_down_rows"]:
                 label += f", expert-down tile rows {sc.meta['expert_down_rows']}"

@@ -21,14 +21,14 @@ static_assert(HEAD_DIM % 8 == 0 && NUM_THREADS % ATT_DC == 0, "attention: head_d
 // takes from qkv ([GROUP + 2][HEAD_DIM] bf16: query heads, key, value) and their qk-norm factors
 constexpr int ATT_RED_FLOATS = ATT_KL * HEAD_DIM > ((GROUP + 2) * HEAD_DIM * 2 + (GROUP + 1) * 4 + 3) / 4
                                    ? ATT_KL * HEAD_DIM : ((GROUP + 2) * HEAD_DIM * 2 + (GROUP + 1) * 4 + 3) / 4;
-// ATTN_STAGE_V: after the layout below (16-aligned), this chunk's V rows [ATT_CHUNK][HEAD_DIM] bf16;
+// After the layout below (16-aligned), this chunk's V rows [ATT_CHUNK][HEAD_DIM] bf16;
 // after the last chunk the same bytes hold every head's key-lane partials [GROUP][ATT_KL][HEAD_DIM]
 // (mkc/codegen/render.py sizes it as the larger of the two)
 constexpr int ATT_VS_OFF = (ATT_QX_BYTES + (ATT_GRED_FLOATS + GROUP * HEAD_DIM + GROUP * ATT_CHUNK +
                                             ATT_RED_FLOATS + 3 * GROUP) * 4 + 15) / 16 * 16;
 constexpr int ATT_VS_BYTES = ATT_CHUNK * HEAD_DIM * 2 > GROUP * ATT_KL * HEAD_DIM * 4 ? ATT_CHUNK * HEAD_DIM * 2
                                                                                     : GROUP * ATT_KL * HEAD_DIM * 4;
-static_assert(!ATTN_STAGE_V || ATT_VS_OFF + ATT_VS_BYTES <= SMEM_BYTES, "attention: V chunk past the shared memory");
+static_assert(ATT_VS_OFF + ATT_VS_BYTES <= SMEM_BYTES, "attention: V chunk past the shared memory");
 
 // sin and cos of the RoPE angle pos * theta^(-2p / head_dim), the angle rounded to float as in
 // the reference (inv_freq in float, times the position in float). The angle is reduced modulo
@@ -109,11 +109,11 @@ __device__ __forceinline__ KvRows kv_rows(const Task& t, int cache, int b, int g
 __shared__ int s_split_pos;
 static_assert(NUM_THREADS > 32, "a split's position is read by warp 1 (prefetch_weights)");
 
-// ROPE_BEFORE_WAIT: the sine and cosine of every pair's RoPE angle at the split's position,
+// The sine and cosine of every pair's RoPE angle at the split's position,
 // computed by warps 1.. while warp 0 waits for the split's query (prefetch_weights: rope_table),
 // so the query's staging after the wait only looks them up. The same rope_sincos, so the same bits.
 __shared__ float2 s_rope_sc[HEAD_DIM / 2];
-static_assert(!ROPE_BEFORE_WAIT || NUM_THREADS - 32 >= HEAD_DIM / 2, "rope_table: one thread of warps 1.. per pair");
+static_assert(NUM_THREADS - 32 >= HEAD_DIM / 2, "rope_table: one thread of warps 1.. per pair");
 
 // Called by warps 1.. before the split's wait (published by the kernel loop's barrier).
 __device__ __forceinline__ void rope_table(int pos) {
@@ -185,7 +185,7 @@ __device__ void stage_own_query(const Task& t, int b, int g, int pos, bool own, 
         float a, c;
         int ia, ib;
         rope_pair(rows + j * HEAD_DIM, p, pos, rope, qk_norm ? (j < GROUP ? qn : kn) : nullptr,
-                  qk_norm ? rinv[j] : 1.f, a, c, ia, ib, ROPE_BEFORE_WAIT ? s_rope_sc : nullptr);
+                  qk_norm ? rinv[j] : 1.f, a, c, ia, ib, s_rope_sc);
         if (j == GROUP) {  // the key, in place: this thread alone reads and writes elements ia and ib
             store_bf16(rows + j * HEAD_DIM + ia, a);
             store_bf16(rows + j * HEAD_DIM + ib, c);
@@ -515,7 +515,7 @@ __device__ void op_attn_split(const Task& t, unsigned char* smem) {
     float* st_m = red + ATT_RED_FLOATS;           // [GROUP] running max
     float* st_l = st_m + GROUP;                   // [GROUP] running sum
     float* st_a = st_l + GROUP;                   // [GROUP] rescale of this pass
-    bf16* vs = reinterpret_cast<bf16*>(smem + ATT_VS_OFF);  // ATTN_STAGE_V: [ATT_CHUNK][HEAD_DIM]
+    bf16* vs = reinterpret_cast<bf16*>(smem + ATT_VS_OFF);  // [ATT_CHUNK][HEAD_DIM]
 
     // this step's key and value where the split rotates its own query (a qkv operand) and holds the
     // step's position: they come from qkv, not from the cache (ROPE_APPEND writes it after the splits)
@@ -560,7 +560,7 @@ __device__ void op_attn_split(const Task& t, unsigned char* smem) {
     for (int c0 = lo; c0 < hi; c0 += ATT_CHUNK) {
         const int n = min(ATT_CHUNK, hi - c0);
         // ask L2 for the next chunk's K and V rows while this one is processed (before the wait the
-        // task asked for ATTN_PREFETCH_BYTES of its rows, ops.cuh: prefetch_weights)
+        // task asked for one row of each, ops.cuh: prefetch_weights)
         if (c0 + ATT_CHUNK < hi && tid < 2 * ATT_CHUNK * HEAD_DIM * 2 / 4096) {
             const int half = ATT_CHUNK * HEAD_DIM * 2 / 4096;  // 4 KB pieces of one chunk of K (or V)
             const int nb = min(ATT_CHUNK, hi - c0 - ATT_CHUNK) * HEAD_DIM * 2;  // bytes of the next chunk
@@ -570,12 +570,11 @@ __device__ void op_attn_split(const Task& t, unsigned char* smem) {
                             (u32)min(4096, nb - off));
         }
 #endif
-        if constexpr (ATTN_STAGE_V) {  // this chunk's V: each thread copies the pieces it reads in P.V
-            for (int j = kl; j < n; j += ATT_KL) {
-                if (c0 + j == own) *reinterpret_cast<uint4*>(vs + (size_t)j * HEAD_DIM + dc * 8) =
-                                       *reinterpret_cast<const uint4*>(own_v + dc * 8);
-                else cp_async16(vs + (size_t)j * HEAD_DIM + dc * 8, vc + (size_t)(c0 + j) * HEAD_DIM + dc * 8);
-            }
+        // this chunk's V: each thread copies the pieces it reads in P.V
+        for (int j = kl; j < n; j += ATT_KL) {
+            if (c0 + j == own) *reinterpret_cast<uint4*>(vs + (size_t)j * HEAD_DIM + dc * 8) =
+                                   *reinterpret_cast<const uint4*>(own_v + dc * 8);
+            else cp_async16(vs + (size_t)j * HEAD_DIM + dc * 8, vc + (size_t)(c0 + j) * HEAD_DIM + dc * 8);
         }
         if constexpr (ATT_MMA) {  // scores on the tensor cores: key rows x the group's query heads
             const bf16* const kw[1] = {kc + (size_t)c0 * HEAD_DIM};
@@ -642,13 +641,11 @@ __device__ void op_attn_split(const Task& t, unsigned char* smem) {
 #pragma unroll
             for (int e = 0; e < 8; ++e) o[h][e] *= a;
         }
-        if constexpr (ATTN_STAGE_V) cp_async_wait_all();  // only this thread's own pieces: no barrier
+        cp_async_wait_all();  // only this thread's own pieces: no barrier
 #pragma unroll 8
         for (int j = kl; j < n; j += ATT_KL) {
             float vf[8];
-            unpack8(ATTN_STAGE_V     ? *reinterpret_cast<const uint4*>(vs + (size_t)j * HEAD_DIM + dc * 8)
-                    : c0 + j == own ? *reinterpret_cast<const uint4*>(own_v + dc * 8)
-                                     : ld_act16(vc + (size_t)(c0 + j) * HEAD_DIM + dc * 8), vf);
+            unpack8(*reinterpret_cast<const uint4*>(vs + (size_t)j * HEAD_DIM + dc * 8), vf);
 #pragma unroll
             for (int h = 0; h < GROUP; ++h) {
                 const float p = sc[h * ATT_CHUNK + j];
@@ -662,35 +659,20 @@ __device__ void op_attn_split(const Task& t, unsigned char* smem) {
     // reduce the key lanes (fixed order) and write the partials
     const int splits = t.dim(O::part_o, 3);
     float* po = t.ptr<float>(O::part_o) + (((size_t)b * kv_heads + g) * splits + sp) * GROUP * HEAD_DIM;
-    if constexpr (ATTN_STAGE_V) {  // every head at once, behind one barrier (the loop ended with one)
-        float* pr = reinterpret_cast<float*>(vs);  // [GROUP][ATT_KL][HEAD_DIM]
+    // every head at once, behind one barrier (the loop ended with one)
+    float* pr = reinterpret_cast<float*>(vs);  // [GROUP][ATT_KL][HEAD_DIM]
 #pragma unroll
-        for (int h = 0; h < GROUP; ++h) {
-            float4* r = reinterpret_cast<float4*>(pr + (h * ATT_KL + kl) * HEAD_DIM + dc * 8);
-            r[0] = make_float4(o[h][0], o[h][1], o[h][2], o[h][3]);
-            r[1] = make_float4(o[h][4], o[h][5], o[h][6], o[h][7]);
-        }
-        __syncthreads();
-        for (int i = tid; i < GROUP * HEAD_DIM; i += NUM_THREADS) {
-            const float* src = pr + (i / HEAD_DIM) * ATT_KL * HEAD_DIM + i % HEAD_DIM;
-            float acc = 0.f;
-            for (int k = 0; k < ATT_KL; ++k) acc += src[k * HEAD_DIM];
-            po[i] = acc;
-        }
-    } else {  // head by head through one lane buffer
-#pragma unroll
-        for (int h = 0; h < GROUP; ++h) {
-            float4* r = reinterpret_cast<float4*>(red + kl * HEAD_DIM + dc * 8);
-            r[0] = make_float4(o[h][0], o[h][1], o[h][2], o[h][3]);
-            r[1] = make_float4(o[h][4], o[h][5], o[h][6], o[h][7]);
-            __syncthreads();
-            for (int d = tid; d < HEAD_DIM; d += NUM_THREADS) {
-                float acc = 0.f;
-                for (int k = 0; k < ATT_KL; ++k) acc += red[k * HEAD_DIM + d];
-                po[h * HEAD_DIM + d] = acc;
-            }
-            __syncthreads();
-        }
+    for (int h = 0; h < GROUP; ++h) {
+        float4* r = reinterpret_cast<float4*>(pr + (h * ATT_KL + kl) * HEAD_DIM + dc * 8);
+        r[0] = make_float4(o[h][0], o[h][1], o[h][2], o[h][3]);
+        r[1] = make_float4(o[h][4], o[h][5], o[h][6], o[h][7]);
+    }
+    __syncthreads();
+    for (int i = tid; i < GROUP * HEAD_DIM; i += NUM_THREADS) {
+        const float* src = pr + (i / HEAD_DIM) * ATT_KL * HEAD_DIM + i % HEAD_DIM;
+        float acc = 0.f;
+        for (int k = 0; k < ATT_KL; ++k) acc += src[k * HEAD_DIM];
+        po[i] = acc;
     }
     if (tid < GROUP) {
         float* ml = t.ptr<float>(O::part_ml) + ((((size_t)b * kv_heads + g) * splits + sp) * GROUP + tid) * 2;

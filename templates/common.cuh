@@ -236,14 +236,13 @@ static_assert(sizeof(BufDesc) == 32, "BufDesc layout is shared with mkc/codegen/
 struct Task {
     const int* w;            // this task's record (shared-memory copy)
     const BufDesc* d;        // its operands' buffer descriptors by role (shared-memory copy; absent: zeros)
-    const BufDesc* bufs;     // the global buffer table (read where !DESC_WITH_RECORD)
     int qi;                  // the record's index in the queues (tasks of one SM are consecutive)
 
     __device__ __forceinline__ int op() const { return w[W_OP]; }
     __device__ __forceinline__ int arg(int i) const { return w[W_ARGS + i]; }
     __device__ __forceinline__ bool has(int operand) const { return w[W_OPERANDS + operand] >= 0; }
     __device__ __forceinline__ const BufDesc& buf(int operand) const {
-        return DESC_WITH_RECORD ? d[operand] : bufs[w[W_OPERANDS + operand]];
+        return d[operand];
     }
     template <class T>
     __device__ __forceinline__ T* ptr(int operand) const {

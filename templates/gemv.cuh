@@ -78,55 +78,30 @@ __device__ __forceinline__ void stage_x(bf16* xs, const bf16* x, int x_ld, int k
 
 // Stage the RMSNorm of the f32 residual stream x [BATCH, HIDDEN] with weight w, columns
 // [k0, k0 + k), as stage_x would stage the normed activations: xn = bf16(x * r * w) with
-// r = rsqrt(mean(x^2) + eps). Where the layer before left the stream as terms
-// (LowerOptions.residual_as_terms), x lacks `nterms` terms [nterms, BATCH, HIDDEN], added to it
-// in ascending order first. stage_norm_async copies the rows, the terms and the weight columns into
-// `scratch` (NORM_SCRATCH_BYTES of shared memory: x, the weight, then the terms) with cp.async.
-// Once every thread has waited for its own copies (StageFinish does), stage_norm_finish publishes
-// them with a barrier; then one warp per token sums the terms into x and the squares quad by quad
-// per lane and across the warp in a fixed order (every consumer of a norm stages the same values)
-// and scales its columns into xs (rows >= BATCH zero). A barrier must follow before xs is read.
+// r = rsqrt(mean(x^2) + eps). stage_norm_async copies the rows and the weight columns into
+// `scratch` (NORM_SCRATCH_BYTES of shared memory: x, then the weight) with cp.async. Once every
+// thread has waited for its own copies (StageFinish does), stage_norm_finish publishes them with a
+// barrier; then one warp per token sums the squares quad by quad per lane and across the warp in a
+// fixed order (every consumer of a norm stages the same values) and scales its columns into xs
+// (rows >= BATCH zero). A barrier must follow before xs is read.
 constexpr int NORM_QUADS = HIDDEN / 4;
-constexpr int NORM_TERMS_OFF = BATCH * HIDDEN * 4 + HIDDEN * 2;  // the terms' place in the scratch
-constexpr int NORM_SCRATCH_BYTES = NORM_TERMS_OFF + NORM_TERMS * BATCH * HIDDEN * 4;
+constexpr int NORM_SCRATCH_BYTES = BATCH * HIDDEN * 4 + HIDDEN * 2;
 static_assert(HIDDEN % 8 == 0, "RMSNorm staging copies 16-byte pieces of the weight");
 // The copies are spread over the CTA's threads from warp first_warp on (0: all of them).
-__device__ __forceinline__ void stage_norm_async(const float* x, const float* terms, int nterms, const bf16* w, int k0,
-                                                 int k, unsigned char* scratch, int first_warp = 0) {
+__device__ __forceinline__ void stage_norm_async(const float* x, const bf16* w, int k0, int k, unsigned char* scratch,
+                                                 int first_warp = 0) {
     float4* xq = reinterpret_cast<float4*>(scratch);                    // [BATCH][NORM_QUADS]
     bf16* ws = reinterpret_cast<bf16*>(scratch + BATCH * HIDDEN * 4);  // [HIDDEN], columns [k0, k0 + k)
     const int me = threadIdx.x - 32 * first_warp, lanes = NUM_THREADS - 32 * first_warp;
     for (int i = me; i < BATCH * NORM_QUADS; i += lanes) cp_async16(xq + i, reinterpret_cast<const float4*>(x) + i);
     for (int c = me; c < k / 8; c += lanes) cp_async16(ws + k0 + 8 * c, w + k0 + 8 * c);
-    if (NORM_TERMS > 0 && nterms > 0) {
-        float4* tq = reinterpret_cast<float4*>(scratch + NORM_TERMS_OFF);  // [nterms][BATCH][NORM_QUADS]
-        for (int i = me; i < nterms * BATCH * NORM_QUADS; i += lanes)
-            cp_async16(tq + i, reinterpret_cast<const float4*>(terms) + i);
-    }
-}
-
-// Quad c of token n's staged row xr, with its `nterms` terms (tq) added in ascending order and the
-// sum written back for the scaling that follows.
-__device__ __forceinline__ float4 norm_quad(float4* xr, const float4* tq, int n, int c, int nterms) {
-    float4 u = xr[c];
-    if (NORM_TERMS > 0 && nterms > 0) {  // x + term 0 + term 1 ...
-#pragma unroll 1
-        for (int i = 0; i < nterms; ++i) {
-            const float4 v = tq[((size_t)i * BATCH + n) * NORM_QUADS + c];
-            u.x += v.x, u.y += v.y, u.z += v.z, u.w += v.w;
-        }
-        xr[c] = u;
-    }
-    return u;
 }
 
 // With first_warp > 0 only warps first_warp.. take part (their copies: stage_norm_async's
 // first_warp), meeting at a barrier of their own (warps_barrier), one warp per token from there.
-__device__ __forceinline__ void stage_norm_finish(bf16* xs, int k0, int k, int nterms, unsigned char* scratch,
-                                                  int first_warp = 0) {
-    float4* xq = reinterpret_cast<float4*>(scratch);
+__device__ __forceinline__ void stage_norm_finish(bf16* xs, int k0, int k, unsigned char* scratch, int first_warp = 0) {
+    const float4* xq = reinterpret_cast<const float4*>(scratch);
     const uint2* wq = reinterpret_cast<const uint2*>(scratch + BATCH * HIDDEN * 4);
-    const float4* tq = reinterpret_cast<const float4*>(scratch + NORM_TERMS_OFF);
     warps_barrier(first_warp);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, ld = xs_ld(k), q0 = k0 / 4, nq = k / 4;
 #pragma unroll 1
@@ -136,14 +111,13 @@ __device__ __forceinline__ void stage_norm_finish(bf16* xs, int k0, int k, int n
             for (int c = lane; c < k / 8; c += 32) *reinterpret_cast<uint4*>(row + c * 8) = zero4();
             continue;
         }
-        float4* xr = xq + n * NORM_QUADS;
+        const float4* xr = xq + n * NORM_QUADS;
         float ss = 0.f;
 #pragma unroll 1
         for (int c = lane; c < NORM_QUADS; c += 32) {
-            const float4 u = norm_quad(xr, tq, n, c, nterms);
+            const float4 u = xr[c];
             ss += u.x * u.x + u.y * u.y + u.z * u.z + u.w * u.w;
         }
-        if (NORM_TERMS > 0 && nterms > 0) __syncwarp();  // the sums above, read by other lanes below
         const float r = rsqrtf(warp_sum(ss) / (float)HIDDEN + NORM_EPS);
 #pragma unroll 1
         for (int c = q0 + lane; c < q0 + nq; c += 32) {
@@ -158,13 +132,9 @@ __device__ __forceinline__ void stage_norm_finish(bf16* xs, int k0, int k, int n
 }
 
 // stage_x with cp.async (16-byte copies straight into the tile; rows >= nrows zeroed by stores):
-// completes at the issuing thread's cp.async wait, published by a barrier (CopyFinish in ops.cuh).
-// One warp per token row, its lanes over the row's pieces: a row's copies or zero stores are one
-// plain loop with no index arithmetic per piece. The flat walk over (row, piece) of every thread
-// (ChunkWalk, until 2026-12-06) kept an O-projection tile's thread 0 issuing for 1.6 µs at batch 1
-// (a phase profile: 0.9 µs this way; 0.73 → 0.42 µs at batch 4) and measured a tie to 1.1% slower
-// at batch 1-8 (an H100, BENCHMARKS.md). Before that, the walk divided per step: 2,900-3,000 more
-// SASS instructions at batch 1-8, 0.5-1.1% slower at batch 2-8.
+// completes at the issuing thread's cp.async wait, published by a barrier (WaitCopyFinish in
+// ops.cuh). One warp per token row, its lanes over the row's pieces: a row's copies or zero stores
+// are one plain loop with no index arithmetic per piece, so the copies are issued soon.
 __device__ __forceinline__ void stage_x_async(bf16* xs, const bf16* x, int x_ld, int k0, int k, int nrows = BATCH) {
     const int ld = xs_ld(k), chunks = k / 8, lane = threadIdx.x % 32;
 #pragma unroll 1

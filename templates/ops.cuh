@@ -5,10 +5,10 @@
 #pragma once
 
 // ---- prefetch before wait -----------------------------------------------------------------------
-// While warp 0 waits for a task's inputs, the other warps ask L2 for the start of the task's
-// immutable weights (at most PREFETCH_BYTES), so its stream starts as soon as the wait ends.
-// Expert tasks prefetch once they have read the routing (at most RUN_PREFETCH_BYTES); inside a
-// GEMV each warp keeps prefetching its own rows a few batches ahead (gemv.cuh).
+// While warp 0 waits for a task's inputs, the other warps ask L2 for the first row of the task's
+// immutable weights (a budget of 0 bytes: one row; larger budgets measured slower), so its stream
+// starts as soon as the wait ends. Expert tasks ask for their expert's first row once they have
+// read the routing.
 
 // rows x row_elems elements (row stride ld) from w, whole rows up to `budget` bytes, spread over
 // `lanes` threads of which this is `me`.
@@ -48,20 +48,11 @@ __device__ __forceinline__ unsigned char* gemv_scratch(unsigned char* smem) {
     return smem + GEMV_XS_BYTES + GEMV_RED_FLOATS * 4;
 }
 
-// Stage a GEMV's input columns [k0, k0 + k) in two halves around the issue of its first weight
-// loads (gemv_tile's `finish`): the bf16 activations x [BATCH, x_ld], or, when the task has a norm
-// operand, the RMSNorm of the f32 residual stream x and its terms (stage_norm_*).
-template <class O>
-__device__ __forceinline__ int norm_terms(const Task& t) {
-    return NORM_TERMS > 0 && t.has(O::terms) ? t.dim(O::terms, 3) : 0;
-}
-
 // REUSE_STAGED_NORM: which normed input xs holds, every column of it: the residual stream x and the
-// norm weight (without terms) that the task at queue index qi staged last; qi = -2: none. Set by
-// thread 0 after the staging barrier of a normed GEMV over every column; read by the next task of
-// the SM (ordered by the kernel loop's barriers). A task of any other kind leaves it, but its own
-// queue index breaks the chain: only the very next task may use it, and no normed GEMV writes xs
-// after its staging.
+// norm weight that the task at queue index qi staged last; qi = -2: none. Set by thread 0 after the
+// staging barrier of a normed GEMV over every column; read by the next task of the SM (ordered by
+// the kernel loop's barriers). A task of any other kind leaves it, but its own queue index breaks
+// the chain: only the very next task may use it, and no normed GEMV writes xs after its staging.
 struct StagedNorm {
     const float* x;
     const bf16* w;
@@ -73,17 +64,18 @@ __shared__ StagedNorm s_staged_norm;
 // thread until the task's staging barrier).
 template <class O>
 __device__ __forceinline__ bool norm_is_staged(const Task& t, int k0, int k) {
-    return REUSE_STAGED_NORM && k0 == 0 && k == HIDDEN && !(NORM_TERMS > 0 && t.has(O::terms)) &&
-           s_staged_norm.qi == t.qi - 1 && s_staged_norm.x == t.ptr<float>(O::x) &&
-           s_staged_norm.w == t.ptr<bf16>(O::norm);
+    return REUSE_STAGED_NORM && k0 == 0 && k == HIDDEN && s_staged_norm.qi == t.qi - 1 &&
+           s_staged_norm.x == t.ptr<float>(O::x) && s_staged_norm.w == t.ptr<bf16>(O::norm);
 }
 
+// Stage a GEMV's input columns [k0, k0 + k) in two halves around the issue of its first weight
+// loads (gemv_tile's `finish`): the bf16 activations x [BATCH, x_ld], or, when the task has a norm
+// operand, the RMSNorm of the f32 residual stream x (stage_norm_*).
 template <class O>
 __device__ __forceinline__ void stage_input_async(const Task& t, unsigned char* smem, int k0, int k) {
     if (t.has(O::norm)) {
         if (!norm_is_staged<O>(t, k0, k))
-            stage_norm_async(t.ptr<float>(O::x), t.ptr<float>(O::terms), norm_terms<O>(t), t.ptr<bf16>(O::norm), k0, k,
-                             gemv_scratch(smem));
+            stage_norm_async(t.ptr<float>(O::x), t.ptr<bf16>(O::norm), k0, k, gemv_scratch(smem));
     } else {
         stage_x_async(gemv_xs(smem), t.ptr<bf16>(O::x), t.dim(O::x, 1), k0, k);
     }
@@ -101,12 +93,11 @@ struct StageFinish {
     __device__ void landed() const {
         const bool normed = t.has(O::norm);
         const bool reused = normed && norm_is_staged<O>(t, k0, k);
-        if (normed && !reused) stage_norm_finish(gemv_xs(smem), k0, k, norm_terms<O>(t), gemv_scratch(smem));
+        if (normed && !reused) stage_norm_finish(gemv_xs(smem), k0, k, gemv_scratch(smem));
         prof_staged();
         cta_barrier();
         // every thread has checked norm_is_staged before the barrier; the next task reads this
-        if (REUSE_STAGED_NORM && threadIdx.x == 0 && normed && k0 == 0 && k == HIDDEN &&
-            !(NORM_TERMS > 0 && t.has(O::terms)))
+        if (REUSE_STAGED_NORM && threadIdx.x == 0 && normed && k0 == 0 && k == HIDDEN)
             s_staged_norm = {t.ptr<float>(O::x), t.ptr<bf16>(O::norm), t.qi};
     }
     __device__ void operator()() const {
@@ -183,8 +174,8 @@ __device__ __noinline__ void zero_rows(float* out, int ld, int rows) {
     for (int i = threadIdx.x; i < BATCH * rows; i += NUM_THREADS) out[(size_t)(i / rows) * ld + i % rows] = 0.f;
 }
 
-// WEIGHTS_BEFORE_WAIT: the end of staging for a tile that issued its first weight loads before
-// waiting for its inputs: the wait (every thread), then the activations' copies, then StageFinish.
+// The end of staging for a LINEAR tile, which issues its first weight loads before waiting for
+// its inputs: the wait (every thread), then the activations' copies, then StageFinish.
 // The wait comes first: warp 0 may still have the next task's record in flight (the kernel loop),
 // which its counter loads need not wait for. A profiled step of the phase-marking kernel
 // (PROFILE_PHASES) marks the staging's parts in the routing's slots, which a LINEAR tile does not
@@ -206,8 +197,7 @@ struct WaitStageFinish : StageFinish<O> {
     __device__ void landed() const { (*this)(); }
 };
 
-// DOWN_WEIGHTS_BEFORE_WAIT: the end of staging for an expert-down tile that issued its first weight
-// loads before its wait (from its record's wait `first` on: the routing's part may be behind it):
+// The end of staging for an expert-down tile, which issues its first weight loads before its wait (from its record's wait `first` on: the routing's part may be behind it):
 // the wait, then the hidden states' copies, then the barrier that publishes them.
 struct WaitCopyFinish {
     const Task& t;
@@ -222,17 +212,6 @@ struct WaitCopyFinish {
         cta_barrier();
     }
     __device__ void landed() const { (*this)(); }
-};
-
-struct CopyFinish {  // the end of a plain stage_x_async
-    __device__ void landed() const {
-        prof_staged();
-        cta_barrier();
-    }
-    __device__ void operator()() const {
-        cp_async_wait_all();
-        landed();
-    }
 };
 
 // Element offset of the tile starting at (row0, k0) of a weight with k columns: row-major, or in
@@ -625,13 +604,8 @@ __device__ void op_linear(const Task& t, unsigned char* smem) {
     using O = OPND_LINEAR;
     using A = ARG_LINEAR;
     const int k0 = t.arg(A::k0), k = t.arg(A::k);
-    if constexpr (WEIGHTS_BEFORE_WAIT) {  // the kernel loop has not waited: the first weights fly first
-        linear_gemv(t, smem, WaitStageFinish<O>{{t, smem, k0, k}});
-    } else {
-        stage_input_async<O>(t, smem, k0, k);
-        stage_residual_async<O>(t, smem);
-        linear_gemv(t, smem, StageFinish<O>{t, smem, k0, k});
-    }
+    // the kernel loop has not waited: the first weights fly first
+    linear_gemv(t, smem, WaitStageFinish<O>{{t, smem, k0, k}});
 }
 
 // The SwiGLU GEMVs' epilogue: out[tok * out_ld + r] = bf16(silu(gate) * up) for the rows r < rows
@@ -681,10 +655,9 @@ __device__ void op_swiglu(const Task& t, unsigned char* smem) {
 template <class O>
 __device__ __forceinline__ void stage_norm_beside_routing(const Task& t, unsigned char* smem, int k) {
     if (threadIdx.x < 32) return;
-    stage_norm_async(t.ptr<float>(O::x), t.ptr<float>(O::terms), norm_terms<O>(t), t.ptr<bf16>(O::norm), 0, k,
-                     gemv_scratch(smem), 1);
+    stage_norm_async(t.ptr<float>(O::x), t.ptr<bf16>(O::norm), 0, k, gemv_scratch(smem), 1);
     cp_async_wait_all();
-    stage_norm_finish(gemv_xs(smem), 0, k, norm_terms<O>(t), gemv_scratch(smem), 1);
+    stage_norm_finish(gemv_xs(smem), 0, k, gemv_scratch(smem), 1);
 }
 
 template <class O>
@@ -729,9 +702,9 @@ __device__ void op_expert_swiglu(const Task& t, unsigned char* smem) {
     const int e = rt.experts[slot];
     const bf16* we = t.ptr<bf16>(O::weight) + (size_t)e * inter2 * w_ld;
     const bf16* const w[2] = {we + (size_t)row0 * w_ld, we + (size_t)(inter2 / 2 + row0) * w_ld};
-    // the routed expert is known only now: ask L2 for the head of both row sets at once
-    prefetch_rows_all(w[0], rows, k, w_ld, RUN_PREFETCH_BYTES / 2);
-    prefetch_rows_all(w[1], rows, k, w_ld, RUN_PREFETCH_BYTES / 2);
+    // the routed expert is known only now: ask L2 for the first row of both row sets at once
+    prefetch_rows_all(w[0], rows, k, w_ld, 0);
+    prefetch_rows_all(w[1], rows, k, w_ld, 0);
     bf16* xs = gemv_xs(smem);
     const int out_ld = t.dim(O::out, 1);
     bf16* out = t.ptr<bf16>(O::out) + (size_t)slot * t.dim(O::out, 2) * out_ld + row0;
@@ -789,11 +762,10 @@ __device__ void op_expert_mlp(const Task& t, unsigned char* smem) {
 }
 
 // out[slot, b, row0 + i] = weight(b, e) * (h[slot, b] . Wd[e, row0 + i]), e = the expert of
-// routing slot `slot`; a no-op when slot >= count. With WEIGHTS_BEFORE_WAIT the task waits itself,
-// in two parts: first the routing (mkc/codegen/taskwords.py lists the router's counter first for
-// EXPERT_DOWN), which names the expert, so the tile issues its first weight batch
-// (DOWN_WEIGHTS_BEFORE_WAIT; else it asks L2 for RUN_PREFETCH_BYTES of them) before it waits for
-// the hidden states; a no-op slot waits for nothing more. Where this SM already holds the layer's
+// routing slot `slot`; a no-op when slot >= count. The task waits itself, in two parts: first the
+// routing (mkc/codegen/taskwords.py lists the router's counter first for EXPERT_DOWN), which names
+// the expert, so the tile issues its first weight batch before it waits for the hidden states; a
+// no-op slot waits for nothing more. Where this SM already holds the layer's
 // routing (routing_known) the tile skips the first part and waits for everything in one pass once
 // its weights are on the way.
 __device__ void op_expert_down(const Task& t, unsigned char* smem) {
@@ -804,12 +776,8 @@ __device__ void op_expert_down(const Task& t, unsigned char* smem) {
     bf16* xs = gemv_xs(smem);
     const bf16* h = t.ptr<bf16>(O::h) + (size_t)slot * tokens * k;
     const float* logits = t.ptr<float>(O::logits);
-    const bool routed = WEIGHTS_BEFORE_WAIT && routing_known(logits);
-    if constexpr (WEIGHTS_BEFORE_WAIT) {
-        if (!routed) task_wait(t.w, 0, 1);
-    } else {
-        stage_x_async(xs, h, k, 0, k);  // in flight while the routing is derived
-    }
+    const bool routed = routing_known(logits);
+    if (!routed) task_wait(t.w, 0, 1);
     const Routing& rt = route_tokens(logits);
     if (slot >= rt.count) {
         if (routed) task_wait(t.w, 0, 1);  // nothing to wait for, but the profile records the wait
@@ -832,17 +800,8 @@ __device__ void op_expert_down(const Task& t, unsigned char* smem) {
             out[(size_t)n * out_ld + r] = wt != 0.f ? wt * v : 0.f;
         });
     };
-    if constexpr (WEIGHTS_BEFORE_WAIT && DOWN_WEIGHTS_BEFORE_WAIT) {
-        // the first weight batch is issued by gemv_tile before the rest of the wait
-        gemv_tile<1>(w, w_ld, rows, k, xs, gemv_red(smem), epi, WaitCopyFinish{t, xs, h, k, routed ? 0 : 1});
-        return;
-    }
-    prefetch_rows_all(w[0], rows, k, w_ld, RUN_PREFETCH_BYTES);
-    if constexpr (WEIGHTS_BEFORE_WAIT) {
-        task_wait(t.w, routed ? 0 : 1);
-        stage_x_async(xs, h, k, 0, k);
-    }
-    gemv_tile<1>(w, w_ld, rows, k, xs, gemv_red(smem), epi, CopyFinish{});
+    // the first weight batch is issued by gemv_tile before the rest of the wait
+    gemv_tile<1>(w, w_ld, rows, k, xs, gemv_red(smem), epi, WaitCopyFinish{t, xs, h, k, routed ? 0 : 1});
 }
 
 // logits[b, row0 + i] = LOGIT_SCALE * x[b] . w[row0 + i]; best_*[b, tile] = its arg-max
@@ -1050,9 +1009,9 @@ __device__ void prefetch_weights(const Task& t) {
             const int ld = t.dim(O::weight, 1);
             const bf16* w = t.ptr<bf16>(O::weight) + weight_tile_offset(t.arg(A::row0), t.arg(A::k0), ld);
             if (WEIGHTS_TILED)  // a run of 16 * k elements per 16-row group, groups 16 * ld apart
-                prefetch_rows(w, (t.arg(A::rows) + 15) / 16, 16 * t.arg(A::k), 16 * ld, PREFETCH_BYTES);
+                prefetch_rows(w, (t.arg(A::rows) + 15) / 16, 16 * t.arg(A::k), 16 * ld, 0);
             else
-                prefetch_rows(w, t.arg(A::rows), t.arg(A::k), ld, PREFETCH_BYTES);
+                prefetch_rows(w, t.arg(A::rows), t.arg(A::k), ld, 0);
             break;
         }
         case OP_SWIGLU: {
@@ -1060,16 +1019,15 @@ __device__ void prefetch_weights(const Task& t) {
             using A = ARG_SWIGLU;
             const int ld = t.dim(O::weight, 1);
             const bf16* w = t.ptr<bf16>(O::weight);
-            prefetch_rows(w + (size_t)t.arg(A::row0) * ld, t.arg(A::rows), ld, ld, PREFETCH_BYTES / 2);
-            prefetch_rows(w + (size_t)t.arg(A::up_row0) * ld, t.arg(A::rows), ld, ld, PREFETCH_BYTES / 2);
+            prefetch_rows(w + (size_t)t.arg(A::row0) * ld, t.arg(A::rows), ld, ld, 0);
+            prefetch_rows(w + (size_t)t.arg(A::up_row0) * ld, t.arg(A::rows), ld, ld, 0);
             break;
         }
         case OP_LM_HEAD: {
             using O = OPND_LM_HEAD;
             using A = ARG_LM_HEAD;
             const int ld = t.dim(O::weight, 1);
-            prefetch_rows(t.ptr<bf16>(O::weight) + (size_t)t.arg(A::row0) * ld, t.arg(A::rows), ld, ld,
-                          PREFETCH_BYTES);
+            prefetch_rows(t.ptr<bf16>(O::weight) + (size_t)t.arg(A::row0) * ld, t.arg(A::rows), ld, ld, 0);
             break;
         }
         case OP_ATTN_SPLIT: {  // the split's K and V rows: written by earlier steps, and positions are inputs
@@ -1083,9 +1041,9 @@ __device__ void prefetch_weights(const Task& t) {
             if (ring)  // each warp's first blocks into its ring (attention.cuh)
                 attw_prologue(attw_ring_lane(gemv_dyn_smem), attn_rows(t), lo, hi);
             // the query's RoPE table, once the copies are on their way
-            if (ROPE_BEFORE_WAIT && t.has(O::qkv) && t.arg(A::rope)) rope_table(pos);
+            if (t.has(O::qkv) && t.arg(A::rope)) rope_table(pos);
             if (ring) break;
-            const int budget = ATTN_PREFETCH_BYTES / 2;  // per cache; 0: one row of each
+            const int budget = 0;  // per cache: one row of each (more measured slower)
 #if MKC_PAGED
             const KvRows krows = kv_rows<O>(t, O::k_cache, t.arg(A::seq), t.arg(A::kv_head));
             const KvRows vrows = kv_rows<O>(t, O::v_cache, t.arg(A::seq), t.arg(A::kv_head));

@@ -122,20 +122,15 @@ def test_nmc_kernel_compiles_without_local_memory(cache, batch):
 # The kernels benchmarks/kernel_variants.py measures against the default, by its names where it has
 # them: the batches CI compiles each at, and its CodegenOptions fields. To keep CI short, options
 # measured slower and kept off only as a record compile together where that fits the registers
-# (each alone compiled without spills on the device's runs). Not compiled here: the V-from-global
-# chunks and the CTA-chunk attention at batch 8 (their batch-1 kernels are).
+# (each alone compiled without spills on the device's runs). Not compiled here: the CTA-chunk
+# attention at batch 8 (its batch-1 kernel is).
 CODEGEN_VARIANTS: dict[str, tuple[tuple[int, ...], dict]] = {
     "attn-cta": ((1,), {"attn_warp_stages": 0}),  # attention splits in CTA-wide chunks
-    "attn-cta-v-global": ((1,), {"attn_warp_stages": 0, "attn_stage_v": False}),  # ... with V from global
     "attn-warps-3": ((1, 8), {"attn_warp_stages": 3}),  # warp splits with three ring stages
-    "desc-table": ((1,), {"descriptors": "table"}),  # descriptors read from the global table
     "profile-phases": ((1,), {"profile_phases": True}),  # the phase-marking profile kernel
     "counter-logits": ((1,), {"tagged_logits": "off"}),  # expert-up tiles wait for the router's counter
     "tagged-logits": ((8,), {"tagged_logits": "on"}),  # ... or read tagged logits (off by default at 8)
     "norm-reuse": ((1,), {"reuse_staged_norm": True}),  # a normed GEMV reuses the input staged before it
-    "down-l2-row": ((1,), {"down_weights_before_wait": False}),  # expert-down tiles ask L2 for a row first
-    # a warp split's query's RoPE after the wait
-    "rope-after-wait": ((1,), {"rope_before_wait": False}),
     # the routing's picks ranked at once, the input normalised after them (batch 1's default
     # normalises beside them); at batch 8 the ranks where the rounds are the default
     "rank-after": ((1, 8), {"routing_argmax": "rank", "norm_beside_routing": "off"}),
@@ -209,6 +204,33 @@ def test_residual_in_o_proj_kernel_compiles_without_local_memory(cache):
     # without tiles that end a layer "auto" keeps the call (the kernel's code as before)
     spec8, plain = _nmc_schedule(8)
     assert not kernel_config(plain, spec8).residual_epilogue_inline
+
+
+def test_fused_experts_kernel_compiles_without_local_memory(cache):
+    """North Mini Code at batch 1 with fused expert tiles (LowerOptions.fused_experts, off: measured
+    slower): the kernel compiles the fused op for the tiles' one size (FUSED_DOWN_BLOCKS = rows / 64:
+    1 at batch 1, 64-row tiles) without spills or local memory, the O-projection stages every
+    part of every slot, and the routing's first wait is the router tiles' (tagged at batch 1). A
+    kernel without fused tiles compiles the op to nothing."""
+    spec = load_spec(NMC)
+    for batch, blocks in ((1, 1),):  # batch 8 (6 blocks, 384-row tiles) compiled on the device's runs
+        sc = schedule(lower(spec, batch, 8192, 132, attention_sms=32, residual_in_o_proj=True, fused_experts=True),
+                      spec.name)
+        fused = [t for t in sc.tasks if t.op == Opcode.EXPERT_MLP]
+        cfg = kernel_config(sc, spec)
+        assert cfg.fused_down_blocks == blocks and {t.arg("rows") for t in fused} == {64 * blocks}
+        parts = spec.moe.intermediate // (64 * blocks)
+        assert sc.buffers["L1.moe_out"].shape == (min(128, 8 * batch) * parts, batch, spec.hidden_size)
+        art = build_kernel(sc, spec, cache_dir=cache)
+        assert art.spills == 0, f"ptxas reports {art.spills} bytes of spills\n{art.log}"
+        assert not local_memory_ops(disassemble(art.cubin))
+        assert instructions_by_op(art.cubin, art.cu_source).get("EXPERT_MLP", 0) > 500
+        words = encode(sc)
+        t = fused[0]
+        rec = next(r for r in words.records if r[W_ID] == t.id)
+        assert all(routing_edge(sc.tasks[p], t) for p in sc.counters[words.waits[rec[W_WAIT_OFF]][0]].producers)
+    spec1, plain = _nmc_schedule(1)
+    assert kernel_config(plain, spec1).fused_down_blocks == 0
 
 
 def test_a_residual_tile_off_the_copy_grain_is_refused(tiny):
@@ -376,13 +398,8 @@ def test_resources_parsed_from_ptxas_log():
 def test_codegen_rejects_shapes_it_cannot_take(tiny):
     import dataclasses
 
-    from mkc.codegen import CodegenOptions
 
     spec, sc = tiny
-    with pytest.raises(CodegenError, match="threads"):
-        kernel_config(sc, spec, CodegenOptions(threads=100))
-    with pytest.raises(CodegenError, match="threads = 128: expected 256"):  # wrong logits on an H200
-        kernel_config(sc, spec, CodegenOptions(threads=128))
     wide = dataclasses.replace(spec, attention=dataclasses.replace(spec.attention, num_heads=64, num_kv_heads=2))
     with pytest.raises(CodegenError, match="query heads per KV head"):
         kernel_config(sc, wide)
@@ -563,14 +580,6 @@ def test_a_routing_counter_shared_with_other_producers_is_refused(tiny):
                 else c for c in sc.counters]
     with pytest.raises(EncodeError, match=f"counter {router.id} is also signalled by"):
         encode(dataclasses.replace(sc, signals=signals, counters=counters))
-
-
-def test_descriptors_option_is_checked(tiny):
-    spec, sc = tiny
-    with pytest.raises(CodegenError, match="descriptors = 'shared'"):
-        kernel_config(sc, spec, CodegenOptions(descriptors="shared"))
-    assert kernel_config(sc, spec).descriptors_with_record
-    assert not kernel_config(sc, spec, CodegenOptions(descriptors="table")).descriptors_with_record
 
 
 @pytest.mark.parametrize("batch", [1, 8])

@@ -194,6 +194,41 @@ def _matches_reference(sc, spec, w, batch: int, seed: int, what: str, steps: int
 
 
 @pytest.mark.parametrize("batch", [1, 3])
+def test_fused_experts_match_reference(batch):
+    """LowerOptions.fused_experts: each EXPERT_MLP tile computes its expert's intermediate rows and
+    their split-K share of the down projection, and the O-projection tiles sum the parts. The same
+    logits as the dense reference in random interleavings, with an expert intermediate of 256 cut
+    into 2 parts per slot at batch 1 (one at batch 3, 12 slots); at batch 3 some slots are dead in some step and their parts (zeros) are
+    summed too."""
+    spec = load_spec(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
+    spec = dataclasses.replace(spec, moe=dataclasses.replace(spec.moe, intermediate=256))
+    w = random_weights(spec, seed=11, dtype=torch.float32, std=0.1)
+    sc = schedule(lower(spec, batch, 64, 8, residual_in_o_proj=True, fused_experts=True), spec.name)
+    fused = [t for t in sc.tasks if t.op == Opcode.EXPERT_MLP]
+    slots = min(spec.moe.num_experts, batch * spec.moe.top_k)
+    assert fused and not any(t.op in (Opcode.EXPERT_SWIGLU, Opcode.EXPERT_DOWN) for t in sc.tasks)
+    (rows,) = {t.arg("rows") for t in fused}
+    assert sc.buffers["L1.moe_out"].shape == (slots * 256 // rows, batch, 128)
+    assert rows == (128 if batch == 1 else 256)  # batch 1: two parts per slot
+    _matches_reference(sc, spec, w, batch, 20 + batch, "fused experts")
+
+
+def test_fused_experts_need_the_o_projection_to_end_the_layer():
+    """The fused tiles' partials are summed only by O-projection tiles that end the layer: asked
+    without residual_in_o_proj, or for a sequential block, or for an intermediate off the 64-wide
+    blocks, lowering says so."""
+    root = Path(__file__).resolve().parents[1] / "configs"
+    tiny = load_spec(root / "tiny.yaml")
+    with pytest.raises(SpecError, match="fused_experts.*residual_in_o_proj"):
+        lower(tiny, 1, 64, 8, fused_experts=True)
+    with pytest.raises(SpecError, match="fused_experts.*sequential block"):
+        lower(load_spec(root / "qwen3_moe_tiny.yaml"), 1, 64, 8, residual_in_o_proj=True, fused_experts=True)
+    odd = dataclasses.replace(tiny, moe=dataclasses.replace(tiny.moe, intermediate=96))
+    with pytest.raises(SpecError, match="intermediate size 96.*multiple of 64"):
+        lower(odd, 1, 64, 8, residual_in_o_proj=True, fused_experts=True)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
 def test_expert_tiles_of_two_sizes_match_reference(batch):
     """LowerOptions.expert_up_rows: each slot's expert gate/up tiles of two sizes (an intermediate of
     256 as 80 + 80 + 48 + 48 rows). The same logits as the dense reference in random interleavings,
@@ -213,13 +248,15 @@ def test_expert_tiles_of_two_sizes_match_reference(batch):
 
 def test_expert_up_rows_are_checked():
     """Tile rows that are not multiples of 16, that do not add up to the expert's intermediate size,
-    or for a model without experts: lowering says what it expected."""
+    that come with fused expert tiles, or for a model without experts: lowering says what it expected."""
     root = Path(__file__).resolve().parents[1] / "configs"
     tiny = load_spec(root / "tiny.yaml")  # expert intermediate 64
     with pytest.raises(SpecError, match="expert_up_rows = \\(40, 24\\): expected positive multiples of 16"):
         lower(tiny, 1, 64, 8, expert_up_rows=(40, 24))
     with pytest.raises(SpecError, match="add up to 80 rows: expected the expert intermediate size, 64"):
         lower(tiny, 1, 64, 8, expert_up_rows=(48, 32))
+    with pytest.raises(SpecError, match="expert_up_rows with fused_experts"):
+        lower(tiny, 1, 64, 8, residual_in_o_proj=True, fused_experts=True, expert_up_rows=(32, 32))
     with pytest.raises(SpecError, match="has no routed experts"):
         lower(load_spec(root / "llama_tiny.yaml"), 1, 64, 8, expert_up_rows=(32, 32))
 

@@ -218,7 +218,7 @@ def test_an_entrys_expert_down_rows_are_planned_unless_asked_otherwise(tiny, tun
 
 def test_an_entrys_expert_up_rows_are_planned_unless_asked_otherwise(tiny, tuning_file):
     """An entry that names each slot's expert gate/up tile rows lowers with them and says who chose
-    them; an explicit choice wins, and rows that are no multiples of 16 or
+    them; an explicit choice (or fused expert tiles) wins, and rows that are no multiples of 16 or
     do not add up to the expert intermediate size are ignored (the rule)."""
     from mkc.schedule.visualize import format_summary, summary
 
@@ -237,6 +237,8 @@ def test_an_entrys_expert_up_rows_are_planned_unless_asked_otherwise(tiny, tunin
     assert (f"each slot's rows in {len(rows)} tiles of 16; measured fastest by schedule_variants.py, a test"
             in format_summary(summary(sc, tiny)))
     assert up_rows(plan(tiny, 2, 40, 16, expert_up_rows=())) == rule
+    fused = plan(tiny, 2, 40, 16, residual_in_o_proj=True, fused_experts=True)
+    assert fused.meta["expert_up_rows"] == () and "expert_up_rows" not in fused.meta["attention_sms"]
     for bad in ([24] * 2 + [16] * ((inter - 48) // 16), [16] * (inter // 16 + 1), "16x4", [True] * 4):
         tuning.record(key, {**entry(4), "expert_up_rows": bad})
         assert up_rows(plan(tiny, 2, 40, 16)) == rule, bad
@@ -328,8 +330,8 @@ def test_tune_times_every_candidate_and_records_the_fastest(tiny, tuning_file, t
     rec = json.loads(tuning_file.read_text())[tuning.tuning_key(tiny, 2, 40, 16)]
     assert rec["attention_sms"] == 4 and rec["gpu"] == "NVIDIA H200" and rec["reps"] == 3
     # what the counts were timed with
-    assert rec["lowering"] == {"rope_in_splits": True, "residual_in_o_proj": False, "global_attention_sms": 0,
-                               "expert_up_rows": [], "expert_down_rows": 0}
+    assert rec["lowering"] == {"rope_in_splits": True, "residual_in_o_proj": False, "fused_experts": False,
+                               "global_attention_sms": 0, "expert_up_rows": [], "expert_down_rows": 0}
     assert set(rec["measured_us"]) == {str(a) for a in candidates}
     assert any("fastest with 4 attention SMs" in ln for ln in logs)
     t4 = rec["measured_us"]["4"]

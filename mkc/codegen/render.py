@@ -64,12 +64,11 @@ class CodegenError(ValueError):
     """The schedule or spec cannot be compiled; the message names the task or key and the limit."""
 
 
-VERIFIED_THREADS = 256  # CodegenOptions.threads: the CTA size the GPU tests run
+THREADS = 256  # threads per CTA (8 warps): the one size the kernel is verified at on a GPU
 
 
 @dataclass(frozen=True, slots=True)
 class CodegenOptions:
-    threads: int = VERIFIED_THREADS  # threads per CTA (8 warps); kernel_config rejects other counts
     gemv_unroll: int = 8  # 64-wide k blocks in flight per warp (halved for two row sets)
     # An expert gate/up tile's input normalised by warps 1.. while warp 0 reads the router logits and
     # picks the experts (ops.cuh: stage_norm_beside_routing), instead of after the routing. At batch 1
@@ -81,44 +80,12 @@ class CodegenOptions:
     # batch 4 1.3% and batch 8 2-3% slower; alone a tie at 1, 4 and 8.
     norm_beside_routing: str = "auto"
     spin_limit: int = 1 << 26  # polls of one counter wait before the device watchdog fires
-    # Weights a task asks L2 for while it waits (0: one row). Measured on an H200 with tile-ordered
-    # weights (kernel_variants.py, 2026-11-30): 128 KB was 1.0-1.6% slower than 0 at batch 1, 0.6%
-    # at batch 4, 1.7% at batch 8; 256 KB slower still.
-    prefetch_bytes: int = 0
-    # Measured on an H200 (benchmarks/kernel_variants.py, 2026-11-29): a bulk L2 prefetch of routed
-    # experts and a shared-memory copy of the operand descriptors each made the step slower, as
-    # per-line L2 prefetches in the GEMV loop did (batch 1: 3.71 ms without them, 4.90 ms with; the
-    # per-line prefetches were removed on 2026-12-05).
-    run_prefetch_bytes: int = 0  # expert weights asked L2 for once the routing is read (0: one row)
-    # Where a task finds its operands' descriptors (pointer, shape): "record" copies them into
-    # shared memory with its record, a task ahead (the runtime's per-record copy of the buffer
-    # table: taskwords.record_descriptors), so no task reads the table after its wait; "table"
-    # reads the global buffer table. "record" measured 2.2-3.6% faster at batch 1 and 1.4-2.4% at
-    # batch 2 and 4 on an H200 (kernel_variants.py, 2026-11-30 12:10 and 12:13 UTC; BENCHMARKS.md),
-    # bitwise the same logits. (Copying them while the kernel loop waits, measured slower on
-    # 2026-11-29, was removed: the tasks that wait inside their op skip that loop.)
-    descriptors: str = "record"
     # How GEMV weights are stored: "rows" (the checkpoint's row-major layout), "tiles" (tile order,
     # mkc/codegen/weight_tiles.py: every load of a warp reads 512 contiguous bytes; the runtime
     # reorders the weights once, at load; an error where the shapes do not allow it) or "auto"
     # (tiles where the shapes allow, else rows). Tiles measured 4% faster at batch 1 and 2% at
     # batch 8 on an H200 (BENCHMARKS.md), bitwise the same results.
     weight_layout: str = "auto"
-    # Attention splits copy each chunk's V rows into shared memory (cp.async, every thread the
-    # pieces it later reads) before the chunk's Q.K, so the P.V phase finds them there, and reduce
-    # the key lanes of every head behind one barrier; False: P.V loads V from global memory after
-    # the softmax, and the lanes are reduced head by head. The same arithmetic in the same order:
-    # bitwise the same logits on an H200 (kernel_variants.py, 2026-11-30 01:58 UTC), batch 1 3241
-    # µs against 3268 (-0.8%), batch 8 11225 against 11225.
-    attn_stage_v: bool = True
-    # K and V bytes an attention split asks L2 for while it waits for its query (0: one row of
-    # each). The KV cache rows before this step's position are written by earlier steps, so they
-    # could stream in while the QKV projection runs. Measured on an H200 (kernel_variants.py,
-    # 2026-11-30, bitwise the same logits): 03:34 UTC, splits reading a rotated q: batch 1 3237 µs
-    # (0) / 3184 (128 KB) / 3155 (512 KB) / 3217 (all), batch 8 10958 / 11250 / 11339 / 11799;
-    # 03:45 UTC, splits rotating their own q: batch 1 3356 / 3355 / 3372, batch 8 11647 / 11878 /
-    # 12076. Slower at batch 8 (L2 thrash beside the expert stream), no steady gain at 1: off.
-    attn_prefetch_bytes: int = 0
     # Attention splits where each warp runs its own online softmax over 16-key blocks (both products
     # on the tensor cores, P rounded to bf16), streamed through a per-warp cp.async ring of this many
     # blocks (8 KB each at head_dim 128), the first issued while the split waits; the warps merge at
@@ -132,27 +99,6 @@ class CodegenOptions:
     # 2026-12-06: +1.0% at batch 1, +3.9% at batch 4; in the 196 KB one, L1 60 KB, a tie), so the
     # third stage's own effect is a tie (BENCHMARKS.md).
     attn_warp_stages: int = 2
-    # Attention splits that rotate their own query compute its RoPE sines and cosines while they
-    # wait (warps 1.., one pair each, the same rope_sincos), so the query's staging after the wait
-    # only looks them up (a phase profile measured 3.8 µs from a split's inputs ready to its query
-    # staged, 2026-12-01). False: computed per element after the wait. Bitwise the same logits;
-    # measured on an H200 (kernel_variants.py, 2026-12-03 10:48-10:51 UTC, two rounds, µs on /
-    # off): batch 1 at 8K 2450.3 / 2497.9, 2424.9 / 2466.1 (-1.7%); at 32K 2810.8 / 2882.6,
-    # 2830.2 / 2820.7 (-1.1%); at 128K 3624.5 / 3690.1, 3630.5 / 3681.4 (-1.6%); batch 4 at 8K
-    # 5319.2 / 5281.1, 5281.2 / 5278.9 (a tie).
-    rope_before_wait: bool = True
-    # LINEAR tiles (QKV, O-projection, router, dense MLP: weights that do not depend on the step)
-    # issue their first weight batch into registers before waiting for their inputs, then stage
-    # the activations; expert-down tiles wait for the routing first, read which expert they
-    # stream, ask L2 for its first RUN_PREFETCH_BYTES (one row at 0), then wait for their hidden
-    # states. False: the kernel loop waits first (warps 1.. ask L2 for one row meanwhile).
-    # Measured on an H200 (kernel_variants.py, 2026-11-30 06:14 UTC, North Mini Code at 8K, logits
-    # bitwise equal to the default's), LINEAR tiles only: batch 1 3197 µs against 3195, batch 2
-    # 4072 / 4159, batch 4 6186 / 6259, batch 8 9566 / 9859. With the expert-down tiles too (06:43
-    # UTC, against False in the same run): batch 1 3092 / 3115, batch 2 3979 / 4082, batch 4 6179 /
-    # 6244, batch 8 9533 / 9610. RUN_PREFETCH_BYTES = 64 KB there: 0.6-1.6% faster at batch 1-4,
-    # 2.0% slower at batch 8 (one row stays).
-    weights_before_wait: bool = True
     # How the routing's top-k picks each token's best remaining expert, TOP_K times per token:
     # "redux" (two warp reductions, redux.sync: the largest value as an order-preserving integer,
     # then the lowest expert index holding it). "rank" has no rounds: every (token, expert) pair is one thread that
@@ -165,15 +111,6 @@ class CodegenOptions:
     # faster at batch 1-4 than a shuffle arg-max with thread 0 signalling (H200, 2026-11-30 14:26
     # UTC, BENCHMARKS.md; both removed on 2026-12-05).
     routing_argmax: str = "auto"
-    # With weights_before_wait, expert-down tiles issue their first weight batch into registers
-    # (the expert is known once the routing is) before waiting for their hidden states, as LINEAR
-    # tiles do, instead of asking L2 for one row: the weights' round trip overlaps the wait and the
-    # hidden states' copy. Measured on an H200 (kernel_variants.py, 2026-11-30 17:35 UTC, three
-    # rounds, logits bitwise equal, µs against the L2 row): batch 1 2615 / 2616 / 2612 against
-    # 2667 / 2658 / 2661 (-1.8%), batch 2 3571 / 3590 / 3576 against 3628 / 3652 / 3669 (-1.9%),
-    # batch 4 5868 / 5812 / 5830 against 5988 / 5815 / 5747, batch 8 8979 / 9008 / 8818 against
-    # 8861 / 9033 / 8983 (both within the noise).
-    down_weights_before_wait: bool = True
     # A profiled step (CudaDecoder.launch(profile=True)) also records, per task, when its inputs
     # were staged (GEMV tiles: after the activations' copies and the RMSNorm, before the barrier that
     # publishes them; warp attention splits: their query heads, after that barrier) and when its op
@@ -206,16 +143,6 @@ class CodegenOptions:
     # (kernel_variants.py, 18:05 UTC, three rounds, batch 1, logits bitwise equal): inline 2402.8 /
     # 2404.6 / 2401.1 µs against call 2447.5 / 2446.5 / 2464.3 (-2.0%).
     residual_epilogue: str = "auto"
-    # A GEMV tile whose normed input (the RMSNorm of the same residual stream with the same weight,
-    # every column) the task just before it on its SM staged finds it still in shared memory and
-    # skips its own staging: at batch 1 an expert-up tile after a QKV or router tile of its layer
-    # (a parallel block normalises once per layer; 52 of the 96 per layer) stages nothing, where a
-    # phase profile measured 2.5 µs from its routing to its input staged. Bitwise the same logits,
-    # but slower on an H200 (kernel_variants.py, 2026-12-02 03:35 UTC, three rounds, µs on / off):
-    # batch 1 2480.5 / 2469.3, 2509.2 / 2477.6, 2500.9 / 2441.4; batch 4 5450.6 / 5385.3, 5451.0 /
-    # 5372.3, 5475.3 / 5391.0. The expert tiles' streams start 1.6 µs sooner and take the bandwidth
-    # of the attention splits beside them (split op 13.6 → 14.5 µs; BENCHMARKS.md). Off.
-    reuse_staged_norm: bool = False
     # L2 warm-up: "TARGET:CARRIER" rules, comma-separated ("off": none; taskwords.L2_WARM_TARGETS).
     # While a carrier task (an attention split, expert gate/up tile or combine of layer L) waits for
     # its inputs, its warps 1.. ask L2 for one share of a target's weights (layer L's O-projection,
@@ -235,6 +162,11 @@ class CodegenOptions:
     # (+1.5% to +3%: off there).
     l2_warm: str = "auto"
     weights_evict_first: str = "auto"
+    # A normed GEMV tile skips its staging where the task before it on its SM staged the same input
+    # (the same residual stream and norm weight, every column). Bitwise the same logits, measured
+    # slower on an H200 (docs/decisions.md), so off; the branch stays because taking it out changed
+    # the shipped kernels' SASS.
+    reuse_staged_norm: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,30 +193,19 @@ class KernelConfig:
     num_experts: int
     moe_slots: int
     spin_limit: int
-    prefetch_bytes: int
-    run_prefetch_bytes: int
-    descriptors_with_record: bool  # CodegenOptions.descriptors == "record"
     weights_tiled: bool  # GEMV weights in tile order (CodegenOptions.weight_layout, resolved)
-    attn_stage_v: bool
-    attn_prefetch_bytes: int
     attn_warp_request: int  # CodegenOptions.attn_warp_stages (the fitted count: attn_warp_stages)
-    weights_before_wait: bool
     routing_rank: bool  # CodegenOptions.routing_argmax, resolved, == "rank"
     norm_beside_routing: bool  # CodegenOptions.norm_beside_routing, resolved
-    down_weights_before_wait: bool
     profile_phases: bool
     tagged_logits: bool  # CodegenOptions.tagged_logits, resolved
     # the residual terms of the largest LINEAR tile that ends a layer (ops.cuh: stage_residual_async),
     # staged in the RMSNorm's scratch; 0 without such tiles
     residual_stage_bytes: int = 0
     residual_epilogue_inline: bool = False  # CodegenOptions.residual_epilogue, resolved
-    reuse_staged_norm: bool = False
-    rope_before_wait: bool = True  # CodegenOptions.rope_before_wait
     # rows / 64 of the fused expert tiles (EXPERT_MLP, all of one size); 0: the schedule has none
     fused_down_blocks: int = 0
-    # the most terms a normed input adds to its residual stream (LowerOptions.residual_as_terms; gemv.cuh:
-    # stage_norm_async stages them all in the RMSNorm's scratch); 0 without such inputs
-    norm_terms: int = 0
+    reuse_staged_norm: bool = False  # CodegenOptions.reuse_staged_norm
     l2_warm: str = "off"  # CodegenOptions.l2_warm, resolved: the rules the runtime encodes (taskwords.encode)
     weights_evict_first: bool = False  # CodegenOptions.weights_evict_first, resolved
 
@@ -302,7 +223,7 @@ class KernelConfig:
         staging's scratch (gemv.cuh: NORM_SCRATCH_BYTES)."""
         f = 4
         red = self.warps * 2 * 4 * 32 * f  # gemv.cuh: GEMV_RED_FLOATS
-        scratch = max((1 + self.norm_terms) * self.batch * self.hidden * f + self.hidden * 2, self.residual_stage_bytes)
+        scratch = max(self.batch * self.hidden * f + self.hidden * 2, self.residual_stage_bytes)
         gemv = self.gemv_xs_bytes + red + scratch
         return _round(gemv, 128)
 
@@ -339,8 +260,8 @@ class KernelConfig:
         red = max(kl * self.head_dim, ((self.group + 2) * self.head_dim * 2 + (self.group + 1) * f + 3) // f)
         attn = qx + (self.warps * 4 * 32 + self.group * self.head_dim + self.group * self.threads
                      + red + 3 * self.group) * f
-        if self.attn_stage_v:  # attention.cuh: V chunk (then every head's key-lane partials), 16-aligned
-            attn = _round(attn, 16) + max(self.threads * self.head_dim * 2, self.group * kl * self.head_dim * f)
+        # attention.cuh: V chunk (then every head's key-lane partials), 16-aligned
+        attn = _round(attn, 16) + max(self.threads * self.head_dim * 2, self.group * kl * self.head_dim * f)
         if self.attn_warp_stages:  # attention.cuh: qx, the own rows, then a ring per warp
             attn = max(attn, self.attn_ring_offset + self.warps * self.attn_warp_stages * self.attn_stage_bytes)
         # weights, then partial sums
@@ -407,17 +328,11 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
     """Derive and check the kernel constants (raises CodegenError naming what does not fit)."""
     options = options or CodegenOptions()
     a = spec.attention
-    if options.threads != VERIFIED_THREADS:
-        # the templates take NUM_THREADS as a parameter, but only 256 has run on a GPU: 128 threads
-        # (one or two CTAs per SM) computed wrong logits for North Mini Code on an H200 (BENCHMARKS.md,
-        # 2026-12-02), so another count must pass the GPU tests before it is accepted
-        raise CodegenError(f"threads = {options.threads}: expected {VERIFIED_THREADS} threads per CTA, the only count "
-                           f"the kernel is verified at on a GPU")
     if not 1 <= schedule.batch <= 8:
         raise CodegenError(f"batch = {schedule.batch}: the GEMV tiles hold 1 to 8 tokens")
-    if a.head_dim % 8 or options.threads % (a.head_dim // 8):
+    if a.head_dim % 8 or THREADS % (a.head_dim // 8):
         raise CodegenError(f"'attention.head_dim' = {a.head_dim}: expected a multiple of 8 dividing "
-                           f"{options.threads} threads into 16-byte lanes")
+                           f"{THREADS} threads into 16-byte lanes")
     group = a.num_heads // a.num_kv_heads
     if group > 8:
         raise CodegenError(f"{group} query heads per KV head: the attention tile holds at most 8")
@@ -425,13 +340,10 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         raise CodegenError(f"'hidden_size' = {spec.hidden_size}: expected a multiple of 8 (16-byte rows)")
     moe = spec.moe
     top_k = moe.top_k if moe else 1
-    if schedule.batch * top_k > options.threads:
-        raise CodegenError(f"batch x top_k = {schedule.batch * top_k}: expected at most {options.threads}")
+    if schedule.batch * top_k > THREADS:
+        raise CodegenError(f"batch x top_k = {schedule.batch * top_k}: expected at most {THREADS}")
     if options.weight_layout not in ("auto", "rows", "tiles"):
         raise CodegenError(f"weight_layout = {options.weight_layout!r}: expected 'auto', 'rows' or 'tiles'")
-    if options.descriptors not in ("record", "table"):
-        raise CodegenError(f"descriptors = {options.descriptors!r}: expected 'record' (copied with each task's "
-                           f"record) or 'table' (read from the global buffer table)")
     _check_choice("routing_argmax", options.routing_argmax, ROUTING_ARGMAX)
     _check_choice("norm_beside_routing", options.norm_beside_routing, NORM_BESIDE_ROUTING)
     _check_choice("tagged_logits", options.tagged_logits, TAGGED_LOGITS)
@@ -457,7 +369,7 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
     if options.weight_layout == "tiles" and problem:
         raise CodegenError(problem)
     tiled = options.weight_layout != "rows" and problem is None
-    max_k, stage_bytes, norm_terms, max_splits = 64, 0, 0, schedule.num_sms
+    max_k, stage_bytes, max_splits = 64, 0, schedule.num_sms
     fused_rows = {t.arg("rows") for t in schedule.tasks if t.op == Opcode.EXPERT_MLP}
     if len(fused_rows) > 1:
         raise CodegenError(f"fused expert tiles of {sorted(fused_rows)} rows: the kernel compiles one size "
@@ -475,12 +387,6 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
                 raise CodegenError(f"task {t.id} ({t.name}): GEMV input {x} is {xb.dtype} {xb.shape}: expected "
                                    + ("the f32 residual stream [batch, hidden] (the task normalises it)" if normed
                                       else "bf16"))
-            if normed and t.operand("terms") != "-":
-                tb = schedule.buffers[t.operand("terms")]
-                if tb.dtype != "f32" or len(tb.shape) != 3 or tb.shape[1:] != (schedule.batch, spec.hidden_size):
-                    raise CodegenError(f"task {t.id} ({t.name}): residual terms {tb.name} are {tb.dtype} {tb.shape}: "
-                                       f"expected f32 [terms, {schedule.batch}, {spec.hidden_size}]")
-                norm_terms = max(norm_terms, tb.shape[0])
             max_k = max(max_k, k)
             if t.op == Opcode.LINEAR and t.operand("residual") != "-":
                 stage_bytes = max(stage_bytes, _residual_stage_bytes(schedule, t))
@@ -495,7 +401,7 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         elif t.op == Opcode.ATTN_COMBINE:
             max_splits = max(max_splits, t.arg("splits"))  # the combine's shared memory (KernelConfig.smem_bytes)
     cfg = KernelConfig(
-        threads=options.threads, batch=schedule.batch, hidden=spec.hidden_size, head_dim=a.head_dim,
+        threads=THREADS, batch=schedule.batch, hidden=spec.hidden_size, head_dim=a.head_dim,
         page_size=page_size_of(schedule.buffers), group=group, top_k=top_k,
         norm_eps=spec.norm_eps, rope_theta=a.rope_theta, rope_interleaved=a.rope_style == "interleaved",
         attn_scale=a.head_dim ** -0.5, logit_scale=spec.logit_scale,
@@ -503,20 +409,10 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         normalize_top_k=moe.normalize_top_k if moe else False, gemv_unroll=options.gemv_unroll,
         gemv_max_k=max_k, max_splits=max_splits, num_experts=moe.num_experts if moe else 1,
         moe_slots=moe.slots(schedule.batch) if moe else 1, spin_limit=options.spin_limit,
-        prefetch_bytes=options.prefetch_bytes, run_prefetch_bytes=options.run_prefetch_bytes,
-        descriptors_with_record=options.descriptors == "record",
-        weights_tiled=tiled,
-        attn_stage_v=options.attn_stage_v,
-        attn_prefetch_bytes=options.attn_prefetch_bytes, attn_warp_request=options.attn_warp_stages,
-        weights_before_wait=options.weights_before_wait, routing_rank=routing_argmax == "rank",
-        norm_beside_routing=norm_beside,
-        down_weights_before_wait=options.down_weights_before_wait,
-        profile_phases=options.profile_phases, tagged_logits=tagged_logits,
-        reuse_staged_norm=options.reuse_staged_norm,
-        rope_before_wait=options.rope_before_wait,
-        residual_stage_bytes=stage_bytes,
-        fused_down_blocks=next(iter(fused_rows), 0) // 64, norm_terms=norm_terms,
-        l2_warm=l2_warm, weights_evict_first=evict_first,
+        weights_tiled=tiled, attn_warp_request=options.attn_warp_stages, routing_rank=routing_argmax == "rank",
+        norm_beside_routing=norm_beside, profile_phases=options.profile_phases, tagged_logits=tagged_logits,
+        residual_stage_bytes=stage_bytes, reuse_staged_norm=options.reuse_staged_norm,
+        fused_down_blocks=next(iter(fused_rows), 0) // 64, l2_warm=l2_warm, weights_evict_first=evict_first,
         residual_epilogue_inline=options.residual_epilogue == "inline" or (options.residual_epilogue == "auto"
                                                                            and stage_bytes > 0))
     if cfg.smem_bytes > MAX_SMEM_BYTES:
@@ -561,24 +457,15 @@ def template_context(cfg: KernelConfig, banner: str) -> dict[str, Any]:
         "gemv_xs_bytes": cv.c_int(cfg.gemv_xs_bytes),
         "smem_bytes": cv.c_int(cfg.smem_bytes),
         "spin_limit": cv.c_uint(cfg.spin_limit),
-        "prefetch_bytes": cv.c_int(cfg.prefetch_bytes),
-        "run_prefetch_bytes": cv.c_int(cfg.run_prefetch_bytes),
-        "descriptors_with_record": cv.c_bool(cfg.descriptors_with_record),
         "weights_tiled": cv.c_bool(cfg.weights_tiled),
-        "attn_stage_v": cv.c_bool(cfg.attn_stage_v),
-        "attn_prefetch_bytes": cv.c_int(cfg.attn_prefetch_bytes),
         "attn_warp_stages": cv.c_int(cfg.attn_warp_stages),
-        "rope_before_wait": cv.c_bool(cfg.rope_before_wait),
-        "weights_before_wait": cv.c_bool(cfg.weights_before_wait),
         "routing_rank": cv.c_bool(cfg.routing_rank),
         "norm_beside_routing": cv.c_bool(cfg.norm_beside_routing),
-        "down_weights_before_wait": cv.c_bool(cfg.down_weights_before_wait),
         "profile_phases": cv.c_bool(cfg.profile_phases),
         "tagged_logits": cv.c_bool(cfg.tagged_logits),
         "residual_epilogue_inline": cv.c_int(int(cfg.residual_epilogue_inline)),  # a preprocessor 0 / 1
-        "fused_down_blocks": cv.c_int(cfg.fused_down_blocks),
-        "norm_terms": cv.c_int(cfg.norm_terms),
         "reuse_staged_norm": cv.c_bool(cfg.reuse_staged_norm),
+        "fused_down_blocks": cv.c_int(cfg.fused_down_blocks),
         "l2_warm": cv.c_bool(cfg.l2_warm != "off"),
         "weights_evict_first": cv.c_bool(cfg.weights_evict_first),
         "max_rank": cv.c_int(MAX_RANK),

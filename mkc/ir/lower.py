@@ -47,6 +47,13 @@ class LowerOptions:
     # its hand-off) follows them on the layer's chain. Its tiles wait for the whole attention and
     # the MLP. False: O-projection partials per KV group, then RESIDUAL tiles that sum them.
     residual_in_o_proj: bool = False
+    # each expert tile also multiplies its rows of the hidden state by its slice of the expert's
+    # down projection (EXPERT_MLP: split-K partials [slot * parts + part, B, hidden], summed by the
+    # O-projection tiles that end the layer), so no EXPERT_DOWN tile and no hand-off between the
+    # expert's two GEMVs sits on the layer's chain. Needs residual_in_o_proj and a parallel block.
+    # Measured slower (docs/decisions.md): off; it stays because the kernel loop's test for its
+    # opcode is part of the shipped kernels' SASS.
+    fused_experts: bool = False
     # rows of each expert gate/up tile of a routing slot, in order (multiples of 16 that add up to
     # the expert's intermediate size); (): the tiling rule's equal tiles. Tiles of two sizes are meant
     # to balance the SMs: the scheduler places the larger (costlier) tiles first, on the SMs free at
@@ -83,6 +90,12 @@ class LowerOptions:
         if self.page_size < 0 or self.page_size > self.context:
             raise SpecError(f"--page-size {self.page_size}: expected 0 (contiguous) or 1 to the context "
                             f"({self.context}) positions per KV page")
+        if self.fused_experts and not self.residual_in_o_proj:
+            raise SpecError("fused_experts: the expert tiles' split-K partials are summed by the O-projection tiles "
+                            "that end the layer: expected residual_in_o_proj as well")
+        if self.expert_up_rows and self.fused_experts:
+            raise SpecError("expert_up_rows with fused_experts: the fused tiles keep equal parts: expected one of "
+                            "the two")
         if any(r <= 0 or r % 16 for r in self.expert_up_rows):
             raise SpecError(f"expert_up_rows = {tuple(self.expert_up_rows)}: expected positive multiples of 16 (the "
                             f"GEMV's row group)")
@@ -127,6 +140,9 @@ def box(buf: Buffer, *ranges: tuple[int, int] | None) -> Region:
 
 class _Lowerer:
     def __init__(self, spec: ModelSpec, opt: LowerOptions):
+        if opt.fused_experts and spec.block != "parallel":
+            raise SpecError(f"fused_experts: {spec.name} has a sequential block, whose MLP output goes to "
+                            f"RESIDUAL tiles, not to the O-projection: expected fused_experts off")
         if opt.attention_sms and spec.block != "parallel":
             raise SpecError(f"--attention-sms {opt.attention_sms}: {spec.name} has a sequential block, whose "
                             f"attention and MLP do not run side by side: expected 0")
@@ -244,7 +260,8 @@ class _Lowerer:
         prog = Program(self.buffers, self.tasks, {"batch": B, "context": C, "num_sms": opt.num_sms,
                                                   "page_size": opt.page_size, "attention_sms": opt.attention_sms,
                                                   "rope_in_splits": opt.rope_in_splits,
-                                                  "residual_in_o_proj": opt.residual_in_o_proj})
+                                                  "residual_in_o_proj": opt.residual_in_o_proj,
+                                                  "fused_experts": opt.fused_experts})
         derive_edges(prog)
         return prog
 
@@ -429,6 +446,8 @@ class _Lowerer:
         wgu = self.buf(f"{P}.w_experts_gate_up", (E, 2 * I, H), "bf16", "weight",
                        "[experts, 2 * inter (gate; up), hidden]")
         wd = self.buf(f"{P}.w_experts_down", (E, H, I), "bf16", "weight", "[experts, hidden, inter]")
+        if opt.fused_experts:
+            return self.fused_experts(layer, n, rl, wgu, wd, slots), tslots
         h = self.buf(f"{P}.moe_h", (slots, B, I), "bf16", "act", "[slots, B, inter]")
         out = self.buf(f"{P}.moe_out", (slots, B, H), "f32", "act", "[slots, B, hidden] weighted expert outputs")
         up_tile = row_tile(I, 2 * H * 2, slots, self.mlp_sms(slots * I * 2 * H * 2))
@@ -461,6 +480,38 @@ class _Lowerer:
                           [box(out, (j, j + 1), None, (lo, hi))], flops=2 * B * (hi - lo) * I,
                           weight_bytes=(hi - lo) * I * 2)
         return out, tslots
+
+    def fused_experts(self, layer: int, n: Normed, rl: Buffer, wgu: Buffer, wd: Buffer, slots: int) -> Buffer:
+        """EXPERT_MLP tiles (LowerOptions.fused_experts): tile (slot j, rows [lo, hi)) of the expert's
+        intermediate rows computes them and their share of the down projection; returns the
+        partials [slots * parts, B, hidden] (part p of slot j at row j * parts + p). The rows per
+        tile are a multiple of 64, the GEMV's reduction block, since they are the down projection's
+        k."""
+        opt = self.opt
+        B, H, I = opt.batch, self.spec.hidden_size, self.spec.moe.intermediate
+        P = f"L{layer}"
+        if I % 64:
+            raise SpecError(f"fused_experts: the expert intermediate size {I} is the down projection's reduction, "
+                            f"which the GEMV reads in blocks of 64: expected a multiple of 64, or fused_experts off")
+        row_bytes = 3 * H * 2  # gate, up and down
+        tile = row_tile(I, row_bytes, slots, self.mlp_sms(slots * I * row_bytes))
+        tile = min(I, -(-tile // 64) * 64)
+        while I % tile:  # equal parts: every partial covers the same rows
+            tile += 64
+        parts = I // tile
+        out = self.buf(f"{P}.moe_out", (slots * parts, B, H), "f32", "act",
+                       "[slots * parts, B, hidden] weighted split-K partials of the expert outputs")
+        xin, xreads = gemv_input(n)
+        for j in range(slots):
+            for part, (lo, hi) in enumerate(tiles(I, tile)):
+                self.emit(Opcode.EXPERT_MLP, layer, f"{P}.expert_mlp[slot{j}][{lo}:{hi}]",
+                          {**xin, "weight": wgu, "down": wd, "logits": rl, "out": out},
+                          {"slot": j, "row0": lo, "rows": hi - lo, "part": part},
+                          [*xreads, full(rl), box(wgu, None, (lo, hi), None), box(wgu, None, (I + lo, I + hi), None),
+                           box(wd, None, None, (lo, hi))],
+                          [box(out, (j * parts + part, j * parts + part + 1), None, None)],
+                          flops=6 * B * (hi - lo) * H, weight_bytes=3 * (hi - lo) * H * 2)
+        return out
 
     def residual(self, layer: int, x: Buffer, o_part: Buffer | None, mlp: Buffer | None,
                  routed: Buffer | None, tslots: Buffer | None, out: Buffer, label: str) -> None:

@@ -31,9 +31,8 @@ class Opcode(IntEnum):
 
 # Recomputed by consumers where a task of their own would cost a hop on a layer's critical path
 # for a few KB of work:
-# - RMSNorm: a GEMV with a "norm" operand reads the f32 residual stream x (plus its "terms", where
-#   the layer before left it as terms) and stages xn = bf16(x * rsqrt(mean(x^2) + eps) * norm)
-#   itself (without one, x is its bf16 input);
+# - RMSNorm: a GEMV with a "norm" operand reads the f32 residual stream x and stages
+#   xn = bf16(x * rsqrt(mean(x^2) + eps) * norm) itself (without one, x is its bf16 input);
 # - routing: EXPERT_SWIGLU, EXPERT_MLP and EXPERT_DOWN read the router logits and derive their slot's expert
 #   (and weights) themselves, so neither waits for a routing task; the TOPK task writes the same
 #   routing (the same code, so bit for bit) as token slots for RESIDUAL, which starts tens of µs
@@ -53,12 +52,9 @@ OP_INFO: dict[Opcode, OpInfo] = {
     # output), then routed[j, b, col0 + i] for every routing slot j in ascending order (each expert
     # tile writes zeros for the tokens it did not serve, and a slot past the live count all zeros),
     # so no RESIDUAL task follows it; "-" where absent
-    # terms: with a norm operand, the residual stream's terms [n, B, hidden] that x lacks
-    # (LowerOptions.residual_as_terms: the layer before's MLP outputs), summed into x in ascending
-    # order before the RMSNorm; "-" where x is the whole residual stream (every op with a norm has it)
-    Opcode.LINEAR: OpInfo(("x", "norm", "weight", "out", "residual", "mlp", "routed", "terms"),
+    Opcode.LINEAR: OpInfo(("x", "norm", "weight", "out", "residual", "mlp", "routed"),
                           ("row0", "rows", "k0", "k", "col0", "slab")),
-    Opcode.SWIGLU: OpInfo(("x", "norm", "weight", "out", "terms"), ("row0", "rows", "up_row0", "col0")),
+    Opcode.SWIGLU: OpInfo(("x", "norm", "weight", "out"), ("row0", "rows", "up_row0", "col0")),
     # q_norm / k_norm: per-head RMSNorm weights [head_dim] of qk-norm models ("-" without qk-norm)
     # page_table: [B, pages per sequence] of a paged KV cache ("-" with one slab per sequence)
     # q: the rotated query heads, written for the splits; "-" where the splits rotate them
@@ -75,12 +71,12 @@ OP_INFO: dict[Opcode, OpInfo] = {
                                 ("kv_head", "head0", "heads", "splits", "split_keys", "window")),
     # selected: [B, top_k] each token's experts, best first (for the host)
     Opcode.TOPK: OpInfo(("logits", "token_slots", "selected"), ()),
-    Opcode.EXPERT_SWIGLU: OpInfo(("x", "norm", "weight", "logits", "out", "terms"), ("slot", "row0", "rows")),
+    Opcode.EXPERT_SWIGLU: OpInfo(("x", "norm", "weight", "logits", "out"), ("slot", "row0", "rows")),
     Opcode.EXPERT_DOWN: OpInfo(("h", "weight", "logits", "out"), ("slot", "row0", "rows")),
     # weight: [experts, 2 * inter, hidden] (gate; up), down: [experts, hidden, inter]; out: [slots *
     # parts, B, hidden], part = row0 / rows of the slot's tiles (LowerOptions.fused_experts)
-    Opcode.EXPERT_MLP: OpInfo(("x", "norm", "weight", "down", "logits", "out", "terms"), ("slot", "row0", "rows", "part")),
+    Opcode.EXPERT_MLP: OpInfo(("x", "norm", "weight", "down", "logits", "out"), ("slot", "row0", "rows", "part")),
     Opcode.RESIDUAL: OpInfo(("x", "o_part", "mlp", "routed", "token_slots", "out"), ("col0", "cols", "o_parts")),
-    Opcode.LM_HEAD: OpInfo(("x", "norm", "weight", "logits", "best_val", "best_idx", "terms"), ("row0", "rows", "tile")),
+    Opcode.LM_HEAD: OpInfo(("x", "norm", "weight", "logits", "best_val", "best_idx"), ("row0", "rows", "tile")),
     Opcode.ARGMAX: OpInfo(("best_val", "best_idx", "out"), ("tiles",)),
 }

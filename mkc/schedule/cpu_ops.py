@@ -87,15 +87,11 @@ def _embed(t: Task, bufs: Tensors, w: Tensors, spec: ModelSpec) -> None:
 
 def gemv_input(t: Task, bufs: Tensors, w: Tensors, spec: ModelSpec) -> torch.Tensor:
     """A GEMV's input rows [B, k] in float32: x itself, or with a "norm" operand the RMSNorm of
-    the float32 residual stream x (plus each of its "terms" in ascending order, where the layer
-    before left it as terms) times the norm weight, rounded to the weights' storage dtype
+    the float32 residual stream x times the norm weight, rounded to the weights' storage dtype
     (bfloat16 in a bf16 run, as a stored activation would be)."""
     x = _f(_operand(t, "x", bufs, w))  # [B, k] or, normed, [B, hidden]
     if t.operand("norm") == "-":
         return x
-    if t.operand("terms") != "-":
-        for term in _operand(t, "terms", bufs, w):  # [B, hidden] each
-            x = x + _f(term)
     weight = _operand(t, "norm", bufs, w)  # [hidden]
     normed = _f(weight) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + spec.norm_eps))
     return normed.to(weight.dtype).float()

@@ -58,8 +58,8 @@ from mkc.schedule.simulate import simulated_step_us
 # The lowering choices plan() passes on to lower() (LowerOptions' fields of these names), and their
 # defaults. mkc bench --tune records them beside each measured count, since the count was fastest
 # for them.
-LOWERING_CHOICES = ("rope_in_splits", "residual_in_o_proj", "global_attention_sms", "expert_up_rows",
-                    "expert_down_rows")
+LOWERING_CHOICES = ("rope_in_splits", "residual_in_o_proj", "fused_experts", "global_attention_sms",
+                    "expert_up_rows", "expert_down_rows")
 # A tuning entry's measured Ceilings.attention_inputs_first_us for its point (mkc bench --tune times
 # the fastest attention-SM count with and without the raise and records the faster), and the times
 # under INPUTS_FIRST + "_measured_us".
@@ -323,7 +323,7 @@ def plan_choices(spec: ModelSpec, batch: int, context: int, num_sms: int, page_s
         how[EXPERT_DOWN_ROWS + "_measured_us"] = measured.get(EXPERT_DOWN_ROWS + "_measured_us", {})
         how[EXPERT_DOWN_ROWS + "_by"] = measured.get(EXPERT_DOWN_ROWS + "_by", "?")
     up = measured_up_rows(spec, measured.get(EXPERT_UP_ROWS))
-    if not given_up and up:
+    if not given_up and up and not lowering["fused_experts"]:  # fused tiles keep equal parts (LowerOptions)
         how[EXPERT_UP_ROWS] = up
         how[EXPERT_UP_ROWS + "_measured_us"] = measured.get(EXPERT_UP_ROWS + "_measured_us", {})
         how[EXPERT_UP_ROWS + "_by"] = measured.get(EXPERT_UP_ROWS + "_by", "?")
