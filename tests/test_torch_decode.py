@@ -28,7 +28,7 @@ def test_sol_bytes_north_mini_code_batch1_8k():
     spec = load_spec("configs/north_mini_code.yaml")
     routed = [torch.arange(8)[None] for _ in range(48)]  # 8 distinct experts per MoE layer
     nbytes = step_bytes(spec, 1, 8192, routed)
-    assert nbytes == pytest.approx(7.13e9, rel=0.01)  # DESIGN.md: ≈ 7.13 GB
+    assert nbytes == pytest.approx(7.13e9, rel=0.01)  # docs/design.md: ≈ 7.13 GB
     # batch 8 with fully distinct experts reads far more
     many = [torch.arange(64).view(8, 8) for _ in range(48)]
     assert step_bytes(spec, 8, 8192, many) > 3 * nbytes
