@@ -1,6 +1,6 @@
 """``mkc bench``: decode step time of the megakernel beside a CUDA-graph PyTorch baseline.
 
-Speed-of-light (DESIGN.md): the bytes one step must read — active weights with the *distinct*
+Speed-of-light (docs/design.md): the bytes one step must read — active weights with the *distinct*
 experts actually routed in that step, plus the KV cache actually attended (global layers: the
 whole context; sliding layers: min(context, window)) — over the read bandwidth measured in the
 same run. SOL fraction = SOL time / measured step time.
@@ -62,7 +62,7 @@ def step_bytes(spec: ModelSpec, batch: int, context: int, routed: list[torch.Ten
 
 
 def measure_read_bandwidth(nbytes: int = 4 << 30, reps: int = 10) -> float:
-    """Bytes/s of a torch sum over ``nbytes`` on the current GPU (DESIGN.md's ceiling)."""
+    """Bytes/s of a torch sum over ``nbytes`` on the current GPU (the ceiling docs/design.md names)."""
     x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
     times = time_cuda(lambda: x.sum(dtype=torch.float32), reps=reps)
     return nbytes / statistics.median(times)
@@ -123,8 +123,8 @@ class Row:
 def predicted_step_us(sc, read_bw: float) -> float:
     """The step the shared-bandwidth simulation (mkc/schedule/simulate.py, what mkc compile reports)
     predicts for schedule ``sc`` at ``read_bw`` bytes/s, the H200's ceilings otherwise: a run's
-    measured read bandwidth makes it the prediction for the card the run is on (on 2026-12-05 an
-    H100's steps at 8K were within 1.8% of it, an H200's within 4.9%)."""
+    measured read bandwidth makes it the prediction for the card the run is on (an H100's steps at
+    8K came within 1.8% of it, an H200's within 4.9%)."""
     from mkc.schedule.simulate import simulated_step_us
 
     return simulated_step_us(sc, dataclasses.replace(H200, read_bw=read_bw))
@@ -275,9 +275,8 @@ def fill_random_kv(dec, spec: ModelSpec, generator: torch.Generator | None = Non
 
 def in_turn(options: Sequence[T], rounds: int) -> list[T]:
     """``options`` timed ``rounds`` times in turn, every other round in reverse order (A B B A ...),
-    so that a place in the round weighs on every option alike: on an H200 (2026-12-03 19:33 UTC,
-    BENCHMARKS.md) the first of two identical schedules in each round of schedule_variants.py
-    measured 0.6-2.6% slower than the second in all three rounds."""
+    so that a place in the round weighs on every option alike: the first of two identical schedules
+    in each round measured 0.6-2.6% slower than the second."""
     return [o for r in range(rounds) for o in (options if r % 2 == 0 else options[::-1])]
 
 
@@ -403,10 +402,9 @@ def run_bench(spec: ModelSpec, weights: dict[str, torch.Tensor], batches: list[i
 
 
 # Two counts of attention SMs whose whole-model times differ by at most this fraction are a tie
-# for mkc bench --tune: the same schedule's median moves by 1-2% between runs on an H200
-# (BENCHMARKS.md, 2026-12-03 19:23). On 2026-12-05 batch 1 at 128K timed 0 attention SMs 0.3%
-# faster than 64, and the global layers' splits were then tried only with 0: 3974.7 µs against
-# the 3686.2 that 64 with 256 SMs' worth of global splits had measured (2026-12-03).
+# for mkc bench --tune: the same schedule's median moves by 1-2% between runs. Tied counts are all
+# tried with the global layers' splits (batch 1 at 128K: 0 attention SMs timed 0.3% faster than
+# 64 alone, but 64 with more global splits ran 7% faster than 0 with them).
 TUNE_TIE = 0.02
 # mkc bench --tune does not time an attention-SM count whose probe step under the shared-bandwidth
 # simulation (plan.py: choose_attention_sms) is more than this fraction slower than the fastest
@@ -531,9 +529,8 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
     # what another tool measured and this tune does not time (the expert tiles' rows, plan.py) stays
     rows_kept = {k: v for k, v in (entry_before or {}).items() if k.startswith((EXPERT_DOWN_ROWS, EXPERT_UP_ROWS))}
     # and every schedule below is timed with those rows, so that the entry records a schedule that ran
-    # (on 2026-12-05 batch 8 at 8K's re-tune, timed with the rule's rows and recorded beside another
-    # tool's, ran 2.9% slower than its old entry; BENCHMARKS.md). With ``tiles`` the rows are timed
-    # last, from the rule's.
+    # (a re-tune timed with the rule's rows and recorded beside another tool's ran 2.9% slower than
+    # its old entry). With ``tiles`` the rows are timed last, from the rule's.
     kept_rows: tuple = () if tiles or not rows_kept else rows_before
 
     def sched(*choices) -> tuple:
@@ -560,8 +557,8 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
         """Time the entry's schedule ``before`` and the tune's ``chosen_key`` in turn, ``turns`` times
         each; None where the tune's is faster (by the medians of these runs alone: the tune's earlier
         run was the fastest of its options, so it is biased low), else what the entry records of it.
-        On an H200 (2026-12-05, BENCHMARKS.md) re-tunes of one round chose schedules that ran 2.9%
-        (batch 8 at 8K) and 0.8% (batch 4 at 128K) slower than the entries they replaced."""
+        Re-tunes of one round had chosen schedules that ran 2.9% (batch 8 at 8K) and 0.8% (batch 4 at
+        128K) slower than the entries they replaced."""
         fresh: dict[tuple, list[float]] = {before: [], chosen_key: []}
         what = {before: "the entry measured before this tune", chosen_key: "the tune's choice"}
         try:
@@ -646,7 +643,7 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
     pairs = [(best, w) for w in global_attention_sms_candidates(spec, batch, context, sms, best)]
     if len(pairs) > 1:
         # (the next smaller count of all, though left out of the first times: beneath the global
-        # layers' splits it is another schedule; batch 1 at 128K measured fastest so on 2026-12-05)
+        # layers' splits it is another schedule; batch 1 at 128K measured fastest so)
         smaller = max((a for a in every if 0 < a < best), default=0)
         tied = [a for a in candidates if a != best and measured[a] <= measured[best] * (1 + TUNE_TIE)]
         for a in sorted(set(tied) | ({smaller} if smaller else set()), key=every.index):
@@ -737,8 +734,8 @@ def expert_tile_candidates(sc) -> tuple[list[tuple[int, ...]], list[int]] | None
     first), in half as many, 1.5 and 2 times as many (equal tiles of a multiple of 16 rows only); and
     the expert-down tiles' rows: the rule's (0, first), half, a quarter and twice them (multiples of
     16, at most the hidden size). None where the schedule has no expert gate/up and down tiles (a
-    dense model, fused expert tiles). On an H200 (2026-12-03/04, BENCHMARKS.md) North Mini Code ran
-    faster with 1.5 times as many gate/up tiles at batch 4 and a quarter of the down rows at 8."""
+    dense model, fused expert tiles). North Mini Code ran faster with 1.5 times as many gate/up tiles
+    at batch 4 and a quarter of the down rows at 8."""
     up = [t for t in sc.tasks if t.op.name == "EXPERT_SWIGLU"]
     down = [t for t in sc.tasks if t.op.name == "EXPERT_DOWN"]
     if not up or not down:

@@ -282,10 +282,7 @@ __device__ __forceinline__ void gemv_tile(const bf16* const (&w)[NACC], int w_ld
     const int r0 = grp * 16 + g, r1 = r0 + 8;
     // Finish the staging after the first weight loads are issued (each warp inside its first item;
     // warps without an item directly). With two row sets it finishes first and the op starts its
-    // copies early instead: finishing after the first batch measured no faster (H200, 2026-11-30
-    // 01:40 UTC: batch 1 +0.1%, batch 8 -0.8%, within the spread) and spilled at batch 8 once the
-    // routing was reused (ops.cuh: routing_known); on 2026-12-02, without spills, it tied at every
-    // batch (BENCHMARKS.md).
+    // copies early instead (finishing after the first batch measured a tie).
     constexpr bool EARLY = NACC == 1;
     if (!EARLY) finish();
     if (ks == 1) {

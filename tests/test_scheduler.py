@@ -179,7 +179,7 @@ def test_sibling_tiles_spread_over_sms():
     from collections import Counter
 
     from mkc.schedule.cost import H200
-    from mkc.schedule.profile import stage
+    from mkc.schedule.stages import stage
     from mkc.schedule.validator import validate
 
     spec = load_spec("configs/north_mini_code.yaml")

@@ -167,7 +167,7 @@ def test_the_unused_bandwidth_and_the_bytes_make_the_simulated_step(tiny, tmp_pa
     bandwidth (plus the launch), every entry names a stage of the model or a finished SM, and mkc
     compile's summary and report.md show it, largest first."""
     from mkc.compiler import compile_schedule
-    from mkc.schedule.profile import stage
+    from mkc.schedule.stages import stage
     from mkc.schedule.visualize import format_summary, summary, write_report
 
     sc, _ = compile_schedule(tiny, 2, 40, 8)

@@ -49,8 +49,8 @@ STATIC_SMEM_RESERVE = 2 * 1024  # the kernel's static shared memory (task record
 
 ROUTING_ARGMAX = ("auto", "redux", "rank")  # CodegenOptions.routing_argmax
 NORM_BESIDE_ROUTING = ("auto", "on", "off")  # CodegenOptions.norm_beside_routing
-# "auto" for both: the ranked routing with the input normalised beside it at these batches (measured
-# faster together at batch 1; each alone a tie, and slower at 4 and 8: BENCHMARKS.md 2026-12-03)
+# "auto" for both: the ranked routing with the input normalised beside it at these batches, where
+# the two together measured faster (each alone a tie, and slower at batch 4 and 8)
 OPENING_AUTO_BATCHES = (1,)
 TAGGED_LOGITS = ("auto", "on", "off")  # CodegenOptions.tagged_logits
 TAGGED_LOGITS_MAX_BATCH = 4  # "auto": on up to this batch
@@ -69,103 +69,47 @@ THREADS = 256  # threads per CTA (8 warps): the one size the kernel is verified 
 
 @dataclass(frozen=True, slots=True)
 class CodegenOptions:
+    """How the kernel is built for a schedule. Every choice here computes bitwise the same logits;
+    the measurements behind each default are in docs/decisions.md."""
+
     gemv_unroll: int = 8  # 64-wide k blocks in flight per warp (halved for two row sets)
-    # An expert gate/up tile's input normalised by warps 1.. while warp 0 reads the router logits and
-    # picks the experts (ops.cuh: stage_norm_beside_routing), instead of after the routing. At batch 1
-    # the routing is warp 0's alone, so the RMSNorm (~2.3 µs of one warp, BENCHMARKS.md 2026-12-03)
-    # leaves the tile's path to its first weight load; at larger batches the warps that route a token
-    # normalise first. The same values (bitwise the same logits). "on", "off", or "auto": on at
-    # OPENING_AUTO_BATCHES with the one-warp-per-token staging. Measured on an H200 (kernel_variants.py,
-    # 2026-12-03, BENCHMARKS.md): with the ranked routing (routing_argmax "auto") batch 1 1-3% faster,
-    # batch 4 1.3% and batch 8 2-3% slower; alone a tie at 1, 4 and 8.
+    # warps 1.. of an expert gate/up tile normalise its input while warp 0 routes (ops.cuh:
+    # stage_norm_beside_routing): "on", "off", "auto" (on at OPENING_AUTO_BATCHES, where warp 0
+    # routes alone)
     norm_beside_routing: str = "auto"
     spin_limit: int = 1 << 26  # polls of one counter wait before the device watchdog fires
-    # How GEMV weights are stored: "rows" (the checkpoint's row-major layout), "tiles" (tile order,
-    # mkc/codegen/weight_tiles.py: every load of a warp reads 512 contiguous bytes; the runtime
-    # reorders the weights once, at load; an error where the shapes do not allow it) or "auto"
-    # (tiles where the shapes allow, else rows). Tiles measured 4% faster at batch 1 and 2% at
-    # batch 8 on an H200 (BENCHMARKS.md), bitwise the same results.
+    # GEMV weights as "rows" (the checkpoint's layout), "tiles" (tile order: every warp load reads
+    # 512 contiguous bytes, mkc/codegen/weight_tiles.py; an error where the shapes do not allow it)
+    # or "auto" (tiles where the shapes allow)
     weight_layout: str = "auto"
-    # Attention splits where each warp runs its own online softmax over 16-key blocks (both products
-    # on the tensor cores, P rounded to bf16), streamed through a per-warp cp.async ring of this many
-    # blocks (8 KB each at head_dim 128), the first issued while the split waits; the warps merge at
-    # the end. No CTA barrier in the key loop. 0: the CTA-wide chunks above. Lowered to what fits
-    # the shared memory; models whose heads do not fit the tensor-core Q.K keep the chunks.
-    # Measured on an H200 (kernel_variants.py, 2026-11-30 05:56 UTC, North Mini Code at 8K, step
-    # µs for 0 / 2 / 3 stages): batch 1 3256 / 3220 / 3369, batch 2 4431 / 4176 / 4359, batch 4
-    # 6790 / 6309 / 6766, batch 8 10756 / 9876 / 10160. Three stages need 201,856 B of shared memory
-    # and so the SM's 228 KB configuration, which leaves 28 KB of L1 beside it (two: 164 KB, L1 92
-    # KB); the default kernel in that configuration measured as slow as three stages (an H100,
-    # 2026-12-06: +1.0% at batch 1, +3.9% at batch 4; in the 196 KB one, L1 60 KB, a tie), so the
-    # third stage's own effect is a tie (BENCHMARKS.md).
+    # attention splits with one online softmax per warp over 16-key blocks, streamed through a
+    # per-warp cp.async ring of this many blocks; lowered to what fits the shared memory; 0 (or
+    # heads that do not fit the tensor-core Q.K): CTA-wide chunks
     attn_warp_stages: int = 2
-    # How the routing's top-k picks each token's best remaining expert, TOP_K times per token:
-    # "redux" (two warp reductions, redux.sync: the largest value as an order-preserving integer,
-    # then the lowest expert index holding it). "rank" has no rounds: every (token, expert) pair is one thread that
-    # counts the experts better than its own (value, then the lower index), so the picks of rank
-    # < TOP_K land in their place at once (ops.cuh: rank_experts); the same experts in the same order
-    # and the same weights. "auto": "rank" at OPENING_AUTO_BATCHES (with norm_beside_routing), else
-    # "redux". The ranks alone measured a tie at batch 1 and 0.6-1.1% slower at 4 and 8 (H200,
-    # 2026-12-03 15:43 UTC, BENCHMARKS.md).
-    # The rounds on redux.sync, with the last warp signalling a task's counter, measured 1.3-1.8%
-    # faster at batch 1-4 than a shuffle arg-max with thread 0 signalling (H200, 2026-11-30 14:26
-    # UTC, BENCHMARKS.md; both removed on 2026-12-05).
+    # the routing's top-k: "redux" (TOP_K rounds of two warp reductions), "rank" (one thread per
+    # (token, expert) pair counts the better experts: ops.cuh rank_experts), "auto" ("rank" at
+    # OPENING_AUTO_BATCHES, else "redux"); the same experts and weights either way
     routing_argmax: str = "auto"
-    # A profiled step (CudaDecoder.launch(profile=True)) also records, per task, when its inputs
-    # were staged (GEMV tiles: after the activations' copies and the RMSNorm, before the barrier that
-    # publishes them; warp attention splits: their query heads, after that barrier) and when its op
-    # was done (after the closing barrier, before the counter's release): profile.format_phases. A
-    # kernel of its own, for profiling: the default kernel records the wait and the signal only.
+    # a kernel for profiling: a profiled step also records when each task's inputs were staged and
+    # its op was done (profile.format_phases)
     profile_phases: bool = False
-    # "on": the router tiles also write each logit with the step in one 8-byte word (the logits
-    # buffer's tagged copy, DT_F32_TAGGED), and an expert-up tile reads those words until all carry
-    # this step instead of waiting for the router tiles' counter and then reading the logits: one
-    # dependent round trip fewer on every MoE layer's chain. The schedule orders an expert-up
-    # tile's other inputs by waits of their own (scheduler.py: routing edges). "off": the counter,
-    # then the logits. "auto": on up to batch 4 (TAGGED_LOGITS_MAX_BATCH); a poll reads 1 KB of
-    # tagged logits per token where a counter's is 4 bytes, and batch 8 measured no gain.
-    # Measured on an H200 (kernel_variants.py, 2026-12-01 00:04 and 00:06 UTC, logits bitwise
-    # equal, µs on against off): batch 1 2490 / 2498 / 2496 against 2498 / 2492 / 2510; batch 2
-    # 3409 / 3399 / 3378 against 3460 / 3465 / 3435 (-1.5% to -1.9%); batch 4 5441 / 5441 / 5442
-    # against 5493 / 5473 / 5489 and 5522 / 5510 / 5492 / 5442 against 5523 / 5569 / 5511 / 5566
-    # (-0.6% to -2.2%, one tie); batch 8 8686 / 8744 / 8796 against 8825 / 8839 / 8854, then 9075
-    # / 8866 / 9174 / 8690 against 8725 / 8820 / 8816 / 9100 (both kernels switch between about
-    # 8700 and 9100 µs). Two earlier runs (2026-11-30 23:48, 23:54 UTC, a scheduler that made
-    # later tasks poll the residual stream's counter again) agreed at batch 1, 2 and 4.
+    # expert-up tiles read the router logits' tagged copy (each logit with the step in one 8-byte
+    # word) instead of waiting for the router tiles' counter: one round trip fewer on every MoE
+    # layer's chain. "on", "off", "auto" (on up to TAGGED_LOGITS_MAX_BATCH; no gain at batch 8)
     tagged_logits: str = "auto"
-    # The epilogue of a LINEAR tile that ends a layer (ops.cuh: store_with_residual, which adds the
-    # residual terms to the product): "inline" (inlined into the LINEAR GEMV's epilogue), "call"
-    # (one out-of-line function), "auto" (inline where the schedule has such tiles, else call: the
-    # kernels without them keep their code). Those tiles run after an expert-down tile on their SM,
-    # with the LINEAR code out of the instruction cache, and a call there waits for the function's
-    # code to be fetched: ncu's samples on an H200 (2026-12-01 18:06 UTC, batch 1) found 52% of the
-    # warps' samples in the out-of-line function stalled with no instruction. Measured on an H200
-    # (kernel_variants.py, 18:05 UTC, three rounds, batch 1, logits bitwise equal): inline 2402.8 /
-    # 2404.6 / 2401.1 µs against call 2447.5 / 2446.5 / 2464.3 (-2.0%).
+    # the epilogue of a LINEAR tile that ends a layer (ops.cuh: store_with_residual): "inline",
+    # "call" (one out-of-line function, whose code a tile after an expert-down tile waits to
+    # fetch), "auto" (inline where the schedule has such tiles)
     residual_epilogue: str = "auto"
-    # L2 warm-up: "TARGET:CARRIER" rules, comma-separated ("off": none; taskwords.L2_WARM_TARGETS).
-    # While a carrier task (an attention split, expert gate/up tile or combine of layer L) waits for
-    # its inputs, its warps 1.. ask L2 for one share of a target's weights (layer L's O-projection,
-    # layer L + 1's router or QKV tiles), so those tiles, on the layer's chain later, stream from L2
-    # what was fetched while the memory had bandwidth to spare. The hints are task words, so the
-    # kernel compiles the warm-up in (L2_WARM) and the runtime encodes the rules. "auto":
-    # L2_WARM_AUTO at batches L2_WARM_BATCHES, else off.
-    # Weight streams and the attention splits' KV rows load with an L2 evict-first policy (bytes
-    # read once per step), so activations and the lines warmed for later tiles are not the ones
-    # evicted: "on", "off", "auto" (on at L2_WARM_BATCHES).
-    # Measured on an H200 (kernel_variants.py, 2026-12-02 13:26 and 13:33 UTC, logits bitwise equal,
-    # µs default / evict-first / evict-first + O-projection warmed by the expert gate/up tiles):
-    # batch 1 2436 / 2435 / 2492, 2455 / 2401 / 2443, 2473 / 2445 / 2481, 2455 / 2478 / 2486, 2452 /
-    # 2471 / 2524 (no gain; by the splits 2548-2640, slower); batch 2 3441 / 3378 / 3352, 3431 /
-    # 3395 / 3391 (-1.8%); batch 4 5366 / 5302 / 5249, 5387 / 5283 / 5245, 5409 / 5289 / 5234, 5355 /
-    # 5298 / 5253 (-2.4%); batch 8 8480 / 8753 / 8864, 8531 / 8798 / 8660, 8612 / 8744 / 8701
-    # (+1.5% to +3%: off there).
+    # L2 warm-up: "TARGET:CARRIER" rules, comma-separated ("off": none; taskwords.L2_WARM_TARGETS):
+    # while a carrier waits, its warps 1.. ask L2 for a share of a later tile's weights. "auto":
+    # L2_WARM_AUTO at L2_WARM_BATCHES, else off
     l2_warm: str = "auto"
+    # weight and KV streams load evict-first, so the lines warmed for later tiles stay: "on",
+    # "off", "auto" (on at L2_WARM_BATCHES)
     weights_evict_first: str = "auto"
-    # A normed GEMV tile skips its staging where the task before it on its SM staged the same input
-    # (the same residual stream and norm weight, every column). Bitwise the same logits, measured
-    # slower on an H200 (docs/decisions.md), so off; the branch stays because taking it out changed
-    # the shipped kernels' SASS.
+    # a normed GEMV tile skips its staging where the task before it on its SM staged the same
+    # input. Measured slower, so off; it stays because taking its check out changed the shipped SASS
     reuse_staged_norm: bool = False
 
 
@@ -324,6 +268,44 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
         raise CodegenError(f"{name} = {value!r}: expected one of " + ", ".join(repr(c) for c in choices))
 
 
+def _task_limits(schedule: Schedule, spec: ModelSpec) -> tuple[int, int, int, set[int]]:
+    """What the tasks ask of the kernel, each checked (raises CodegenError naming the task): the
+    widest GEMV reduction, the largest residual staging of a tile that ends a layer, the most
+    splits a combine merges, and the rows of the fused expert tiles."""
+    max_k, stage_bytes, max_splits = 64, 0, schedule.num_sms
+    fused_rows = {t.arg("rows") for t in schedule.tasks if t.op == Opcode.EXPERT_MLP}
+    if len(fused_rows) > 1:
+        raise CodegenError(f"fused expert tiles of {sorted(fused_rows)} rows: the kernel compiles one size "
+                           f"(LowerOptions.fused_experts lowers equal parts)")
+    for t in schedule.tasks:
+        if t.op in GEMV_OPS:
+            k, k0, x = _gemv_k(schedule, t)
+            if k % 64 or k0 % 8 or schedule.buffers[x].shape[-1] % 8:
+                raise CodegenError(f"task {t.id} ({t.name}): reduction k = {k} at k0 = {k0} over {x} "
+                                   f"{schedule.buffers[x].shape}: expected k % 64 == 0 and 16-byte aligned rows")
+            normed = t.operand("norm") != "-" if "norm" in OP_INFO[t.op].operands else False
+            want = ("f32", (schedule.batch, spec.hidden_size)) if normed else ("bf16", None)
+            xb = schedule.buffers[x]
+            if xb.dtype != want[0] or (want[1] is not None and xb.shape != want[1]):
+                raise CodegenError(f"task {t.id} ({t.name}): GEMV input {x} is {xb.dtype} {xb.shape}: expected "
+                                   + ("the f32 residual stream [batch, hidden] (the task normalises it)" if normed
+                                      else "bf16"))
+            max_k = max(max_k, k)
+            if t.op == Opcode.LINEAR and t.operand("residual") != "-":
+                stage_bytes = max(stage_bytes, _residual_stage_bytes(schedule, t))
+            if t.op == Opcode.EXPERT_MLP:
+                # ops.cuh: op_expert_mlp stages its hidden rows (the down projection's input, [8][rows +
+                # 32] bf16) in the RMSNorm's scratch, whose rows have been normalised by then
+                rows, scratch = t.arg("rows"), schedule.batch * spec.hidden_size * 4 + spec.hidden_size * 2
+                if rows % 64 or t.arg("row0") % 64 or not normed or 8 * (rows + 32) * 2 > scratch:
+                    raise CodegenError(f"task {t.id} ({t.name}): {rows} rows from row {t.arg('row0')}: a fused expert "
+                                       f"tile's rows are its down projection's reduction: expected a normed input and "
+                                       f"multiples of 64, at most {scratch // 16 - 32} rows")
+        elif t.op == Opcode.ATTN_COMBINE:
+            max_splits = max(max_splits, t.arg("splits"))  # the combine's shared memory (KernelConfig.smem_bytes)
+    return max_k, stage_bytes, max_splits, fused_rows
+
+
 def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions | None = None) -> KernelConfig:
     """Derive and check the kernel constants (raises CodegenError naming what does not fit)."""
     options = options or CodegenOptions()
@@ -369,37 +351,7 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
     if options.weight_layout == "tiles" and problem:
         raise CodegenError(problem)
     tiled = options.weight_layout != "rows" and problem is None
-    max_k, stage_bytes, max_splits = 64, 0, schedule.num_sms
-    fused_rows = {t.arg("rows") for t in schedule.tasks if t.op == Opcode.EXPERT_MLP}
-    if len(fused_rows) > 1:
-        raise CodegenError(f"fused expert tiles of {sorted(fused_rows)} rows: the kernel compiles one size "
-                           f"(LowerOptions.fused_experts lowers equal parts)")
-    for t in schedule.tasks:
-        if t.op in GEMV_OPS:
-            k, k0, x = _gemv_k(schedule, t)
-            if k % 64 or k0 % 8 or schedule.buffers[x].shape[-1] % 8:
-                raise CodegenError(f"task {t.id} ({t.name}): reduction k = {k} at k0 = {k0} over {x} "
-                                   f"{schedule.buffers[x].shape}: expected k % 64 == 0 and 16-byte aligned rows")
-            normed = t.operand("norm") != "-" if "norm" in OP_INFO[t.op].operands else False
-            want = ("f32", (schedule.batch, spec.hidden_size)) if normed else ("bf16", None)
-            xb = schedule.buffers[x]
-            if xb.dtype != want[0] or (want[1] is not None and xb.shape != want[1]):
-                raise CodegenError(f"task {t.id} ({t.name}): GEMV input {x} is {xb.dtype} {xb.shape}: expected "
-                                   + ("the f32 residual stream [batch, hidden] (the task normalises it)" if normed
-                                      else "bf16"))
-            max_k = max(max_k, k)
-            if t.op == Opcode.LINEAR and t.operand("residual") != "-":
-                stage_bytes = max(stage_bytes, _residual_stage_bytes(schedule, t))
-            if t.op == Opcode.EXPERT_MLP:
-                # ops.cuh: op_expert_mlp stages its hidden rows (the down projection's input, [8][rows +
-                # 32] bf16) in the RMSNorm's scratch, whose rows have been normalised by then
-                rows, scratch = t.arg("rows"), schedule.batch * spec.hidden_size * 4 + spec.hidden_size * 2
-                if rows % 64 or t.arg("row0") % 64 or not normed or 8 * (rows + 32) * 2 > scratch:
-                    raise CodegenError(f"task {t.id} ({t.name}): {rows} rows from row {t.arg('row0')}: a fused expert "
-                                       f"tile's rows are its down projection's reduction: expected a normed input and "
-                                       f"multiples of 64, at most {scratch // 16 - 32} rows")
-        elif t.op == Opcode.ATTN_COMBINE:
-            max_splits = max(max_splits, t.arg("splits"))  # the combine's shared memory (KernelConfig.smem_bytes)
+    max_k, stage_bytes, max_splits, fused_rows = _task_limits(schedule, spec)
     cfg = KernelConfig(
         threads=THREADS, batch=schedule.batch, hidden=spec.hidden_size, head_dim=a.head_dim,
         page_size=page_size_of(schedule.buffers), group=group, top_k=top_k,

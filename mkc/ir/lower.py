@@ -51,20 +51,12 @@ class LowerOptions:
     # down projection (EXPERT_MLP: split-K partials [slot * parts + part, B, hidden], summed by the
     # O-projection tiles that end the layer), so no EXPERT_DOWN tile and no hand-off between the
     # expert's two GEMVs sits on the layer's chain. Needs residual_in_o_proj and a parallel block.
-    # Measured slower (docs/decisions.md): off; it stays because the kernel loop's test for its
-    # opcode is part of the shipped kernels' SASS.
+    # Measured slower, so off; it stays because the kernel loop's test for its opcode is part of
+    # the shipped kernels' SASS.
     fused_experts: bool = False
     # rows of each expert gate/up tile of a routing slot, in order (multiples of 16 that add up to
-    # the expert's intermediate size); (): the tiling rule's equal tiles. Tiles of two sizes are meant
-    # to balance the SMs: the scheduler places the larger (costlier) tiles first, on the SMs free at
-    # the layer's start, and the smaller behind the QKV tiles (North Mini Code at batch 1: six of 80
-    # rows and six of 48 per slot, the larger carrying one 64-row QKV tile's bytes more). Slower on an H200 (schedule_variants.py,
-    # 2026-12-03 18:54 UTC, batch 1, µs: rule 2499.8 / 2497.7 / 2491.9, 80x6+48x6 2553.2 / 2556.2 /
-    # 2591.4): in its profile the tiles behind a QKV tile ended 1.4 µs sooner and the larger ones
-    # 4.3 µs later, so the stage ended no sooner, and every slot then ends with its largest tiles,
-    # where with equal tiles the slots first on their SMs end ~6 µs early and their expert-down tiles
-    # run beside the last gate/up tiles (BENCHMARKS.md). A tuning entry may name them per point
-    # (plan.py: EXPERT_UP_ROWS; North Mini Code at batch 4 and 8K: six tiles of 128 rows). ().
+    # the expert's intermediate size); (): the tiling rule's equal tiles. A tuning entry may name
+    # them per point (plan.py: EXPERT_UP_ROWS; North Mini Code at batch 4: six tiles of 128 rows)
     expert_up_rows: tuple[int, ...] = ()
     # rows per expert-down tile; 0: the tiling rule's (about one tile per SM over every slot: North
     # Mini Code at batch 1, 16 tiles of 128 rows per slot; at batch 8, 2 of 1024). Smaller tiles (a
@@ -269,14 +261,63 @@ class _Lowerer:
         """Lower one layer; returns the residual stream into the next one."""
         s, opt = self.spec, self.opt
         ls = s.layers[layer]
-        B, H, C = opt.batch, s.hidden_size, opt.context
+        B, H = opt.batch, s.hidden_size
         a = s.attention
         D, G, QH = a.head_dim, a.num_kv_heads, a.num_heads
         GS = QH // G
         P = f"L{layer}"
         nw = self.buf(f"{P}.attn_norm", (H,), "bf16", "weight", "[hidden]")
         n = Normed(x, nw)
-        # --- attention: QKV rows are [q heads..., k heads..., v heads...], D rows per head
+        attn = self.attention(layer, n, positions)
+        wo = self.buf(f"{P}.w_o", (H, QH * D), "bf16", "weight", "[hidden, heads * head_dim]")
+        o_ends = opt.residual_in_o_proj
+        o_part = None
+        if not o_ends:  # O-proj split-K by KV group: slice g waits only for the attention of group g
+            o_part = self.buf(f"{P}.o_part", (G, B, H), "f32", "act", "[kv_heads, B, hidden] split-K partials")
+            o_tile = row_tile(H, GS * D * 2, G, opt.num_sms)
+            for g in range(G):
+                self.linear(layer, f"o_proj[kv{g}]", attn, wo, o_part, k0=g * GS * D, k=GS * D, slab=g, tile=o_tile)
+        # --- MLP on the same normed input (parallel block)
+        mlp_in = n
+        if s.block == "sequential":
+            x_mid = self.buf(f"{P}.x_mid", (B, H), "f32", "act", "[B, hidden] x + attention")
+            if o_ends:
+                self.o_proj_residual(layer, attn, wo, x, x_mid)
+            else:
+                self.residual(layer, x, o_part, None, None, None, x_mid, "residual_attn")
+            nw2 = self.buf(f"{P}.mlp_norm", (H,), "bf16", "weight", "[hidden]")
+            mlp_in = Normed(x_mid, nw2)
+            x, o_part = x_mid, None
+        x_out = self.buf(f"L{layer + 1}.x", (B, H), "f32", "act", f"[B, hidden] residual stream into layer {layer + 1}")
+        mo = routed = tslots = None
+        if ls.mlp == "dense":
+            inter = s.dense_intermediate
+            wgu = self.buf(f"{P}.w_gate_up", (2 * inter, H), "bf16", "weight", "[2 * inter (gate; up), hidden]")
+            wd = self.buf(f"{P}.w_down", (H, inter), "bf16", "weight", "[hidden, inter]")
+            h = self.buf(f"{P}.mlp_h", (B, inter), "bf16", "act", "[B, inter]")
+            mo = self.buf(f"{P}.mlp_out", (1, B, H), "f32", "act", "[1, B, hidden]")
+            self.swiglu(layer, "gate_up", mlp_in, wgu, h, inter)
+            self.linear(layer, "down", h, wd, mo)
+        else:
+            routed, tslots = self.moe(layer, mlp_in)
+        if o_ends and s.block == "parallel":  # the O-projection ends the layer, after the MLP in program order
+            self.o_proj_residual(layer, attn, wo, x, x_out, mo, routed)
+        else:
+            self.residual(layer, x, o_part, mo, routed, None if routed is None else tslots, x_out, "residual")
+        return x_out
+
+
+    def attention(self, layer: int, n: Normed, positions: Buffer) -> Buffer:
+        """One layer's attention up to its output [B, heads * head_dim]: the QKV projection of the
+        normed input, RoPE and the KV-cache append, the splits along the keys and their combine."""
+        s, opt = self.spec, self.opt
+        ls = s.layers[layer]
+        B, H, C = opt.batch, s.hidden_size, opt.context
+        a = s.attention
+        D, G, QH = a.head_dim, a.num_kv_heads, a.num_heads
+        GS = QH // G
+        P = f"L{layer}"
+        # QKV rows are [q heads..., k heads..., v heads...], D rows per head
         nqkv = (QH + 2 * G) * D
         wqkv = self.buf(f"{P}.w_qkv", (nqkv, H), "bf16", "weight", "[(heads + 2 kv_heads) * head_dim, hidden]")
         qkv = self.buf(f"{P}.qkv", (B, nqkv), "bf16", "act", "[B, (heads + 2 kv_heads) * head_dim]")
@@ -371,42 +412,7 @@ class _Lowerer:
                           [box(part_o, None, (g, g + 1), None, (h, h + hpc), None),
                            box(part_ml, None, (g, g + 1), None, (h, h + hpc), None), full(positions)],
                           [box(attn, None, (head * D, (head + hpc) * D))])
-        wo = self.buf(f"{P}.w_o", (H, QH * D), "bf16", "weight", "[hidden, heads * head_dim]")
-        o_ends = opt.residual_in_o_proj
-        o_part = None
-        if not o_ends:  # O-proj split-K by KV group: slice g waits only for the attention of group g
-            o_part = self.buf(f"{P}.o_part", (G, B, H), "f32", "act", "[kv_heads, B, hidden] split-K partials")
-            o_tile = row_tile(H, GS * D * 2, G, opt.num_sms)
-            for g in range(G):
-                self.linear(layer, f"o_proj[kv{g}]", attn, wo, o_part, k0=g * GS * D, k=GS * D, slab=g, tile=o_tile)
-        # --- MLP on the same normed input (parallel block)
-        mlp_in = n
-        if s.block == "sequential":
-            x_mid = self.buf(f"{P}.x_mid", (B, H), "f32", "act", "[B, hidden] x + attention")
-            if o_ends:
-                self.o_proj_residual(layer, attn, wo, x, x_mid)
-            else:
-                self.residual(layer, x, o_part, None, None, None, x_mid, "residual_attn")
-            nw2 = self.buf(f"{P}.mlp_norm", (H,), "bf16", "weight", "[hidden]")
-            mlp_in = Normed(x_mid, nw2)
-            x, o_part = x_mid, None
-        x_out = self.buf(f"L{layer + 1}.x", (B, H), "f32", "act", f"[B, hidden] residual stream into layer {layer + 1}")
-        mo = routed = tslots = None
-        if ls.mlp == "dense":
-            inter = s.dense_intermediate
-            wgu = self.buf(f"{P}.w_gate_up", (2 * inter, H), "bf16", "weight", "[2 * inter (gate; up), hidden]")
-            wd = self.buf(f"{P}.w_down", (H, inter), "bf16", "weight", "[hidden, inter]")
-            h = self.buf(f"{P}.mlp_h", (B, inter), "bf16", "act", "[B, inter]")
-            mo = self.buf(f"{P}.mlp_out", (1, B, H), "f32", "act", "[1, B, hidden]")
-            self.swiglu(layer, "gate_up", mlp_in, wgu, h, inter)
-            self.linear(layer, "down", h, wd, mo)
-        else:
-            routed, tslots = self.moe(layer, mlp_in)
-        if o_ends and s.block == "parallel":  # the O-projection ends the layer, after the MLP in program order
-            self.o_proj_residual(layer, attn, wo, x, x_out, mo, routed)
-        else:
-            self.residual(layer, x, o_part, mo, routed, None if routed is None else tslots, x_out, "residual")
-        return x_out
+        return attn
 
     def o_proj_residual(self, layer: int, attn: Buffer, wo: Buffer, x: Buffer, out: Buffer,
                         mlp: Buffer | None = None, routed: Buffer | None = None) -> None:

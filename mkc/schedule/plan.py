@@ -17,19 +17,10 @@ otherwise the compiler lowers a probe (the model cut after the third layer of ea
 three times or more, so every kind is in it: probe_spec) with each candidate, schedules it as plan()
 would, and keeps the candidate whose step is shortest under shared bandwidth (simulate.py: the
 SMs streaming at a moment share the read bandwidth, each up to a cap, rather than each holding a
-fixed share). Ranked so, the counts of every entry of configs/tuning/h200.json (each entry holds
-the time of every count, measured on an H200 without the entry's other choices) come out fastest at
-9 of 11 points: batch 1 at 128K picks none set apart, 3.2% slower than 64, and batch 4 at 128K 64,
-0.2% slower than none; mean regret 0.3% (2026-12-05, on the CPU; the whole model instead of
-the probe picks the same). The list scheduler's own
-prediction, by which the probes were ranked until then (five-layer probes, the splits at the
-per-SM share), picked the fastest at 3 of 11 (mean regret 3.7%, worst 11.1%); the same five-layer
-probes under shared bandwidth, at 6. Earlier (BENCHMARKS.md, 2026-11-30) the list scheduler's
-prediction had missed by 11.7% at batch 8 and 8.5% at batch 1 / 32K. Hence also the
-measurement wins where there is one. More than half the SMs was measured too (H200, 2026-12-02
-15:55-15:59 UTC, benchmarks/schedule_variants.py, BENCHMARKS.md): the cost model predicts 96 and
-128 faster at batch 4 and 128 at batch 8, but 96 at best tied the shipped 64 and 128 was 3-5%
-slower at both, so the candidates stop at half.
+fixed share). Ranked so, the counts of every entry of configs/tuning/h200.json come out fastest at
+9 of 11 points (mean regret 0.3%); the list scheduler's own prediction picked the fastest at 3 of
+11 (mean regret 3.7%, worst 11.1%). Hence also the measurement wins where there is one. More than
+half the SMs measured no faster (a tie to 5% slower), so the candidates stop at half.
 
 A measured entry may also carry the priority raise of the attention splits' inputs
 (``Ceilings.attention_inputs_first_us``, and ``Ceilings.splits_first``: of the splits too) and
@@ -75,48 +66,36 @@ SPREAD = "spread_siblings"
 # ... and whether the O-projection ends the layer (LowerOptions.residual_in_o_proj: timed last, with
 # the count, raise and spread chosen; its times under RESIDUAL_IN_O_PROJ + "_measured_us" ("off",
 # "on"; measured by another tool: named under RESIDUAL_IN_O_PROJ + "_by")). An entry without it was
-# measured without it. Where nothing was measured it is off: the
-# probe's predictions (within 1% either way) disagreed in sign with the whole model's and with the
-# measurements at North Mini Code batch 1, 2, 4 and 8 (measured on an H200, 2026-12-01 07:14 UTC,
-# schedule_variants.py: batch 1 3.4% faster, where the attention chain ends the layer and the
-# O-projection's weights are in flight while it waits; batch 2, 4 and 8 5-17% slower, where its
-# tiles hold their SMs until the longer MoE branch ends).
+# measured without it. Where nothing was measured it is off: the probe's predictions (within 1%
+# either way) disagreed in sign with the measurements (faster at batch 1, where the attention chain
+# ends the layer; 5-17% slower at batch 2-8, where its tiles hold their SMs until the longer MoE
+# branch ends).
 RESIDUAL_IN_O_PROJ = "residual_in_o_proj"
 # ... and the splits of the layers of global attention (LowerOptions.global_attention_sms: timed
 # after the residual's choice, where the model has such layers and they attend more keys than its
 # sliding windows; the times under GLOBAL_ATTENTION_SMS + "_measured_us", "0" for as many as the
 # other layers). An entry without it was measured without it: 0. Where nothing was measured the
-# compiler chooses (GLOBAL_SPLITS_MIN_GAIN below), no longer by the list scheduler's prediction,
-# which had predicted more splits faster at North Mini Code batch 1 at 8K and 32K, where they
-# measured 3-8% slower, and at 128K, where they measured 7-9% faster (H200, 2026-12-03 07:31 UTC,
-# BENCHMARKS.md).
+# compiler chooses (GLOBAL_SPLITS_MIN_GAIN below); the list scheduler's prediction, which chose
+# before, had the sign wrong at batch 1 at 8K and 32K.
 GLOBAL_ATTENTION_SMS = "global_attention_sms"
 # Where nothing was measured, more splits in the global layers than in the others only where the
 # probe's simulated step (choose_global_attention_sms) is this much shorter: the simulation ranked
 # the tuner's decisions of 0.3-3% measured effect right only about half the time. Against the
-# counts h200.json timed (each entry's first stage's count, 2026-12-05, on the CPU) the choice is
-# the fastest at batch 1 at 8K, 32K and 128K, batch 2 at 8K and 32K and batch 4 at 128K (528
-# against the 512 measured), within 0.3% at batch 2 at 128K, and 1.7% / 3.2% slower at batch 4 /
-# 8 at 32K (mean 0.6%); with no threshold it picked more splits at 8K and batch 1 at 32K, 1.4-3.5%
-# slower (mean 1.2%); as many splits as the other layers, the default before, is 8.0-12.7%
-# slower at 128K (mean 4.0%).
+# counts h200.json timed, this choice is the fastest or within 0.3% at 7 of 9 long-context points
+# (mean regret 0.6%); with no threshold the mean regret is 1.2%, and as many splits as the other
+# layers is 8-13% slower at 128K.
 GLOBAL_SPLITS_MIN_GAIN = 0.02
 # ... and the rows of the expert-down tiles (LowerOptions.expert_down_rows, 0: the tiling rule), where
 # an entry names them: not timed by mkc bench --tune (which keeps them when it rewrites the entry),
 # so an entry has them only from another tool, which it names under EXPERT_DOWN_ROWS + "_by" with
 # the times under EXPERT_DOWN_ROWS + "_measured_us" ("0" for the rule). North Mini Code at batch 8
-# and 8K: 256 rows (eight tiles per slot instead of the rule's two of 1024) measured faster in five
-# rounds of five (H200, 2026-12-03 21:07-21:19 UTC, benchmarks/schedule_variants.py: medians 8511.4
-# against 8638.7 µs), 192 and 512 slower; at batch 1 and 4 finer tiles measured slower, and at batch
-# 4 coarser ones (1024 rows) tied (BENCHMARKS.md).
+# and 8K: 256 rows (eight tiles per slot instead of the rule's two of 1024) measured faster.
 EXPERT_DOWN_ROWS = "expert_down_rows"
 # ... and the rows of each routing slot's expert gate/up tiles (LowerOptions.expert_up_rows, as a
 # list adding up to the expert intermediate size; empty: the tiling rule's equal tiles), kept and
 # named like the expert-down rows (EXPERT_UP_ROWS + "_by", "_measured_us" by SIZExCOUNT terms,
 # "rule" for the rule). North Mini Code at batch 4 and 8K: six tiles of 128 rows per slot instead
-# of the rule's four of 192 measured faster in nine rounds of nine (H200, 2026-12-04 16:50-16:59
-# UTC, benchmarks/schedule_variants.py: means 5311.0 against 5356.8 µs); 64, 96, 256 and 384 rows
-# slower or tied there, and other sizes slower at batch 1, 2 and 8 (BENCHMARKS.md).
+# of the rule's four of 192 measured faster.
 EXPERT_UP_ROWS = "expert_up_rows"
 # An entry that a later `mkc bench --tune` at its point timed side by side against its own choice,
 # and that ran faster, stays with this record of that run (runtime/bench.py: keep_the_faster).

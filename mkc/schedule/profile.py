@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mkc.schedule.schedule import Schedule
+from mkc.schedule.stages import stage
 
 
 @dataclass(frozen=True, slots=True)
@@ -397,13 +398,6 @@ def format_chain(sc: Schedule, start, end) -> str:
         lines.append(f"  {op:<14} running {ch.run_us[op]:8.0f} µs, waiting after its blocker signalled "
                      f"{ch.handoff_us.get(op, 0.0):6.0f} µs")
     return "\n".join(lines)
-
-
-def stage(task) -> str:
-    """A task's stage within its layer: its name without the layer and the tile ("L10.o_proj[kv0][0:64]"
-    → "o_proj"), so the tiles of one op that a layer runs in several roles (LINEAR: qkv, router,
-    o_proj) count apart."""
-    return task.name.split("[")[0].split(".")[-1]
 
 
 def stage_ends(sc: Schedule, timeline: Mapping[str, np.ndarray]) -> dict[str, float]:

@@ -7,16 +7,14 @@ Rules, in the order they apply:
    Ceilings.attention_inputs_first_us, the tasks that feed an attention split (and with
    Ceilings.splits_first the splits too) count that much more.
    A routing slot's expert tiles are predicted at their expert's full bytes, though the slots past
-   the step's distinct experts stream nothing: placed by their expected bytes
-   (cost.expected_weight_bytes) instead, North Mini Code's steps measured 5-7% slower on an H200
-   (batch 4 and 8, 2026-12-05, BENCHMARKS.md), likely as the slots live in some steps only were
-   stacked as cheap and end the layer when live; the simulation, which streams the expected bytes,
-   had put that placement 1-2.4% faster.
+   the step's distinct experts stream nothing: placed by their expected bytes instead, the steps
+   measured slower (the slots live in some steps only were stacked as cheap, and end the layer
+   when live).
 2. List scheduling: tasks are taken in priority order (which is a topological order) and each is
    placed on the SM where it can start earliest, preferring, among SMs already idle when its
    inputs are ready, the one that went idle last (it wastes the least). A task's start may
    overlap its wait by its prefetchable weight time (cost.py). With Ceilings.spread_siblings, a
-   task whose SM already holds a sibling (a task of its layer and stage, profile.stage: e.g.
+   task whose SM already holds a sibling (a task of its layer and stage, stages.stage: e.g.
    another O-projection tile) goes instead to the first SM without one that can start it before
    it would end there, so a layer's tiles of one op run beside each other, not one after another.
 3. Counters: an edge a → b already implied by a path a → c → b is not waited on (c's own wait
@@ -44,8 +42,8 @@ import networkx as nx
 
 from mkc.ir.graph import Program, Task
 from mkc.schedule.cost import H200, Ceilings, prefetchable_time, task_time
-from mkc.schedule.profile import stage
 from mkc.schedule.schedule import Counter, Schedule, routing_edge
+from mkc.schedule.stages import stage
 
 
 def upward_rank(g: nx.DiGraph, cost: list[float]) -> list[float]:
@@ -101,41 +99,9 @@ def schedule(program: Program, model: str, ceilings: Ceilings = H200) -> Schedul
         queues[sm].append(t)
         bisect.insort(free, (end[t], sm))
 
-    # counters: group producers by their consumer set
     preds = _direct_predecessors(g, tasks)
-    succs: list[list[int]] = [[] for _ in tasks]
-    for b, ps in enumerate(preds):
-        for a in ps:
-            succs[a].append(b)
-    groups: dict[frozenset[int], list[int]] = {}
-    for t in range(len(tasks)):
-        succ = frozenset(succs[t])
-        if succ:
-            groups.setdefault(succ, []).append(t)
-    signals = [-1] * len(tasks)
-    counters: list[Counter] = []
-    for cid, producers in enumerate(groups.values()):
-        counters.append(Counter(cid, len(producers), tuple(producers)))
-        for p in producers:
-            signals[p] = cid
-    pos = [0] * len(tasks)
-    for q in queues:
-        for i, t in enumerate(q):
-            pos[t] = i
-    waits: list[list[tuple[int, int]]] = [[] for _ in tasks]
-    for q in queues:
-        waited: set[int] = set()  # counters a task earlier on this SM waited for
-        for t in q:
-            needed: dict[int, None] = {}
-            for p in preds[t]:
-                needed.setdefault(signals[p], None)
-            for cid in needed:
-                c = counters[cid]
-                if cid in waited or all(sm_of[p] == sm_of[t] and pos[p] < pos[t] for p in c.producers):
-                    continue
-                waits[t].append((cid, c.target))
-            waited.update(cid for cid, _ in waits[t]
-                          if not all(routing_edge(tasks[p], tasks[t]) for p in counters[cid].producers))
+    signals, counters = _counters(preds, len(tasks))
+    waits = _waits(tasks, queues, sm_of, preds, signals, counters)
 
     step = max(end, default=0.0) + ceilings.launch_in_graph
     busy = defaultdict(float)
@@ -154,6 +120,54 @@ def schedule(program: Program, model: str, ceilings: Ceilings = H200) -> Schedul
     return Schedule(model=model, batch=int(program.options["batch"]), context=int(program.options["context"]),
                     num_sms=n_sm, buffers=program.buffers, tasks=tasks, queues=queues, waits=waits,
                     signals=signals, counters=counters, predicted=predicted)
+
+
+def _counters(preds: list[list[int]], n: int) -> tuple[list[int], list[Counter]]:
+    """Rule 3's counters: producers grouped by their exact set of consumers (``preds``: each task's
+    direct predecessors), one counter per group with the group's size as target. Returns each
+    task's signal (counter id, or -1) and the counters."""
+    succs: list[list[int]] = [[] for _ in range(n)]
+    for b, ps in enumerate(preds):
+        for a in ps:
+            succs[a].append(b)
+    groups: dict[frozenset[int], list[int]] = {}
+    for t in range(n):
+        succ = frozenset(succs[t])
+        if succ:
+            groups.setdefault(succ, []).append(t)
+    signals = [-1] * n
+    counters: list[Counter] = []
+    for cid, producers in enumerate(groups.values()):
+        counters.append(Counter(cid, len(producers), tuple(producers)))
+        for p in producers:
+            signals[p] = cid
+    return signals, counters
+
+
+def _waits(tasks: list[Task], queues: list[list[int]], sm_of: list[int], preds: list[list[int]],
+           signals: list[int], counters: list[Counter]) -> list[list[tuple[int, int]]]:
+    """Rule 3's waits: each task waits on the counter of every group it depends on, except groups
+    whose producers all run earlier on its own SM and groups an earlier task on its SM already
+    waited for (a wait on the router tiles for their logits alone does not count)."""
+    pos = [0] * len(tasks)
+    for q in queues:
+        for i, t in enumerate(q):
+            pos[t] = i
+    waits: list[list[tuple[int, int]]] = [[] for _ in tasks]
+    for q in queues:
+        waited: set[int] = set()  # counters a task earlier on this SM waited for
+        for t in q:
+            needed: dict[int, None] = {}
+            for p in preds[t]:
+                needed.setdefault(signals[p], None)
+            for cid in needed:
+                c = counters[cid]
+                if cid in waited or all(sm_of[p] == sm_of[t] and pos[p] < pos[t] for p in c.producers):
+                    continue
+                waits[t].append((cid, c.target))
+            waited.update(cid for cid, _ in waits[t]
+                          if not all(routing_edge(tasks[p], tasks[t]) for p in counters[cid].producers))
+    return waits
 
 
 def _direct_predecessors(g: nx.DiGraph, tasks: list[Task]) -> list[list[int]]:

@@ -39,8 +39,9 @@ from __future__ import annotations
 import numpy as np
 
 from mkc.schedule.cost import DEFAULT_SIM_FIXED_US, GPUS, H200, Ceilings, expected_weight_bytes
-from mkc.schedule.profile import blockers, stage
+from mkc.schedule.profile import blockers
 from mkc.schedule.schedule import Schedule
+from mkc.schedule.stages import stage
 
 
 def fair_rates(caps: np.ndarray, total: float) -> np.ndarray:
@@ -65,7 +66,7 @@ def simulate(sc: Schedule, c: Ceilings = H200,
     bandwidth (module doc). With ``unused``, adds to it the bandwidth the step leaves unused, in µs
     of the whole read bandwidth, by what the SMs that do not stream are doing: the unused share of
     each moment split evenly between them, keyed (stage, FIXED_TIME) for an SM in its task's fixed
-    time, (stage, WAITING) for one whose task waits for its inputs (profile.stage: the task's op
+    time, (stage, WAITING) for one whose task waits for its inputs (stages.stage: the task's op
     within its layer, such as qkv or o_proj), ("", FINISHED) for one whose queue is done; ("",
     AT_CAP) where every SM streams, each at its cap."""
     tasks = sc.tasks
