@@ -98,7 +98,7 @@ EXPERT_DOWN_ROWS = "expert_down_rows"
 # of the rule's four of 192 measured faster.
 EXPERT_UP_ROWS = "expert_up_rows"
 # An entry that a later `mkc bench --tune` at its point timed side by side against its own choice,
-# and that ran faster, stays with this record of that run (runtime/bench.py: keep_the_faster).
+# and that ran faster, stays with this record of that run (mkc/schedule/tune.py: keep_the_faster).
 KEPT_OVER_RETUNE = "kept_over_retune"
 DEFAULT_LOWERING = {f.name: f.default for f in dataclasses.fields(LowerOptions) if f.name in LOWERING_CHOICES}
 
@@ -216,97 +216,110 @@ def plan_choices(spec: ModelSpec, batch: int, context: int, num_sms: int, page_s
     (tuning.nearest; ``measured_at_context``) applies, its global layers' splits scaled
     (transferred_global_count). Unless the caller gives the count or ``residual_in_o_proj``, a
     measured entry's choice of it is ``how[RESIDUAL_IN_O_PROJ]`` (absent from the entry: False)."""
-    given_fold = RESIDUAL_IN_O_PROJ in lowering
-    given_global = GLOBAL_ATTENTION_SMS in lowering
-    given_down = EXPERT_DOWN_ROWS in lowering
-    given_up = EXPERT_UP_ROWS in lowering
+    given = frozenset(lowering)  # the caller's lowering choices: an entry's do not replace them
     lowering = lowering_choices(lowering)
     how: dict[str, Any] = {"chosen_by": "asked", "probe_predicted_us": {}}
     key = tuning.tuning_key(spec, batch, context, num_sms, page_size)
-    measured = tuning.lookup(key)
+    found = tuning.lookup(key)
+    measured = tuning.TuningEntry.from_json(found) if found else None
     if attention_sms is not None:
         # an asked count takes none of an entry's choices (the raise, spread, layer end, splits and
         # rows were measured together; mkc bench --tune and schedule_variants.py time counts so),
         # and the summary says that an entry exists
-        if measured and isinstance(measured.get("attention_sms"), int):
-            how["entry_not_applied"] = measured["attention_sms"]
+        if measured and isinstance(measured.attention_sms, int):
+            how["entry_not_applied"] = measured.attention_sms
         return attention_sms, ceilings, how
     counts = attention_sms_candidates(spec, batch, num_sms)
     measured_context = context
-    if not (measured and measured.get("attention_sms") in counts):
+    if not (measured and measured.attention_sms in counts):
         # nothing measured here: the choices measured at the nearest context of this batch, if any
         near = tuning.nearest(key)
         if near:
-            measured_context, measured = near
-    if not (measured and measured.get("attention_sms") in counts):
+            measured_context, measured = near[0], tuning.TuningEntry.from_json(near[1])
+    if not (measured and measured.attention_sms in counts):
         attention_sms, tried = choose_attention_sms(spec, batch, context, num_sms, page_size, kv_pages,
                                                     ceilings, **lowering)
         how = {"chosen_by": "compiler" if tried else "only candidate",
                "probe_predicted_us": {str(a): us for a, us in tried.items()}}
-        if not given_global:  # and the global layers' splits beside that count, the same way
+        if GLOBAL_ATTENTION_SMS not in given:  # and the global layers' splits beside that count, the same way
             wide, wide_tried = choose_global_attention_sms(spec, batch, context, num_sms, attention_sms, page_size,
                                                            kv_pages, ceilings, tried.get(attention_sms), **lowering)
             if wide_tried:
                 how[GLOBAL_ATTENTION_SMS] = wide
                 how[GLOBAL_ATTENTION_SMS + "_probe_us"] = {str(w): us for w, us in wide_tried.items()}
         return attention_sms, ceilings, how
-    how = {"chosen_by": "measured", "measured_us": measured.get("measured_us", {}),
-           "measured_on": measured.get("gpu", "?"), "measured_at": measured.get("date", "?"),
-           "measured_lowering": current_lowering(measured.get("lowering")), "measured_by": measured.get("by")}
-    if measured.get("not_timed_simulated_us"):  # counts mkc bench --tune left out (runtime/bench.py)
-        how["not_timed_simulated_us"] = measured["not_timed_simulated_us"]
-    if isinstance(measured.get(KEPT_OVER_RETUNE), dict):
-        how[KEPT_OVER_RETUNE] = measured[KEPT_OVER_RETUNE]
+    how = {"chosen_by": "measured", **_measured_choices(spec, batch, context, num_sms, measured, measured_context,
+                                                        ceilings == H200, given, lowering["fused_experts"])}
+    if ceilings == H200:  # the entry's raise and spread, unless the caller asked for other ceilings
+        ceilings = dataclasses.replace(ceilings, **{k: how[k] for k in (INPUTS_FIRST, SPLITS_FIRST, SPREAD)
+                                                    if k in how})
+    return int(measured.attention_sms), ceilings, how
+
+
+def _measured_choices(spec: ModelSpec, batch: int, context: int, num_sms: int, measured: tuning.TuningEntry,
+                      measured_context: int, default_ceilings: bool, given: frozenset[str],
+                      fused_experts: bool) -> dict[str, Any]:
+    """``meta["attention_sms"]`` of a measured entry (plan_choices), less "chosen_by": what it
+    measured and each choice of it the planner applies (a choice the caller gave: not the entry's)."""
+    how: dict[str, Any] = {
+        "measured_us": _given(measured.measured_us, {}), "measured_on": _given(measured.gpu, "?"),
+        "measured_at": _given(measured.date, "?"), "measured_lowering": current_lowering(measured.lowering),
+        "measured_by": measured.by}
+    if measured.not_timed_simulated_us:  # counts mkc bench --tune left out (runtime/bench.py)
+        how["not_timed_simulated_us"] = measured.not_timed_simulated_us
+    if isinstance(measured.kept_over_retune, dict):
+        how[KEPT_OVER_RETUNE] = measured.kept_over_retune
     if measured_context != context:
         how["measured_at_context"] = measured_context
     # the priority raise of the attention splits' inputs (and splits) and the spread of sibling
     # tiles measured at this point (an entry without them: the ceilings' own), unless the caller
     # asked for other ceilings
-    first, spread = measured.get(INPUTS_FIRST), measured.get(SPREAD)
-    default_ceilings = ceilings == H200
+    first, spread = measured.attention_inputs_first_us, measured.spread_siblings
     if isinstance(first, (int, float)) and default_ceilings:
-        ceilings = dataclasses.replace(ceilings, attention_inputs_first_us=float(first))
         how[INPUTS_FIRST] = float(first)
-        how[INPUTS_FIRST + "_measured_us"] = measured.get(INPUTS_FIRST + "_measured_us", {})
-        if measured.get(SPLITS_FIRST) is True:
-            ceilings = dataclasses.replace(ceilings, splits_first=True)
+        how[INPUTS_FIRST + "_measured_us"] = _given(measured.inputs_first_measured_us, {})
+        if measured.splits_first is True:
             how[SPLITS_FIRST] = True
     if isinstance(spread, bool) and default_ceilings:
-        ceilings = dataclasses.replace(ceilings, spread_siblings=spread)
         how[SPREAD] = spread
-        how[SPREAD + "_measured_us"] = measured.get(SPREAD + "_measured_us", {})
-    if not given_fold:
-        how[RESIDUAL_IN_O_PROJ] = measured.get(RESIDUAL_IN_O_PROJ) is True
-        how[RESIDUAL_IN_O_PROJ + "_measured_us"] = measured.get(RESIDUAL_IN_O_PROJ + "_measured_us", {})
-        if measured.get(RESIDUAL_IN_O_PROJ + "_by"):  # another tool than mkc bench --tune measured it
-            how[RESIDUAL_IN_O_PROJ + "_by"] = measured[RESIDUAL_IN_O_PROJ + "_by"]
-    count = measured.get(GLOBAL_ATTENTION_SMS)
+        how[SPREAD + "_measured_us"] = _given(measured.spread_measured_us, {})
+    if RESIDUAL_IN_O_PROJ not in given:
+        how[RESIDUAL_IN_O_PROJ] = measured.residual_in_o_proj is True
+        how[RESIDUAL_IN_O_PROJ + "_measured_us"] = _given(measured.residual_measured_us, {})
+        if measured.residual_by:  # another tool than mkc bench --tune measured it
+            how[RESIDUAL_IN_O_PROJ + "_by"] = measured.residual_by
+    count = measured.global_attention_sms
     # a count mkc bench --tune tried (one of the candidates), or one another tool measured (*_by)
     # that the lowering takes (LowerOptions: at most MAX_ATTENTION_WAVES times the SMs)
-    candidates = global_attention_sms_candidates(spec, batch, context, num_sms, int(measured["attention_sms"]))
-    if measured_context != context and not given_global:  # splits of the size measured there
+    candidates = global_attention_sms_candidates(spec, batch, context, num_sms, int(measured.attention_sms))
+    if measured_context != context and GLOBAL_ATTENTION_SMS not in given:  # splits of the size measured there
         there = count if isinstance(count, int) and not isinstance(count, bool) else 0
         how[GLOBAL_ATTENTION_SMS + "_measured_there"] = there
-        count = transferred_global_count(candidates, int(measured["attention_sms"]) or num_sms, there,
+        count = transferred_global_count(candidates, int(measured.attention_sms) or num_sms, there,
                                          context / measured_context)
-    other_tool = bool(measured.get(GLOBAL_ATTENTION_SMS + "_by")) and len(candidates) > 1
-    if not given_global and isinstance(count, int) and not isinstance(count, bool) and (
+    other_tool = bool(measured.global_by) and len(candidates) > 1
+    if GLOBAL_ATTENTION_SMS not in given and isinstance(count, int) and not isinstance(count, bool) and (
             count in candidates or (other_tool and 0 <= count <= MAX_ATTENTION_WAVES * num_sms)):
         how[GLOBAL_ATTENTION_SMS] = count
-        how[GLOBAL_ATTENTION_SMS + "_measured_us"] = measured.get(GLOBAL_ATTENTION_SMS + "_measured_us", {})
-        if measured.get(GLOBAL_ATTENTION_SMS + "_by"):  # another tool than mkc bench --tune measured it
-            how[GLOBAL_ATTENTION_SMS + "_by"] = measured[GLOBAL_ATTENTION_SMS + "_by"]
-    rows = measured.get(EXPERT_DOWN_ROWS)
-    if not given_down and isinstance(rows, int) and not isinstance(rows, bool) and rows >= 0 and rows % 16 == 0:
+        how[GLOBAL_ATTENTION_SMS + "_measured_us"] = _given(measured.global_measured_us, {})
+        if measured.global_by:  # another tool than mkc bench --tune measured it
+            how[GLOBAL_ATTENTION_SMS + "_by"] = measured.global_by
+    rows = measured.expert_down_rows
+    if EXPERT_DOWN_ROWS not in given and isinstance(rows, int) and not isinstance(rows, bool) and rows >= 0 and rows % 16 == 0:
         how[EXPERT_DOWN_ROWS] = rows
-        how[EXPERT_DOWN_ROWS + "_measured_us"] = measured.get(EXPERT_DOWN_ROWS + "_measured_us", {})
-        how[EXPERT_DOWN_ROWS + "_by"] = measured.get(EXPERT_DOWN_ROWS + "_by", "?")
-    up = measured_up_rows(spec, measured.get(EXPERT_UP_ROWS))
-    if not given_up and up and not lowering["fused_experts"]:  # fused tiles keep equal parts (LowerOptions)
+        how[EXPERT_DOWN_ROWS + "_measured_us"] = _given(measured.expert_down_measured_us, {})
+        how[EXPERT_DOWN_ROWS + "_by"] = _given(measured.expert_down_by, "?")
+    up = measured_up_rows(spec, measured.expert_up_rows)
+    if EXPERT_UP_ROWS not in given and up and not fused_experts:  # fused tiles keep equal parts (LowerOptions)
         how[EXPERT_UP_ROWS] = up
-        how[EXPERT_UP_ROWS + "_measured_us"] = measured.get(EXPERT_UP_ROWS + "_measured_us", {})
-        how[EXPERT_UP_ROWS + "_by"] = measured.get(EXPERT_UP_ROWS + "_by", "?")
-    return int(measured["attention_sms"]), ceilings, how
+        how[EXPERT_UP_ROWS + "_measured_us"] = _given(measured.expert_up_measured_us, {})
+        how[EXPERT_UP_ROWS + "_by"] = _given(measured.expert_up_by, "?")
+    return how
+
+
+def _given(value: object, default: object) -> object:
+    """An entry's value, or ``default`` where the entry has none."""
+    return default if value is None else value
 
 
 def transferred_global_count(candidates: list[int], base: int, count: int, ratio: float) -> int:
