@@ -9,25 +9,22 @@ same run. SOL fraction = SOL time / measured step time.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import gc
 import json
 import math
 import statistics
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TypeVar
 
 import torch
 
 from mkc.ir.kv_layout import pages_per_seq
 from mkc.ir.spec import ModelSpec
 from mkc.schedule.cost import H200, Ceilings, gpu_name
-
-T = TypeVar("T")
+from mkc.schedule.tune import in_turn  # noqa: F401 (the benchmarks take it from here)
 
 BF16 = 2
 
@@ -273,13 +270,6 @@ def fill_random_kv(dec, spec: ModelSpec, generator: torch.Generator | None = Non
             t.normal_(generator=generator)
 
 
-def in_turn(options: Sequence[T], rounds: int) -> list[T]:
-    """``options`` timed ``rounds`` times in turn, every other round in reverse order (A B B A ...),
-    so that a place in the round weighs on every option alike: the first of two identical schedules
-    in each round measured 0.6-2.6% slower than the second."""
-    return [o for r in range(rounds) for o in (options if r % 2 == 0 else options[::-1])]
-
-
 def format_rounds(batch: int, times_us: dict[str, list[float]]) -> str:
     """One batch's variants timed in turn (in_turn), side by side: per variant the step time of
     each of its rounds (µs, in the order they ran), their mean and the mean's change against the
@@ -401,42 +391,12 @@ def run_bench(spec: ModelSpec, weights: dict[str, torch.Tensor], batches: list[i
     return out
 
 
-# Two counts of attention SMs whose whole-model times differ by at most this fraction are a tie
-# for mkc bench --tune: the same schedule's median moves by 1-2% between runs. Tied counts are all
-# tried with the global layers' splits (batch 1 at 128K: 0 attention SMs timed 0.3% faster than
-# 64 alone, but 64 with more global splits ran 7% faster than 0 with them).
-TUNE_TIE = 0.02
-# mkc bench --tune does not time an attention-SM count whose probe step under the shared-bandwidth
-# simulation (plan.py: choose_attention_sms) is more than this fraction slower than the fastest
-# count's (unless asked to time every count). Over the 11 points of configs/tuning/h200.json, the
-# measured fastest count's simulated probe step was at most 6.9% above the fastest simulated (batch
-# 1 at 128K; batch 4 at 128K 0.7%, the others 0), while the 20 counts this leaves out had measured
-# 1.33-7.0x the fastest (batch 1 at 8K: 4 and 8 attention SMs; at 32K 4, 8 and 16; at 128K 4, 8,
-# 16 and 32; none at batch 4 and 8 at 8K). Each count left out saves a kernel build and its timed
-# steps (~20 s, more at long contexts).
-TUNE_SIMULATED_MARGIN = 0.25
-
-
 def tune_attention_sms(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context: int, *, sms: int,
                        bw: float, reps: int, page_size: int = 0, log=print, rounds: int = 1,
                        tiles: bool = False, every_count: bool = False) -> int | None:
-    """Time the megakernel with every attention-SM count the planner considers at this point
-    (mkc/schedule/plan.py) and record the fastest (mkc/schedule/tuning.py); None when there is
-    only one candidate. Unless ``every_count``, the counts whose simulated probe step is more than
-    TUNE_SIMULATED_MARGIN above the fastest count's are left out (the entry records their
-    simulated steps). Every count runs the same tokens and KV cache. The fastest count is then
-    timed with the attention splits' inputs ranked first (Ceilings.attention_inputs_first_us),
-    and with the splits ranked first too (Ceilings.splits_first), each where that places anything
-    differently, and the fastest of these is recorded with it; then the same with a layer's sibling
-    tiles spread over SMs (Ceilings.spread_siblings); last, the chosen schedule lowered with the
-    residual added by the O-projection (LowerOptions.residual_in_o_proj), then with more splits in
-    the layers of global attention (LowerOptions.global_attention_sms) where they attend more keys
-    than the sliding windows. With ``rounds`` > 1 each
-    decision times its options in turn that many times, the option chosen before included, and
-    compares medians (the entry's measured times are those medians). With ``tiles``, last, the
-    expert tiles' rows (expert_tile_candidates): each slot's gate/up tiles, then the expert-down
-    tiles with the gate/up tiles chosen; else an entry's rows that another tool measured stay, and
-    every schedule is timed with them."""
+    """Tune the schedule at this point on this GPU (mkc/schedule/tune.py: run_tune, which says what
+    it times and records) and return the attention-SM count it records; None when there is only one
+    candidate. Every schedule runs the same tokens and KV cache."""
     best = _tune(spec, weights, batch, context, sms=sms, bw=bw, reps=reps, page_size=page_size, log=log,
                  rounds=rounds, tiles=tiles, every_count=every_count)
     return best[0] if best else None
@@ -446,312 +406,27 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
           reps: int, page_size: int, log, rounds: int = 1, tiles: bool = False,
           every_count: bool = False) -> tuple[int, Row, list[str]] | None:
     """tune_attention_sms, also returning the fastest count's row and the lines its run logged
-    (so that mkc bench --tune reports that run instead of timing the count again)."""
+    (so that mkc bench --tune reports that run instead of timing the count again). The search is
+    mkc/schedule/tune.py's; this times each schedule it asks for."""
     from mkc.codegen import CodegenError
     from mkc.ir.spec import SpecError
-    from mkc.schedule import tuning
-    from mkc.schedule.plan import (
-        DEFAULT_LOWERING,
-        EXPERT_DOWN_ROWS,
-        EXPERT_UP_ROWS,
-        GLOBAL_ATTENTION_SMS,
-        INPUTS_FIRST,
-        INPUTS_FIRST_CANDIDATES,
-        KEPT_OVER_RETUNE,
-        RESIDUAL_IN_O_PROJ,
-        SPLITS_FIRST,
-        SPLITS_FIRST_KEY,
-        SPREAD,
-        attention_sms_candidates,
-        choose_attention_sms,
-        global_attention_sms_candidates,
-        plan,
-        plan_choices,
-    )
+    from mkc.schedule.tune import Candidate, run_tune
 
-    every = candidates = attention_sms_candidates(spec, batch, sms)
-    if len(candidates) == 1:
-        return None
-    not_timed: dict[int, float] = {}  # count -> its simulated probe step (µs), where left out
-    if not every_count:
-        _, simulated = choose_attention_sms(spec, batch, context, sms, page_size=page_size)
-        fastest = min(simulated.values())
-        not_timed = {a: t for a, t in simulated.items() if t > fastest * (1 + TUNE_SIMULATED_MARGIN)}
-        for a, t in not_timed.items():
-            log(f"batch {batch} context {context}: {a} attention SMs not timed: its simulated probe step, "
-                f"{t:.1f} µs, is {t / fastest - 1:.0%} above the fastest count's ({fastest:.1f} µs; "
-                f"more than {TUNE_SIMULATED_MARGIN:.0%})")
-        candidates = [a for a in candidates if a not in not_timed]
-    # A schedule is (count, raise µs, splits raised too, sibling spread, residual in the O-projection,
-    # the global-attention layers' count).
-    # Every decision below compares some of them: with one round each is timed once (a schedule timed
-    # before is not timed again); with more, every option of the decision, the one chosen before
-    # included, is timed once per round in turn, and the medians decide (drift between rounds falls
-    # on every option alike).
-    times: dict[tuple, list[float]] = {}
-    runs: dict[tuple, tuple[Row, list[str]]] = {}
+    runs: dict[Candidate, tuple[Row, list[str]]] = {}  # each schedule's latest run and what it logged
 
-    def ceilings_of(raise_us: float, splits: bool, spread_on: bool) -> Ceilings:
-        return dataclasses.replace(H200, attention_inputs_first_us=raise_us, splits_first=splits,
-                                   spread_siblings=spread_on)
-
-    def time_once(key: tuple, what: str) -> None:
-        a, raise_us, splits, spread_on = key[:4]
+    def time(c: Candidate, what: str) -> float:
         lines: list[str] = []
         r = _megakernel_row(spec, weights, batch, context, sms=sms, bw=bw, reps=reps, page_size=page_size,
-                            profile_dir=None, log=lines.append, attention_sms=a, predict=False,
-                            ceilings=ceilings_of(raise_us, splits, spread_on), **time_lowering(key))
-        times.setdefault(key, []).append(r.step_us)
-        runs[key] = (r, lines)
+                            profile_dir=None, log=lines.append, attention_sms=c.attention_sms, predict=False,
+                            ceilings=c.ceilings(), **c.lowering())
+        runs[c] = (r, lines)
         log(f"batch {batch} context {context}: {what}: {r.step_us:.1f} µs ({r.sol_fraction:.1%} SOL)")
+        return r.step_us
 
-    def median(key: tuple) -> float:
-        return statistics.median(times[key])
-
-    def decide(options: dict[tuple, str]) -> None:
-        again = rounds > 1 and len(options) > 1  # one option is nothing to compare
-        for key in in_turn(list(options), rounds if again else 1):
-            if again or key not in times:
-                time_once(key, options[key])
-
-    key = tuning.tuning_key(spec, batch, context, sms, page_size)
-    # The entry measured at this point before this tune (not one moved from another context): its
-    # schedule is timed against the tune's choice at the end, in turn, and stays unless the tune's
-    # is faster (see keep_the_faster).
-    entry_before = tuning.lookup(key)
-    a0, c0, how0 = plan_choices(spec, batch, context, sms, page_size) if entry_before else (0, H200, {})
-    measured_here = how0.get("chosen_by") == "measured" and "measured_at_context" not in how0
-    # its expert tile rows as the planner applies them
-    rows_before = (tuple(how0.get(EXPERT_UP_ROWS, ())), int(how0.get(EXPERT_DOWN_ROWS, 0)))
-    incumbent: tuple | None = (a0, c0.attention_inputs_first_us, c0.splits_first, c0.spread_siblings,
-                               bool(how0.get(RESIDUAL_IN_O_PROJ)), int(how0.get(GLOBAL_ATTENTION_SMS, 0)),
-                               *rows_before) if measured_here else None
-    # what another tool measured and this tune does not time (the expert tiles' rows, plan.py) stays
-    rows_kept = {k: v for k, v in (entry_before or {}).items() if k.startswith((EXPERT_DOWN_ROWS, EXPERT_UP_ROWS))}
-    # and every schedule below is timed with those rows, so that the entry records a schedule that ran
-    # (a re-tune timed with the rule's rows and recorded beside another tool's ran 2.9% slower than
-    # its old entry). With ``tiles`` the rows are timed last, from the rule's.
-    kept_rows: tuple = () if tiles or not rows_kept else rows_before
-
-    def sched(*choices) -> tuple:
-        """A schedule key: (count, raise µs, splits raised too, spread, residual in the O-projection,
-        global layers' SMs' worth) and the rows kept."""
-        return (*choices, *kept_rows)
-
-    decided: dict[str, object] = {}  # the entry so far: each decision is recorded as it is made
-
-    def record(done: str | None, **choices) -> Path:
-        """Record the decisions so far (``done``: the last one, while more are to come), so that a
-        tune stopped part-way (a time limit, ^C) keeps what it measured; the rest stays the planner's."""
-        decided.update(choices)
-        by = {} if done is None else {"by": f"mkc bench --tune, stopped after {done} (the rest: the planner's own)"}
-        return tuning.record(key, {**rows_kept, **decided, **by, "gpu": torch.cuda.get_device_name(0), "reps": reps,
-                                   "rounds": rounds, "lowering": dict(DEFAULT_LOWERING),
-                                   "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")})
-
-    def with_rows(k: tuple) -> tuple:
-        """A schedule key with its rows written out (the rule's: (), 0), to compare two keys."""
-        return (*k[:6], *(k[6:] or ((), 0)))
-
-    def keep_the_faster(before: tuple, chosen_key: tuple, turns: int) -> dict | None:
-        """Time the entry's schedule ``before`` and the tune's ``chosen_key`` in turn, ``turns`` times
-        each; None where the tune's is faster (by the medians of these runs alone: the tune's earlier
-        run was the fastest of its options, so it is biased low), else what the entry records of it.
-        Re-tunes of one round had chosen schedules that ran 2.9% (batch 8 at 8K) and 0.8% (batch 4 at
-        128K) slower than the entries they replaced."""
-        fresh: dict[tuple, list[float]] = {before: [], chosen_key: []}
-        what = {before: "the entry measured before this tune", chosen_key: "the tune's choice"}
-        try:
-            for k in in_turn([before, chosen_key], turns):
-                time_once(k, what[k] + ", side by side")
-                fresh[k].append(times[k][-1])
-        except (CodegenError, SpecError) as e:  # the old entry no longer builds: the tune's stays
-            log(f"batch {batch} context {context}: the entry measured before this tune cannot be built: {e}")
-            return None
-        entry_us, retuned_us = statistics.median(fresh[before]), statistics.median(fresh[chosen_key])
-        if retuned_us < entry_us:
-            return None
-        # the GPU these runs were on: a shipped entry may have been measured on another card (the key
-        # names none), and the side by side holds for this one
-        return {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-                "gpu": torch.cuda.get_device_name(0), "entry_us": round(entry_us, 1),
-                "retuned_us": round(retuned_us, 1), "runs": turns, "retuned": describe(chosen_key)}
-
-    decide({sched(a, 0.0, False, False, False, 0): f"{a} attention SMs" for a in candidates})
-    measured = {a: median(sched(a, 0.0, False, False, False, 0)) for a in candidates}
-    best = min(candidates, key=lambda a: (measured[a], a))
-    record("the attention SMs", attention_sms=best, measured_us={str(a): round(t, 1) for a, t in measured.items()},
-           **({"not_timed_simulated_us": {str(a): t for a, t in not_timed.items()}} if not_timed else {}))
-    # then the fastest count with each priority raise of the attention splits' inputs (and of the
-    # splits too), and then with the chosen raise and a layer's sibling tiles spread over SMs
-    # (Ceilings.attention_inputs_first_us, splits_first, spread_siblings): each timed only where it
-    # places the tasks differently from every placement timed before it. A raise is (µs, splits too).
-    placed: dict[tuple[float, bool, bool], list[list[int]]] = {}
-
-    def queues(*choice) -> list[list[int]]:
-        if choice not in placed:
-            placed[choice] = plan(spec, batch, context, sms, page_size=page_size, attention_sms=best,
-                                  ceilings=ceilings_of(*choice), **time_lowering(sched(best, *choice, False, 0))).queues
-        return placed[choice]
-
-    raises = [(us, False) for us in INPUTS_FIRST_CANDIDATES] + [(INPUTS_FIRST_CANDIDATES[-1], True)]
-    kept = [raises[0]]  # each placed otherwise than every raise before it
-    for us, splits in raises[1:]:
-        if not any(queues(us, splits, False) == queues(*r, False) for r in kept):
-            kept.append((us, splits))
-    decide({sched(best, us, splits, False, False, 0): (f"{best} attention SMs" if not us else
-                                               f"{best} attention SMs, the splits' inputs"
-                                               + (" and the splits" if splits else "") + f" ranked {us:g} µs higher")
-            for us, splits in kept})
-    first = {r: median(sched(best, *r, False, False, 0)) for r in kept}
-    raise_us, splits_first = min(first, key=lambda r: (first[r], r))
-    record("the splits' inputs' raise", **{
-        INPUTS_FIRST: raise_us, SPLITS_FIRST: splits_first,
-        INPUTS_FIRST + "_measured_us": {(SPLITS_FIRST_KEY if splits else f"{us:g}"): round(t, 1)
-                                         for (us, splits), t in first.items()}})
-    spread_keys = {False: sched(best, raise_us, splits_first, False, False, 0)}
-    if queues(raise_us, splits_first, True) != queues(raise_us, splits_first, False):
-        spread_keys[True] = sched(best, raise_us, splits_first, True, False, 0)
-    decide({k: ("the same with sibling tiles spread over SMs" if on else "the same, sibling tiles not spread")
-            for on, k in spread_keys.items()})
-    spread = {on: median(k) for on, k in spread_keys.items()}
-    spread_on = min(spread, key=lambda on: (spread[on], on))
-    record("the sibling spread", **{
-        SPREAD: spread_on, SPREAD + "_measured_us": {("on" if on else "off"): round(t, 1) for on, t in spread.items()}})
-    # last, the O-projection ending the layer (LowerOptions.residual_in_o_proj): another lowering,
-    # so another placement, always timed
-    unfolded, folded = (sched(best, raise_us, splits_first, spread_on, on, 0) for on in (False, True))
-    fold_keys = {False: unfolded}
-    try:
-        decide({unfolded: "the same, residual tiles", folded: "the same with the residual added by the O-projection"})
-    except (CodegenError, SpecError) as e:  # e.g. its residual terms do not fit the shared memory
-        log(f"batch {batch} context {context}: the residual added by the O-projection cannot be built here: {e}")
-    else:
-        fold_keys[True] = folded
-    fold = {on: median(k) for on, k in fold_keys.items()}
-    fold_on = min(fold, key=lambda on: (fold[on], on))
-    record("the residual in the O-projection", **{
-        RESIDUAL_IN_O_PROJ: fold_on,
-        RESIDUAL_IN_O_PROJ + "_measured_us": {("on" if on else "off"): round(t, 1) for on, t in fold.items()}})
-    # then the splits of the layers of global attention (LowerOptions.global_attention_sms), where
-    # they attend more keys than the sliding windows: another lowering, always timed. The count
-    # chosen so far is the one the whole model ran fastest with, which at a long context the global
-    # layers decide; so the sliding layers are also timed on the next smaller count, beneath 2, 4
-    # and 8 times that in the global layers (a pair (attention SMs, global layers' SMs' worth)).
-    # A count that ran within TUNE_TIE of the chosen one is a tie the run's noise may have broken
-    # either way, and more splits in the global layers may favour it: its pairs are timed too.
-    pairs = [(best, w) for w in global_attention_sms_candidates(spec, batch, context, sms, best)]
-    if len(pairs) > 1:
-        # (the next smaller count of all, though left out of the first times: beneath the global
-        # layers' splits it is another schedule; batch 1 at 128K measured fastest so)
-        smaller = max((a for a in every if 0 < a < best), default=0)
-        tied = [a for a in candidates if a != best and measured[a] <= measured[best] * (1 + TUNE_TIE)]
-        for a in sorted(set(tied) | ({smaller} if smaller else set()), key=every.index):
-            pairs += [(a, w) for w in global_attention_sms_candidates(spec, batch, context, sms, a) if w]
-    wide_keys = {(a, w): sched(a, raise_us, splits_first, spread_on, fold_on, w) for a, w in pairs}
-    decide({k: ("the same, as many splits in the layers of global attention" if not w else
-                f"the same with {w} SMs' worth of splits in the layers of global attention"
-                + (f" and {a} attention SMs" if a != best else "")) for (a, w), k in wide_keys.items()})
-    wide = {pair: median(k) for pair, k in wide_keys.items()}
-    # ties: fewer splits in the global layers, then the count chosen first
-    chosen, wide_sms = min(wide, key=lambda p: (wide[p], p[1], p[0] != best))
-    final = wide_keys[chosen, wide_sms]
-    wide_entry = {
-        "attention_sms": chosen, GLOBAL_ATTENTION_SMS: wide_sms,
-        # "W": with the count chosen first; "W@A": with A attention SMs
-        GLOBAL_ATTENTION_SMS + "_measured_us": {(f"{w}" if a == best else f"{w}@{a}"): round(t, 1)
-                                                for (a, w), t in wide.items()}}
-    tile_choice = expert_tile_candidates(plan(spec, batch, context, sms, page_size=page_size, attention_sms=chosen,
-                                              ceilings=ceilings_of(raise_us, splits_first, spread_on),
-                                              **time_lowering(final))) if tiles else None
-    if tile_choice:
-        # last, the expert tiles' rows: each slot's gate/up tiles, then (with those) the expert-down tiles
-        ups, downs = tile_choice
-        up_keys = {up: (*final, up, 0) for up in ups}
-        times[up_keys[()]], runs[up_keys[()]] = list(times[final]), runs[final]  # the rule's: timed above
-        decide({k: "the same, the rule's expert gate/up tiles" if not up else
-                f"the same with each slot's expert gate/up tiles of {tuning.rows_label(up)} rows" for up, k in up_keys.items()})
-        up_us = {up: median(k) for up, k in up_keys.items()}
-        up_rows = min(ups, key=lambda up: (up_us[up], up != ()))
-        down_keys = {down: (*final, up_rows, down) for down in downs}
-        decide({k: "the same, the rule's expert-down tiles" if not down else
-                f"the same with expert-down tiles of {down} rows" for down, k in down_keys.items()})
-        down_us = {down: median(k) for down, k in down_keys.items()}
-        down_rows = min(downs, key=lambda down: (down_us[down], down != 0))
-        final = down_keys[down_rows]
-        record("the global layers' splits", **wide_entry)  # still with another tool's rows, replaced below
-        rows_kept = {
-            EXPERT_UP_ROWS: list(up_rows), EXPERT_UP_ROWS + "_by": "mkc bench --tune --tune-tiles",
-            EXPERT_UP_ROWS + "_measured_us": {tuning.rows_label(up) if up else "rule": round(t, 1) for up, t in up_us.items()},
-            EXPERT_DOWN_ROWS: down_rows, EXPERT_DOWN_ROWS + "_by": "mkc bench --tune --tune-tiles",
-            EXPERT_DOWN_ROWS + "_measured_us": {str(down): round(t, 1) for down, t in down_us.items()}}
-    path = record(None, **wide_entry)
-    if incumbent is not None and with_rows(incumbent) != with_rows(final):
-        kept = keep_the_faster(incumbent, final, max(rounds, 2))
-        if kept:
-            path = tuning.record(key, {**entry_before, KEPT_OVER_RETUNE: kept})
-            log(f"batch {batch} context {context}: the entry measured before this tune stays: side by side, in turn, "
-                f"{kept['entry_us']:.1f} µs against {kept['retuned_us']:.1f} µs for the tune's choice "
-                f"(medians of {kept['runs']} runs each); recorded in {path}")
-            return incumbent[0], *runs[incumbent]
-    log(f"batch {batch} context {context}: fastest with {describe(final)}; recorded in {path}")
-    return chosen, *runs[final]
-
-
-def describe(key: tuple) -> str:
-    """A tuning schedule key (time_lowering's) in words, as mkc bench --tune logs its choice."""
-    from mkc.schedule import tuning
-
-    a, raise_us, splits, spread, fold, wide, *rows = key
-    up, down = rows or ((), 0)
-    parts = [f"{a} attention SMs"]
-    if raise_us:
-        parts.append(f"the splits' inputs{' and the splits' if splits else ''} ranked {raise_us:g} µs higher")
-    parts += (["sibling tiles spread over SMs"] if spread else []) + (["the residual added by the O-projection"]
-                                                                     if fold else [])
-    parts += [f"{wide} SMs' worth of splits in the layers of global attention"] if wide else []
-    parts += [f"expert gate/up tiles of {tuning.rows_label(up)} rows"] if up else []
-    parts += [f"expert-down tiles of {down} rows"] if down else []
-    return " and ".join(parts)
-
-
-def time_lowering(key: tuple) -> dict:
-    """The lowering choices of a tuning schedule key (count, raise, splits, spread, residual in the
-    O-projection, global layers' splits[, gate/up rows, down rows: with --tune-tiles, or an entry's
-    kept; () and 0 are the rule's]) beside its count and ceilings: those that differ from the default
-    lowering."""
-    from mkc.schedule.plan import EXPERT_DOWN_ROWS, EXPERT_UP_ROWS, GLOBAL_ATTENTION_SMS, RESIDUAL_IN_O_PROJ
-
-    _, _, _, _, fold, wide, *rows = key
-    up, down = rows or ((), 0)
-    return {**({RESIDUAL_IN_O_PROJ: True} if fold else {}), **({GLOBAL_ATTENTION_SMS: wide} if wide else {}),
-            **({EXPERT_UP_ROWS: up} if up else {}), **({EXPERT_DOWN_ROWS: down} if down else {})}
-
-
-def expert_tile_candidates(sc) -> tuple[list[tuple[int, ...]], list[int]] | None:
-    """The expert tiles' rows mkc bench --tune --tune-tiles times at a point, from the schedule ``sc``
-    planned with the rule's tiles: each slot's gate/up rows in the rule's count of equal tiles (``()``,
-    first), in half as many, 1.5 and 2 times as many (equal tiles of a multiple of 16 rows only); and
-    the expert-down tiles' rows: the rule's (0, first), half, a quarter and twice them (multiples of
-    16, at most the hidden size). None where the schedule has no expert gate/up and down tiles (a
-    dense model, fused expert tiles). North Mini Code ran faster with 1.5 times as many gate/up tiles
-    at batch 4 and a quarter of the down rows at 8."""
-    up = [t for t in sc.tasks if t.op.name == "EXPERT_SWIGLU"]
-    down = [t for t in sc.tasks if t.op.name == "EXPERT_DOWN"]
-    if not up or not down:
-        return None
-    first = min((t.layer, int(t.arg("slot"))) for t in up)
-    rule_up = [int(t.arg("rows")) for t in up if (t.layer, int(t.arg("slot"))) == first]
-    inter, n = sum(rule_up), len(rule_up)
-    ups: list[tuple[int, ...]] = [()]
-    for count in (n // 2, n * 3 // 2, n * 2):
-        if count >= 1 and count != n and inter % count == 0 and (inter // count) % 16 == 0:
-            ups.append((inter // count,) * count)
-    hidden = max(int(t.arg("row0")) + int(t.arg("rows")) for t in down)
-    rule_down = max(int(t.arg("rows")) for t in down)
-    downs = [0] + [r for r in (rule_down // 2, rule_down // 4, rule_down * 2)
-                   if r >= 16 and r % 16 == 0 and r <= hidden and r != rule_down]
-    return list(dict.fromkeys(ups)), list(dict.fromkeys(downs))
+    chosen = run_tune(spec, batch, context, sms, page_size, time=time, log=log, rounds=rounds, reps=reps,
+                      gpu=lambda: torch.cuda.get_device_name(0), tiles=tiles, every_count=every_count,
+                      build_errors=(CodegenError, SpecError))
+    return None if chosen is None else (chosen.attention_sms, *runs[chosen])
 
 
 def _megakernel_row(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context: int, *, sms: int,

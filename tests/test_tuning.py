@@ -16,7 +16,7 @@ from conftest import ROOT, load_benchmark
 from mkc.ir.ops import Opcode
 from mkc.ir.spec import load_spec
 from mkc.runtime import bench
-from mkc.schedule import tuning
+from mkc.schedule import tune, tuning
 from mkc.schedule.plan import (
     attention_sms_candidates,
     global_attention_sms_candidates,
@@ -449,8 +449,8 @@ def test_tune_tiles_times_the_expert_tiles_rows_last_and_records_the_fastest(tin
     rows chosen, and records both with their times and the tool; the planner then lowers with them
     and mkc compile says so. Fake timings: 5% faster with gate/up tiles of 32 rows, 3% more with
     expert-down tiles of 64."""
+    from mkc.schedule.tune import expert_tile_candidates
     from mkc.schedule.visualize import format_summary, summary
-    from runtime.bench import expert_tile_candidates
 
     timed = []
 
@@ -486,7 +486,7 @@ def test_tune_tiles_times_the_expert_tiles_rows_last_and_records_the_fastest(tin
 
 def test_tune_rounds_time_each_decisions_options_in_turn(tiny, tuning_file, timed_on_an_h200):
     """--tune-rounds 2: every decision times its options in turn twice, the second time in reverse
-    order (runtime/bench.py: in_turn), the option chosen before included (a decision with one
+    order (mkc/schedule/tune.py: in_turn), the option chosen before included (a decision with one
     option times nothing again), and compares medians; a first sample that flatters a slower count
     does not win. The entry records the medians and the rounds."""
     timed = []
@@ -673,7 +673,7 @@ def test_tune_leaves_out_the_counts_the_simulation_puts_far_behind(nmc, tuning_f
     timed_on_an_h200(fake_row)
     _, simulated = choose_attention_sms(nmc, 1, 131072, 132)
     fastest = min(simulated.values())
-    far = {a for a, t in simulated.items() if t > fastest * (1 + bench.TUNE_SIMULATED_MARGIN)}
+    far = {a for a, t in simulated.items() if t > fastest * (1 + tune.TUNE_SIMULATED_MARGIN)}
     assert far == {4, 8, 16, 32}
     logs = []
     assert bench.tune_attention_sms(nmc, {}, 1, 131072, sms=132, bw=4e12, reps=3, log=logs.append) == 32
@@ -831,6 +831,19 @@ def test_the_shipped_h200_table_matches_north_mini_code(nmc, monkeypatch, point)
         times = rec["global_attention_sms_measured_us"]
         key = str(wide) if want == first else f"{wide}@{want}"
         assert min(times, key=times.get) == key, times
+
+
+def test_the_shipped_table_reads_into_entries_and_writes_back_the_same(tmp_path):
+    """Each entry of configs/tuning/h200.json read as a TuningEntry and recorded again: the file
+    written is the shipped one, byte for byte (and an unknown key or a null is kept as read)."""
+    shipped = ROOT / "configs" / "tuning" / "h200.json"
+    path = tmp_path / "tuning.json"
+    for key, obj in tuning.load(shipped).items():
+        tuning.record(key, tuning.TuningEntry.from_json(obj), path)
+    assert path.read_text() == shipped.read_text()
+    odd = {**entry(4), "a_later_decision": [1, 2], "spread_siblings": None}
+    assert tuning.TuningEntry.from_json(odd).to_json() == odd
+    assert tuning.TuningEntry.from_json(odd).spread_siblings is None
 
 
 def test_without_a_named_file_the_shipped_tables_apply_under_the_cache(nmc, monkeypatch, tmp_path):
