@@ -175,3 +175,23 @@ def load_benchmark(name: str):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def run_main(capsys, *args) -> tuple[int, str, str]:
+    """The CLI in this process (no interpreter start-up per case): exit code, stdout, stderr of
+    this call only (what the test printed before is dropped). An exception escaping main fails the
+    test, as a traceback would show the user."""
+    from mkc.cli import main
+
+    capsys.readouterr()
+    rc = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def assert_one_line_error(rc: int, err: str, needle: str) -> None:
+    """A user error: exit 2 and one line ``mkc: error: ...`` that contains ``needle``."""
+    assert rc == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mkc: error: "), err
+    assert needle in lines[0], err

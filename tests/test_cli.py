@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, assert_one_line_error, run_main
 
 
 def mkc(*args, cwd=ROOT):
@@ -163,23 +163,6 @@ def test_compile_names_the_kernel_and_its_weight_layout(config, batch, layout, t
 
 
 # -- a newcomer's mistakes: one line, exit 2, nothing half-written --------------------------------
-
-
-def run_main(capsys, *args) -> tuple[int, str, str]:
-    """The CLI in this process (no interpreter start-up per case): exit code, stdout, stderr. An
-    exception escaping main fails the test, as a traceback would show the user."""
-    from mkc.cli import main
-
-    rc = main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def assert_one_line_error(rc: int, err: str, needle: str) -> None:
-    assert rc == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("mkc: error: "), err
-    assert needle in lines[0], err
 
 
 def _mutations(d: dict) -> dict[str, tuple[object, str]]:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import save_checkpoint
+from conftest import assert_one_line_error, run_main, save_checkpoint
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -499,23 +499,6 @@ def test_channel_scale_of_the_wrong_shape(ck, tmp_path):
     with pytest.raises(CheckpointError, match=r"scale '.*q_proj\.weight_scale' has shape \[256\]: expected "
                                               r"\[256, 1\] \(one per output row of weight \[256, 128\]"):
         load_checkpoint(_rewrite(src, tmp_path / "bad", t), load_spec(src), torch.float32)
-
-
-def run_main(capsys, *args) -> tuple[int, str, str]:
-    """The CLI in this process: exit code, stdout, stderr (what was printed before is dropped:
-    building a checkpoint prints progress bars)."""
-    from mkc.cli import main
-
-    capsys.readouterr()
-    rc = main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def assert_one_line_error(rc: int, err: str, needle: str) -> None:
-    assert rc == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("mkc: error: ") and needle in lines[0], err
 
 
 def test_cli_quantize_writes_a_checkpoint_mkc_generates_from(ck, tmp_path, capsys):
