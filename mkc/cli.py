@@ -69,6 +69,22 @@ def _batches(v: str) -> list[int]:
     return [_batch(x) for x in v.split(",") if x.strip()]
 
 
+def _weight_formats(v: str) -> list[str]:
+    from mkc.ir.fp8 import WEIGHT_FORMATS
+
+    got = [x.strip() for x in v.split(",") if x.strip()]
+    bad = [x for x in got if x not in WEIGHT_FORMATS]
+    if not got or bad or len(set(got)) != len(got):
+        raise argparse.ArgumentTypeError(f"{v!r}: expected distinct formats out of {', '.join(WEIGHT_FORMATS)}, "
+                                         f"comma-separated, e.g. bf16,fp8")
+    return got
+
+
+WEIGHTS_HELP = ("how the attention, MLP, expert and LM-head matrices are stored: bf16, fp8 (e4m3 with a "
+                "float32 scale per output row) or fp8-block (a scale per 128 x 128 block, as most FP8 "
+                "checkpoints); embeddings, norms and routers stay bf16 (default bf16; docs/design.md)")
+
+
 def _contexts(v: str) -> list[int]:
     return [_positive(x) for x in v.split(",") if x.strip()]
 
@@ -114,6 +130,8 @@ def cmd_compile(a: argparse.Namespace) -> int:
     lowering = {} if a.residual_in_o_proj == "auto" else {"residual_in_o_proj": a.residual_in_o_proj == "on"}
     if a.global_attention_sms is not None:
         lowering["global_attention_sms"] = a.global_attention_sms
+    if a.weights != "bf16":
+        lowering["weights"] = a.weights
     try:
         res = compile_to_folder(a.config, out, batch=a.batch, context=a.context, num_sms=a.num_sms,
                                 page_size=a.page_size, attention_sms=a.attention_sms, kernel=not a.no_kernel,
@@ -318,6 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                                   for g, ceil in GPUS.items())
                         + "). The schedule and the kernel are the same for each: the H200's cost model and "
                           "tuning table place it")
+    from mkc.ir.fp8 import WEIGHT_FORMATS
+
+    c.add_argument("--weights", choices=WEIGHT_FORMATS, default="bf16", help=WEIGHTS_HELP)
     c.add_argument("--no-kernel", action="store_true", help="skip rendering and compiling the CUDA kernel")
     c.set_defaults(fn=cmd_compile)
 
@@ -374,6 +395,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --tune: last, also time the expert tiles' rows (each routing slot's gate/up tiles "
                         "in more or fewer equal tiles, then the expert-down tiles halved, quartered or doubled) "
                         "and record the fastest (docs/tiling.md)")
+    b.add_argument("--weights", type=_weight_formats, default="bf16", metavar="FORMATS",
+                   help="comma-separated weight formats timed one after the other in this run, e.g. bf16,fp8 ("
+                        "each on freshly made weights; the PyTorch baseline runs beside bf16 only). " + WEIGHTS_HELP)
     b.add_argument("--page-size", type=_page_size, default=0, help="the megakernel's KV cache in pages of this many "
                                                              "positions (default 0: one slab per sequence)")
     b.add_argument("-o", "--output", default="build/bench", help="folder for bench.json and traces")

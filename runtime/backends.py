@@ -253,10 +253,12 @@ class DecoderBackend:
 
 
 def compile_schedule(spec: ModelSpec, max_batch: int, context: int, num_sms: int, page_size: int = 0,
-                     kv_pages: int = 0) -> Schedule:
-    """The backend's schedule; a paged cache gets ``kv_pages`` pages plus the scratch page."""
+                     kv_pages: int = 0, weights: str = "bf16") -> Schedule:
+    """The backend's schedule; a paged cache gets ``kv_pages`` pages plus the scratch page;
+    ``weights``: the weight format (mkc/ir/fp8.py)."""
+    lowering = {} if weights == "bf16" else {"weights": weights}
     return plan(spec, max_batch, context, num_sms, page_size=page_size,
-                kv_pages=kv_pages + 1 if page_size and kv_pages else 0)
+                kv_pages=kv_pages + 1 if page_size and kv_pages else 0, **lowering)
 
 
 def step_batches(max_batch: int, batches: Sequence[int] | None) -> list[int]:
@@ -282,15 +284,21 @@ class CpuBackend(DecoderBackend):
 
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], *, max_batch: int = 8,
                  context: int = 512, num_sms: int = 8, dtype: torch.dtype = torch.float32, page_size: int = 0,
-                 kv_pages: int = 0, prefill: str = "reference", batches: Sequence[int] | None = None):
+                 kv_pages: int = 0, prefill: str = "reference", batches: Sequence[int] | None = None,
+                 weights_format: str = "bf16"):
         from mkc.schedule.executor import CpuExecutor
 
         sizes = step_batches(max_batch, batches)
-        sc = compile_schedule(spec, max_batch, context, num_sms, page_size, kv_pages)
+        sc = compile_schedule(spec, max_batch, context, num_sms, page_size, kv_pages, weights_format)
+        if weights_format != "bf16":
+            from mkc.runtime.quantize import fp8_weights
+
+            weights = fp8_weights(weights, sc.buffers, weights_format)
         self.exe = CpuExecutor(sc, spec, weights, dtype=dtype, poison_weights=False, check=False)
         smaller = []
         for b in sizes[:-1]:
-            exe = CpuExecutor(compile_schedule(spec, b, context, num_sms, page_size, kv_pages), spec, self.exe.weights,
+            exe = CpuExecutor(compile_schedule(spec, b, context, num_sms, page_size, kv_pages, weights_format), spec,
+                              self.exe.weights if weights_format == "bf16" else weights,
                               dtype=dtype, poison_weights=False, check=False)
             for name, t in _kv_buffers(self.exe.bufs, b, bool(page_size)).items():
                 assert exe.bufs[name].shape == t.shape, f"{name}: {tuple(exe.bufs[name].shape)} vs {tuple(t.shape)}"
@@ -313,31 +321,39 @@ class CudaBackend(DecoderBackend):
 
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], *, max_batch: int = 8,
                  context: int = 4096, num_sms: int | None = None, page_size: int = 0, kv_pages: int = 0,
-                 prefill: str = "fast", batches: Sequence[int] | None = None):
+                 prefill: str = "fast", batches: Sequence[int] | None = None, weights_format: str = "bf16"):
         from mkc.codegen import build_kernel
         from mkc.codegen.weight_tiles import TiledWeights, tiled_weights, to_tiles
+        from mkc.ir.fp8 import SCALE_SUFFIX
         from mkc.runtime.cuda_backend import CudaDecoder
 
         if num_sms is None:
             num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
         t0 = time.monotonic()
-        schedule = compile_schedule(spec, max_batch, context, num_sms, page_size, kv_pages)
+        schedule = compile_schedule(spec, max_batch, context, num_sms, page_size, kv_pages, weights_format)
         artifact = build_kernel(schedule, spec, None)
         log.info("schedule and kernel %s (batch %d, context %d) in %.1f s", artifact.name, max_batch, context,
                  time.monotonic() - t0)
         t0 = time.monotonic()
+        fp8_names: list[str] = []
+        if weights_format != "bf16":  # quantised on their device, one matrix at a time, each bf16 source freed
+            from mkc.runtime.quantize import fp8_device_weights
+
+            weights = fp8_device_weights(weights, schedule.buffers, weights_format)
+            fp8_names = list(weights.tiled)
         if artifact.config.weights_tiled and all(t.is_cuda for t in weights.values()):
-            names = [n for n in tiled_weights(schedule) if n in weights]
+            names = [n for n in tiled_weights(schedule) if n in weights and n not in fp8_names]
             for n in names:
                 weights[n].copy_(to_tiles(weights[n]))
-            weights = TiledWeights(weights, names)
+            weights = TiledWeights(weights, [*names, *fp8_names])
         self.dec = CudaDecoder(schedule, spec, weights, artifact=artifact)
         log.info("weights on the GPU in tile order, KV cache and buffers allocated in %.1f s", time.monotonic() - t0)
         held = TiledWeights({n: t for n, t in self.dec.buffers.items() if n in weights}, self.dec.tiled)
+        held.update({n + SCALE_SUFFIX: s for n, s in self.dec.scales.items()})
         smaller = []
         for b in step_batches(max_batch, batches)[:-1]:  # the same weights and KV cache, a smaller step
             t0 = time.monotonic()
-            sc = compile_schedule(spec, b, context, num_sms, page_size, kv_pages)
+            sc = compile_schedule(spec, b, context, num_sms, page_size, kv_pages, weights_format)
             dec = CudaDecoder(sc, spec, held, shared=_kv_buffers(self.dec.buffers, b, bool(page_size)))
             log.info("kernel %s (batch %d) in %.1f s", dec.artifact.name, b, time.monotonic() - t0)
             smaller.append((dec, dec.buffers))

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
-import math
 import statistics
 import sys
 from collections.abc import Iterator
@@ -29,17 +28,25 @@ from mkc.schedule.tune import in_turn  # noqa: F401 (the benchmarks take it from
 BF16 = 2
 
 
-def step_bytes(spec: ModelSpec, batch: int, context: int, routed: list[torch.Tensor]) -> int:
+def step_bytes(spec: ModelSpec, batch: int, context: int, routed: list[torch.Tensor], weights: str = "bf16") -> int:
     """Bytes one decode step must read at ``context`` tokens per sequence (position context - 1).
 
-    ``routed`` holds the [batch, top_k] expert ids of each MoE layer, in layer order.
+    ``routed`` holds the [batch, top_k] expert ids of each MoE layer, in layer order; ``weights``
+    the format of the matrices a GEMV streams (mkc/ir/fp8.py: FP8 ones count a byte per element
+    and their scales; embeddings, norms and routers stay bf16).
     """
+    from mkc.ir.fp8 import is_fp8, scale_bytes
+
     a, H = spec.attention, spec.hidden_size
+
+    def matrix(rows: int, k: int) -> int:
+        return rows * k + scale_bytes(weights, rows, k) if is_fp8(weights) else rows * k * BF16
+
     total = batch * H * BF16  # embedding rows
     moe_layers = iter(routed)
     for ls in spec.layers:
         total += H * BF16  # norm
-        total += ((a.num_heads + 2 * a.num_kv_heads) * a.head_dim * H + H * a.num_heads * a.head_dim) * BF16
+        total += matrix((a.num_heads + 2 * a.num_kv_heads) * a.head_dim, H) + matrix(H, a.num_heads * a.head_dim)
         if a.qk_norm:
             total += 2 * a.head_dim * BF16
         if spec.block == "sequential":
@@ -47,14 +54,14 @@ def step_bytes(spec: ModelSpec, batch: int, context: int, routed: list[torch.Ten
         keys = min(context, a.sliding_window) if ls.attention == "sliding" else context
         total += batch * keys * a.num_kv_heads * a.head_dim * 2 * BF16  # K and V attended
         if ls.mlp == "dense":
-            total += 3 * spec.dense_intermediate * H * BF16
+            total += matrix(2 * spec.dense_intermediate, H) + matrix(H, spec.dense_intermediate)
         else:
             m = spec.moe
             assert m is not None
             distinct = int(torch.unique(next(moe_layers)).numel())
             total += m.num_experts * H * BF16  # router
-            total += distinct * 3 * m.intermediate * H * BF16
-    total += H * BF16 + spec.vocab_size * H * BF16  # final norm, LM head
+            total += distinct * (matrix(2 * m.intermediate, H) + matrix(H, m.intermediate))
+    total += H * BF16 + matrix(spec.vocab_size, H)  # final norm, LM head
     return total
 
 
@@ -195,7 +202,8 @@ class MemoryEstimate:
         return self.weights + max(self.megakernel, self.baseline)
 
 
-def memory_estimate(spec: ModelSpec, batch: int, context: int, page_size: int = 0) -> MemoryEstimate:
+def memory_estimate(spec: ModelSpec, batch: int, context: int, page_size: int = 0,
+                    weights_format: str = "bf16") -> MemoryEstimate:
     """What ``mkc bench`` needs on the GPU at ``batch`` sequences of ``context`` positions.
 
     KV cache: K and V of every layer, ``kv_heads x head_dim`` bf16 per position, for the whole
@@ -205,6 +213,7 @@ def memory_estimate(spec: ModelSpec, batch: int, context: int, page_size: int = 
     case of torch's SDPA, its math fallback (a boolean mask with grouped KV heads rules out flash
     attention): K and V of one layer widened to fp32, repeated per query head, and K scaled once more.
     """
+    from mkc.ir.fp8 import stored_bytes
     from mkc.runtime.weights import weight_shapes
 
     a = spec.attention
@@ -215,7 +224,7 @@ def memory_estimate(spec: ModelSpec, batch: int, context: int, page_size: int = 
     else:
         kv = batch * context * position
     scratch = batch * context * a.head_dim * 4 * (2 * a.num_kv_heads + 3 * a.num_heads)
-    weights = sum(math.prod(shape) for shape in weight_shapes(spec).values()) * BF16
+    weights = stored_bytes(weight_shapes(spec), weights_format, spec.tie_word_embeddings)
     return MemoryEstimate(weights, kv, batch * context * position, scratch)
 
 
@@ -252,14 +261,38 @@ def free_memory() -> int:
 def device_random_weights(spec: ModelSpec, seed: int, device: str = "cuda") -> dict[str, torch.Tensor]:
     """normal(0, 0.02) bf16 weights (norms 1 + normal(0, 0.05)) made on the device: North Mini
     Code's 61 GB take seconds on a GPU and would take many minutes on the host."""
+    return dict(_device_random(spec, seed, device))
+
+
+def _device_random(spec: ModelSpec, seed: int, device: str = "cuda") -> Iterator[tuple[str, torch.Tensor]]:
     from mkc.runtime.weights import weight_shapes
 
     g = torch.Generator(device=device).manual_seed(seed)
-    out = {}
     for name, shape in weight_shapes(spec).items():
         x = torch.randn(shape, device=device, dtype=torch.bfloat16, generator=g)
-        out[name] = x.mul_(0.05).add_(1.0) if name.endswith("norm") else x.mul_(0.02)
-    return out
+        yield name, (x.mul_(0.05).add_(1.0) if name.endswith("norm") else x.mul_(0.02))
+
+
+def device_random_fp8_weights(spec: ModelSpec, seed: int, buffers: dict, fmt: str,
+                              device: str = "cuda") -> dict[str, torch.Tensor]:
+    """device_random_weights' values (the same seed gives the same bf16 matrices), each FP8 matrix
+    of ``buffers`` quantised as soon as it is made (runtime/quantize.py: fp8_device_weights), so the
+    GPU never holds the bf16 model: North Mini Code's 31 GB in FP8 on an 80 GB H100."""
+    from mkc.codegen.weight_tiles import TiledWeights
+    from mkc.ir.fp8 import SCALE_SUFFIX
+    from mkc.runtime.quantize import fp8_device_matrix
+
+    fp8_names = [n for n, b in buffers.items() if b.kind == "weight" and b.dtype == "fp8"]
+    out: dict[str, torch.Tensor] = {}
+    for name, x in _device_random(spec, seed, device):
+        if name in fp8_names:
+            out[name], out[name + SCALE_SUFFIX] = fp8_device_matrix(x, fmt, name)
+            del x
+        else:
+            out[name] = x
+    if "lm_head" in fp8_names and "lm_head" not in out:  # a tied embedding's FP8 copy
+        out["lm_head"], out["lm_head" + SCALE_SUFFIX] = fp8_device_matrix(out["embed"], fmt, "lm_head")
+    return TiledWeights(out, fp8_names)
 
 
 def fill_random_kv(dec, spec: ModelSpec, generator: torch.Generator | None = None) -> None:
@@ -314,13 +347,19 @@ def decoder_in_place(sc, spec: ModelSpec, weights: dict[str, torch.Tensor], *, o
     from mkc.runtime.cuda_backend import CudaDecoder
 
     art = artifact or build_kernel(sc, spec, options)
-    with tile_ordered_in_place(weights, tiled_weights(sc) if art.config.weights_tiled else ()) as tw:
+    names = [n for n in tiled_weights(sc) if sc.buffers[n].dtype == "bf16"] if art.config.weights_tiled else ()
+    with tile_ordered_in_place(weights, names) as tw:
         dec = CudaDecoder(sc, spec, tw, artifact=art)
         try:
             yield dec
         finally:
             dec.close()  # lets go of its buffers: the caller's name for it outlives the block
             torch.cuda.empty_cache()
+
+
+def mkc_engine(weights: str) -> str:
+    """The engine name of the megakernel's rows with weight format ``weights``: "mkc", "mkc fp8"."""
+    return "mkc" if weights == "bf16" else f"mkc {weights}"
 
 
 def time_step(dec, spec: ModelSpec, batch: int, context: int, bw: float, reps: int) -> tuple[float, float, list[float]]:
@@ -331,13 +370,14 @@ def time_step(dec, spec: ModelSpec, batch: int, context: int, bw: float, reps: i
     dec.check()
     routed = [dec.buffers[f"L{i}.moe_selected"] for i, ls in enumerate(spec.layers) if ls.mlp == "moe"]
     med = statistics.median(times)
-    return med, step_bytes(spec, batch, context, routed) / bw / med, times
+    fmt = dec.schedule.meta.get("weights", "bf16")
+    return med, step_bytes(spec, batch, context, routed, fmt) / bw / med, times
 
 
 def run_bench(spec: ModelSpec, weights: dict[str, torch.Tensor], batches: list[int], contexts: list[int], *,
               reps: int = 20, profile_dir: Path | None = None, page_size: int = 0, tune: bool = False,
               tune_rounds: int = 1, tune_tiles: bool = False, tune_every_count: bool = False,
-              log=print) -> list[Row | Skip]:
+              weights_format: str = "bf16", log=print) -> list[Row | Skip]:
     """Megakernel and CUDA-graph PyTorch baseline, side by side, per (batch, context); the
     megakernel's KV cache paged when ``page_size`` > 0 (under the identity page table). With
     ``tune``, each point first times every attention-SM count (tune_attention_sms); the fastest
@@ -347,16 +387,18 @@ def run_bench(spec: ModelSpec, weights: dict[str, torch.Tensor], batches: list[i
 
     Before each engine allocates anything its memory estimate (memory_estimate) is compared with
     the GPU's free memory: an engine that does not fit is skipped with a Skip saying what it needed
-    and what was free (as is one that runs out of memory anyway), and the other points still run."""
+    and what was free (as is one that runs out of memory anyway), and the other points still run.
+    ``weights_format``: the megakernel's (``weights`` laid out for it: bench_main); the baseline runs
+    with bf16 weights only, so it is left out of FP8 runs."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     bw = measure_read_bandwidth()
     log(f"read bandwidth {bw / 1e12:.2f} TB/s (torch sum over 4 GiB, this run)")
     out: list[Row | Skip] = []
     for batch in batches:
         for context in contexts:
-            est = memory_estimate(spec, batch, context, page_size)
+            est = memory_estimate(spec, batch, context, page_size, weights_format)
             contiguous = memory_estimate(spec, batch, context) if page_size else None
-            for engine in ("mkc", "torch+graph"):
+            for engine in ("mkc", "torch+graph") if weights_format == "bf16" else ("mkc",):
                 free = free_memory()
                 why = memory_skip(est, engine, free, contiguous)
                 need = est.megakernel if engine == "mkc" else est.baseline
@@ -373,7 +415,8 @@ def run_bench(spec: ModelSpec, weights: dict[str, torch.Tensor], batches: list[i
                             else:
                                 out.append(_megakernel_row(spec, weights, batch, context, sms=sms, bw=bw,
                                                            reps=reps, page_size=page_size,
-                                                           profile_dir=profile_dir, log=log))
+                                                           profile_dir=profile_dir, log=log,
+                                                           weights=weights_format))
                         else:
                             out.append(_baseline_row(spec, weights, batch, context, bw=bw, reps=reps))
                         continue
@@ -382,10 +425,11 @@ def run_bench(spec: ModelSpec, weights: dict[str, torch.Tensor], batches: list[i
                                f"({need / 1e9:.1f} GB) fit in {free / 1e9:.1f} GB free: {str(e).splitlines()[0]}")
                     gc.collect()  # the failed engine's tensors, held by its traceback's frames
                     torch.cuda.empty_cache()
-                out.append(Skip(engine, batch, context, need, free, why))
+                out.append(Skip(mkc_engine(weights_format) if engine == "mkc" else engine, batch, context, need,
+                                free, why))
                 log(f"batch {batch} context {context}: skipped: {why}")
             m, b = out[-2], out[-1]
-            if isinstance(m, Row) and isinstance(b, Row):
+            if weights_format == "bf16" and isinstance(m, Row) and isinstance(b, Row):
                 log(f"batch {batch} context {context}: mkc {m.step_us:.1f} µs ({m.sol_fraction:.1%} SOL), "
                     f"torch+graph {b.step_us:.1f} µs ({b.sol_fraction:.1%} SOL), speed-up {b.step_us / m.step_us:.2f}x")
     return out
@@ -471,7 +515,8 @@ def _time_decoder(dec, sc, spec: ModelSpec, tokens, positions, *, bw: float, rep
         + (f" at context {att['measured_at_context']}" if "measured_at_context" in att else "") + ")")
     if profile_dir is not None:
         _write_profile(dec, sc, spec, Path(profile_dir) / f"trace-b{batch}-c{context}.json")
-    r = row("mkc", batch, context, times, step_bytes(spec, batch, context, routed), bw)
+    fmt = sc.meta.get("weights", "bf16")
+    r = row(mkc_engine(fmt), batch, context, times, step_bytes(spec, batch, context, routed, fmt), bw)
     if not predict:
         return r
     r.predicted_us = round(predicted_step_us(sc, bw), 1)
@@ -548,9 +593,14 @@ def bench_main(a) -> int:
 
     spec = load_spec(a.config)
     batches, contexts = a.batch, a.context
+    formats = getattr(a, "weights", None) or ["bf16"]
     if a.page_size > min(contexts):
         print(f"mkc: error: --page-size {a.page_size} is longer than the context {min(contexts)}: expected a page "
               f"of at most the shortest context", file=sys.stderr)
+        return 2
+    if getattr(a, "tune", False) and formats != ["bf16"]:
+        print(f"mkc: error: --tune with --weights {','.join(formats)}: the tuner times bf16 schedules: expected "
+              f"--weights bf16", file=sys.stderr)
         return 2
     if not cuda_available():
         print("mkc: error: bench needs a CUDA GPU and none is usable here: expected an H100/H200 (sm_90a)",
@@ -561,20 +611,42 @@ def bench_main(a) -> int:
         print(f"mkc: error: the weights of {spec.name} ({weights_bytes / 1e9:.1f} GB in bf16) do not fit in the "
               f"{free / 1e9:.1f} GB free on {torch.cuda.get_device_name(0)}", file=sys.stderr)
         return 2
+    out = Path(a.output)
+    out.mkdir(parents=True, exist_ok=True)
+    rows: list[Row | Skip] = []
+    for fmt in formats:  # each format on freshly made weights, the last format's freed first
+        weights = bench_weights(spec, a, fmt, batches, contexts)
+        rows += run_bench(spec, weights, batches, contexts, reps=a.reps, profile_dir=out if a.profile else None,
+                          page_size=a.page_size, tune=a.tune, tune_rounds=a.tune_rounds, tune_tiles=a.tune_tiles,
+                          tune_every_count=a.tune_every_count, weights_format=fmt)
+        del weights
+        gc.collect()
+        torch.cuda.empty_cache()
+    print(format_table(rows))
+    write_json(rows, out / "bench.json", {"gpu": torch.cuda.get_device_name(0), "model": spec.name,
+                                          "reps": a.reps, "weights": "checkpoint" if a.checkpoint else "random",
+                                          "page_size": a.page_size, "weight_formats": formats})
+    print(f"wrote {out / 'bench.json'}")
+    return 0
+
+
+def bench_weights(spec: ModelSpec, a, fmt: str, batches: list[int], contexts: list[int]) -> dict[str, torch.Tensor]:
+    """The weights ``mkc bench`` times format ``fmt`` with, on the GPU: the checkpoint's or random
+    bf16 ones, the FP8 formats' matrices quantised from them and laid out for the kernel (random:
+    device_random_fp8_weights, each as it is made; a checkpoint's: fp8_device_weights)."""
+    from mkc.ir.lower import lower
+
+    # the buffers of the format (every point lowers the same weights): the smallest point's
+    buffers = lower(spec, min(batches), min(contexts), 132, weights=fmt).buffers if fmt != "bf16" else {}
     if a.checkpoint:
         from mkc.runtime.weights import load_checkpoint
 
         weights = {k: v.cuda() for k, v in load_checkpoint(a.checkpoint, spec, torch.bfloat16).items()}
-    else:
-        weights = device_random_weights(spec, a.seed)
-    out = Path(a.output)
-    out.mkdir(parents=True, exist_ok=True)
-    rows = run_bench(spec, weights, batches, contexts, reps=a.reps, profile_dir=out if a.profile else None,
-                     page_size=a.page_size, tune=a.tune, tune_rounds=a.tune_rounds, tune_tiles=a.tune_tiles,
-                     tune_every_count=a.tune_every_count)
-    print(format_table(rows))
-    write_json(rows, out / "bench.json", {"gpu": torch.cuda.get_device_name(0), "model": spec.name,
-                                          "reps": a.reps, "weights": "checkpoint" if a.checkpoint else "random",
-                                          "page_size": a.page_size})
-    print(f"wrote {out / 'bench.json'}")
-    return 0
+        if fmt == "bf16":
+            return weights
+        from mkc.runtime.quantize import fp8_device_weights
+
+        return fp8_device_weights(weights, buffers, fmt)
+    if fmt == "bf16":
+        return device_random_weights(spec, a.seed)
+    return device_random_fp8_weights(spec, a.seed, buffers, fmt)

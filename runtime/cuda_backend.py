@@ -35,12 +35,21 @@ from mkc import settings
 from mkc.codegen import KernelArtifact, build_kernel
 from mkc.codegen.render import CodegenOptions
 from mkc.codegen.taskwords import buffer_table, encode, record_descriptors, routing_logits, tagged_words
-from mkc.codegen.weight_tiles import TILE_ROWS, TiledWeights, from_tiles, tiled_weights, to_tiles
+from mkc.codegen.weight_tiles import (
+    TILE_ROWS,
+    TiledWeights,
+    from_tiles,
+    from_tiles_fp8,
+    tiled_weights,
+    to_tiles,
+    to_tiles_fp8,
+)
+from mkc.ir import fp8
 from mkc.ir.kv_layout import identity_page_table, logical_view, page_size_of
 from mkc.ir.spec import ModelSpec
 from mkc.schedule.schedule import Schedule
 
-TORCH_DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32}
+TORCH_DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32, "fp8": torch.float8_e4m3fn}
 ABORT_WORDS = 8  # flag, task id, counter, counter value, value needed, SM, -, -
 # a profiled step's %globaltimer words per record, in the kernel's order (kernel.cu.j2: PROF_WORDS):
 # the first 3, or every one with CodegenOptions.profile_phases
@@ -131,13 +140,17 @@ class LogicalWeights(Mapping):
     tile-ordered weight is reordered back on each access, one matrix at a time: ``w[name][e]`` of
     an expert stack reorders expert e only. Nothing is kept, so the weights are held once."""
 
-    def __init__(self, buffers: dict[str, torch.Tensor], names: list[str], tiled: frozenset[str]):
+    def __init__(self, buffers: dict[str, torch.Tensor], names: list[str], tiled: frozenset[str],
+                 scales: dict[str, torch.Tensor] | None = None):
         self._buffers, self._names, self._tiled = buffers, dict.fromkeys(names), tiled
+        self._scales = scales or {}  # FP8 weights' scales: those weights come back dequantised to bf16
 
     def __getitem__(self, name: str):
         if name not in self._names:
             raise KeyError(name)
         t = self._buffers[name]
+        if name in self._scales:
+            return _TiledStack(t, self._scales[name]) if t.dim() == 3 else self.matrix(name)
         if name not in self._tiled:
             return t
         return _TiledStack(t) if t.dim() == 3 else from_tiles(t)
@@ -147,6 +160,8 @@ class LogicalWeights(Mapping):
         if name not in self._names:
             raise KeyError(name)
         t = self._buffers[name]
+        if name in self._scales:
+            return _fp8_rows(t, self._scales[name])
         return from_tiles(t) if name in self._tiled else t
 
     def rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:
@@ -158,6 +173,9 @@ class LogicalWeights(Mapping):
         groups = from_tiles(t.view(r // TILE_ROWS, TILE_ROWS, k)[ids // TILE_ROWS])  # [T, 16, K]
         return groups[torch.arange(ids.numel(), device=ids.device), ids % TILE_ROWS]
 
+    def __contains__(self, name) -> bool:  # without reordering (or dequantising) the weight
+        return name in self._names
+
     def __iter__(self):
         return iter(self._names)
 
@@ -165,14 +183,23 @@ class LogicalWeights(Mapping):
         return len(self._names)
 
 
-class _TiledStack:
-    """A tile-ordered stack of matrices [E, R, K]; indexing by e gives matrix e row-major."""
+def _fp8_rows(t: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """An FP8 weight in tile order, row-major and dequantised to bf16."""
+    q = from_tiles_fp8(t.view(torch.uint8)).view(torch.float8_e4m3fn)
+    return fp8.dequantize(q, scales).to(torch.bfloat16)
 
-    def __init__(self, t: torch.Tensor):
-        self._t = t
+
+class _TiledStack:
+    """A tile-ordered stack of matrices [E, R, K]; indexing by e gives matrix e row-major (an FP8
+    stack's dequantised to bf16)."""
+
+    def __init__(self, t: torch.Tensor, scales: torch.Tensor | None = None):
+        self._t, self._scales = t, scales
         self.shape = t.shape
 
     def __getitem__(self, e) -> torch.Tensor:
+        if self._scales is not None:
+            return _fp8_rows(self._t[e], self._scales[e])
         return from_tiles(self._t[e])
 
 
@@ -206,6 +233,7 @@ class CudaDecoder:
             # router logits with a tagged copy after them (CodegenOptions.tagged_logits)
             self.tagged = routing_logits(schedule) if self.artifact.config.tagged_logits else frozenset()
             self._tags: list[torch.Tensor] = []  # the tagged copies (zero: no step has written them)
+            self.scales: dict[str, torch.Tensor] = {}  # FP8 weights' scales (views into their allocations)
             self.buffers = self._allocate(weights, shared or {})
             self.page_size = page_size_of(schedule.buffers)
             if self.page_size:  # sequence b's pages are b * pages_per_seq + j until someone remaps them
@@ -270,6 +298,8 @@ class CudaDecoder:
                     raise ValueError(f"shared buffer {b.name}: {tuple(t.shape)} {t.dtype} on {t.device}: expected "
                                      f"{tuple(b.shape)} {dt} on {self.device}")
                 out[b.name] = t
+            elif b.kind == "weight" and b.dtype == "fp8":
+                out[b.name] = self._fp8_matrix(b, weights)
             elif b.kind == "weight":
                 w = b.given(weights).to(device=self.device, dtype=dt)
                 ready = isinstance(weights, TiledWeights) and b.name in weights.tiled
@@ -287,11 +317,35 @@ class CudaDecoder:
                 out[b.name] = t.fill_(-1) if dt == torch.int32 else t.fill_(float("nan"))
         return out
 
+    def _fp8_matrix(self, b, weights: dict[str, torch.Tensor]) -> torch.Tensor:
+        """An FP8 weight in one allocation: its e4m3 elements in the FP8 tile order, then its
+        float32 scales (mkc/ir/fp8.py: scales_offset), where the kernel finds them. Returns the
+        elements' view; the scales' view goes to self.scales."""
+        fmt = self.schedule.meta.get("weights", "fp8")
+        fp8.check(b.name, b.shape, fmt, weights)  # one clear line for a missing or malformed tensor
+        q, s = weights[b.name], weights[b.name + fp8.SCALE_SUFFIX]
+        if isinstance(weights, TiledWeights) and b.name in weights.tiled:  # laid out already (fp8_device_weights)
+            if (q.device != self.device
+                    or s.data_ptr() != q.data_ptr() + fp8.scales_offset(math.prod(b.shape))):
+                raise ValueError(f"weight {b.name}: given in tile order, but not with its scales after it on "
+                                 f"{self.device}: expected runtime/quantize.py: fp8_device_weights' layout")
+            self.scales[b.name] = s
+            return q
+        numel, off = math.prod(b.shape), fp8.scales_offset(math.prod(b.shape))
+        store = torch.empty(off + 4 * s.numel(), dtype=torch.uint8, device=self.device)
+        data = store[:numel].view(torch.float8_e4m3fn).view(b.shape)
+        data.copy_(to_tiles_fp8(q.to(self.device).view(torch.uint8)).view(torch.float8_e4m3fn))
+        scales = store[off:].view(torch.float32).view(s.shape)
+        scales.copy_(s.to(device=self.device, dtype=torch.float32))
+        self.scales[b.name] = scales
+        return data
+
     # -- running --------------------------------------------------------------------------------
     def logical_weights(self) -> LogicalWeights:
-        """The decoder's weights as the lowering lays them out (for the PyTorch prefill)."""
+        """The decoder's weights as the lowering lays them out (for the PyTorch prefill); FP8 ones
+        dequantised to bf16 on access."""
         names = [n for n, b in self.schedule.buffers.items() if b.kind == "weight"]
-        return LogicalWeights(self.buffers, names, self.tiled)
+        return LogicalWeights(self.buffers, names, self.tiled, self.scales)
 
     def kv_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Live (k, v) views of a layer's cache, [B, kv_heads, ctx, head_dim] bf16 (for a paged

@@ -110,7 +110,7 @@ def _check(spec: ModelSpec, prompts: list[list[int]], max_new_tokens: int, backe
 def greedy_generate_batch(spec: ModelSpec, weights: dict[str, torch.Tensor], prompts: list[list[int]],
                           max_new_tokens: int, *, dtype: torch.dtype = torch.float32, backend: str = "cpu",
                           context: int | None = None, num_sms: int = 8, seed: int | None = None,
-                          poison_weights: bool = True,
+                          poison_weights: bool = True, weights_format: str = "bf16",
                           progress: Callable[[int], None] | None = None) -> list[list[int]]:
     """Greedy-decode ``max_new_tokens`` for each prompt together (batch = len(prompts)).
 
@@ -127,15 +127,17 @@ def greedy_generate_batch(spec: ModelSpec, weights: dict[str, torch.Tensor], pro
     if ctx < steps:
         raise ValueError(f"context {ctx} is too small for {steps} positions (longest prompt + max_new_tokens - 1)")
     B = len(prompts)
+    lowering = {} if weights_format == "bf16" else {"weights": weights_format}
     if backend == "cpu":
-        sc = plan(spec, B, ctx, num_sms)
+        sc = plan(spec, B, ctx, num_sms, **lowering)
+        weights = _in_format(weights, sc, weights_format)
         ex = CpuExecutor(sc, spec, weights, dtype=dtype, poison_weights=poison_weights)
 
         def run(tokens: list[int], pos: int, i: int) -> list[int]:
             _, nxt = ex.step(tokens, [pos] * B, seed=None if seed is None else seed + i)
             return nxt.tolist()
     elif backend == "cuda":
-        run = _cuda_runner(spec, weights, B, ctx)
+        run = _cuda_runner(spec, weights, B, ctx, weights_format)
     else:
         ref = DenseReference(spec, weights)
 
@@ -158,16 +160,28 @@ def greedy_generate_batch(spec: ModelSpec, weights: dict[str, torch.Tensor], pro
     return out
 
 
-def _cuda_runner(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context: int):
-    """The megakernel for (batch, context) on the current GPU, one CTA per SM (bf16 weights)."""
+def _in_format(weights: dict[str, torch.Tensor], sc, fmt: str) -> dict[str, torch.Tensor]:
+    """``weights`` for a schedule with weight format ``fmt``: FP8 matrices quantised from bf16 or
+    float32 ones (runtime/quantize.py: fp8_weights) unless given already (their scales present)."""
+    from mkc.ir.fp8 import SCALE_SUFFIX, is_fp8
+
+    if not is_fp8(fmt) or any(k.endswith(SCALE_SUFFIX) for k in weights):
+        return weights
+    from mkc.runtime.quantize import fp8_weights
+
+    return fp8_weights(weights, sc.buffers, fmt)
+
+
+def _cuda_runner(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context: int, fmt: str = "bf16"):
+    """The megakernel for (batch, context) on the current GPU, one CTA per SM."""
     from mkc.runtime.cuda_backend import CudaDecoder, cuda_available
 
     if not cuda_available():
         raise ValueError("backend 'cuda': no usable CUDA GPU here: expected an H100/H200 (sm_90a)")
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    sc = plan(spec, batch, context, sms)
+    sc = plan(spec, batch, context, sms, **({} if fmt == "bf16" else {"weights": fmt}))
     # the decoder moves (and reorders) one weight at a time: the GPU never holds two copies
-    dec = CudaDecoder(sc, spec, weights)
+    dec = CudaDecoder(sc, spec, _in_format(weights, sc, fmt))
 
     def run(tokens: list[int], pos: int, i: int) -> list[int]:
         _, nxt = dec.step(tokens, [pos] * batch)
@@ -179,14 +193,16 @@ def _cuda_runner(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, 
 def greedy_generate(spec: ModelSpec, weights: dict[str, torch.Tensor], prompt_ids: list[int], max_new_tokens: int,
                     *, dtype: torch.dtype = torch.float32, backend: str = "cpu", context: int | None = None,
                     num_sms: int = 8, seed: int | None = None, poison_weights: bool = True,
-                    progress: Callable[[int], None] | None = None) -> list[int]:
+                    weights_format: str = "bf16", progress: Callable[[int], None] | None = None) -> list[int]:
     """Greedy-decode ``max_new_tokens`` after ``prompt_ids``; returns the generated ids only.
 
     Compiles for batch 1 and a context bucket (the next power of two >= prompt + new tokens, at
     least 64) unless ``context`` is given, then runs every token through the CPU executor
     (``backend="cpu"``), the megakernel on the GPU (``backend="cuda"``, bf16) or the dense
-    reference (``backend="reference"``).
+    reference (``backend="reference"``). ``weights_format``: the compiled step's (mkc/ir/fp8.py;
+    FP8 matrices quantised from the weights given unless they are FP8 already).
     """
     return greedy_generate_batch(spec, weights, [list(prompt_ids)], max_new_tokens, dtype=dtype, backend=backend,
                                  context=context or context_bucket(len(prompt_ids) + max_new_tokens),
-                                 num_sms=num_sms, seed=seed, poison_weights=poison_weights, progress=progress)[0]
+                                 num_sms=num_sms, seed=seed, poison_weights=poison_weights,
+                                 weights_format=weights_format, progress=progress)[0]

@@ -190,7 +190,9 @@ class Prefill:
         """float32 logits [vocab] of one position's residual ``last`` [1, H]."""
         s = self.spec
         n = self._r(_rms_norm(last, self.w["final_norm"], s.norm_eps))
-        return self._mm(n, "embed" if s.tie_word_embeddings else "lm_head")[0] * s.logit_scale
+        # an FP8 step has its own head even where the embedding is tied (mkc/ir/fp8.py)
+        head = "lm_head" if not s.tie_word_embeddings or "lm_head" in self.w else "embed"
+        return self._mm(n, head)[0] * s.logit_scale
 
     def _r(self, x: torch.Tensor) -> torch.Tensor:
         """Round to the activation storage dtype, as a store to a "bf16" buffer does."""

@@ -233,3 +233,87 @@ def _write(src: Path, dst: Path, config: dict, tied: bool, fmt: Fp8Format) -> di
         if p.is_file() and p.suffix != ".safetensors" and p.name not in _NOT_COPIED:
             shutil.copy2(p, dst / p.name)
     return stats
+
+
+def fp8_weights(weights: dict, buffers: dict, fmt: str) -> dict:
+    """Logical weights for a schedule compiled with ``--weights fp8|fp8-block`` (mkc/ir/fp8.py):
+    every fp8 buffer of ``buffers`` as its e4m3 matrix and scales, quantised here from the bf16 or
+    float32 ``weights`` (an FP8 LM head from a tied embedding); the other weights as they were.
+    One matrix at a time, on the weights' device; the bf16 source of a quantised matrix is dropped
+    from the result."""
+    from mkc.ir.fp8 import SCALE_SUFFIX, is_fp8
+    from mkc.runtime.weights import Fp8Format
+
+    if not is_fp8(fmt):
+        raise ValueError(f"--weights {fmt}: expected fp8 or fp8-block")
+    scheme = Fp8Format("fp8", "block", (128, 128), "_scale_inv") if fmt == "fp8-block" else \
+        Fp8Format("compressed-tensors", "channel", None, "_scale")
+    out = dict(weights)
+    for name, b in buffers.items():
+        if b.kind != "weight" or b.dtype != "fp8":
+            continue
+        source = name if name in weights else "embed" if name == "lm_head" else None
+        if source is None or source not in weights:
+            raise ValueError(f"weight {name} is missing from the weights given: --weights {fmt} quantises it")
+        try:
+            q, s = quantize_weight(weights[source], scheme)
+        except ValueError as e:
+            raise ValueError(f"weight {source}: {e}") from None
+        out[name], out[name + SCALE_SUFFIX] = q, s
+    return out
+
+
+def fp8_device_weights(weights: dict, buffers: dict, fmt: str):
+    """fp8_weights laid out as the kernel reads them, for a CudaDecoder to take as they are: each
+    FP8 matrix quantised on its source's device (fp8_device_matrix). Returns a TiledWeights naming
+    those matrices (their scales under name + SCALE_SUFFIX). Consumes ``weights``: each bf16 source
+    matrix is dropped from it once quantised (a tied embedding stays), so the GPU holds the model
+    once."""
+    import torch
+
+    from mkc.codegen.weight_tiles import TiledWeights
+    from mkc.ir.fp8 import SCALE_SUFFIX
+
+    names = [n for n, b in buffers.items() if b.kind == "weight" and b.dtype == "fp8"]
+    for name in names:
+        if name in weights and weights[name].dtype == torch.float8_e4m3fn and name + SCALE_SUFFIX in weights:
+            continue  # laid out already (device_random_fp8_weights, or an earlier call)
+        source = name if name in weights else "embed" if name == "lm_head" and "embed" in weights else None
+        if source is None:
+            raise ValueError(f"weight {name} is missing from the weights given: --weights {fmt} quantises it")
+        data, scales = fp8_device_matrix(weights[source], fmt, name)
+        if source == name:
+            del weights[name]
+        weights[name], weights[name + SCALE_SUFFIX] = data, scales
+    return TiledWeights(weights, names)
+
+
+def fp8_device_matrix(w: torch.Tensor, fmt: str, name: str = "tensor") -> tuple[torch.Tensor, torch.Tensor]:
+    """One matrix [..., R, K] quantised (quantize_weight) into one allocation on its device, as the
+    kernel reads it: its e4m3 elements in the FP8 tile order (mkc/codegen/weight_tiles.py:
+    to_tiles_fp8), then its float32 scales (mkc/ir/fp8.py: scales_offset). Returns the views
+    (elements, scales)."""
+    import torch
+
+    from mkc.codegen.weight_tiles import to_tiles_fp8
+    from mkc.ir.fp8 import scales_offset
+
+    q = fp8_weights({name: w}, {name: _Matrix(tuple(w.shape))}, fmt)
+    q, s = q[name], q[name + ".scale"]
+    numel = q.numel()
+    off = scales_offset(numel)
+    store = torch.empty(off + 4 * s.numel(), dtype=torch.uint8, device=q.device)
+    data = store[:numel].view(torch.float8_e4m3fn).view(q.shape)
+    data.view(torch.uint8).copy_(to_tiles_fp8(q.view(torch.uint8)))
+    scales = store[off:].view(torch.float32).view(s.shape)
+    scales.copy_(s)
+    return data, scales
+
+
+class _Matrix:
+    """A stand-in for a lowering Buffer: an FP8 weight of ``shape`` (what fp8_weights reads)."""
+
+    kind, dtype = "weight", "fp8"
+
+    def __init__(self, shape: tuple[int, ...]):
+        self.shape = shape

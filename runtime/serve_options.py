@@ -47,6 +47,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="slab: one KV slab of the whole context per batch slot; paged: a pool of --kv-pages "
                              "pages of --page-size positions that slots take as they grow (the kernel reads them "
                              "through a page table)")
+    parser.add_argument("--weights", choices=("bf16", "fp8", "fp8-block"), default="bf16",
+                        help="how the attention, MLP, expert and LM-head matrices are stored: bf16, fp8 (e4m3, a "
+                             "scale per output row) or fp8-block (a scale per 128 x 128 block); quantised at load "
+                             "from the checkpoint or random weights (default bf16)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                         help="weights/activations (default: float32 on cpu, bfloat16 on cuda)")
     parser.add_argument("--num-sms", type=int, default=None,

@@ -550,7 +550,14 @@ def build_state(args: argparse.Namespace) -> ServerState:
              str(dtype).removeprefix("torch."))
     if backend_name == "cuda":
         _check_gpu_memory(spec, args)
-    if args.random_weights and backend_name == "cuda":  # made on the GPU: seconds, not minutes on the host
+    fmt = getattr(args, "weights", "bf16")
+    if args.random_weights and backend_name == "cuda" and fmt != "bf16":  # FP8 as made: never the bf16 model
+        from mkc.ir.lower import lower
+        from mkc.runtime.bench import device_random_fp8_weights
+
+        weights = device_random_fp8_weights(spec, args.seed, lower(spec, 1, args.context, 132, weights=fmt).buffers,
+                                            fmt)
+    elif args.random_weights and backend_name == "cuda":  # made on the GPU: seconds, not minutes on the host
         from mkc.runtime.bench import device_random_weights
 
         weights = device_random_weights(spec, args.seed)
@@ -564,7 +571,8 @@ def build_state(args: argparse.Namespace) -> ServerState:
     kv_pages = args.kv_pages or args.max_batch * -(-args.context // args.page_size)
     backend = make_backend(backend_name, spec, weights, max_batch=args.max_batch, context=args.context,
                            dtype=dtype, num_sms=args.num_sms, page_size=args.page_size if paged else 0,
-                           kv_pages=kv_pages if paged else 0, batches=getattr(args, "step_batches", None))
+                           kv_pages=kv_pages if paged else 0, batches=getattr(args, "step_batches", None),
+                           weights_format=fmt)
     log.info("backend ready in %.1f s", time.monotonic() - t1)
     tokenizer = load_tokenizer(args.checkpoint, spec.vocab_size)
     metrics = Metrics()
@@ -586,21 +594,24 @@ def _has_cuda_backend() -> bool:
     return cuda_available()
 
 
-def serve_memory(spec: Any, max_batch: int, context: int, page_size: int, kv_pages: int, prefill_chunk: int) -> dict:
-    """Bytes ``mkc serve --backend cuda`` needs on the GPU, by part: the bf16 weights; the KV
+def serve_memory(spec: Any, max_batch: int, context: int, page_size: int, kv_pages: int, prefill_chunk: int,
+                 weights_format: str = "bf16") -> dict:
+    """Bytes ``mkc serve --backend cuda`` needs on the GPU, by part: the weights (in
+    ``weights_format``: mkc/ir/fp8.py); the KV
     cache (a slab per slot, or ``kv_pages`` pages and the scratch page); the prefill's working
     memory (the largest layer's matrices read back row-major, and a chunk's activations and
     expert rows, bounded by FastPrefill's 2048-position chunks within a layer); a margin for the
     step decoders' activations and the allocator."""
     import math
 
+    from mkc.ir.fp8 import stored_bytes
     from mkc.runtime.weights import weight_shapes
 
     a, m, H = spec.attention, spec.moe, spec.hidden_size
     position = 2 * spec.num_layers * a.num_kv_heads * a.head_dim * 2  # K and V of every layer, bf16
     kv = ((kv_pages + 1) * page_size if page_size else max_batch * context) * position
     shapes = weight_shapes(spec)
-    weights = sum(math.prod(s) for s in shapes.values()) * 2
+    weights = stored_bytes(shapes, weights_format, spec.tie_word_embeddings)
     layer = max(sum(math.prod(s) for n, s in shapes.items() if n.startswith(f"L{i}.")) for i in range(spec.num_layers))
     rows = min(prefill_chunk, 2048) * (m.top_k if m else 1)
     wide = max(m.intermediate if m else 0, spec.dense_intermediate)
@@ -615,7 +626,7 @@ def _check_gpu_memory(spec: Any, args: argparse.Namespace) -> None:
     paged = args.kv_layout == "paged"
     kv_pages = args.kv_pages or args.max_batch * -(-args.context // args.page_size)
     need = serve_memory(spec, args.max_batch, args.context, args.page_size if paged else 0, kv_pages,
-                        args.prefill_chunk)
+                        args.prefill_chunk, getattr(args, "weights", "bf16"))
     problem = memory_problem(spec.name, need, torch.cuda.mem_get_info()[0], torch.cuda.get_device_name(),
                              args.max_batch, args.context)
     if problem:
@@ -647,7 +658,7 @@ def _require_cuda() -> None:
 
 def make_backend(name: str, spec: Any, weights: dict[str, Any], *, max_batch: int, context: int, dtype: Any,
                  num_sms: int | None = None, page_size: int = 0, kv_pages: int = 0,
-                 batches: list[int] | None = None) -> Any:
+                 batches: list[int] | None = None, weights_format: str = "bf16") -> Any:
     """The decode backend by name; unknown names raise with the list of valid ones. With a
     ``page_size`` its KV cache is a pool of ``kv_pages`` pages; ``batches``: the step decoders'
     batch sizes besides ``max_batch`` (runtime/backends.py: step_batches)."""
@@ -656,11 +667,13 @@ def make_backend(name: str, spec: Any, weights: dict[str, Any], *, max_batch: in
     step_batches(max_batch, batches)  # bad sizes fail here, before any work
     if name == "cpu":
         return CpuBackend(spec, weights, max_batch=max_batch, context=context, num_sms=num_sms or 8, dtype=dtype,
-                          page_size=page_size, kv_pages=kv_pages, batches=batches)
+                          page_size=page_size, kv_pages=kv_pages, batches=batches,
+                          weights_format=weights_format)
     if name == "cuda":
         _require_cuda()
         return CudaBackend(spec, weights, max_batch=max_batch, context=context, num_sms=num_sms,
-                           page_size=page_size, kv_pages=kv_pages, batches=batches)
+                           page_size=page_size, kv_pages=kv_pages, batches=batches,
+                           weights_format=weights_format)
     raise ValueError(f"--backend {name!r}: expected one of ['auto', 'cuda', 'cpu']")
 
 

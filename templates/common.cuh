@@ -13,6 +13,16 @@ typedef __nv_bfloat16 bf16;
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
+// One element of an FP8 (e4m3) weight matrix (WEIGHT_FORMAT > 0).
+struct fp8e4 {
+    unsigned char bits;
+};
+template <bool C, class A, class B> struct pick_type { using type = A; };
+template <class A, class B> struct pick_type<false, A, B> { using type = B; };
+// The element of the matrices a GEMV streams (a model's routers stay bf16 either way).
+using wt = typename pick_type<WEIGHT_FORMAT == 0, bf16, fp8e4>::type;
+template <class T> __host__ __device__ constexpr bool is_fp8() { return sizeof(T) == 1; }
+
 #ifndef INFINITY
 #define INFINITY __int_as_float(0x7f800000)
 #endif
@@ -83,6 +93,18 @@ __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
     const u32 l = __bfloat16_as_ushort(__float2bfloat16_rn(lo));
     const u32 h = __bfloat16_as_ushort(__float2bfloat16_rn(hi));
     return l | (h << 16);
+}
+
+// Four e4m3 (one u32, element 0 in the low byte) to two bf16 pairs (elements 0, 1 and 2, 3), exactly:
+// the sign, exponent and mantissa bits placed into a bf16 give the value times 2^-120 (exponent
+// bias 7 against 127; e4m3's subnormals land on bf16's), and one bf16x2 multiply by 2^120 restores
+// it. Integer and FMA-pipe work only, no conversion unit.
+__device__ __forceinline__ void e4m3x4_to_bf16(u32 w, u32& lo, u32& hi) {
+    const u32 p0 = __byte_perm(w, 0u, 0x1404), p1 = __byte_perm(w, 0u, 0x3424);  // [0, b0, 0, b1], [0, b2, 0, b3]
+    lo = (p0 & 0x80008000u) | ((p0 >> 4) & 0x07f007f0u);
+    hi = (p1 & 0x80008000u) | ((p1 >> 4) & 0x07f007f0u);
+    asm("mul.rn.bf16x2 %0, %0, %1;" : "+r"(lo) : "r"(0x7b807b80u));
+    asm("mul.rn.bf16x2 %0, %0, %1;" : "+r"(hi) : "r"(0x7b807b80u));
 }
 
 __device__ __forceinline__ void store_bf16(bf16* p, float v) { *p = __float2bfloat16_rn(v); }
@@ -228,6 +250,7 @@ struct BufDesc {
     void* ptr;
     int shape[MAX_RANK];  // left-padded with 1s: shape[MAX_RANK - 1] is the innermost dim
     int dtype;            // DT_BF16 | DT_F32 | DT_I32 | DT_BF16_TILES (weights in tile order) | DT_F32_TAGGED
+                          // | DT_FP8_TILES (e4m3 weights in tile order, their scales after them)
 };
 
 constexpr int MAX_OPERANDS = W_ARGS - W_OPERANDS;
@@ -256,6 +279,14 @@ struct Task {
     // A DT_F32_TAGGED buffer's tagged copy: after its numel floats (rounded up to 8 bytes), one
     // 8-byte word per element (tag_value: the value and the step that wrote it; the runtime zeroes
     // them, and steps count from 1). Null for any other dtype.
+    // A DT_FP8_TILES weight's float32 scales: after its numel bytes, rounded up to 16 (mkc/ir/fp8.py).
+    __device__ __forceinline__ const float* scales(int operand) const {
+        const BufDesc& b = buf(operand);
+        size_t n = 1;
+#pragma unroll
+        for (int i = 0; i < MAX_RANK; ++i) n *= (size_t)b.shape[i];
+        return reinterpret_cast<const float*>(reinterpret_cast<const unsigned char*>(b.ptr) + (n + 15) / 16 * 16);
+    }
     __device__ __forceinline__ u64* tagged(int operand) const {
         const BufDesc& b = buf(operand);
         if (b.dtype != DT_F32_TAGGED) return nullptr;

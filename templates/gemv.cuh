@@ -12,6 +12,14 @@
 // the same pieces stored where each of a warp's loads reads 512 contiguous bytes); the products
 // and their order are the same in both.
 //
+// FP8 weights (WEIGHT_FORMAT > 0, tile order only): a block of 16 rows x 64 columns is 1024 bytes,
+// row half j (rows g + 8 j) of lane l at byte j * 512 + 16 l: the 8 elements of piece 2 j of the
+// bf16 order, then those of piece 2 j + 1. A lane's two 16-byte loads per block become the four
+// bf16 pieces in registers (e4m3x4_to_bf16), so the products are those of the dequantised weights;
+// a scale per row multiplies a row's sums at the end, a scale per 128 x 128 block each block's.
+// gemv_tile takes them with its `finish` (WithScales); bf16 tiles compile to the same code as
+// before FP8 existed.
+//
 // Work split: a tile of `rows` rows is 16-row groups (one per warp item); when there are fewer
 // groups than warps, k is split over up to ks warps and reduced through shared memory in a fixed
 // order (deterministic).
@@ -239,6 +247,149 @@ __device__ __forceinline__ void gemv_item(const bf16* const (&w0)[NACC],
     }
 }
 
+// ---- FP8 weights ---------------------------------------------------------------------------------
+
+// This lane's pointers into 16-row group gi of each FP8 row set (tile order: 16 bytes per lane and
+// row half).
+template <int NACC>
+__device__ __forceinline__ void group_rows_fp8(const fp8e4* const (&w)[NACC], int w_ld, int gi,
+                                               const fp8e4* (&w0)[NACC], const fp8e4* (&w1)[NACC]) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int a = 0; a < NACC; ++a) {
+        w0[a] = w[a] + (size_t)gi * 16 * w_ld + lane * 16;
+        w1[a] = w0[a] + 512;
+    }
+}
+
+// gemv_load for FP8 rows: one 16-byte load per row half and block ([..][1] unused).
+template <int U, int NACC>
+__device__ __forceinline__ void gemv_load_fp8(uint4 (&wv)[U][NACC][2][2], const fp8e4* const (&w0)[NACC],
+                                              const fp8e4* const (&w1)[NACC], bool v0, bool v1, int kb, int kb_step,
+                                              int kb_end) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const int kbu = kb + u * kb_step;
+        const bool in = kbu < kb_end;
+#pragma unroll
+        for (int a = 0; a < NACC; ++a) {
+            wv[u][a][0][0] = (in && v0) ? ldg_stream(w0[a] + 1024 * kbu) : zero4();
+            wv[u][a][1][0] = (in && v1) ? ldg_stream(w1[a] + 1024 * kbu) : zero4();
+        }
+    }
+}
+
+// The bf16 pieces (first, second) of 16 bytes of an FP8 row half (the file comment's layout).
+__device__ __forceinline__ void fp8_pieces(const uint4& v, uint4& p0, uint4& p1) {
+    e4m3x4_to_bf16(v.x, p0.x, p0.y);
+    e4m3x4_to_bf16(v.y, p0.z, p0.w);
+    e4m3x4_to_bf16(v.z, p1.x, p1.y);
+    e4m3x4_to_bf16(v.w, p1.z, p1.w);
+}
+
+// A warp item's per-block FP8 scales (WEIGHT_FORMAT 2): per row set, the scales of the 128-row
+// block of its group (ceil(k / 128) of them), and the tile's first 64-column block of the matrix.
+template <int NACC>
+struct BlockScales {
+    const float* row[NACC];
+    int kb0;
+};
+
+// gemv_mma for FP8 rows: each block's pieces to bf16 first; with block scales each block's
+// products go to acc times their block's scale.
+template <int U, int NACC>
+__device__ __forceinline__ void gemv_mma_fp8(const uint4 (&wv)[U][NACC][2][2], const bf16* xrow, int kb, int kb_step,
+                                             int kb_end, float (&acc)[NACC][4], const BlockScales<NACC>& bs) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const int kbu = kb + u * kb_step;
+        if (kbu < kb_end) {
+            const int k = kbu * 64;
+            const uint4 xa = lds16(xrow + k), xb = lds16(xrow + k + 32);
+            const u32 xw[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+#pragma unroll
+            for (int a = 0; a < NACC; ++a) {
+                uint4 l0, l1, h0, h1;
+                fp8_pieces(wv[u][a][0][0], l0, l1);
+                fp8_pieces(wv[u][a][1][0], h0, h1);
+                if constexpr (WEIGHT_FORMAT == 2) {
+                    float part[4] = {};
+                    mma_block(part, l0, l1, h0, h1, xw);
+                    const float sc = __ldg(bs.row[a] + (bs.kb0 + kbu) / 2);
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) acc[a][i] += part[i] * sc;
+                } else {
+                    mma_block(acc[a], l0, l1, h0, h1, xw);
+                }
+            }
+        }
+    }
+}
+
+// gemv_item for FP8 rows (the same two register batches in flight).
+template <int NACC, class Fin>
+__device__ __forceinline__ void gemv_item_fp8(const fp8e4* const (&w0)[NACC], const fp8e4* const (&w1)[NACC], bool v0,
+                                              bool v1, const bf16* xrow, int kb_begin, int kb_step, int kb_end,
+                                              float (&acc)[NACC][4], const Fin& finish, bool first,
+                                              const BlockScales<NACC>& bs) {
+    constexpr int U = gemv_batch_blocks<NACC>();
+    const int batch = U * kb_step;
+    uint4 wa[U][NACC][2][2], wb[U][NACC][2][2];
+    gemv_load_fp8<U, NACC>(wa, w0, w1, v0, v1, kb_begin, kb_step, kb_end);
+    if (first) finish();
+    for (int kb = kb_begin; kb < kb_end; kb += 2 * batch) {
+        gemv_load_fp8<U, NACC>(wb, w0, w1, v0, v1, kb + batch, kb_step, kb_end);
+        gemv_mma_fp8<U, NACC>(wa, xrow, kb, kb_step, kb_end, acc, bs);
+        if (kb + batch >= kb_end) break;
+        gemv_load_fp8<U, NACC>(wa, w0, w1, v0, v1, kb + 2 * batch, kb_step, kb_end);
+        gemv_mma_fp8<U, NACC>(wb, xrow, kb + batch, kb_step, kb_end, acc, bs);
+    }
+}
+
+// Where a GEMV tile's FP8 scales are (mkc/ir/fp8.py): `s` the scales of its matrix (an expert's),
+// `r0` the first row of each row set within it, `k_blocks` = ceil(k / 128) (per block: one row of
+// scales per 128 rows), `kb0` the tile's first 64-column block.
+template <int NACC>
+struct WeightScales {
+    const float* s;
+    int r0[NACC];
+    int k_blocks, kb0;
+    // WEIGHT_FORMAT 2: the block scales of 16-row group gi
+    __device__ __forceinline__ BlockScales<NACC> block(int gi) const {
+        BlockScales<NACC> b{};
+        if constexpr (WEIGHT_FORMAT == 2) {
+#pragma unroll
+            for (int a = 0; a < NACC; ++a) b.row[a] = s + (size_t)((r0[a] + gi * 16) / 128) * k_blocks;
+            b.kb0 = kb0;
+        }
+        return b;
+    }
+    // WEIGHT_FORMAT 1: a finished fragment (rows r, r + 8 of every row set) times its rows' scales
+    __device__ __forceinline__ void rows(float (&acc)[NACC][4], int r, int nrows) const {
+        if constexpr (WEIGHT_FORMAT == 1) {
+#pragma unroll
+            for (int a = 0; a < NACC; ++a) {
+                const float s0 = r < nrows ? __ldg(s + r0[a] + r) : 0.f;
+                const float s1 = r + 8 < nrows ? __ldg(s + r0[a] + r + 8) : 0.f;
+                acc[a][0] *= s0;
+                acc[a][1] *= s0;
+                acc[a][2] *= s1;
+                acc[a][3] *= s1;
+            }
+        }
+    }
+};
+
+// An FP8 tile's end of staging: the caller's `finish`, with the tile's scales beside it (the
+// GEMV's only other input).
+template <class Fin, int NACC>
+struct WithScales {
+    Fin fin;
+    WeightScales<NACC> sc;
+    __device__ void landed() const { fin.landed(); }
+    __device__ void operator()() const { fin(); }
+};
+
 // A run of `units` weight units through two register batches of U units (wa holds the first
 // batch, loaded by the caller): the loads of one batch fly while the other is multiplied.
 // load(batch, i0) loads units i0 .. i0 + U - 1 (none past `units`), mma(batch, i0) multiplies them.
@@ -320,6 +471,68 @@ __device__ __forceinline__ void gemv_tile(const bf16* const (&w)[NACC], int w_ld
             for (int a = 0; a < NACC; ++a)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) acc[a][i] += red[(((warp + p) * NACC + a) * 4 + i) * 32 + lane];
+        epi(grp * 16 + g, acc);
+    }
+}
+
+// gemv_tile for FP8 rows, their scales in `finish` (WithScales): the same work split, each warp item
+// through gemv_item_fp8. (A twin rather than a type parameter of gemv_tile: bf16 tiles keep the code
+// they compiled to before FP8 existed, instruction for instruction.)
+template <int NACC, class Epi, class Fin>
+__device__ __forceinline__ void gemv_tile(const fp8e4* const (&w)[NACC], int w_ld, int rows, int k, const bf16* xs,
+                                          float* red, Epi epi, Fin finish) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+    const int groups = (rows + 15) / 16, blocks = k / 64;
+    int ks = 1;
+    while (ks * 2 * groups <= NUM_WARPS && ks * 2 <= blocks) ks *= 2;
+    const bf16* xrow = xs + g * xs_ld(k) + q * 8;
+    // this warp's first item: group warp / ks, blocks part, part + ks, ...
+    const int grp = warp / ks, part = warp % ks;
+    const int r0 = grp * 16 + g, r1 = r0 + 8;
+    // Finish the staging after the first weight loads are issued (each warp inside its first item;
+    // warps without an item directly). With two row sets it finishes first and the op starts its
+    // copies early instead (finishing after the first batch measured a tie).
+    constexpr bool EARLY = NACC == 1;
+    if (!EARLY) finish();
+    if (ks == 1) {
+        if (EARLY && warp >= groups) finish();  // warps without a row group
+        for (int gi = warp; gi < groups; gi += NUM_WARPS) {
+            const int s0 = gi * 16 + g, s1 = s0 + 8;
+            const fp8e4* u0[NACC];
+            const fp8e4* u1[NACC];
+            float acc[NACC][4] = {};
+            group_rows_fp8<NACC>(w, w_ld, gi, u0, u1);
+            gemv_item_fp8<NACC>(u0, u1, s0 < rows, s1 < rows, xrow, 0, 1, blocks, acc, finish, EARLY && gi == warp,
+                                finish.sc.block(gi));
+            finish.sc.rows(acc, s0, rows);
+            epi(s0, acc);
+        }
+        return;
+    }
+    // fewer groups than warps: warp = grp * ks + part, k split over the ks parts
+    float acc[NACC][4] = {};
+    if (EARLY && grp >= groups) finish();
+    if (grp < groups) {
+        const fp8e4* w0[NACC];
+        const fp8e4* w1[NACC];
+        group_rows_fp8<NACC>(w, w_ld, grp, w0, w1);
+        gemv_item_fp8<NACC>(w0, w1, r0 < rows, r1 < rows, xrow, part, ks, blocks, acc, finish, EARLY,
+                            finish.sc.block(grp));
+        if (part != 0) {
+#pragma unroll
+            for (int a = 0; a < NACC; ++a)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) red[((warp * NACC + a) * 4 + i) * 32 + lane] = acc[a][i];
+        }
+    }
+    __syncthreads();
+    if (grp < groups && part == 0) {
+        for (int p = 1; p < ks; ++p)
+#pragma unroll
+            for (int a = 0; a < NACC; ++a)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) acc[a][i] += red[(((warp + p) * NACC + a) * 4 + i) * 32 + lane];
+        finish.sc.rows(acc, grp * 16 + g, rows);
         epi(grp * 16 + g, acc);
     }
 }

@@ -12,10 +12,11 @@
 
 // rows x row_elems elements (row stride ld) from w, whole rows up to `budget` bytes, spread over
 // `lanes` threads of which this is `me`.
-__device__ __forceinline__ void prefetch_rows_by(const bf16* w, int rows, int row_elems, int ld, int budget, int me,
+template <class T>
+__device__ __forceinline__ void prefetch_rows_by(const T* w, int rows, int row_elems, int ld, int budget, int me,
                                                  int lanes) {
     constexpr int CHUNK = 4096;
-    const int row_bytes = row_elems * 2;
+    const int row_bytes = row_elems * (int)sizeof(T);
     rows = min(rows, max(1, budget / row_bytes));
     if (row_elems == ld) {  // contiguous rows: one range, in 4 KB pieces
         const long long total = (long long)rows * row_bytes;
@@ -27,12 +28,14 @@ __device__ __forceinline__ void prefetch_rows_by(const bf16* w, int rows, int ro
 }
 
 // by the waiting task's warps 1.. (warp 0 polls the counters)
-__device__ __forceinline__ void prefetch_rows(const bf16* w, int rows, int row_elems, int ld, int budget) {
+template <class T>
+__device__ __forceinline__ void prefetch_rows(const T* w, int rows, int row_elems, int ld, int budget) {
     prefetch_rows_by(w, rows, row_elems, ld, budget, (int)threadIdx.x - 32, NUM_THREADS - 32);
 }
 
 // by every thread of a running task
-__device__ __forceinline__ void prefetch_rows_all(const bf16* w, int rows, int row_elems, int ld, int budget) {
+template <class T>
+__device__ __forceinline__ void prefetch_rows_all(const T* w, int rows, int row_elems, int ld, int budget) {
     prefetch_rows_by(w, rows, row_elems, ld, budget, (int)threadIdx.x, NUM_THREADS);
 }
 
@@ -218,6 +221,30 @@ struct WaitCopyFinish {
 // tile order (row0 % 16 == 0 and k0 % 64 == 0, mkc/codegen/weight_tiles.py).
 __device__ __forceinline__ size_t weight_tile_offset(int row0, int k0, int k) {
     return (size_t)row0 * k + (WEIGHTS_TILED ? 16 * k0 : k0);
+}
+
+// The scales of a GEMV tile over matrix e of an FP8 weight [E?, R, K] (gemv.cuh: WeightScales):
+// row sets from rows r0[a] of the matrix, columns from k0.
+template <int NACC>
+__device__ __forceinline__ WeightScales<NACC> weight_scales(const Task& t, int operand, int e, const int (&r0)[NACC],
+                                                            int k0) {
+    WeightScales<NACC> sc;
+    const int R = t.dim(operand, 2), K = t.dim(operand, 1);
+    sc.k_blocks = (K + 127) / 128;
+    sc.s = t.scales(operand) + (size_t)e * (WEIGHT_FORMAT == 2 ? (R + 127) / 128 * sc.k_blocks : R);
+#pragma unroll
+    for (int a = 0; a < NACC; ++a) sc.r0[a] = r0[a];
+    sc.kb0 = k0 / 64;
+    return sc;
+}
+
+// A GEMV tile's `finish` for weights W: with the tile's scales beside it for FP8 ones (gemv.cuh:
+// WithScales), as it is for bf16 ones.
+template <class W, int NACC, class Fin>
+__device__ __forceinline__ auto with_scales(const Fin& finish, const Task& t, int operand, int e,
+                                            const int (&r0)[NACC], int k0) {
+    if constexpr (is_fp8<W>()) return WithScales<Fin, NACC>{finish, weight_scales<NACC>(t, operand, e, r0, k0)};
+    else return finish;
 }
 
 // Element offset of the 8 elements at (row, col) (col % 8 == 0) of a [rows, k] matrix in tile
@@ -565,7 +592,7 @@ __device__ void op_topk(const Task& t, unsigned char*) {
 }
 
 // The GEMV of a LINEAR tile; `finish` ends the staging of its activations (gemv_tile).
-template <class Fin>
+template <class W, class Fin>
 __device__ __forceinline__ void linear_gemv(const Task& t, unsigned char* smem, Fin finish) {
     using O = OPND_LINEAR;
     using A = ARG_LINEAR;
@@ -573,7 +600,7 @@ __device__ __forceinline__ void linear_gemv(const Task& t, unsigned char* smem, 
     const int col0 = t.arg(A::col0), slab = t.arg(A::slab);
     bf16* xs = gemv_xs(smem);
     const int w_ld = t.dim(O::weight, 1);
-    const bf16* const w[1] = {t.ptr<bf16>(O::weight) + weight_tile_offset(row0, k0, w_ld)};
+    const W* const w[1] = {t.ptr<W>(O::weight) + weight_tile_offset(row0, k0, w_ld)};
     const int out_ld = t.dim(O::out, 1);
     const size_t base = (size_t)slab * t.dim(O::out, 2) * out_ld + col0;
     // TAGGED_LOGITS: the router tiles' logits (DT_F32_TAGGED) also go to their tagged copy, each
@@ -596,7 +623,7 @@ __device__ __forceinline__ void linear_gemv(const Task& t, unsigned char* smem, 
             else store_bf16(out16 + i, v);
             if (TAGGED_LOGITS && tagged) st_relaxed_gpu_u64(tagged + base + i, tag_value(v, step));
         });
-    }, finish);
+    }, with_scales<W, 1>(finish, t, O::weight, 0, {row0}, k0));
 }
 
 // out[slab, b, col0 + i] = sum_k x[b, k0 + k] * w[row0 + i, k0 + k]   (out bf16 or f32)
@@ -605,7 +632,13 @@ __device__ void op_linear(const Task& t, unsigned char* smem) {
     using A = ARG_LINEAR;
     const int k0 = t.arg(A::k0), k = t.arg(A::k);
     // the kernel loop has not waited: the first weights fly first
-    linear_gemv(t, smem, WaitStageFinish<O>{{t, smem, k0, k}});
+    if constexpr (WEIGHT_FORMAT != 0) {
+        if (t.dtype(O::weight) == DT_FP8_TILES) {  // a model's routers stay bf16
+            linear_gemv<fp8e4>(t, smem, WaitStageFinish<O>{{t, smem, k0, k}});
+            return;
+        }
+    }
+    linear_gemv<bf16>(t, smem, WaitStageFinish<O>{{t, smem, k0, k}});
 }
 
 // The SwiGLU GEMVs' epilogue: out[tok * out_ld + r] = bf16(silu(gate) * up) for the rows r < rows
@@ -633,11 +666,15 @@ __device__ void op_swiglu(const Task& t, unsigned char* smem) {
     stage_input_async<O>(t, smem, 0, k);
     const StageFinish<O> finish{t, smem, 0, k};
     const int w_ld = t.dim(O::weight, 1);
-    const bf16* wb = t.ptr<bf16>(O::weight);
-    const bf16* const w[2] = {wb + (size_t)row0 * w_ld, wb + (size_t)up0 * w_ld};
+    const wt* wb = t.ptr<wt>(O::weight);
+    const wt* const w[2] = {wb + (size_t)row0 * w_ld, wb + (size_t)up0 * w_ld};
     bf16* out = t.ptr<bf16>(O::out) + col0;
     const int out_ld = t.dim(O::out, 1);
-    gemv_tile<2>(w, w_ld, rows, k, xs, gemv_red(smem), SwigluStore{out, out_ld, rows}, finish);
+    if constexpr (is_fp8<wt>())
+        gemv_tile<2>(w, w_ld, rows, k, xs, gemv_red(smem), SwigluStore{out, out_ld, rows},
+                     with_scales<wt, 2>(finish, t, O::weight, 0, {row0, up0}, 0));
+    else
+        gemv_tile<2>(w, w_ld, rows, k, xs, gemv_red(smem), SwigluStore{out, out_ld, rows}, finish);
 }
 
 // The opening of an expert gate/up tile (EXPERT_SWIGLU, EXPERT_MLP): its input's copies fly
@@ -700,20 +737,23 @@ __device__ void op_expert_swiglu(const Task& t, unsigned char* smem) {
     if (TAGGED_LOGITS && s_wait.abort) return;
     if (slot >= rt.count) return;
     const int e = rt.experts[slot];
-    const bf16* we = t.ptr<bf16>(O::weight) + (size_t)e * inter2 * w_ld;
-    const bf16* const w[2] = {we + (size_t)row0 * w_ld, we + (size_t)(inter2 / 2 + row0) * w_ld};
+    const wt* we = t.ptr<wt>(O::weight) + (size_t)e * inter2 * w_ld;
+    const wt* const w[2] = {we + (size_t)row0 * w_ld, we + (size_t)(inter2 / 2 + row0) * w_ld};
     // the routed expert is known only now: ask L2 for the first row of both row sets at once
     prefetch_rows_all(w[0], rows, k, w_ld, 0);
     prefetch_rows_all(w[1], rows, k, w_ld, 0);
     bf16* xs = gemv_xs(smem);
     const int out_ld = t.dim(O::out, 1);
     bf16* out = t.ptr<bf16>(O::out) + (size_t)slot * t.dim(O::out, 2) * out_ld + row0;
+    const int sets[2] = {row0, inter2 / 2 + row0};
     if constexpr (NORM_BESIDE_ROUTING) {
         const NormedBeside<O> finish{{t, smem, 0, k}, beside};
-        gemv_tile<2>(w, w_ld, rows, k, xs, gemv_red(smem), SwigluStore{out, out_ld, rows}, finish);
+        gemv_tile<2>(w, w_ld, rows, k, xs, gemv_red(smem), SwigluStore{out, out_ld, rows},
+                     with_scales<wt, 2>(finish, t, O::weight, e, sets, 0));
     } else {
         const StageFinish<O> finish{t, smem, 0, k};
-        gemv_tile<2>(w, w_ld, rows, k, xs, gemv_red(smem), SwigluStore{out, out_ld, rows}, finish);
+        gemv_tile<2>(w, w_ld, rows, k, xs, gemv_red(smem), SwigluStore{out, out_ld, rows},
+                     with_scales<wt, 2>(finish, t, O::weight, e, sets, 0));
     }
 }
 
@@ -790,7 +830,7 @@ __device__ void op_expert_down(const Task& t, unsigned char* smem) {
     const int n0 = 2 * (threadIdx.x % 4);
     const float wt0 = rt.weight(n0, e), wt1 = rt.weight(n0 + 1, e);
     const int w_ld = t.dim(O::weight, 1), w_rows = t.dim(O::weight, 2);
-    const bf16* const w[1] = {t.ptr<bf16>(O::weight) + ((size_t)e * w_rows + row0) * w_ld};
+    const wt* const w[1] = {t.ptr<wt>(O::weight) + ((size_t)e * w_rows + row0) * w_ld};
     const int out_ld = t.dim(O::out, 1);
     float* out = t.ptr<float>(O::out) + (size_t)slot * t.dim(O::out, 2) * out_ld + row0;
     const auto epi = [&](int r0, float (&acc)[1][4]) {
@@ -801,7 +841,8 @@ __device__ void op_expert_down(const Task& t, unsigned char* smem) {
         });
     };
     // the first weight batch is issued by gemv_tile before the rest of the wait
-    gemv_tile<1>(w, w_ld, rows, k, xs, gemv_red(smem), epi, WaitCopyFinish{t, xs, h, k, routed ? 0 : 1});
+    gemv_tile<1>(w, w_ld, rows, k, xs, gemv_red(smem), epi,
+                 with_scales<wt, 1>(WaitCopyFinish{t, xs, h, k, routed ? 0 : 1}, t, O::weight, e, {row0}, 0));
 }
 
 // logits[b, row0 + i] = LOGIT_SCALE * x[b] . w[row0 + i]; best_*[b, tile] = its arg-max
@@ -814,7 +855,7 @@ __device__ void op_lm_head(const Task& t, unsigned char* smem) {
     stage_input_async<O>(t, smem, 0, k);
     const StageFinish<O> finish{t, smem, 0, k};
     const int w_ld = t.dim(O::weight, 1);
-    const bf16* const w[1] = {t.ptr<bf16>(O::weight) + (size_t)row0 * w_ld};
+    const wt* const w[1] = {t.ptr<wt>(O::weight) + (size_t)row0 * w_ld};
     const int out_ld = t.dim(O::logits, 1);
     float* out = t.ptr<float>(O::logits) + row0;
     float bv[2] = {-INFINITY, -INFINITY};
@@ -826,7 +867,7 @@ __device__ void op_lm_head(const Task& t, unsigned char* smem) {
             const int j = n & 1;
             if (better(v, row0 + r, bv[j], bi[j])) { bv[j] = v; bi[j] = row0 + r; }
         });
-    }, finish);
+    }, with_scales<wt, 1>(finish, t, O::weight, 0, {row0}, 0));
     // reduce over the 8 lanes sharing a token pair, then over warps
 #pragma unroll
     for (int j = 0; j < 2; ++j)
@@ -1007,6 +1048,13 @@ __device__ void prefetch_weights(const Task& t) {
             using O = OPND_LINEAR;
             using A = ARG_LINEAR;
             const int ld = t.dim(O::weight, 1);
+            if constexpr (WEIGHT_FORMAT != 0) {
+                if (t.dtype(O::weight) == DT_FP8_TILES) {  // in tile order, as bf16's below
+                    const fp8e4* w = t.ptr<fp8e4>(O::weight) + weight_tile_offset(t.arg(A::row0), t.arg(A::k0), ld);
+                    prefetch_rows(w, (t.arg(A::rows) + 15) / 16, 16 * t.arg(A::k), 16 * ld, 0);
+                    break;
+                }
+            }
             const bf16* w = t.ptr<bf16>(O::weight) + weight_tile_offset(t.arg(A::row0), t.arg(A::k0), ld);
             if (WEIGHTS_TILED)  // a run of 16 * k elements per 16-row group, groups 16 * ld apart
                 prefetch_rows(w, (t.arg(A::rows) + 15) / 16, 16 * t.arg(A::k), 16 * ld, 0);
@@ -1018,7 +1066,7 @@ __device__ void prefetch_weights(const Task& t) {
             using O = OPND_SWIGLU;
             using A = ARG_SWIGLU;
             const int ld = t.dim(O::weight, 1);
-            const bf16* w = t.ptr<bf16>(O::weight);
+            const wt* w = t.ptr<wt>(O::weight);
             prefetch_rows(w + (size_t)t.arg(A::row0) * ld, t.arg(A::rows), ld, ld, 0);
             prefetch_rows(w + (size_t)t.arg(A::up_row0) * ld, t.arg(A::rows), ld, ld, 0);
             break;
@@ -1027,7 +1075,7 @@ __device__ void prefetch_weights(const Task& t) {
             using O = OPND_LM_HEAD;
             using A = ARG_LM_HEAD;
             const int ld = t.dim(O::weight, 1);
-            prefetch_rows(t.ptr<bf16>(O::weight) + (size_t)t.arg(A::row0) * ld, t.arg(A::rows), ld, ld, 0);
+            prefetch_rows(t.ptr<wt>(O::weight) + (size_t)t.arg(A::row0) * ld, t.arg(A::rows), ld, ld, 0);
             break;
         }
         case OP_ATTN_SPLIT: {  // the split's K and V rows: written by earlier steps, and positions are inputs

@@ -331,7 +331,8 @@ def test_tune_times_every_candidate_and_records_the_fastest(tiny, tuning_file, t
     assert rec["attention_sms"] == 4 and rec["gpu"] == "NVIDIA H200" and rec["reps"] == 3
     # what the counts were timed with
     assert rec["lowering"] == {"rope_in_splits": True, "residual_in_o_proj": False, "fused_experts": False,
-                               "global_attention_sms": 0, "expert_up_rows": [], "expert_down_rows": 0}
+                               "global_attention_sms": 0, "expert_up_rows": [], "expert_down_rows": 0,
+                               "weights": "bf16"}
     assert set(rec["measured_us"]) == {str(a) for a in candidates}
     assert any("fastest with 4 attention SMs" in ln for ln in logs)
     t4 = rec["measured_us"]["4"]

@@ -24,6 +24,7 @@ from mkc.codegen.weight_tiles import (
     check_tileable,
     tiled_weights,
 )
+from mkc.ir.fp8 import WEIGHT_FORMATS, is_fp8
 from mkc.ir.kv_layout import page_size_of
 from mkc.ir.ops import OP_INFO, Opcode
 from mkc.ir.spec import ModelSpec
@@ -152,6 +153,7 @@ class KernelConfig:
     reuse_staged_norm: bool = False  # CodegenOptions.reuse_staged_norm
     l2_warm: str = "off"  # CodegenOptions.l2_warm, resolved: the rules the runtime encodes (taskwords.encode)
     weights_evict_first: bool = False  # CodegenOptions.weights_evict_first, resolved
+    weight_format: str = "bf16"  # the GEMV matrices' storage (LowerOptions.weights: mkc/ir/fp8.py)
 
     @property
     def warps(self) -> int:
@@ -306,6 +308,19 @@ def _task_limits(schedule: Schedule, spec: ModelSpec) -> tuple[int, int, int, se
     return max_k, stage_bytes, max_splits, fused_rows
 
 
+def schedule_weight_format(schedule: Schedule) -> str:
+    """The schedule's weight format (LowerOptions.weights, kept in its meta), checked against its
+    buffers: FP8 matrices exactly where the format says so."""
+    fmt = str(schedule.meta.get("weights", "bf16"))
+    if fmt not in WEIGHT_FORMATS:
+        raise CodegenError(f"schedule weights = {fmt!r}: expected one of {', '.join(WEIGHT_FORMATS)}")
+    fp8 = sorted(n for n, b in schedule.buffers.items() if b.dtype == "fp8")
+    if bool(fp8) != is_fp8(fmt):
+        raise CodegenError(f"schedule weights = {fmt!r} but {len(fp8)} buffers are fp8: expected the lowering's "
+                           f"weight format in the schedule's meta")
+    return fmt
+
+
 def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions | None = None) -> KernelConfig:
     """Derive and check the kernel constants (raises CodegenError naming what does not fit)."""
     options = options or CodegenOptions()
@@ -351,6 +366,10 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
     if options.weight_layout == "tiles" and problem:
         raise CodegenError(problem)
     tiled = options.weight_layout != "rows" and problem is None
+    weight_format = schedule_weight_format(schedule)
+    if is_fp8(weight_format) and not tiled:
+        raise CodegenError(f"--weights {weight_format}: FP8 weights are read in tile order only, and "
+                           f"{problem or 'weight_layout = rows was asked for'}: expected bf16 weights")
     max_k, stage_bytes, max_splits, fused_rows = _task_limits(schedule, spec)
     cfg = KernelConfig(
         threads=THREADS, batch=schedule.batch, hidden=spec.hidden_size, head_dim=a.head_dim,
@@ -361,7 +380,7 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         normalize_top_k=moe.normalize_top_k if moe else False, gemv_unroll=options.gemv_unroll,
         gemv_max_k=max_k, max_splits=max_splits, num_experts=moe.num_experts if moe else 1,
         moe_slots=moe.slots(schedule.batch) if moe else 1, spin_limit=options.spin_limit,
-        weights_tiled=tiled, attn_warp_request=options.attn_warp_stages, routing_rank=routing_argmax == "rank",
+        weights_tiled=tiled, weight_format=weight_format, attn_warp_request=options.attn_warp_stages, routing_rank=routing_argmax == "rank",
         norm_beside_routing=norm_beside, profile_phases=options.profile_phases, tagged_logits=tagged_logits,
         residual_stage_bytes=stage_bytes, reuse_staged_norm=options.reuse_staged_norm,
         fused_down_blocks=next(iter(fused_rows), 0) // 64, l2_warm=l2_warm, weights_evict_first=evict_first,
@@ -410,6 +429,7 @@ def template_context(cfg: KernelConfig, banner: str) -> dict[str, Any]:
         "smem_bytes": cv.c_int(cfg.smem_bytes),
         "spin_limit": cv.c_uint(cfg.spin_limit),
         "weights_tiled": cv.c_bool(cfg.weights_tiled),
+        "weight_format": cv.c_int(WEIGHT_FORMATS.index(cfg.weight_format)),
         "attn_warp_stages": cv.c_int(cfg.attn_warp_stages),
         "routing_rank": cv.c_bool(cfg.routing_rank),
         "norm_beside_routing": cv.c_bool(cfg.norm_beside_routing),

@@ -51,7 +51,8 @@ RECORD_LAYOUT: tuple[tuple[str, int], ...] = (
     ("INLINE_WAITS", INLINE_WAITS), ("W_WARM", W_WARM), ("RECORD_WORDS", RECORD_WORDS),
 )
 # bf16_tiles: weight_tiles.py; f32_tagged: an f32 buffer followed by its tagged copy (routing_logits)
-DTYPE_CODES: dict[str, int] = {"bf16": 0, "f32": 1, "i32": 2, "bf16_tiles": 3, "f32_tagged": 4}
+# fp8_tiles: e4m3 weights in tile order, their float32 scales after them (mkc/ir/fp8.py)
+DTYPE_CODES: dict[str, int] = {"bf16": 0, "f32": 1, "i32": 2, "bf16_tiles": 3, "f32_tagged": 4, "fp8_tiles": 5}
 
 # struct BufDesc { void* ptr; int shape[MAX_RANK]; int dtype; }  (32 bytes)
 BUF_DESC = np.dtype([("ptr", "<u8"), ("shape", "<i4", (MAX_RANK,)), ("dtype", "<i4")])
@@ -266,7 +267,11 @@ def buffer_table(schedule: Schedule, names: tuple[str, ...], pointers: dict[str,
         b = schedule.buffers[n]
         table[i]["ptr"] = pointers[n]
         table[i]["shape"] = (1,) * (MAX_RANK - len(b.shape)) + tuple(b.shape)
-        dtype = "bf16_tiles" if n in tiled else "f32_tagged" if n in tagged else b.dtype
+        dtype = "f32_tagged" if n in tagged else b.dtype
+        if n in tiled:
+            dtype = "fp8_tiles" if b.dtype == "fp8" else "bf16_tiles"
+        elif b.dtype == "fp8":
+            raise EncodeError(f"buffer {n} is fp8: FP8 weights are read in tile order only")
         if n in tagged and b.dtype != "f32":
             raise EncodeError(f"buffer {n} is {b.dtype}: only an f32 buffer has a tagged copy")
         table[i]["dtype"] = DTYPE_CODES[dtype]

@@ -81,6 +81,33 @@ def from_tiles(p: torch.Tensor) -> torch.Tensor:
     return x.permute(perm).contiguous().reshape(p.shape)
 
 
+def _fp8_perm(n: int) -> tuple[int, ...]:
+    """[..., G, hi, g, KB, half, q, e] -> [..., G, KB, hi, g, q, half, e]: row half hi of lane
+    4 g + q holds its two 8-element pieces side by side (16 bytes; templates/gemv.cuh)."""
+    return (*range(n), n, n + 3, n + 1, n + 2, n + 5, n + 4, n + 6)
+
+
+def to_tiles_fp8(w: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of the FP8 weight ``w`` [..., R, K] (float8_e4m3fn, or its bytes as uint8)
+    in the FP8 tile order: block (G, kb) at element (G * K / 64 + kb) * 1024 as in to_tiles, row
+    half j of lane l at j * 512 + 16 l: W[16 G + g + 8 j, 64 kb + 8 q : + 8] then the 8 at
+    64 kb + 32 + 8 q (g = l / 4, q = l % 4)."""
+    check_tileable("tensor", tuple(w.shape))
+    x = w.reshape(_blocked(tuple(w.shape)))
+    return x.permute(_fp8_perm(w.dim() - 2)).contiguous().reshape(w.shape)
+
+
+def from_tiles_fp8(p: torch.Tensor) -> torch.Tensor:
+    """The inverse of to_tiles_fp8: ``p`` in FP8 tile order back to row-major [..., R, K]."""
+    check_tileable("tensor", tuple(p.shape))
+    n = p.dim() - 2
+    *lead, r, k = p.shape
+    x = p.reshape(*lead, r // TILE_ROWS, k // TILE_COLS, 2, 8, 4, 2, 8)
+    # [..., G, KB, hi, g, q, half, e] -> [..., G, hi, g, KB, half, q, e]
+    perm = (*range(n), n, n + 2, n + 3, n + 1, n + 5, n + 4, n + 6)
+    return x.permute(perm).contiguous().reshape(p.shape)
+
+
 def tile_offset(row: int, col: int, k: int) -> int:
     """Element offset of W[row, col] (one matrix, k columns) in tile order; the formula the
     kernel's embedding lookup uses for 8-element chunks (col % 8 == 0)."""
@@ -112,7 +139,7 @@ def tile_ordered_in_place(weights: dict, names: Iterable[str]) -> Iterator[Tiled
         for n in names:
             weights[n].copy_(to_tiles(weights[n]))
             done.append(n)
-        yield TiledWeights(weights, names)
+        yield TiledWeights(weights, [*names, *getattr(weights, "tiled", ())])
     finally:
         for n in done:
             weights[n].copy_(from_tiles(weights[n]))

@@ -20,14 +20,14 @@ import numpy as np
 
 from mkc.ir.ops import OP_INFO, Opcode
 
-DTYPE_BYTES = {"bf16": 2, "f32": 4, "i32": 4}
+DTYPE_BYTES = {"bf16": 2, "f32": 4, "i32": 4, "fp8": 1}  # fp8: e4m3 weights (mkc/ir/fp8.py)
 
 
 @dataclass(frozen=True, slots=True)
 class Buffer:
     name: str  # unique, e.g. "L3.qkv"
     shape: tuple[int, ...]  # elements per dim
-    dtype: str  # "bf16" | "f32" | "i32"
+    dtype: str  # "bf16" | "f32" | "i32" | "fp8" (e4m3 weights, their scales beside: mkc/ir/fp8.py)
     kind: str  # "weight" (immutable) | "act" (per step) | "state" (KV cache) | "input" | "output"
     doc: str = ""  # layout comment, e.g. "[B, n_kv, ctx, head_dim]"
 

@@ -12,6 +12,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
+from mkc.ir.fp8 import WEIGHT_FORMATS, is_fp8, scale_bytes
 from mkc.ir.graph import DTYPE_BYTES, Buffer, Program, Region, Task, derive_edges
 from mkc.ir.kv_layout import pages_per_seq
 from mkc.ir.ops import OP_INFO, Opcode
@@ -64,8 +65,16 @@ class LowerOptions:
     # tiles end last over more SMs, at more hand-offs in all. A tuning entry may name it per point
     # (plan.py: EXPERT_DOWN_ROWS; North Mini Code at batch 8, 256 rows; docs/tiling.md).
     expert_down_rows: int = 0
+    # how the matrices a GEMV streams are stored: "bf16", "fp8" (e4m3, a scale per output row) or
+    # "fp8-block" (a scale per 128 x 128 block); embeddings, norms and routers stay bf16 (mkc/ir/fp8.py)
+    weights: str = "bf16"
 
     def check(self) -> None:
+        if self.weights not in WEIGHT_FORMATS:
+            raise SpecError(f"--weights {self.weights}: expected one of {', '.join(WEIGHT_FORMATS)}")
+        if self.fused_experts and is_fp8(self.weights):
+            raise SpecError(f"fused_experts with --weights {self.weights}: the fused expert tiles read bf16 "
+                            f"weights: expected fused_experts off")
         if not 1 <= self.batch <= 8:
             raise SpecError(f"--batch {self.batch}: expected 1 to 8")
         if self.context < 1:
@@ -149,6 +158,19 @@ class _Lowerer:
         self.buffers[name] = b
         return b
 
+    def matrix(self, name: str, shape: tuple[int, ...], doc: str) -> Buffer:
+        """A weight matrix a GEMV streams, stored in the weight format (LowerOptions.weights)."""
+        return self.buf(name, shape, "fp8" if is_fp8(self.opt.weights) else "bf16", "weight", doc)
+
+    @property
+    def elem_bytes(self) -> int:
+        """Bytes of one element of a GEMV's weight matrix."""
+        return 1 if is_fp8(self.opt.weights) else 2
+
+    def matrix_bytes(self, rows: int, k: int) -> int:
+        """Bytes a GEMV reads of ``rows`` x ``k`` of one weight matrix, its scales included."""
+        return rows * k * self.elem_bytes + scale_bytes(self.opt.weights, rows, k)
+
     def emit(self, op: Opcode, layer: int, name: str, operands: dict[str, Buffer | None],
              args: dict[str, int], reads: list[Region], writes: list[Region], flops: int = 0,
              act_bytes: int | None = None, weight_bytes: int | None = None) -> Task:
@@ -157,8 +179,8 @@ class _Lowerer:
         info = OP_INFO[op]
         ops = tuple(operands[r].name if operands.get(r) is not None else "-" for r in info.operands)
         assert set(args) == set(info.args), (op, set(args) ^ set(info.args))
-        wbytes = weight_bytes if weight_bytes is not None else sum(r.numel * DTYPE_BYTES[self.buffers[r.buffer].dtype] for r in reads
-                     if self.buffers[r.buffer].kind == "weight")
+        wbytes = weight_bytes if weight_bytes is not None else sum(self.region_bytes(r) for r in reads
+                                                                 if self.buffers[r.buffer].kind == "weight")
         abytes = act_bytes if act_bytes is not None else sum(r.numel * DTYPE_BYTES[self.buffers[r.buffer].dtype] for r in (*reads, *writes)
                      if self.buffers[r.buffer].kind != "weight")
         t = Task(id=len(self.tasks), op=op, layer=layer, name=name, operands=ops,
@@ -166,6 +188,14 @@ class _Lowerer:
                  weight_bytes=wbytes, act_bytes=abytes, flops=flops)
         self.tasks.append(t)
         return t
+
+    def region_bytes(self, r: Region) -> int:
+        """Bytes of a weight region, an FP8 matrix's scales over its rows and columns included."""
+        b = self.buffers[r.buffer]
+        if b.dtype != "fp8":
+            return r.numel * DTYPE_BYTES[b.dtype]
+        (r0, r1), (k0, k1) = r.box[-2:]
+        return r.numel + r.numel // ((r1 - r0) * (k1 - k0)) * scale_bytes(self.opt.weights, r1 - r0, k1 - k0)
 
     def attention_sms(self, global_attention: bool = False) -> int:
         """SMs' worth of attention splits in one layer (a parallel block only: __init__); a layer
@@ -182,7 +212,7 @@ class _Lowerer:
         if not opt.attention_sms:
             return opt.num_sms
         a = self.spec.attention
-        qkv_bytes = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim * self.spec.hidden_size * 2
+        qkv_bytes = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim * self.spec.hidden_size * self.elem_bytes
         return max(1, min(opt.num_sms, round(opt.num_sms * mlp_bytes / (mlp_bytes + qkv_bytes))))
 
     # -- ops -----------------------------------------------------------------------------------
@@ -232,10 +262,11 @@ class _Lowerer:
         L = s.num_layers
         fnw = self.buf("final_norm", (H,), "bf16", "weight", "[hidden]")
         xin, xreads = gemv_input(Normed(x, fnw))
-        head = embed if s.tie_word_embeddings else self.buf("lm_head", (s.vocab_size, H), "bf16", "weight",
-                                                             "[vocab, hidden]")
+        # an FP8 LM head is a copy of a tied embedding: the lookup reads bf16 rows
+        tied = s.tie_word_embeddings and not is_fp8(opt.weights)
+        head = embed if tied else self.matrix("lm_head", (s.vocab_size, H), "[vocab, hidden]")
         V = s.vocab_size
-        tile = row_tile(V, H * 2, 1, opt.num_sms)
+        tile = row_tile(V, H * self.elem_bytes, 1, opt.num_sms)
         ntiles = math.ceil(V / tile)
         logits = self.buf("logits", (B, V), "f32", "output", "[B, vocab] scaled logits")
         bval = self.buf("lm.best_val", (B, ntiles), "f32", "act", "[B, tiles] best logit per tile")
@@ -253,7 +284,7 @@ class _Lowerer:
                                                   "page_size": opt.page_size, "attention_sms": opt.attention_sms,
                                                   "rope_in_splits": opt.rope_in_splits,
                                                   "residual_in_o_proj": opt.residual_in_o_proj,
-                                                  "fused_experts": opt.fused_experts})
+                                                  "fused_experts": opt.fused_experts, "weights": opt.weights})
         derive_edges(prog)
         return prog
 
@@ -269,12 +300,12 @@ class _Lowerer:
         nw = self.buf(f"{P}.attn_norm", (H,), "bf16", "weight", "[hidden]")
         n = Normed(x, nw)
         attn = self.attention(layer, n, positions)
-        wo = self.buf(f"{P}.w_o", (H, QH * D), "bf16", "weight", "[hidden, heads * head_dim]")
+        wo = self.matrix(f"{P}.w_o", (H, QH * D), "[hidden, heads * head_dim]")
         o_ends = opt.residual_in_o_proj
         o_part = None
         if not o_ends:  # O-proj split-K by KV group: slice g waits only for the attention of group g
             o_part = self.buf(f"{P}.o_part", (G, B, H), "f32", "act", "[kv_heads, B, hidden] split-K partials")
-            o_tile = row_tile(H, GS * D * 2, G, opt.num_sms)
+            o_tile = row_tile(H, GS * D * self.elem_bytes, G, opt.num_sms)
             for g in range(G):
                 self.linear(layer, f"o_proj[kv{g}]", attn, wo, o_part, k0=g * GS * D, k=GS * D, slab=g, tile=o_tile)
         # --- MLP on the same normed input (parallel block)
@@ -292,8 +323,8 @@ class _Lowerer:
         mo = routed = tslots = None
         if ls.mlp == "dense":
             inter = s.dense_intermediate
-            wgu = self.buf(f"{P}.w_gate_up", (2 * inter, H), "bf16", "weight", "[2 * inter (gate; up), hidden]")
-            wd = self.buf(f"{P}.w_down", (H, inter), "bf16", "weight", "[hidden, inter]")
+            wgu = self.matrix(f"{P}.w_gate_up", (2 * inter, H), "[2 * inter (gate; up), hidden]")
+            wd = self.matrix(f"{P}.w_down", (H, inter), "[hidden, inter]")
             h = self.buf(f"{P}.mlp_h", (B, inter), "bf16", "act", "[B, inter]")
             mo = self.buf(f"{P}.mlp_out", (1, B, H), "f32", "act", "[1, B, hidden]")
             self.swiglu(layer, "gate_up", mlp_in, wgu, h, inter)
@@ -319,7 +350,7 @@ class _Lowerer:
         P = f"L{layer}"
         # QKV rows are [q heads..., k heads..., v heads...], D rows per head
         nqkv = (QH + 2 * G) * D
-        wqkv = self.buf(f"{P}.w_qkv", (nqkv, H), "bf16", "weight", "[(heads + 2 kv_heads) * head_dim, hidden]")
+        wqkv = self.matrix(f"{P}.w_qkv", (nqkv, H), "[(heads + 2 kv_heads) * head_dim, hidden]")
         qkv = self.buf(f"{P}.qkv", (B, nqkv), "bf16", "act", "[B, (heads + 2 kv_heads) * head_dim]")
         self.linear(layer, "qkv", n, wqkv, qkv, boundary=D)
         fused = opt.rope_in_splits
@@ -449,16 +480,15 @@ class _Lowerer:
         self.emit(Opcode.TOPK, layer, f"{P}.topk",
                   {"logits": rl, "token_slots": tslots, "selected": selected},
                   {}, [full(rl)], [full(tslots), full(selected)])
-        wgu = self.buf(f"{P}.w_experts_gate_up", (E, 2 * I, H), "bf16", "weight",
-                       "[experts, 2 * inter (gate; up), hidden]")
-        wd = self.buf(f"{P}.w_experts_down", (E, H, I), "bf16", "weight", "[experts, hidden, inter]")
+        wgu = self.matrix(f"{P}.w_experts_gate_up", (E, 2 * I, H), "[experts, 2 * inter (gate; up), hidden]")
+        wd = self.matrix(f"{P}.w_experts_down", (E, H, I), "[experts, hidden, inter]")
         if opt.fused_experts:
             return self.fused_experts(layer, n, rl, wgu, wd, slots), tslots
         h = self.buf(f"{P}.moe_h", (slots, B, I), "bf16", "act", "[slots, B, inter]")
         out = self.buf(f"{P}.moe_out", (slots, B, H), "f32", "act", "[slots, B, hidden] weighted expert outputs")
-        up_tile = row_tile(I, 2 * H * 2, slots, self.mlp_sms(slots * I * 2 * H * 2))
+        up_tile = row_tile(I, 2 * H * self.elem_bytes, slots, self.mlp_sms(slots * I * 2 * H * self.elem_bytes))
         xin, xreads = gemv_input(n)
-        down_tile = min(opt.expert_down_rows, H) or row_tile(H, I * 2, slots, opt.num_sms)
+        down_tile = min(opt.expert_down_rows, H) or row_tile(H, I * self.elem_bytes, slots, opt.num_sms)
         up_ranges = tiles(I, up_tile)
         if opt.expert_up_rows:
             if sum(opt.expert_up_rows) != I:
@@ -476,7 +506,7 @@ class _Lowerer:
                           [*xreads, full(rl), box(wgu, None, (lo, hi), None),
                            box(wgu, None, (I + lo, I + hi), None)],
                           [box(h, (j, j + 1), None, (lo, hi))], flops=4 * B * (hi - lo) * H,
-                          weight_bytes=2 * (hi - lo) * H * 2)
+                          weight_bytes=2 * self.matrix_bytes(hi - lo, H))
         for j in range(slots):
             for lo, hi in tiles(H, down_tile):
                 self.emit(Opcode.EXPERT_DOWN, layer, f"{P}.expert_down[slot{j}][{lo}:{hi}]",
@@ -484,7 +514,7 @@ class _Lowerer:
                           {"slot": j, "row0": lo, "rows": hi - lo},
                           [box(h, (j, j + 1), None, None), full(rl), box(wd, None, (lo, hi), None)],
                           [box(out, (j, j + 1), None, (lo, hi))], flops=2 * B * (hi - lo) * I,
-                          weight_bytes=(hi - lo) * I * 2)
+                          weight_bytes=self.matrix_bytes(hi - lo, I))
         return out, tslots
 
     def fused_experts(self, layer: int, n: Normed, rl: Buffer, wgu: Buffer, wd: Buffer, slots: int) -> Buffer:

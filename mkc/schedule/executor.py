@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mkc.ir import fp8
 from mkc.ir.graph import Buffer, Region, Task
 from mkc.ir.kv_layout import identity_page_table, logical_view, page_size_of
 from mkc.ir.spec import ModelSpec
@@ -122,12 +123,16 @@ class CpuExecutor:
 
     # -- set-up ---------------------------------------------------------------------------------
     def storage_dtype(self, buf: Buffer) -> torch.dtype:
-        return {"bf16": self.dtype, "f32": torch.float32, "i32": torch.int32}[buf.dtype]
+        # fp8: dequantised once, in float32 (mkc/ir/fp8.py)
+        return {"bf16": self.dtype, "f32": torch.float32, "i32": torch.int32, "fp8": torch.float32}[buf.dtype]
 
     def _load_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = {}
         for b in self.schedule.buffers.values():
             if b.kind != "weight":
+                continue
+            if b.dtype == "fp8":
+                out[b.name] = fp8.given(b.name, b.shape, self.schedule.meta.get("weights", "fp8"), weights).contiguous()
                 continue
             out[b.name] = b.given(weights).detach().to(self.storage_dtype(b)).contiguous()
         return out

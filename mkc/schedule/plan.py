@@ -50,7 +50,7 @@ from mkc.schedule.simulate import simulated_step_us
 # defaults. mkc bench --tune records them beside each measured count, since the count was fastest
 # for them.
 LOWERING_CHOICES = ("rope_in_splits", "residual_in_o_proj", "fused_experts", "global_attention_sms",
-                    "expert_up_rows", "expert_down_rows")
+                    "expert_up_rows", "expert_down_rows", "weights")
 # A tuning entry's measured Ceilings.attention_inputs_first_us for its point (mkc bench --tune times
 # the fastest attention-SM count with and without the raise and records the faster), and the times
 # under INPUTS_FIRST + "_measured_us".

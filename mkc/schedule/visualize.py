@@ -155,7 +155,7 @@ def summary(sc: Schedule, spec: ModelSpec) -> dict[str, Any]:
     ch = chain(sc)
     return {
         "model": spec.name, "batch": sc.batch, "context": sc.context, "num_sms": sc.num_sms,
-        "layers": spec.num_layers,
+        "layers": spec.num_layers, "weights": sc.meta.get("weights", "bf16"),
         "tasks": len(sc.tasks), "counters": len(sc.counters), "waits": sum(len(w) for w in sc.waits),
         "sms_used": sum(1 for n in n_tasks if n),
         "tasks_per_sm": _stats(n_tasks), "bytes_per_sm": _stats(sm_bytes), "busy_us_per_sm": _stats(busy),
@@ -189,7 +189,7 @@ def _summary_rows(d: dict[str, Any], unused_all: str = "report.md lists all") ->
     tp, bp, up = d["tasks_per_sm"], d["bytes_per_sm"], d["busy_us_per_sm"]
     return [
         ("model", (f"{d['model']}  batch {d['batch']}  context {d['context']}  {d['num_sms']} SMs  "
-                  f"{d['layers']} layers")),
+                  f"{d['layers']} layers" + (f"  weights {d['weights']}" if d.get("weights", "bf16") != "bf16" else ""))),
         ("tasks", f"{d['tasks']}  counters {d['counters']}  waits {d['waits']}  SMs used {d['sms_used']}"),
         ("tasks / SM", f"{tp['min']} / {tp['mean']:.1f} / {tp['max']}  (min / mean / max)"),
         ("bytes / SM", f"{_fmt_bytes(bp['min'])} / {_fmt_bytes(bp['mean'])} / {_fmt_bytes(bp['max'])}"),
