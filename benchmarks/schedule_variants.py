@@ -118,7 +118,7 @@ def short_name(variant: tuple, variants: list[tuple]) -> str:
     return ", ".join(parts) or "default"
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=str(ROOT / "configs" / "north_mini_code.yaml"))
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
@@ -126,95 +126,129 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--attention-sms", nargs="+", default=["auto"],
-                    help="LowerOptions.attention_sms values to lower with: numbers (0: every op fills all SMs) "
-                         "or auto (the compiler's choice, mkc/schedule/plan.py)")
+                    help="LowerOptions.attention_sms values to lower with: numbers (0: every op fills all "
+                         "SMs) or auto (the compiler's choice, mkc/schedule/plan.py)")
     ap.add_argument("--rope-in-splits", nargs="+", default=["yes"], choices=["yes", "no"],
                     help="LowerOptions.rope_in_splits values to lower with (no: a ROPE_APPEND task rotates q "
                          "and the splits wait for it)")
     ap.add_argument("--residual-in-o-proj", nargs="+", default=["auto"], choices=["yes", "no", "auto"],
-                    help="LowerOptions.residual_in_o_proj values to lower with (yes: the O-projection tiles add "
-                         "the residual and the MLP's output, no RESIDUAL tiles; auto, the default: the planner's "
-                         "choice, as mkc bench and mkc compile make it)")
+                    help="LowerOptions.residual_in_o_proj values to lower with (yes: the O-projection tiles "
+                         "add the residual and the MLP's output, no RESIDUAL tiles; auto, the default: the "
+                         "planner's choice, as mkc bench and mkc compile make it)")
     ap.add_argument("--fused-experts", nargs="+", default=["no"], choices=["yes", "no"],
-                    help="LowerOptions.fused_experts values to lower with (yes: EXPERT_MLP tiles, each its rows' gate, "
-                         "up and share of the down projection; needs --residual-in-o-proj yes)")
+                    help="LowerOptions.fused_experts values to lower with (yes: EXPERT_MLP tiles, each its "
+                         "rows' gate, up and share of the down projection; needs --residual-in-o-proj yes)")
     ap.add_argument("--global-attention-sms", nargs="+", default=["auto"],
-                    help="LowerOptions.global_attention_sms values to lower with (the SMs' worth of splits of the "
-                         "layers of global attention; 0: as --attention-sms; auto, the default: the planner's choice)")
-    ap.add_argument("--expert-up-rows", nargs="+", default=["auto"],
-                    help="LowerOptions.expert_up_rows values to lower with: 'rule' (equal tiles), each slot's tile "
-                         "rows as SIZExCOUNT terms joined by '+', such as 80x6+48x6, or auto, the default (the "
+                    help="LowerOptions.global_attention_sms values to lower with (the SMs' worth of splits "
+                         "of the layers of global attention; 0: as --attention-sms; auto, the default: the "
                          "planner's choice)")
+    ap.add_argument("--expert-up-rows", nargs="+", default=["auto"],
+                    help="LowerOptions.expert_up_rows values to lower with: 'rule' (equal tiles), each "
+                         "slot's tile rows as SIZExCOUNT terms joined by '+', such as 80x6+48x6, or auto, "
+                         "the default (the planner's choice)")
     ap.add_argument("--expert-down-rows", nargs="+", default=["auto"],
-                    help="LowerOptions.expert_down_rows values to lower with (0: the tiling rule's expert-down tiles; "
-                         "auto, the default: the planner's choice)")
+                    help="LowerOptions.expert_down_rows values to lower with (0: the tiling rule's "
+                         "expert-down tiles; auto, the default: the planner's choice)")
     ap.add_argument("--rounds", type=int, default=1,
-                    help="time every variant this many times, in turn, every other round in reverse order (drift "
-                         "between variants shows; a place in the round weighs on every variant alike)")
-    ap.add_argument("--build-only", action="store_true", help="compile every variant's kernel (no GPU) and exit")
+                    help="time every variant this many times, in turn, every other round in reverse order "
+                         "(drift between variants shows; a place in the round weighs on every variant alike)")
+    ap.add_argument("--build-only", action="store_true",
+                    help="compile every variant's kernel (no GPU) and exit")
     ap.add_argument("--sms", type=int, default=132, help="SM count for --build-only")
     a = ap.parse_args()
     a.attention_sms = [None if v == "auto" else int(v) for v in a.attention_sms]
+    return a
+
+
+def variants_of(a: argparse.Namespace) -> list[tuple]:
+    """Every combination of the values given: (attention SMs, lowering choices, cost-model variant)."""
+    def up_rows(er: str):
+        return er if er == "auto" else () if er == "rule" else tuning.row_list(er)
+
+    return [(att, chosen({"rope_in_splits": rope == "yes", "residual_in_o_proj": fold,
+                          "fused_experts": fx == "yes", "global_attention_sms": ga,
+                          "expert_up_rows": up_rows(er), "expert_down_rows": dr}), name)
+            for att in a.attention_sms for rope in a.rope_in_splits for fold in a.residual_in_o_proj
+            for fx in a.fused_experts for ga in a.global_attention_sms for er in a.expert_up_rows
+            for dr in a.expert_down_rows for name in a.variants]
+
+
+def describe(sc, att: int | None, lowering: dict) -> str:
+    """A variant's attention SMs and lowering choices as planned, for its line of the output."""
+    label = f"{sc.meta['attention_sms']['chosen']}" + (" (auto)" if att is None else "")
+    label += f", rope in splits {'yes' if lowering['rope_in_splits'] else 'no'}"
+    label += f", residual in o_proj {'yes' if sc.meta['residual_in_o_proj'] else 'no'}"
+    label += f", fused experts {'yes' if lowering['fused_experts'] else 'no'}"
+    label += f", global attention SMs {sc.meta['global_attention_sms'] or 'same'}"
+    if sc.meta["expert_down_rows"]:
+        label += f", expert-down tile rows {sc.meta['expert_down_rows']}"
+    if sc.meta["expert_up_rows"]:
+        label += f", expert tile rows {'+'.join(map(str, sc.meta['expert_up_rows']))}"
+    return label
+
+
+def build_only(spec, options: CodegenOptions, variants: list[tuple], a: argparse.Namespace) -> None:
+    """--build-only: compile every variant's kernel for --sms SMs and print its registers and spills."""
+    for batch in a.batch:
+        for att, lowering, name in variants:
+            sc = plan(spec, batch, a.context, a.sms, attention_sms=att, ceilings=VARIANTS[name], **lowering)
+            art = build_kernel(sc, spec, options)
+            print(f"b{batch} attention_sms={sc.meta['attention_sms']['chosen']} {lowering} {name}: "
+                  f"{art.name} regs {art.regs} spills {art.spills}")
+
+
+def main() -> None:
+    a = parse_args()
     spec = load_spec(a.config)
     options = CodegenOptions()
-    variants = [(att, chosen({"rope_in_splits": rope == "yes", "residual_in_o_proj": fold, "fused_experts": fx == "yes",
-                              "global_attention_sms": ga,
-                              "expert_up_rows": er if er == "auto" else () if er == "rule" else tuning.row_list(er),
-                              "expert_down_rows": dr}), name)
-                for att in a.attention_sms for rope in a.rope_in_splits for fold in a.residual_in_o_proj
-                for fx in a.fused_experts for ga in a.global_attention_sms for er in a.expert_up_rows
-                for dr in a.expert_down_rows for name in a.variants]
+    variants = variants_of(a)
     if a.build_only:
-        for batch in a.batch:
-            for att, lowering, name in variants:
-                sc = plan(spec, batch, a.context, a.sms, attention_sms=att, ceilings=VARIANTS[name], **lowering)
-                art = build_kernel(sc, spec, options)
-                print(f"b{batch} attention_sms={sc.meta['attention_sms']['chosen']} {lowering} {name}: "
-                      f"{art.name} regs {art.regs} spills {art.spills}")
+        build_only(spec, options, variants, a)
         return
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     bw = measure_read_bandwidth()
     weights = device_random_weights(spec, 2026)
     print(f"read bandwidth {bw / 1e12:.2f} TB/s")
     for batch in a.batch:
-        # the same tokens, positions and KV cache for every variant of a batch (mkc bench's)
-        tokens = bench_tokens(spec, batch)
-        positions = torch.full((batch,), a.context - 1, dtype=torch.int32)
-        ref = None
-        plans = {}  # each variant planned once (planning is deterministic; it takes seconds per plan)
-        names = {variant_key(v): short_name(v, variants) for v in variants}
-        times_us: dict[str, list[float]] = {n: [] for n in names.values()}
-        for att, lowering, name in in_turn(variants, a.rounds):
-            key = variant_key((att, lowering, name))
-            if key not in plans:
-                plans[key] = plan(spec, batch, a.context, sms, attention_sms=att, ceilings=VARIANTS[name], **lowering)
-            sc = plans[key]
-            label = f"{sc.meta['attention_sms']['chosen']}" + (" (auto)" if att is None else "")
-            label += f", rope in splits {'yes' if lowering['rope_in_splits'] else 'no'}"
-            label += f", residual in o_proj {'yes' if sc.meta['residual_in_o_proj'] else 'no'}"
-            label += f", fused experts {'yes' if lowering['fused_experts'] else 'no'}"
-            label += f", global attention SMs {sc.meta['global_attention_sms'] or 'same'}"
-            if sc.meta["expert_down_rows"]:
-                label += f", expert-down tile rows {sc.meta['expert_down_rows']}"
-            if sc.meta["expert_up_rows"]:
-                label += f", expert tile rows {'+'.join(map(str, sc.meta['expert_up_rows']))}"
-            with decoder_in_place(sc, spec, weights, options=options) as dec:
-                fill_bench_kv(dec, spec)
-                logits, _ = dec.step(tokens, positions)
-                repeat = torch.equal(logits, dec.step(tokens, positions)[0])
-                if ref is None:
-                    ref = logits.clone()
-                # another lowering sums in another order, and on random weights a routing near-tie can
-                # flip: the logits may differ; the GPU tests check each lowering against the executor
-                diff = float((ref - logits).abs().max()) / float(ref.abs().max())
-                same = (f"logits within {diff:.2e} of the first's largest, argmax "
-                        + ("equal" if torch.equal(ref.argmax(-1), logits.argmax(-1)) else "DIFFERS")
-                        + ", rerun " + ("bitwise the same" if repeat else "DIFFERS (a race)"))
-                med, sol, _ = time_step(dec, spec, batch, a.context, bw, a.reps)
-                times_us[names[key]].append(med * 1e6)
-                print(f"batch {batch} attention_sms {label:<110} {name:<20} measured {med * 1e6:8.1f} µs ({sol:.1%} SOL), "
-                      f"predicted {sc.predicted['step_us']:8.1f} µs; {same}", flush=True)
+        times_us = time_batch(spec, weights, options, variants, a, batch, sms=sms, bw=bw)
         print(format_rounds(batch, times_us), flush=True)
+
+
+def time_batch(spec, weights: dict[str, torch.Tensor], options: CodegenOptions, variants: list[tuple],
+               a: argparse.Namespace, batch: int, *, sms: int, bw: float) -> dict[str, list[float]]:
+    """Every variant's step at one batch, in turn for --rounds rounds, each line printed as it is
+    measured; returns each variant's step times (µs) by its short name."""
+    # the same tokens, positions and KV cache for every variant of a batch (mkc bench's)
+    tokens = bench_tokens(spec, batch)
+    positions = torch.full((batch,), a.context - 1, dtype=torch.int32)
+    ref = None
+    plans = {}  # each variant planned once (planning is deterministic; it takes seconds per plan)
+    names = {variant_key(v): short_name(v, variants) for v in variants}
+    times_us: dict[str, list[float]] = {n: [] for n in names.values()}
+    for att, lowering, name in in_turn(variants, a.rounds):
+        key = variant_key((att, lowering, name))
+        if key not in plans:
+            plans[key] = plan(spec, batch, a.context, sms, attention_sms=att, ceilings=VARIANTS[name],
+                              **lowering)
+        sc = plans[key]
+        label = describe(sc, att, lowering)
+        with decoder_in_place(sc, spec, weights, options=options) as dec:
+            fill_bench_kv(dec, spec)
+            logits, _ = dec.step(tokens, positions)
+            repeat = torch.equal(logits, dec.step(tokens, positions)[0])
+            if ref is None:
+                ref = logits.clone()
+            # another lowering sums in another order, and on random weights a routing near-tie can
+            # flip: the logits may differ; the GPU tests check each lowering against the executor
+            diff = float((ref - logits).abs().max()) / float(ref.abs().max())
+            same = (f"logits within {diff:.2e} of the first's largest, argmax "
+                    + ("equal" if torch.equal(ref.argmax(-1), logits.argmax(-1)) else "DIFFERS")
+                    + ", rerun " + ("bitwise the same" if repeat else "DIFFERS (a race)"))
+            med, sol, _ = time_step(dec, spec, batch, a.context, bw, a.reps)
+            times_us[names[key]].append(med * 1e6)
+            print(f"batch {batch} attention_sms {label:<110} {name:<20} measured {med * 1e6:8.1f} µs "
+                  f"({sol:.1%} SOL), predicted {sc.predicted['step_us']:8.1f} µs; {same}", flush=True)
+    return times_us
 
 
 if __name__ == "__main__":

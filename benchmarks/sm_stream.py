@@ -394,14 +394,14 @@ def l2_report(torch, launch, sms: int, a) -> dict:
             "cold_us": cold, "warm_us": warm, "after_streams": rows}
 
 
-def main(argv=None) -> int:
+def parse_args(argv) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--active", default="1,8,16,32,64,96,132")
     ap.add_argument("--ways", default="ldg 8,ldg 16")
     ap.add_argument("--patterns", default="low")
     ap.add_argument("--skews", default="0",
-                    help="bytes between one SM's region and the next beyond their size (0: regions back to back, "
-                         "each at a multiple of the size)")
+                    help="bytes between one SM's region and the next beyond their size (0: regions back to "
+                         "back, each at a multiple of the size)")
     ap.add_argument("--mib-per-sm", type=int, default=8)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--l2", action="store_true",
@@ -409,9 +409,14 @@ def main(argv=None) -> int:
     ap.add_argument("--keep-kib-per-sm", type=int, default=160,
                     help="--l2: the region to keep (160 KiB per SM: 21 MB, a layer's QKV and router weights)")
     ap.add_argument("--stream-kib-per-sm", type=int, default=576,
-                    help="--l2: the bytes streamed in between (576 KiB per SM: 78 MB, a batch-1 layer's experts)")
+                    help="--l2: the bytes streamed in between (576 KiB per SM: 78 MB, a batch-1 layer's "
+                         "experts)")
     ap.add_argument("--json", type=Path)
-    a = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
     ways = [parse_way(w.strip()) for w in a.ways.split(",")]
     actives = [int(x) for x in a.active.split(",")]
     patterns = a.patterns.split(",")
@@ -421,53 +426,76 @@ def main(argv=None) -> int:
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     actives = [min(n, sms) for n in actives]
-    torch.zeros(1, device="cuda")
-    _check(driver.cuInit(0), "cuInit")
-    ctx = _check(driver.cuDevicePrimaryCtxRetain(_check(driver.cuDeviceGet(0), "cuDeviceGet")), "retain")
-    _check(driver.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
-    cubin, _ = compile_kernels()
-    module = _check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
-
-    def func(name: str):
-        f = _check(driver.cuModuleGetFunction(module, name.encode()), "cuModuleGetFunction")
-        # 200 KiB of shared memory each: one CTA per SM, as the megakernel
-        _check(driver.cuFuncSetAttribute(f, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                         SMEM), "smem attribute")
-        return f
-
-    funcs = {("ldg", d): func(f"stream_ldg_{d}") for d in LDG_DEPTHS}
-    funcs |= {("ldg512", d): func(f"stream_ldg512_{d}") for d in LDG512_DEPTHS}
-    funcs |= {("ldgw", d): func(f"stream_ldgw_{d}") for d in LDGW_DEPTHS}
-    l2_read = func("l2_read")
-    bulk, where = func("stream_bulk"), func("where_ctas_run")
-    where_clusters, where_clusters16 = func("where_clusters_run"), func("where_clusters16_run")
-    stream = driver.CUstream(torch.cuda.current_stream().cuda_stream)
-
-    def launch(f, args, grid=sms, threads=THREADS):
-        ptrs = (ctypes.c_void_p * len(args))(*(ctypes.addressof(x) for x in args))
-        _check(driver.cuLaunchKernel(f, grid, 1, 1, threads, 1, 1, SMEM, stream, ctypes.addressof(ptrs), 0),
-               "cuLaunchKernel")
-
+    k = Kernels(torch, driver, sms)
     gpu = torch.cuda.get_device_name(0)
     if a.l2:  # every SM reads: no GPCs needed
-        report = l2_report(torch, lambda args: launch(l2_read, args), sms, a)
+        report = l2_report(torch, lambda args: k.launch(k.l2_read, args), sms, a)
         if a.json:
             a.json.write_text(json.dumps({"gpu": gpu, "sms": sms, **report}, indent=1))
         return 0
+    cta_sm, gpcs = find_gpcs(torch, k, gpu)
+    rows = stream_table(torch, k, gpcs, a, ways, actives, patterns)
+    if a.json:
+        a.json.write_text(json.dumps({"gpu": gpu, "sms": sms, "mib_per_sm": a.mib_per_sm, "cta_sm": cta_sm,
+                                      "gpcs": gpcs, "rows": rows}, indent=1))
+    return 0
+
+
+class Kernels:
+    """SOURCE's kernels loaded on GPU 0 through the driver API, each with 200 KiB of dynamic shared
+    memory, so that one CTA fits an SM, as the megakernel's."""
+
+    def __init__(self, torch, driver, sms: int):
+        self.driver, self.sms = driver, sms
+        torch.zeros(1, device="cuda")
+        _check(driver.cuInit(0), "cuInit")
+        ctx = _check(driver.cuDevicePrimaryCtxRetain(_check(driver.cuDeviceGet(0), "cuDeviceGet")), "retain")
+        _check(driver.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+        cubin, _ = compile_kernels()
+        self.module = _check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
+        self.streams = {("ldg", d): self.func(f"stream_ldg_{d}") for d in LDG_DEPTHS}  # by way
+        self.streams |= {("ldg512", d): self.func(f"stream_ldg512_{d}") for d in LDG512_DEPTHS}
+        self.streams |= {("ldgw", d): self.func(f"stream_ldgw_{d}") for d in LDGW_DEPTHS}
+        self.l2_read = self.func("l2_read")
+        self.bulk, self.where = self.func("stream_bulk"), self.func("where_ctas_run")
+        self.where_clusters = self.func("where_clusters_run")
+        self.where_clusters16 = self.func("where_clusters16_run")
+        self.stream = driver.CUstream(torch.cuda.current_stream().cuda_stream)
+
+    def func(self, name: str):
+        driver = self.driver
+        f = _check(driver.cuModuleGetFunction(self.module, name.encode()), "cuModuleGetFunction")
+        # 200 KiB of shared memory each: one CTA per SM, as the megakernel
+        attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        _check(driver.cuFuncSetAttribute(f, attr, SMEM), "smem attribute")
+        return f
+
+    def launch(self, f, args, grid: int | None = None, threads: int = THREADS) -> None:
+        """f on ``grid`` CTAs (default: one per SM) with ``args`` (ctypes values)."""
+        ptrs = (ctypes.c_void_p * len(args))(*(ctypes.addressof(x) for x in args))
+        _check(self.driver.cuLaunchKernel(f, self.sms if grid is None else grid, 1, 1, threads, 1, 1, SMEM,
+                                          self.stream, ctypes.addressof(ptrs), 0), "cuLaunchKernel")
+
+
+def find_gpcs(torch, k: Kernels, gpu: str) -> tuple[list[int], list[list[int]]]:
+    """(the SM a plain launch puts each CTA on, the SMs grouped by GPC), both printed. A cluster's
+    CTAs run in one GPC, so the SMs that ran one cluster (of 4 or of 16, 4 launches each) share a
+    GPC; an SM no cluster ran on is a group of its own."""
+    driver, sms = k.driver, k.sms
     sm_of = torch.zeros(sms, dtype=torch.int32, device="cuda")
     maps = []
     for _ in range(3):
-        launch(where, [ctypes.c_void_p(sm_of.data_ptr())])
+        k.launch(k.where, [ctypes.c_void_p(sm_of.data_ptr())])
         maps.append(sm_of.tolist())
     clusters: dict[int, list[list[int]]] = {4: [], 16: []}  # by size: the SMs each cluster ran on
-    for f, size in ((where_clusters, 4), (where_clusters16, 16)):
+    for f, size in ((k.where_clusters, 4), (k.where_clusters16, 16)):
         grid = sms // size * size
         try:
             if size > 8:
-                _check(driver.cuFuncSetAttribute(
-                    f, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1), "attr")
+                attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
+                _check(driver.cuFuncSetAttribute(f, attr, 1), "attr")
             for _ in range(4):
-                launch(f, [ctypes.c_void_p(sm_of.data_ptr())], grid)
+                k.launch(f, [ctypes.c_void_p(sm_of.data_ptr())], grid)
                 torch.cuda.synchronize()
                 ran = sm_of.tolist()
                 clusters[size] += [ran[c:c + size] for c in range(0, grid, size)]
@@ -476,7 +504,7 @@ def main(argv=None) -> int:
     for size, cs in clusters.items():
         if cs:
             print(f"clusters of {size}: {[len(g) for g in gpcs_from_clusters(cs)]} SMs a group")
-    gpcs = gpcs_from_clusters(clusters[4] + clusters[16])  # both sizes joined; SMs no cluster ran on, one group each
+    gpcs = gpcs_from_clusters(clusters[4] + clusters[16])  # both sizes joined
     seen = {sm for g in gpcs for sm in g}
     gpcs += [[sm] for sm in sorted(set(maps[0]) - seen)]
     print(f"{gpu}: {sms} SMs; a plain launch puts CTA i on SM {maps[0][:16]} ... "
@@ -485,13 +513,21 @@ def main(argv=None) -> int:
           f"{len(gpcs)} of sizes {[len(g) for g in gpcs]}")
     for g in gpcs:
         print("  ", g)
+    return maps[0], gpcs
 
-    per_sm = a.mib_per_sm << 20
+
+def stream_table(torch, k: Kernels, gpcs: list[list[int]], a: argparse.Namespace, ways: list[tuple],
+                 actives: list[int], patterns: list[str]) -> list[dict]:
+    """The table: per skew, way and pattern, the read rate of each count of SMs, printed a line at
+    a time; returns its cells as rows for --json."""
+    sms, per_sm = k.sms, a.mib_per_sm << 20
     sums = torch.zeros(sms, dtype=torch.int32, device="cuda")
     pick = torch.zeros(256, dtype=torch.uint8, device="cuda")
     rows = []
-    print(f"{a.mib_per_sm} MiB per SM, {THREADS} threads, median of {a.reps}; each cell: GB/s per SM, TB/s in all")
-    print(f"{'way':<16} {'SMs picked':<10} {'skew':>8} {'in flight':>10} " + " ".join(f"{n:>13}" for n in actives))
+    print(f"{a.mib_per_sm} MiB per SM, {THREADS} threads, median of {a.reps}; each cell: GB/s per SM, "
+          "TB/s in all")
+    print(f"{'way':<16} {'SMs picked':<10} {'skew':>8} {'in flight':>10} "
+          + " ".join(f"{n:>13}" for n in actives))
     for skew in (int(x) for x in a.skews.split(",")):
         if skew % 16:
             raise SystemExit(f"--skews: {skew} is not a multiple of 16 bytes")
@@ -503,15 +539,14 @@ def main(argv=None) -> int:
 
         def run(way, data=data, stride=stride):
             sums.zero_()
-            common = [ctypes.c_void_p(data.data_ptr())]
+            region = ctypes.c_void_p(data.data_ptr())
+            out = [ctypes.c_void_p(pick.data_ptr()), ctypes.c_void_p(sums.data_ptr())]
             if way[0] != "bulk":
-                launch(funcs[way], common + [ctypes.c_size_t(per_sm // 16), ctypes.c_size_t(stride // 16),
-                                             ctypes.c_void_p(pick.data_ptr()), ctypes.c_void_p(sums.data_ptr())],
-                       threads=threads_of(way))
+                vecs = [ctypes.c_size_t(per_sm // 16), ctypes.c_size_t(stride // 16)]  # 16-byte loads
+                k.launch(k.streams[way], [region, *vecs, *out], threads=threads_of(way))
             else:
-                launch(bulk, common + [ctypes.c_size_t(per_sm), ctypes.c_size_t(stride), ctypes.c_void_p(pick.data_ptr()),
-                                       ctypes.c_void_p(sums.data_ptr()), ctypes.c_uint32(way[1]),
-                                       ctypes.c_uint32(way[2])])
+                k.launch(k.bulk, [region, ctypes.c_size_t(per_sm), ctypes.c_size_t(stride), *out,
+                                  ctypes.c_uint32(way[1]), ctypes.c_uint32(way[2])])
 
         for way in ways:
             for pattern in patterns:
@@ -525,8 +560,9 @@ def main(argv=None) -> int:
                     got = sums.cpu().to(torch.int64) % 2**32
                     ran = got != 0
                     if int(ran.sum()) != len(chosen) or not torch.equal(got[ran], expect[ran]):
-                        raise SystemExit(f"{way} {pattern} {active}: {int(ran.sum())} CTAs read, {len(chosen)} "
-                                         f"picked, or their sums differ from torch's: a read went wrong")
+                        raise SystemExit(f"{way} {pattern} {active}: {int(ran.sum())} CTAs read, "
+                                         f"{len(chosen)} picked, or their sums differ from torch's: a read "
+                                         "went wrong")
                     t = median_us(torch, a.reps, lambda way=way: run(way)) * 1e-6  # seconds
                     total = len(chosen) * per_sm / t
                     cells.append(f"{total / len(chosen) / 1e9:6.1f} {total / 1e12:5.2f}")
@@ -536,10 +572,7 @@ def main(argv=None) -> int:
                 name = " ".join(map(str, way))
                 print(f"{name:<16} {pattern:<10} {skew:>8} {in_flight(way) // 1024:>8} K "
                       + " ".join(f"{c:>13}" for c in cells), flush=True)
-    if a.json:
-        a.json.write_text(json.dumps({"gpu": gpu, "sms": sms, "mib_per_sm": a.mib_per_sm, "cta_sm": maps[0],
-                                      "gpcs": gpcs, "rows": rows}, indent=1))
-    return 0
+    return rows
 
 
 if __name__ == "__main__":

@@ -299,35 +299,95 @@ def _model_arguments(p: argparse.ArgumentParser, *, seed: int) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mkc", description="Compile an LLM decode step into one persistent GPU kernel.")
+    p = argparse.ArgumentParser(prog="mkc",
+                                description="Compile an LLM decode step into one persistent GPU kernel.")
     p.add_argument("--version", action="version", version=f"mkc {_version()}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
     c = sub.add_parser("compile", help="lower, schedule, validate and write the artifacts of a model")
-    c.add_argument("config", help="model YAML, a Hugging Face config.json, a checkpoint folder, or a llama.cpp "
-                                  ".gguf file")
+    _compile_arguments(c)
+    c.set_defaults(fn=cmd_compile)
+
+    k = sub.add_parser("check", help="re-validate a schedule.json: exit 0 if safe, 1 if not",
+                       description="Prove again that a schedule cannot deadlock or race (the checks mkc "
+                                   "compile runs). Exit 0: safe; 1: unsafe, with the tasks, counters and "
+                                   "buffers involved; 2: not a schedule.")
+    _check_arguments(k)
+    k.set_defaults(fn=cmd_check)
+
+    h = sub.add_parser("import-hf", help="write the YAML equivalent of a Hugging Face config.json")
+    _import_hf_arguments(h)
+    h.set_defaults(fn=cmd_import_hf)
+
+    g = sub.add_parser("generate", help="greedy decoding through the compiled schedule",
+                       description="Greedy-decode after a prompt of token ids, every token (the prompt's "
+                                   "too) through the compiled schedule; prints the generated ids. A run "
+                                   "longer than a few seconds reports its progress in tokens/s on stderr.")
+    _generate_arguments(g)
+    g.set_defaults(fn=cmd_generate)
+
+    b = sub.add_parser("bench",
+                       help="decode step time on a GPU: megakernel beside a CUDA-graph PyTorch baseline")
+    _bench_arguments(b)
+    b.set_defaults(fn=cmd_bench)
+
+    # serve, bench-serve and quantize: their options are declared beside their code
+    from mkc.runtime.serve_options import add_serve_arguments
+
+    s = sub.add_parser("serve", help="OpenAI-compatible server with continuous batching")
+    add_serve_arguments(s)
+    s.set_defaults(fn=cmd_serve)
+
+    from mkc.runtime.serve_bench import add_bench_serve_arguments
+
+    v = sub.add_parser("bench-serve",
+                       help="serving benchmark of a running server (--url) or one started in-process: TTFT, "
+                            "time per output token, inter-token latency, tok/s")
+    add_bench_serve_arguments(v)
+    v.set_defaults(fn=cmd_bench_serve)
+
+    from mkc.runtime.quantize import add_quantize_arguments
+
+    q = sub.add_parser("quantize", help="write an FP8 (e4m3) copy of a bf16/fp32 checkpoint folder",
+                       description="Store the attention, MLP, expert and untied LM-head matrices of a "
+                                   "Hugging Face checkpoint as float8_e4m3fn with float32 scales, in "
+                                   "transformers' FineGrainedFP8 layout (--scheme block) or "
+                                   "compressed-tensors float-quantized (--scheme channel); mkc --checkpoint, "
+                                   "transformers and vLLM read it.")
+    add_quantize_arguments(q)
+    q.set_defaults(fn=cmd_quantize)
+    return p
+
+
+def _compile_arguments(c: argparse.ArgumentParser) -> None:
+    """mkc compile: the model, the point it is compiled for (batch, context, SMs, KV pages), the
+    lowering choices the tuner may also make, and the GPU it is simulated on."""
+    c.add_argument("config", help="model YAML, a Hugging Face config.json, a checkpoint folder, or a "
+                                  "llama.cpp .gguf file")
     c.add_argument("-o", "--output", help="output folder (default build/<config>-b<batch>-c<context>)")
     c.add_argument("--batch", type=_batch, default=1, help="sequences decoded together, 1-8 (default 1)")
-    c.add_argument("--context", type=_positive, default=8192, help="context bucket in positions (default 8192)")
-    c.add_argument("--num-sms", type=_positive, default=132, help="SMs = persistent CTAs (default 132, H100/H200)")
+    c.add_argument("--context", type=_positive, default=8192,
+                   help="context bucket in positions (default 8192)")
+    c.add_argument("--num-sms", type=_positive, default=132,
+                   help="SMs = persistent CTAs (default 132, H100/H200)")
     c.add_argument("--page-size", type=_page_size, default=0,
                    help="KV cache page in positions, read through a page table (default 0: one contiguous "
                         "slab per sequence; see docs/kernel.md)")
     c.add_argument("--attention-sms", type=_attention_sms, default=None, metavar="auto|N",
-                   help="SMs set apart for the attention splits of a parallel block, the MLP tiles filling the "
-                        "rest (default auto: the count mkc bench --tune measured fastest at this point, else the "
-                        "one the cost model predicts fastest; 0: every op fills all SMs). A count given here takes none of a "
-                        "tuning entry's other measured choices (raise, spread, layer end, splits, tile rows): they "
-                        "were measured together")
+                   help="SMs set apart for the attention splits of a parallel block, the MLP tiles filling "
+                        "the rest (default auto: the count mkc bench --tune measured fastest at this point, "
+                        "else the one the cost model predicts fastest; 0: every op fills all SMs). A count "
+                        "given here takes none of a tuning entry's other measured choices (raise, spread, "
+                        "layer end, splits, tile rows): they were measured together")
     c.add_argument("--global-attention-sms", type=_attention_sms, default=None, metavar="auto|N",
                    help="SMs' worth of attention splits in the layers of global attention, which at a long "
-                        "context attend more keys than the sliding windows (default auto: what mkc bench --tune "
-                        "measured fastest at this point, else 0; 0: as many as the other layers; at most 4 "
-                        "times --num-sms)")
+                        "context attend more keys than the sliding windows (default auto: what mkc bench "
+                        "--tune measured fastest at this point, else 0; 0: as many as the other layers; at "
+                        "most 4 times --num-sms)")
     c.add_argument("--residual-in-o-proj", choices=["auto", "on", "off"], default="auto",
-                   help="on: the O-projection tiles add the residual stream and the MLP's output and end the "
-                        "layer, no residual tiles; off: residual tiles sum them (default auto: what mkc bench "
-                        "--tune measured faster at this point, else off; docs/tiling.md)")
+                   help="on: the O-projection tiles add the residual stream and the MLP's output and end "
+                        "the layer, no residual tiles; off: residual tiles sum them (default auto: what mkc "
+                        "bench --tune measured faster at this point, else off; docs/tiling.md)")
     from mkc.schedule.cost import GPUS
 
     c.add_argument("--gpu", choices=sorted(GPUS), default="h200",
@@ -340,32 +400,31 @@ def build_parser() -> argparse.ArgumentParser:
 
     c.add_argument("--weights", choices=WEIGHT_FORMATS, default="bf16", help=WEIGHTS_HELP)
     c.add_argument("--no-kernel", action="store_true", help="skip rendering and compiling the CUDA kernel")
-    c.set_defaults(fn=cmd_compile)
 
-    k = sub.add_parser("check", help="re-validate a schedule.json: exit 0 if safe, 1 if not",
-                       description="Prove again that a schedule cannot deadlock or race (the checks mkc compile "
-                                   "runs). Exit 0: safe; 1: unsafe, with the tasks, counters and buffers "
-                                   "involved; 2: not a schedule.")
+
+def _check_arguments(k: argparse.ArgumentParser) -> None:
+    """mkc check: the schedule.json to prove safe again."""
     k.add_argument("schedule", help="the schedule.json written by mkc compile (possibly edited)")
     k.add_argument("--max-problems", type=_positive, default=20, help="problems to list at most (default 20)")
-    k.set_defaults(fn=cmd_check)
 
-    h = sub.add_parser("import-hf", help="write the YAML equivalent of a Hugging Face config.json")
+
+def _import_hf_arguments(h: argparse.ArgumentParser) -> None:
+    """mkc import-hf: the Hugging Face config to translate and where the YAML goes."""
     h.add_argument("config", help="config.json, checkpoint folder, or .gguf file")
     h.add_argument("-o", "--output", help="YAML file to write (default: stdout)")
     h.add_argument("--name", help="model name to use in the YAML")
-    h.set_defaults(fn=cmd_import_hf)
 
-    g = sub.add_parser("generate", help="greedy decoding through the compiled schedule",
-                       description="Greedy-decode after a prompt of token ids, every token (the prompt's too) "
-                                   "through the compiled schedule; prints the generated ids. A run longer than "
-                                   "a few seconds reports its progress in tokens/s on stderr.")
+
+def _generate_arguments(g: argparse.ArgumentParser) -> None:
+    """mkc generate: the model, the prompt, how many tokens, and which backend runs the schedule."""
     _model_arguments(g, seed=0)
-    g.add_argument("--prompt-ids", type=_ids, required=True, help="comma-separated prompt token ids, e.g. 1,2,3")
+    g.add_argument("--prompt-ids", type=_ids, required=True,
+                   help="comma-separated prompt token ids, e.g. 1,2,3")
     g.add_argument("--max-new-tokens", type=_positive, default=16, help="tokens to generate (default 16)")
     g.add_argument("--context", type=_positive, default=None,
                    help="KV positions the schedule is compiled for; the prompt and the new tokens must fit "
-                        f"(default: their count rounded up to a power of two, from 64 to {DEFAULT_MAX_CONTEXT})")
+                        "(default: their count rounded up to a power of two, from 64 to "
+                        f"{DEFAULT_MAX_CONTEXT})")
     g.add_argument("--backend", choices=("cpu", "cuda"), default="cpu",
                    help="cpu: the CPU executor runs the task list tile by tile (anywhere, slow); cuda: the "
                         "megakernel on an H100/H200 (default cpu)")
@@ -373,59 +432,42 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weights and activations of the cpu backend (default float32; the cuda backend runs "
                         "bfloat16)")
     g.add_argument("--json", action="store_true", help='print {"tokens": [...]} (generated ids only)')
-    g.set_defaults(fn=cmd_generate)
 
-    b = sub.add_parser("bench", help="decode step time on a GPU: megakernel beside a CUDA-graph PyTorch baseline")
+
+def _bench_arguments(b: argparse.ArgumentParser) -> None:
+    """mkc bench: the model, the points to time, profiling, and the tuner's options."""
     _model_arguments(b, seed=2026)
-    b.add_argument("--batch", type=_batches, default="1,2,4,8", help="comma-separated batch sizes (default 1,2,4,8)")
-    b.add_argument("--context", type=_contexts, default="8192", help="comma-separated contexts (default 8192)")
+    b.add_argument("--batch", type=_batches, default="1,2,4,8",
+                   help="comma-separated batch sizes (default 1,2,4,8)")
+    b.add_argument("--context", type=_contexts, default="8192",
+                   help="comma-separated contexts (default 8192)")
     b.add_argument("--reps", type=_positive, default=20, help="timed steps per point (median reported)")
-    b.add_argument("--profile", action="store_true", help="also write a per-task Perfetto trace of a real step")
+    b.add_argument("--profile", action="store_true",
+                   help="also write a per-task Perfetto trace of a real step")
     b.add_argument("--tune", action="store_true",
-                   help="time the schedule's choices at each point (attention SMs, priority raises, sibling spread, "
-                        "the layer's end, global layers' splits) and record the fastest in MKC_TUNING_FILE "
-                        "(default tuning.json in the kernel cache) for later compiles, benches and servers")
+                   help="time the schedule's choices at each point (attention SMs, priority raises, sibling "
+                        "spread, the layer's end, global layers' splits) and record the fastest in "
+                        "MKC_TUNING_FILE (default tuning.json in the kernel cache) for later compiles, "
+                        "benches and servers")
     b.add_argument("--tune-rounds", type=_positive, default=1,
-                   help="with --tune: time each decision's options in turn this many times, every other round in "
-                        "reverse order, and compare medians (default 1: each schedule once)")
+                   help="with --tune: time each decision's options in turn this many times, every other "
+                        "round in reverse order, and compare medians (default 1: each schedule once)")
     b.add_argument("--tune-every-count", action="store_true",
                    help="with --tune: time every count of attention SMs, also those whose probe step the "
-                        "compiler simulates more than 25%% slower than the fastest count's (by default left out)")
+                        "compiler simulates more than 25%% slower than the fastest count's (by default left "
+                        "out)")
     b.add_argument("--tune-tiles", action="store_true",
-                   help="with --tune: last, also time the expert tiles' rows (each routing slot's gate/up tiles "
-                        "in more or fewer equal tiles, then the expert-down tiles halved, quartered or doubled) "
-                        "and record the fastest (docs/tiling.md)")
+                   help="with --tune: last, also time the expert tiles' rows (each routing slot's gate/up "
+                        "tiles in more or fewer equal tiles, then the expert-down tiles halved, quartered or "
+                        "doubled) and record the fastest (docs/tiling.md)")
     b.add_argument("--weights", type=_weight_formats, default="bf16", metavar="FORMATS",
-                   help="comma-separated weight formats timed one after the other in this run, e.g. bf16,fp8 ("
-                        "each on freshly made weights; the PyTorch baseline runs beside bf16 only). " + WEIGHTS_HELP)
-    b.add_argument("--page-size", type=_page_size, default=0, help="the megakernel's KV cache in pages of this many "
-                                                             "positions (default 0: one slab per sequence)")
+                   help="comma-separated weight formats timed one after the other in this run, e.g. bf16,fp8 "
+                        "(each on freshly made weights; the PyTorch baseline runs beside bf16 only). "
+                        + WEIGHTS_HELP)
+    b.add_argument("--page-size", type=_page_size, default=0,
+                   help="the megakernel's KV cache in pages of this many positions (default 0: one slab per "
+                        "sequence)")
     b.add_argument("-o", "--output", default="build/bench", help="folder for bench.json and traces")
-    b.set_defaults(fn=cmd_bench)
-
-    from mkc.runtime.serve_options import add_serve_arguments
-
-    s = sub.add_parser("serve", help="OpenAI-compatible server with continuous batching")
-    add_serve_arguments(s)
-    s.set_defaults(fn=cmd_serve)
-
-    from mkc.runtime.serve_bench import add_bench_serve_arguments
-
-    v = sub.add_parser("bench-serve", help="serving benchmark of a running server (--url) or one started in-process: "
-                                           "TTFT, time per output token, inter-token latency, tok/s")
-    add_bench_serve_arguments(v)
-    v.set_defaults(fn=cmd_bench_serve)
-
-    from mkc.runtime.quantize import add_quantize_arguments
-
-    q = sub.add_parser("quantize", help="write an FP8 (e4m3) copy of a bf16/fp32 checkpoint folder",
-                       description="Store the attention, MLP, expert and untied LM-head matrices of a Hugging Face "
-                                   "checkpoint as float8_e4m3fn with float32 scales, in transformers' FineGrainedFP8 "
-                                   "layout (--scheme block) or compressed-tensors float-quantized (--scheme channel); "
-                                   "mkc --checkpoint, transformers and vLLM read it.")
-    add_quantize_arguments(q)
-    q.set_defaults(fn=cmd_quantize)
-    return p
 
 
 def cmd_quantize(a: argparse.Namespace) -> int:

@@ -151,6 +151,15 @@ def build_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="mkc", lifespan=lifespan)
     app.state.mkc = state
+    _add_error_handlers(app, state)
+    _add_status_routes(app, state)
+    _add_generation_routes(app, state)
+    return app
+
+
+def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
+    """Our errors (APIError), a body that fails validation, an unknown route or method, and a bug
+    (500) are each answered as an OpenAI error object and counted by status."""
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
@@ -172,6 +181,11 @@ def build_app(state: ServerState) -> FastAPI:
         return await _api_error(request, APIError(500, f"internal error: {type(e).__name__}: {e}",
                                                   type="server_error"))
 
+
+def _add_status_routes(app: FastAPI, state: ServerState) -> None:
+    """GET /health, /metrics (Prometheus) and /v1/models: whether the engine runs, its counters,
+    and the one model served."""
+
     @app.get("/health")
     async def health() -> Response:
         if not state.engine.alive:
@@ -191,6 +205,11 @@ def build_app(state: ServerState) -> FastAPI:
         _check_model(state, model_id)
         return _model_card(state)
 
+
+def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
+    """POST /v1/completions and /v1/chat/completions: a request checked, its prompt tokenized and
+    handed to the engine, the answer streamed as SSE or returned whole."""
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         req = _parse(CompletionRequest, await _json_body(request))
@@ -208,8 +227,8 @@ def build_app(state: ServerState) -> FastAPI:
         if req.stream:
             return _sse(_stream(state, gen, req, rid, created, "text_completion", _completion_choices))
         text, last = await gen.collect()
-        return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
-                             "choices": [_choice(last.finish_reason, text=text)],
+        return JSONResponse({"id": rid, "object": "text_completion", "created": created,
+                             "model": state.model_name, "choices": [_choice(last.finish_reason, text=text)],
                              "usage": _usage(last)})
 
     @app.post("/v1/chat/completions")
@@ -238,11 +257,9 @@ def build_app(state: ServerState) -> FastAPI:
                                 first=[_choice(None, delta={"role": "assistant", "content": ""})]))
         text, last = await gen.collect()
         message, finish = _chat_message(text, last.finish_reason, names)
-        return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
-                             "choices": [_choice(finish, message=message)],
+        return JSONResponse({"id": rid, "object": "chat.completion", "created": created,
+                             "model": state.model_name, "choices": [_choice(finish, message=message)],
                              "usage": _usage(last)})
-
-    return app
 
 
 def _model_card(state: ServerState) -> dict[str, Any]:

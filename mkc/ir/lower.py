@@ -139,6 +139,58 @@ def box(buf: Buffer, *ranges: tuple[int, int] | None) -> Region:
     return Region(buf.name, tuple(r if r is not None else (0, s) for r, s in zip(ranges, buf.shape)))
 
 
+@dataclass(frozen=True, slots=True)
+class _AttentionOperands:
+    """One layer's attention inputs: the QKV projection's output, the rotated queries, the KV
+    cache and the qk-norm weights, as its ROPE_APPEND and ATTN_SPLIT tasks read and write them."""
+
+    qkv: Buffer  # [B, (heads + 2 kv_heads) * head_dim]: q heads, then k heads, then v heads
+    q: Buffer | None  # [B, heads * head_dim] after RoPE; None: the splits rotate q (rope_in_splits)
+    k_cache: Buffer  # [B, kv_heads, ctx, head_dim], or paged [kv_heads, pages, page_size, head_dim]
+    v_cache: Buffer  # as k_cache
+    page_table: Buffer | None  # [B, pages per sequence]; None: one contiguous slab per sequence
+    q_norm: Buffer | None  # [head_dim] qk-norm weights, shared by every head; None: no qk-norm
+    k_norm: Buffer | None  # [head_dim]
+    heads: int  # query heads
+    kv_heads: int
+    head_dim: int
+
+    @property
+    def group(self) -> int:
+        """Query heads per KV head."""
+        return self.heads // self.kv_heads
+
+    def head_rows(self, g: int, b: int | None = None, krange: tuple[int, int] | None = None) -> Region:
+        """KV head g of sequence b (every sequence: None), positions krange (all: None); a pool
+        is addressed through the page table, so a paged task declares the head's whole pool."""
+        if self.page_table is not None:
+            return box(self.k_cache, (g, g + 1), None, None, None)
+        return box(self.k_cache, None if b is None else (b, b + 1), (g, g + 1), krange, None)
+
+    def qkv_cols(self, g: int) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
+        """Columns of KV group g's query heads, its key head and its value head in qkv."""
+        D, G, QH, GS = self.head_dim, self.kv_heads, self.heads, self.group
+        return ((g * GS * D, (g + 1) * GS * D), (QH * D + g * D, QH * D + (g + 1) * D),
+                ((QH + G + g) * D, (QH + G + g + 1) * D))
+
+    def norms(self) -> list[Region]:
+        return [full(w) for w in (self.q_norm, self.k_norm) if w is not None]
+
+    def tables(self) -> list[Region]:
+        return [full(self.page_table)] if self.page_table is not None else []
+
+
+@dataclass(frozen=True, slots=True)
+class _KeySplits:
+    """How one layer's attention is cut along the keys, and where the splits' partials go."""
+
+    window: int  # keys of a sliding window; 0: global attention (the whole context)
+    keys: int  # keys per split
+    count: int  # splits per sequence and KV head
+    part_o: Buffer  # [B, kv_heads, splits, group, head_dim] unnormalised partial outputs
+    part_ml: Buffer  # [B, kv_heads, splits, group, (max, sum)] partial softmax stats
+
+
 class _Lowerer:
     def __init__(self, spec: ModelSpec, opt: LowerOptions):
         if opt.fused_experts and spec.block != "parallel":
@@ -341,12 +393,25 @@ class _Lowerer:
     def attention(self, layer: int, n: Normed, positions: Buffer) -> Buffer:
         """One layer's attention up to its output [B, heads * head_dim]: the QKV projection of the
         normed input, RoPE and the KV-cache append, the splits along the keys and their combine."""
+        at = self.attention_operands(layer, n)
+        fused = self.opt.rope_in_splits
+        if not fused:  # appended before the splits read the cache
+            for g in range(at.kv_heads):
+                self.rope_append(layer, at, g, positions)
+        splits = self.key_splits(layer)
+        self.attention_splits(layer, at, splits, positions)
+        if fused:  # after the splits: they take this step's k and v from qkv, not from the cache
+            for g in range(at.kv_heads):
+                self.rope_append(layer, at, g, positions)
+        return self.attention_combine(layer, splits, positions)
+
+    def attention_operands(self, layer: int, n: Normed) -> _AttentionOperands:
+        """The QKV projection's tiles, and the buffers of the rotated queries, the KV cache and the
+        qk-norm weights."""
         s, opt = self.spec, self.opt
-        ls = s.layers[layer]
         B, H, C = opt.batch, s.hidden_size, opt.context
         a = s.attention
         D, G, QH = a.head_dim, a.num_kv_heads, a.num_heads
-        GS = QH // G
         P = f"L{layer}"
         # QKV rows are [q heads..., k heads..., v heads...], D rows per head
         nqkv = (QH + 2 * G) * D
@@ -354,7 +419,8 @@ class _Lowerer:
         qkv = self.buf(f"{P}.qkv", (B, nqkv), "bf16", "act", "[B, (heads + 2 kv_heads) * head_dim]")
         self.linear(layer, "qkv", n, wqkv, qkv, boundary=D)
         fused = opt.rope_in_splits
-        q = None if fused else self.buf(f"{P}.q", (B, QH * D), "bf16", "act", "[B, heads * head_dim] after RoPE")
+        q = None if fused else self.buf(f"{P}.q", (B, QH * D), "bf16", "act",
+                                        "[B, heads * head_dim] after RoPE")
         pt, psz = self.page_table, opt.page_size
         if pt is not None:  # a pool of pages per layer (mkc/ir/kv_layout.py)
             pool = (G, opt.kv_pages or B * pt.shape[1], psz, D)
@@ -363,72 +429,84 @@ class _Lowerer:
         else:
             kc = self.buf(f"{P}.k_cache", (B, G, C, D), "bf16", "state", "[B, kv_heads, ctx, head_dim]")
             vc = self.buf(f"{P}.v_cache", (B, G, C, D), "bf16", "state", "[B, kv_heads, ctx, head_dim]")
-
-        def head_rows(g: int, b: int | None = None, krange: tuple[int, int] | None = None) -> Region:
-            """KV head g of sequence b (every sequence: None), positions krange (all: None); a pool
-            is addressed through the page table, so a paged task declares the head's whole pool."""
-            if pt is not None:
-                return box(kc, (g, g + 1), None, None, None)
-            return box(kc, None if b is None else (b, b + 1), (g, g + 1), krange, None)
-
-        def qkv_cols(g: int) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
-            """Columns of KV group g's query heads, its key head and its value head in qkv."""
-            return ((g * GS * D, (g + 1) * GS * D), (QH * D + g * D, QH * D + (g + 1) * D),
-                    ((QH + G + g) * D, (QH + G + g + 1) * D))
         # qk-norm: per-head RMSNorm of q and k before RoPE, weights shared by every head
         qn = self.buf(f"{P}.q_norm", (D,), "bf16", "weight", "[head_dim]") if a.qk_norm else None
         kn = self.buf(f"{P}.k_norm", (D,), "bf16", "weight", "[head_dim]") if a.qk_norm else None
-        norms = [full(w) for w in (qn, kn) if w is not None]
-        tables = [full(pt)] if pt is not None else []
+        return _AttentionOperands(qkv, q, kc, vc, pt, qn, kn, heads=QH, kv_heads=G, head_dim=D)
 
-        def rope_append(g: int) -> None:
-            """k (and, unfused, q) of group g rotated; k and v appended at the step's positions."""
-            qcols, kcols, vcols = qkv_cols(g)
-            self.emit(Opcode.ROPE_APPEND, layer, f"{P}.rope_append[kv{g}]",
-                      {"qkv": qkv, "positions": positions, "q": q, "k_cache": kc, "v_cache": vc,
-                       "q_norm": qn, "k_norm": kn, "page_table": pt},
-                      {"kv_head": g, "rope": int(ls.rope)},
-                      [*([] if fused else [box(qkv, None, qcols)]), box(qkv, None, kcols), box(qkv, None, vcols),
-                       full(positions), *norms, *tables],
-                      [*([] if fused else [box(q, None, qcols)]), head_rows(g), Region(vc.name, head_rows(g).box)],
-                      act_bytes=B * ((0 if fused else 2 * GS) + 4) * D * 2)
-        if not fused:  # appended before the splits read the cache
-            for g in range(G):
-                rope_append(g)
-        window = a.sliding_window if ls.attention == "sliding" else 0
+    def rope_append(self, layer: int, at: _AttentionOperands, g: int, positions: Buffer) -> None:
+        """k (and, unless the splits rotate q, q) of KV group g rotated; k and v appended at the
+        step's positions."""
+        fused = at.q is None
+        qkv, q, vc = at.qkv, at.q, at.v_cache
+        qcols, kcols, vcols = at.qkv_cols(g)
+        self.emit(Opcode.ROPE_APPEND, layer, f"L{layer}.rope_append[kv{g}]",
+                  {"qkv": qkv, "positions": positions, "q": q, "k_cache": at.k_cache, "v_cache": vc,
+                   "q_norm": at.q_norm, "k_norm": at.k_norm, "page_table": at.page_table},
+                  {"kv_head": g, "rope": int(self.spec.layers[layer].rope)},
+                  [*([] if fused else [box(qkv, None, qcols)]), box(qkv, None, kcols), box(qkv, None, vcols),
+                   full(positions), *at.norms(), *at.tables()],
+                  [*([] if fused else [box(q, None, qcols)]), at.head_rows(g),
+                   Region(vc.name, at.head_rows(g).box)],
+                  act_bytes=self.opt.batch * ((0 if fused else 2 * at.group) + 4) * at.head_dim * 2)
+
+    def key_splits(self, layer: int) -> _KeySplits:
+        """How many keys each attention split of the layer reads (its window, or the context), and
+        the buffers of their partial outputs."""
+        s, opt = self.spec, self.opt
+        B, C = opt.batch, opt.context
+        a = s.attention
+        D, G, GS = a.head_dim, a.num_kv_heads, a.num_heads // a.num_kv_heads
+        P = f"L{layer}"
+        window = a.sliding_window if s.layers[layer].attention == "sliding" else 0
         keys = min(C, window) if window else C
         # a sliding window may straddle the bucket start, so it can touch one extra split's worth
-        split_keys = attention_split_keys(keys, 2 * D * 2, B * G, self.attention_sms(global_attention=not window))
+        split_keys = attention_split_keys(keys, 2 * D * 2, B * G,
+                                          self.attention_sms(global_attention=not window))
         nsplit = math.ceil(keys / split_keys)
         part_o = self.buf(f"{P}.attn_part_o", (B, G, nsplit, GS, D), "f32", "act",
                           "[B, kv_heads, splits, group, head_dim] unnormalised partial outputs")
         part_ml = self.buf(f"{P}.attn_part_ml", (B, G, nsplit, GS, 2), "f32", "act",
                            "[B, kv_heads, splits, group, (max, sum)] partial softmax stats")
-        for b in range(B):
-            for g in range(G):
-                qcols, kcols, vcols = qkv_cols(g)
+        return _KeySplits(window, split_keys, nsplit, part_o, part_ml)
+
+    def attention_splits(self, layer: int, at: _AttentionOperands, sp: _KeySplits, positions: Buffer) -> None:
+        """The ATTN_SPLIT tasks: per sequence, KV head and range of keys, a partial softmax(q k) v."""
+        C = self.opt.context
+        D, GS = at.head_dim, at.group
+        fused = at.q is None
+        qkv, q, kc, vc = at.qkv, at.q, at.k_cache, at.v_cache
+        window, split_keys = sp.window, sp.keys
+        for b in range(self.opt.batch):
+            for g in range(at.kv_heads):
+                qcols, kcols, vcols = at.qkv_cols(g)
                 # fused: the query heads, and this step's key and value (for the split holding the
                 # position), come from qkv; unfused: the rotated q
-                query = ([box(qkv, (b, b + 1), qcols), box(qkv, (b, b + 1), kcols), box(qkv, (b, b + 1), vcols),
-                          *norms] if fused else [box(q, (b, b + 1), qcols)])
-                for sp in range(nsplit):
+                query = ([box(qkv, (b, b + 1), qcols), box(qkv, (b, b + 1), kcols),
+                          box(qkv, (b, b + 1), vcols), *at.norms()] if fused else [box(q, (b, b + 1), qcols)])
+                for s in range(sp.count):
                     # global layers read a fixed key range; sliding windows move with the position
-                    krange = (sp * split_keys, min(C, (sp + 1) * split_keys)) if not window else None
-                    self.emit(Opcode.ATTN_SPLIT, layer, f"{P}.attn[b{b},kv{g},s{sp}]",
+                    krange = (s * split_keys, min(C, (s + 1) * split_keys)) if not window else None
+                    kv_rows = at.head_rows(g, b, krange)
+                    self.emit(Opcode.ATTN_SPLIT, layer, f"L{layer}.attn[b{b},kv{g},s{s}]",
                               {"q": q, "k_cache": kc, "v_cache": vc, "positions": positions,
-                               "part_o": part_o, "part_ml": part_ml, "page_table": pt,
-                               "qkv": qkv if fused else None, "q_norm": qn if fused else None,
-                               "k_norm": kn if fused else None},
-                              {"seq": b, "kv_head": g, "split": sp, "split_keys": split_keys, "window": window,
-                               "rope": int(ls.rope)},
-                              [*query, head_rows(g, b, krange), Region(vc.name, head_rows(g, b, krange).box),
-                               full(positions), *tables],
-                              [box(part_o, (b, b + 1), (g, g + 1), (sp, sp + 1), None, None),
-                               box(part_ml, (b, b + 1), (g, g + 1), (sp, sp + 1), None, None)],
+                               "part_o": sp.part_o, "part_ml": sp.part_ml, "page_table": at.page_table,
+                               "qkv": qkv if fused else None, "q_norm": at.q_norm if fused else None,
+                               "k_norm": at.k_norm if fused else None},
+                              {"seq": b, "kv_head": g, "split": s, "split_keys": split_keys, "window": window,
+                               "rope": int(self.spec.layers[layer].rope)},
+                              [*query, kv_rows, Region(vc.name, kv_rows.box), full(positions), *at.tables()],
+                              [box(sp.part_o, (b, b + 1), (g, g + 1), (s, s + 1), None, None),
+                               box(sp.part_ml, (b, b + 1), (g, g + 1), (s, s + 1), None, None)],
                               flops=4 * GS * D * split_keys, act_bytes=2 * split_keys * D * 2)
-        if fused:  # after the splits: they take this step's k and v from qkv, not from the cache
-            for g in range(G):
-                rope_append(g)
+
+    def attention_combine(self, layer: int, sp: _KeySplits, positions: Buffer) -> Buffer:
+        """The ATTN_COMBINE tasks: the splits' partials merged into the attention output
+        [B, heads * head_dim]."""
+        B, a = self.opt.batch, self.spec.attention
+        D, G, QH = a.head_dim, a.num_kv_heads, a.num_heads
+        GS = QH // G
+        P = f"L{layer}"
         attn = self.buf(f"{P}.attn", (B, QH * D), "bf16", "act", "[B, heads * head_dim] attention output")
         # the merge of a group is spread over several tasks of a few query heads each (each reads
         # only its heads' partials)
@@ -437,11 +515,11 @@ class _Lowerer:
             for h in range(0, GS, hpc):
                 head = g * GS + h
                 self.emit(Opcode.ATTN_COMBINE, layer, f"{P}.combine[kv{g},h{head}:{head + hpc}]",
-                          {"part_o": part_o, "part_ml": part_ml, "positions": positions, "out": attn},
-                          {"kv_head": g, "head0": h, "heads": hpc, "splits": nsplit, "split_keys": split_keys,
-                           "window": window},
-                          [box(part_o, None, (g, g + 1), None, (h, h + hpc), None),
-                           box(part_ml, None, (g, g + 1), None, (h, h + hpc), None), full(positions)],
+                          {"part_o": sp.part_o, "part_ml": sp.part_ml, "positions": positions, "out": attn},
+                          {"kv_head": g, "head0": h, "heads": hpc, "splits": sp.count, "split_keys": sp.keys,
+                           "window": sp.window},
+                          [box(sp.part_o, None, (g, g + 1), None, (h, h + hpc), None),
+                           box(sp.part_ml, None, (g, g + 1), None, (h, h + hpc), None), full(positions)],
                           [box(attn, None, (head * D, (head + hpc) * D))])
         return attn
 

@@ -418,21 +418,30 @@ def write_report(sc: Schedule, spec: ModelSpec, path: str | Path) -> Path:
     time in it comes from the one predicted timeline, so its numbers add up: the per-op SM-µs
     total is the summary's busy / SM, the per-layer chain µs add up to the critical path."""
     d = summary(sc, spec)
-    step, nsm = d["step_us"], sc.num_sms
-    share = nsm * step if step > 0 else 1.0
-    L = _num_layers(sc)
-    lines = [f"# Schedule report: {spec.name}, batch {sc.batch}, context {sc.context}, {nsm} SMs", "",
+    share = sc.num_sms * d["step_us"] if d["step_us"] > 0 else 1.0  # SM-µs in the step
+    lines = [f"# Schedule report: {spec.name}, batch {sc.batch}, context {sc.context}, {sc.num_sms} SMs", "",
              _timeline_note(sc), "", "## Summary", ""]
     lines += _table(["", "value"], [[k, v] for k, v in _summary_rows(d, "by stage below")], "ll")
-
-    lines += ["", "## Per op", "",
-              ("SM-µs is the sum of the op's task run times in the predicted step; *% of step* is SM-µs over "
-               f"{nsm} SMs × {step:.1f} µs, so the total is the share of SM-time spent running tasks, the "
-               f"summary's utilisation ({d['utilisation']:.1%}). An SM runs a task while it streams and in its "
-               "fixed time, so this is not the speed-of-light fraction "
-               f"({d['sol_fraction']:.1%}: the step's bytes at the full read bandwidth, over the step). "
-               "*Span* runs from the op's first task start to its last task end."), ""]
     labels, cost = _op_labels(sc), _task_us(sc)
+    lines += _per_op(sc, d, labels, cost, share)
+    ch = chain(sc)
+    lines += _per_layer(sc, spec, cost, ch, share)
+    lines += _critical_path(sc, d, ch, labels, cost)
+    lines += _unused_bandwidth(d)
+    lines += _per_sm(sc, d)
+    return _write_text(path, "\n".join(lines) + "\n")
+
+
+def _per_op(sc: Schedule, d: dict[str, Any], labels: list[str], cost: list[float], share: float) -> list[str]:
+    """report.md's per-op section: each op's tasks, bytes and SM-µs, the largest first, and a total."""
+    step, nsm = d["step_us"], sc.num_sms
+    lines = ["", "## Per op", "",
+             ("SM-µs is the sum of the op's task run times in the predicted step; *% of step* is SM-µs over "
+              f"{nsm} SMs × {step:.1f} µs, so the total is the share of SM-time spent running tasks, the "
+              f"summary's utilisation ({d['utilisation']:.1%}). An SM runs a task while it streams and in "
+              "its fixed time, so this is not the speed-of-light fraction "
+              f"({d['sol_fraction']:.1%}: the step's bytes at the full read bandwidth, over the step). "
+              "*Span* runs from the op's first task start to its last task end."), ""]
     by_op = _aggregate(sc, labels, cost)
     opcode = {op: t.op.name for op, t in zip(reversed(labels), reversed(sc.tasks))}
     rows = [[op, opcode[op], a.tasks, _fmt_bytes(a.bytes), f"{a.us:.1f}", f"{a.us / share:.1%}",
@@ -441,26 +450,31 @@ def write_report(sc: Schedule, spec: ModelSpec, path: str | Path) -> Path:
     tot = _Agg()
     for a in by_op.values():
         tot.tasks, tot.bytes, tot.us = tot.tasks + a.tasks, tot.bytes + a.bytes, tot.us + a.us
-    rows.append(["**total**", "", tot.tasks, _fmt_bytes(tot.bytes), f"{tot.us:.1f}", f"{tot.us / share:.1%}", ""])
-    lines += _table(["op", "opcode", "tasks", "bytes", "SM-µs", "% of step", "span µs"], rows, "llrrrrl")
+    rows.append(["**total**", "", tot.tasks, _fmt_bytes(tot.bytes), f"{tot.us:.1f}", f"{tot.us / share:.1%}",
+                 ""])
+    return lines + _table(["op", "opcode", "tasks", "bytes", "SM-µs", "% of step", "span µs"], rows,
+                          "llrrrrl")
 
-    ch = chain(sc)
-    lines += _per_layer(sc, spec, cost, ch, share)
 
+def _critical_path(sc: Schedule, d: dict[str, Any], ch: Chain, labels: list[str],
+                   cost: list[float]) -> list[str]:
+    """report.md's critical-path section: the chain that ends the step, task by task, with the
+    hand-off before each."""
+    step, L = d["step_us"], _num_layers(sc)
     start, end = sc.predicted["start_us"], sc.predicted["end_us"]
     sm = sc.sm_of()
-    lines += ["", "## Critical path", "",
-              (f"The chain of tasks that ends the step: from the task that ends last, back through whichever "
-               f"of its producers and the task before it on its SM ended last. {len(ch.tasks)} tasks, "
-               f"{d['critical_path_us']:.1f} µs of the {step:.1f} µs step: {ch.total_run_us:.1f} running, "
-               f"{ch.total_handoff_us:.1f} in hand-offs (a blocker's end to the next task's start)"
-               + (f", {step - d['critical_path_us']:.1f} the launch" if step - d["critical_path_us"] > 0.05 else "")
-               + "."), ""]
+    launch = step - d["critical_path_us"]
+    lines = ["", "## Critical path", "",
+             (f"The chain of tasks that ends the step: from the task that ends last, back through whichever "
+              f"of its producers and the task before it on its SM ended last. {len(ch.tasks)} tasks, "
+              f"{d['critical_path_us']:.1f} µs of the {step:.1f} µs step: {ch.total_run_us:.1f} running, "
+              f"{ch.total_handoff_us:.1f} in hand-offs (a blocker's end to the next task's start)"
+              + (f", {launch:.1f} the launch" if launch > 0.05 else "") + "."), ""]
     if "critical_path_us" in sc.predicted and "timeline" in sc.predicted:
         lines += [(f"The list scheduler placed the tasks by the DAG's longest path at each task's cost-model "
-                   f"time, {float(sc.predicted['critical_path_us']):.1f} µs: a priority, not a time, since it "
-                   f"gives every task a 1/{nsm} share of the read bandwidth, where in the step a task gets more "
-                   f"whenever fewer SMs stream."), ""]
+                   f"time, {float(sc.predicted['critical_path_us']):.1f} µs: a priority, not a time, since "
+                   f"it gives every task a 1/{sc.num_sms} share of the read bandwidth, where in the step a "
+                   f"task gets more whenever fewer SMs stream."), ""]
     prev_end = None
     rows = []
     for i, t in enumerate(ch.tasks):
@@ -468,34 +482,43 @@ def write_report(sc: Schedule, spec: ModelSpec, path: str | Path) -> Path:
         rows.append([i, labels[t], layer_label(sc.tasks[t].layer, L), tile_label(sc.tasks[t]) or "–", sm[t],
                      f"{start[t]:.1f}", wait, f"{cost[t]:.2f}"])
         prev_end = end[t]
-    lines += _table(["#", "op", "layer", "tile", "SM", "start µs", "hand-off µs", "run µs"], rows, "rlllrrrr")
+    return lines + _table(["#", "op", "layer", "tile", "SM", "start µs", "hand-off µs", "run µs"], rows,
+                          "rlllrrrr")
 
-    if d.get("unused_bandwidth_us"):
-        u = d["unused_bandwidth_us"]
-        lines += ["", "## Bandwidth left unused", "",
-                  ("The simulated step (mkc/schedule/simulate.py) streams its bytes at most at the read "
-                   f"bandwidth, {d['read_bw'] / 1e12:.2f} TB/s. Where it streams less, the shortfall, in µs of "
-                   "the whole bandwidth, is split evenly between the SMs not streaming at that moment, by the "
-                   "stage of their task and what it is doing: its fixed time (dispatch, staging, routing, "
-                   "reductions) or waiting for its inputs. Together with the bytes at that bandwidth, "
-                   f"{d['sol_us']:.1f} µs, and the launch, it makes the step."), ""]
-        rows = [[x["stage"] or "–", x["state"], f"{x['us']:.1f}", f"{x['us'] / step:.1%}" if step > 0 else "–"]
-                for x in u]
-        rows.append(["**total**", "", f"{sum(x['us'] for x in u):.1f}",
-                     f"{sum(x['us'] for x in u) / step:.1%}" if step > 0 else "–"])
-        lines += _table(["stage", "SMs", "µs", "% of step"], rows, "llrr")
 
-    busy = sc.predicted.get("sm_busy_us") or [0.0] * nsm
+def _unused_bandwidth(d: dict[str, Any]) -> list[str]:
+    """report.md's section on the read bandwidth the simulated step leaves unused, by stage and
+    what its SMs do instead; none without a simulated timeline."""
+    if not d.get("unused_bandwidth_us"):
+        return []
+    u, step = d["unused_bandwidth_us"], d["step_us"]
+    lines = ["", "## Bandwidth left unused", "",
+             ("The simulated step (mkc/schedule/simulate.py) streams its bytes at most at the read "
+              f"bandwidth, {d['read_bw'] / 1e12:.2f} TB/s. Where it streams less, the shortfall, in µs of "
+              "the whole bandwidth, is split evenly between the SMs not streaming at that moment, by the "
+              "stage of their task and what it is doing: its fixed time (dispatch, staging, routing, "
+              "reductions) or waiting for its inputs. Together with the bytes at that bandwidth, "
+              f"{d['sol_us']:.1f} µs, and the launch, it makes the step."), ""]
+    rows = [[x["stage"] or "–", x["state"], f"{x['us']:.1f}", f"{x['us'] / step:.1%}" if step > 0 else "–"]
+            for x in u]
+    rows.append(["**total**", "", f"{sum(x['us'] for x in u):.1f}",
+                 f"{sum(x['us'] for x in u) / step:.1%}" if step > 0 else "–"])
+    return lines + _table(["stage", "SMs", "µs", "% of step"], rows, "llrr")
+
+
+def _per_sm(sc: Schedule, d: dict[str, Any]) -> list[str]:
+    """report.md's per-SM section: each SM's tasks, bytes, busy time and idle share of the step."""
+    step = d["step_us"]
+    busy = sc.predicted.get("sm_busy_us") or [0.0] * sc.num_sms
     sm_bytes = d["bytes_by_sm"]
-    lines += ["", "## Per-SM load", "",
-              (f"tasks {d['tasks_per_sm']['min']} / {d['tasks_per_sm']['mean']:.1f} / "
+    lines = ["", "## Per-SM load", "",
+             (f"tasks {d['tasks_per_sm']['min']} / {d['tasks_per_sm']['mean']:.1f} / "
               f"{d['tasks_per_sm']['max']}, busy {d['busy_us_per_sm']['min']:.1f} / "
               f"{d['busy_us_per_sm']['mean']:.1f} / {d['busy_us_per_sm']['max']:.1f} µs (min / mean / max); "
               "idle is the part of the step an SM runs no task."), ""]
     rows = [[i, len(q), _fmt_bytes(sm_bytes[i]), f"{busy[i]:.1f}",
              f"{max(0.0, 1 - busy[i] / step) if step > 0 else 0.0:.1%}"] for i, q in enumerate(sc.queues)]
-    lines += _table(["SM", "tasks", "bytes", "busy µs", "idle"], rows, "rrrrr")
-    return _write_text(path, "\n".join(lines) + "\n")
+    return lines + _table(["SM", "tasks", "bytes", "busy µs", "idle"], rows, "rrrrr")
 
 
 def layer_chain_us(sc: Schedule, ch: Chain) -> dict[int, float]:
