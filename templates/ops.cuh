@@ -214,6 +214,22 @@ struct WaitCopyFinish {
     __device__ void landed() const { (*this)(); }
 };
 
+// WaitCopyFinish over the columns [k0, k0 + k) of rows of h_ld elements (op_expert_down_split).
+struct WaitCopySliceFinish {
+    const Task& t;
+    bf16* xs;
+    const bf16* h;
+    int h_ld, k0, k, first;
+    __device__ void operator()() const {
+        task_wait(t.w, first);
+        stage_x_async(xs, h, h_ld, k0, k);
+        cp_async_wait_all();
+        prof_staged();
+        cta_barrier();
+    }
+    __device__ void landed() const { (*this)(); }
+};
+
 // Element offset of the tile starting at (row0, k0) of a weight with k columns: row-major, or in
 // tile order (row0 % 16 == 0 and k0 % 64 == 0, mkc/codegen/weight_tiles.py).
 __device__ __forceinline__ size_t weight_tile_offset(int row0, int k0, int k) {
@@ -802,6 +818,47 @@ __device__ void op_expert_down(const Task& t, unsigned char* smem) {
     };
     // the first weight batch is issued by gemv_tile before the rest of the wait
     gemv_tile<1>(w, w_ld, rows, k, xs, gemv_red(smem), epi, WaitCopyFinish{t, xs, h, k, routed ? 0 : 1});
+}
+
+// op_expert_down over the columns [k0, k0 + k) of the slot's hidden state only, into out[slab]:
+// the K split of an expert whose intermediate size does not fit the shared memory (a split-K
+// partial, summed by the tile that ends the layer). Waits in two parts, as op_expert_down. Empty
+// unless EXPERT_DOWN_K_SPLIT.
+__device__ void op_expert_down_split(const Task& t, unsigned char* smem) {
+    if constexpr (EXPERT_DOWN_K_SPLIT) {
+        using O = OPND_EXPERT_DOWN_SPLIT;
+        using A = ARG_EXPERT_DOWN_SPLIT;
+        const int slot = t.arg(A::slot), row0 = t.arg(A::row0), rows = t.arg(A::rows);
+        const int k0 = t.arg(A::k0), k = t.arg(A::k), slab = t.arg(A::slab);
+        const int h_ld = t.dim(O::h, 1), tokens = t.dim(O::h, 2);
+        bf16* xs = gemv_xs(smem);
+        const bf16* h = t.ptr<bf16>(O::h) + (size_t)slot * tokens * h_ld;
+        const float* logits = t.ptr<float>(O::logits);
+        const bool routed = routing_known(logits);
+        if (!routed) task_wait(t.w, 0, 1);
+        const Routing& rt = route_tokens(logits);
+        const int out_ld = t.dim(O::out, 1);
+        float* out = t.ptr<float>(O::out) + (size_t)slab * t.dim(O::out, 2) * out_ld + row0;
+        if (slot >= rt.count) {
+            if (routed) task_wait(t.w, 0, 1);  // nothing to wait for, but the profile records the wait
+            zero_rows(out, out_ld, rows);  // zeros, so the sum over every partial stays right
+            return;
+        }
+        const int e = rt.experts[slot];
+        const int n0 = 2 * (threadIdx.x % 4);
+        const float wt0 = rt.weight(n0, e), wt1 = rt.weight(n0 + 1, e);
+        const int w_ld = t.dim(O::weight, 1), w_rows = t.dim(O::weight, 2);
+        const bf16* const w[1] = {t.ptr<bf16>(O::weight) + (size_t)e * w_rows * w_ld +
+                                  weight_tile_offset(row0, k0, w_ld)};
+        const auto epi = [&](int r0, float (&acc)[1][4]) {
+            for_fragment(r0, acc[0], rows, [&](int r, int n, float v) {
+                const float wt = (n & 1) ? wt1 : wt0;
+                out[(size_t)n * out_ld + r] = wt != 0.f ? wt * v : 0.f;
+            });
+        };
+        gemv_tile<1>(w, w_ld, rows, k, xs, gemv_red(smem), epi,
+                     WaitCopySliceFinish{t, xs, h, h_ld, k0, k, routed ? 0 : 1});
+    }
 }
 
 // logits[b, row0 + i] = LOGIT_SCALE * x[b] . w[row0 + i]; best_*[b, tile] = its arg-max

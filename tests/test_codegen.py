@@ -4,6 +4,7 @@ the tensor cores; the cache is content-addressed; errors carry what a person nee
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 from functools import cache as cache_fn
@@ -18,6 +19,7 @@ from mkc.codegen import CodegenOptions, CompileError, build_kernel, write_kernel
 from mkc.codegen import cvalues as cv
 from mkc.codegen.nvrtc import compile_cubin, parse_resources
 from mkc.codegen.render import (
+    MAX_SMEM_BYTES,
     TEMPLATE_DIR,
     CodegenError,
     environment,
@@ -233,6 +235,29 @@ def test_fused_experts_kernel_compiles_without_local_memory(cache):
     assert kernel_config(plain, spec1).fused_down_blocks == 0
 
 
+def test_k_split_kernel_compiles_without_local_memory(cache):
+    """Mixtral-8x7B (one layer) at batch 8: its expert down projection (k = 14336) does not fit the
+    shared memory, so it is split along k in 3 parts (EXPERT_DOWN_SPLIT); the kernel compiles the
+    split op without spills or local memory within the shared memory, each split tile waits for the
+    router tiles first, and a kernel without split tiles compiles the op to nothing."""
+    spec = load_spec(ROOT / "configs" / "mixtral_8x7b.yaml")
+    spec = dataclasses.replace(spec, num_layers=1, layers=spec.layers[:1])
+    sc = schedule(lower(spec, 8, 8192, 132), spec.name)
+    split = [t for t in sc.tasks if t.op == Opcode.EXPERT_DOWN_SPLIT]
+    assert {t.arg("k0") for t in split} == {0, 4800, 9600}
+    art = build_kernel(sc, spec, cache_dir=cache)
+    assert art.config.expert_down_split and art.dynamic_smem <= MAX_SMEM_BYTES
+    assert art.spills == 0, f"ptxas reports {art.spills} bytes of spills\n{art.log}"
+    assert not local_memory_ops(disassemble(art.cubin))
+    assert instructions_by_op(art.cubin, art.cu_source).get("EXPERT_DOWN_SPLIT", 0) > 500
+    words = encode(sc)
+    rec = next(r for r in words.records if r[W_ID] == split[0].id)
+    router = sc.counters[words.waits[rec[W_WAIT_OFF]][0]].producers
+    assert all(sc.tasks[p].operand("out") == split[0].operand("logits") for p in router)
+    spec1, plain = _nmc_schedule(1)
+    assert not kernel_config(plain, spec1).expert_down_split
+
+
 def test_a_residual_tile_off_the_copy_grain_is_refused(tiny):
     """The residual terms are copied 16 bytes at a time: a tile whose columns do not start on 4
     floats gets a CodegenError naming it, not a misaligned copy."""
@@ -252,7 +277,6 @@ def test_warp_split_rings_fit_the_shared_memory(nmc, tiny):
     attention's shared memory (8 warps x 8 KB per stage at head_dim 128: three fit, four do not),
     and is 0 (the CTA-wide chunks) for heads the tensor-core Q.K cannot take (head_dim 32)."""
     from mkc.codegen import CodegenOptions
-    from mkc.codegen.render import MAX_SMEM_BYTES
 
     sc = schedule(lower(nmc, 1, 8192, 132), nmc.name)
     for asked, fitted in ((0, 0), (2, 2), (3, 3), (10, 3)):

@@ -27,6 +27,7 @@ from mkc.codegen.weight_tiles import (
 from mkc.ir.kv_layout import page_size_of
 from mkc.ir.ops import OP_INFO, Opcode
 from mkc.ir.spec import ModelSpec
+from mkc.ir.tiling import SMEM_BYTES
 from mkc.schedule.schedule import Schedule
 
 
@@ -43,7 +44,7 @@ def _template_dir() -> Path:
 TEMPLATE_DIR = _template_dir()
 KERNEL_TEMPLATE = "kernel.cu.j2"
 KERNEL_NAME = "mkc_decode"
-MAX_SMEM_BYTES = 227 * 1024  # Hopper: opt-in dynamic shared memory per block
+MAX_SMEM_BYTES = SMEM_BYTES  # Hopper: opt-in dynamic shared memory per block
 STATIC_SMEM_RESERVE = 2 * 1024  # the kernel's static shared memory (task records, descriptors, routing)
 
 
@@ -152,6 +153,7 @@ class KernelConfig:
     reuse_staged_norm: bool = False  # CodegenOptions.reuse_staged_norm
     l2_warm: str = "off"  # CodegenOptions.l2_warm, resolved: the rules the runtime encodes (taskwords.encode)
     weights_evict_first: bool = False  # CodegenOptions.weights_evict_first, resolved
+    expert_down_split: bool = False  # the schedule has EXPERT_DOWN_SPLIT tiles (else op_expert_down_split is empty)
 
     @property
     def warps(self) -> int:
@@ -224,6 +226,8 @@ def _gemv_k(schedule: Schedule, t) -> tuple[int, int, str]:
     b = schedule.buffers
     if t.op == Opcode.LINEAR:
         return t.arg("k"), t.arg("k0"), t.operand("x")
+    if t.op == Opcode.EXPERT_DOWN_SPLIT:
+        return t.arg("k"), t.arg("k0"), t.operand("h")
     if t.op == Opcode.EXPERT_DOWN:
         return b[t.operand("h")].shape[-1], 0, t.operand("h")
     return b[t.operand("weight")].shape[-1], 0, t.operand("x")
@@ -365,6 +369,7 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         norm_beside_routing=norm_beside, profile_phases=options.profile_phases, tagged_logits=tagged_logits,
         residual_stage_bytes=stage_bytes, reuse_staged_norm=options.reuse_staged_norm,
         fused_down_blocks=next(iter(fused_rows), 0) // 64, l2_warm=l2_warm, weights_evict_first=evict_first,
+        expert_down_split=any(t.op == Opcode.EXPERT_DOWN_SPLIT for t in schedule.tasks),
         residual_epilogue_inline=options.residual_epilogue == "inline" or (options.residual_epilogue == "auto"
                                                                            and stage_bytes > 0))
     if cfg.smem_bytes > MAX_SMEM_BYTES:
@@ -418,6 +423,7 @@ def template_context(cfg: KernelConfig, banner: str) -> dict[str, Any]:
         "residual_epilogue_inline": cv.c_int(int(cfg.residual_epilogue_inline)),  # a preprocessor 0 / 1
         "reuse_staged_norm": cv.c_bool(cfg.reuse_staged_norm),
         "fused_down_blocks": cv.c_int(cfg.fused_down_blocks),
+        "expert_down_split": cv.c_bool(cfg.expert_down_split),
         "l2_warm": cv.c_bool(cfg.l2_warm != "off"),
         "weights_evict_first": cv.c_bool(cfg.weights_evict_first),
         "max_rank": cv.c_int(MAX_RANK),

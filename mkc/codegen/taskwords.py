@@ -11,7 +11,7 @@ The kernel binary depends only on shapes and tiling; the schedule reaches it as 
   without a round trip to device memory.
 * ``queue_start`` — int32 ``[num_sms + 1]``: SM ``i`` runs records ``queue_start[i]:queue_start[i+1]``.
 * ``waits`` — int32 ``[n, 2]``: ``(counter id, target per step)``, indexed by the wait offset. An
-  EXPERT_DOWN record lists the counter of the router tiles first (implied by its other waits,
+  EXPERT_DOWN (and EXPERT_DOWN_SPLIT) record lists the counter of the router tiles first (implied by its other waits,
   so redundant for the schedule): the kernel may wait for it alone, derive which expert's weights
   it streams and ask L2 for them, then wait for the rest (ops.cuh: op_expert_down). An
   EXPERT_SWIGLU (and EXPERT_MLP) record lists it first too: a kernel built with ``tagged_logits`` skips that wait
@@ -36,6 +36,8 @@ from mkc.schedule.schedule import Schedule, logits_operand
 MAX_OPERANDS = max(len(i.operands) for i in OP_INFO.values())
 MAX_ARGS = max(len(i.args) for i in OP_INFO.values())
 MAX_RANK = 5
+# the opcodes whose records list the router tiles' counter first (see the module doc)
+ROUTED_OPS = (Opcode.EXPERT_DOWN, Opcode.EXPERT_SWIGLU, Opcode.EXPERT_MLP, Opcode.EXPERT_DOWN_SPLIT)
 
 W_OP, W_ID, W_WAIT_OFF, W_WAIT_CNT, W_SIGNAL = range(5)
 W_OPERANDS = 5
@@ -72,7 +74,7 @@ class TaskWords:
 
 
 def routing_wait(schedule: Schedule, tid: int, writers: dict[str, set[int]]) -> tuple[int, int]:
-    """(counter, target) of the tiles that write the router logits an EXPERT_DOWN, EXPERT_SWIGLU or
+    """(counter, target) of the tiles that write the router logits an EXPERT_DOWN(_SPLIT), EXPERT_SWIGLU or
     EXPERT_MLP task reads; ``writers`` maps each buffer to the counters whose producers write it. For
     EXPERT_SWIGLU and EXPERT_MLP every producer of that counter must write the logits (a kernel that reads the
     tagged logits instead of waiting for the counter waits for nothing else through it)."""
@@ -139,7 +141,8 @@ def _target_weights(schedule: Schedule, target: str) -> dict[int, list[str]]:
         role, shift = "x", 0
     elif target == "next_router":  # LINEAR tiles that write the router logits, of the layer after
         found = {logits_operand(t) for t in tasks if t.op in (Opcode.EXPERT_SWIGLU, Opcode.EXPERT_DOWN,
-                                                              Opcode.EXPERT_MLP, Opcode.TOPK)}
+                                                              Opcode.EXPERT_DOWN_SPLIT, Opcode.EXPERT_MLP,
+                                                              Opcode.TOPK)}
         role, shift = "out", 1
     else:  # LINEAR tiles that write the QKV projection the attention reads, of the layer after
         found = {t.operand("qkv") for t in tasks if t.op in (Opcode.ATTN_SPLIT, Opcode.ROPE_APPEND)} - {"-"}
@@ -218,7 +221,7 @@ def encode(schedule: Schedule, l2_warm: str = "off") -> TaskWords:
             r = records[row]
             r[W_OP], r[W_ID] = int(t.op), t.id
             task_waits = [tuple(w) for w in schedule.waits[tid]]
-            if t.op in (Opcode.EXPERT_DOWN, Opcode.EXPERT_SWIGLU, Opcode.EXPERT_MLP):  # the routing first (see the module doc)
+            if t.op in ROUTED_OPS:  # the routing first (see the module doc)
                 first = routing_wait(schedule, tid, writers)
                 task_waits = [first, *(w for w in task_waits if w[0] != first[0])]
             r[W_WAIT_OFF], r[W_WAIT_CNT] = len(waits), len(task_waits)

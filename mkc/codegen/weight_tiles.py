@@ -32,7 +32,8 @@ if TYPE_CHECKING:
 
 TILE_ROWS = 16  # rows of one block (a tensor-core fragment's m)
 TILE_COLS = 64  # columns of one block (four k-steps of 16)
-GEMV_OPS = (Opcode.LINEAR, Opcode.SWIGLU, Opcode.EXPERT_SWIGLU, Opcode.EXPERT_DOWN, Opcode.EXPERT_MLP, Opcode.LM_HEAD)
+GEMV_OPS = (Opcode.LINEAR, Opcode.SWIGLU, Opcode.EXPERT_SWIGLU, Opcode.EXPERT_DOWN, Opcode.EXPERT_MLP, Opcode.LM_HEAD,
+            Opcode.EXPERT_DOWN_SPLIT)
 
 
 class WeightLayoutError(ValueError):
