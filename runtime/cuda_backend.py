@@ -35,7 +35,16 @@ from mkc import settings
 from mkc.codegen import KernelArtifact, build_kernel
 from mkc.codegen.render import CodegenOptions
 from mkc.codegen.taskwords import buffer_table, encode, record_descriptors, routing_logits, tagged_words
-from mkc.codegen.weight_tiles import TILE_ROWS, TiledWeights, from_tiles, tiled_weights, to_tiles
+from mkc.codegen.weight_tiles import (
+    TILE_ROWS,
+    TiledWeights,
+    from_tiles,
+    logical_weight,
+    padded_weights,
+    stored_shape,
+    stored_weight,
+    tiled_weights,
+)
 from mkc.ir.kv_layout import identity_page_table, logical_view, page_size_of
 from mkc.ir.spec import ModelSpec
 from mkc.schedule.schedule import Schedule
@@ -129,34 +138,37 @@ class LogicalWeights(Mapping):
     """Weights by their lowering names in the lowering's row-major layout, over buffers some of
     which are stored in tile order (``tiled``): PyTorch code such as the prefill reads them. A
     tile-ordered weight is reordered back on each access, one matrix at a time: ``w[name][e]`` of
-    an expert stack reorders expert e only. Nothing is kept, so the weights are held once."""
+    an expert stack reorders expert e only. Nothing is kept, so the weights are held once. A weight
+    stored with zero columns (``padded``: name to its logical K) is seen without them."""
 
-    def __init__(self, buffers: dict[str, torch.Tensor], names: list[str], tiled: frozenset[str]):
+    def __init__(self, buffers: dict[str, torch.Tensor], names: list[str], tiled: frozenset[str],
+                 padded: dict[str, int] | None = None):
         self._buffers, self._names, self._tiled = buffers, dict.fromkeys(names), tiled
+        self._padded = padded or {}
 
     def __getitem__(self, name: str):
         if name not in self._names:
             raise KeyError(name)
         t = self._buffers[name]
-        if name not in self._tiled:
-            return t
-        return _TiledStack(t) if t.dim() == 3 else from_tiles(t)
+        if name in self._tiled and t.dim() == 3:
+            return _TiledStack(t, self._padded.get(name))
+        return logical_weight(t, name in self._tiled, self._padded.get(name))
 
     def matrix(self, name: str) -> torch.Tensor:
         """The whole weight row-major, an expert stack [E, R, K] included (one reordered copy)."""
         if name not in self._names:
             raise KeyError(name)
-        t = self._buffers[name]
-        return from_tiles(t) if name in self._tiled else t
+        return logical_weight(self._buffers[name], name in self._tiled, self._padded.get(name))
 
     def rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` [T] of a matrix [R, K] (an embedding), reordering only their 16-row groups."""
         t = self._buffers[name]
+        k = self._padded.get(name)
         if name not in self._tiled:
-            return t[ids]
-        r, k = t.shape
-        groups = from_tiles(t.view(r // TILE_ROWS, TILE_ROWS, k)[ids // TILE_ROWS])  # [T, 16, K]
-        return groups[torch.arange(ids.numel(), device=ids.device), ids % TILE_ROWS]
+            return logical_weight(t[ids], False, k)
+        r, kp = t.shape
+        groups = from_tiles(t.view(r // TILE_ROWS, TILE_ROWS, kp)[ids // TILE_ROWS])  # [T, 16, K]
+        return logical_weight(groups[torch.arange(ids.numel(), device=ids.device), ids % TILE_ROWS], False, k)
 
     def __iter__(self):
         return iter(self._names)
@@ -168,12 +180,12 @@ class LogicalWeights(Mapping):
 class _TiledStack:
     """A tile-ordered stack of matrices [E, R, K]; indexing by e gives matrix e row-major."""
 
-    def __init__(self, t: torch.Tensor):
-        self._t = t
-        self.shape = t.shape
+    def __init__(self, t: torch.Tensor, k: int | None = None):
+        self._t, self._k = t, k
+        self.shape = t.shape if k is None else (*t.shape[:-1], k)
 
     def __getitem__(self, e) -> torch.Tensor:
-        return from_tiles(self._t[e])
+        return logical_weight(self._t[e], True, self._k)
 
 
 class CudaDecoder:
@@ -203,6 +215,8 @@ class CudaDecoder:
             self.launch_config = self._configure()
             # weights the kernel reads in tile order (CodegenOptions.weight_layout), reordered once here
             self.tiled = tiled_weights(schedule) if self.artifact.config.weights_tiled else frozenset()
+            # GEMV weights whose K is not whole 64-column blocks, stored with zero columns up to them
+            self.padded = padded_weights(schedule)
             # router logits with a tagged copy after them (CodegenOptions.tagged_logits)
             self.tagged = routing_logits(schedule) if self.artifact.config.tagged_logits else frozenset()
             self._tags: list[torch.Tensor] = []  # the tagged copies (zero: no step has written them)
@@ -270,10 +284,15 @@ class CudaDecoder:
                     raise ValueError(f"shared buffer {b.name}: {tuple(t.shape)} {t.dtype} on {t.device}: expected "
                                      f"{tuple(b.shape)} {dt} on {self.device}")
                 out[b.name] = t
+            elif b.kind == "weight" and isinstance(weights, TiledWeights) and b.name in weights.tiled:
+                # stored as the kernel reads it already (tile order; zero columns where padded)
+                w, want = weights[b.name], stored_shape(b.shape, b.name in self.padded)
+                if tuple(w.shape) != want:
+                    raise ValueError(f"weight {b.name} as stored has shape {list(w.shape)}: expected {list(want)}")
+                out[b.name] = w.to(device=self.device, dtype=dt).contiguous()
             elif b.kind == "weight":
                 w = b.given(weights).to(device=self.device, dtype=dt)
-                ready = isinstance(weights, TiledWeights) and b.name in weights.tiled
-                out[b.name] = to_tiles(w) if b.name in self.tiled and not ready else w.contiguous()
+                out[b.name] = stored_weight(w, b.name in self.tiled, b.name in self.padded)
             elif b.kind in ("state", "input"):
                 out[b.name] = torch.zeros(b.shape, dtype=dt, device=self.device)
             elif b.name in self.tagged:  # the f32 values, then their tagged copy (taskwords.tagged_words)
@@ -291,7 +310,7 @@ class CudaDecoder:
     def logical_weights(self) -> LogicalWeights:
         """The decoder's weights as the lowering lays them out (for the PyTorch prefill)."""
         names = [n for n, b in self.schedule.buffers.items() if b.kind == "weight"]
-        return LogicalWeights(self.buffers, names, self.tiled)
+        return LogicalWeights(self.buffers, names, self.tiled, self.padded)
 
     def kv_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Live (k, v) views of a layer's cache, [B, kv_heads, ctx, head_dim] bf16 (for a paged

@@ -68,6 +68,11 @@ __device__ __forceinline__ bool norm_is_staged(const Task& t, int k0, int k) {
            s_staged_norm.x == t.ptr<float>(O::x) && s_staged_norm.w == t.ptr<bf16>(O::norm);
 }
 
+// The reduction of a GEMV over its whole input: the weight's row, or (K_PADDED: a weight may be
+// stored with zero columns up to whole 64-wide blocks) the input's width.
+template <class O>
+__device__ __forceinline__ int input_k(const Task& t) { return K_PADDED ? t.dim(O::x, 1) : t.dim(O::weight, 1); }
+
 // Stage a GEMV's input columns [k0, k0 + k) in two halves around the issue of its first weight
 // loads (gemv_tile's `finish`): the bf16 activations x [BATCH, x_ld], or, when the task has a norm
 // operand, the RMSNorm of the f32 residual stream x (stage_norm_*).
@@ -249,7 +254,9 @@ __device__ __forceinline__ size_t tile_order_offset(int row, int col, int k) {
 // an embedding tied to the LM head is stored in tile order: DT_BF16_TILES)
 __device__ void op_embed(const Task& t, unsigned char* smem) {
     using O = OPND_EMBED;
-    const int hidden = t.dim(O::embed, 1), chunks = hidden / 8;
+    // the embedding's row: HIDDEN columns, stored with zero columns past them where it is the LM
+    // head's weight and K_PADDED
+    const int hidden = K_PADDED ? HIDDEN : t.dim(O::embed, 1), chunks = hidden / 8, emb_ld = t.dim(O::embed, 1);
     const bf16* emb = t.ptr<bf16>(O::embed);
     const bool tiles = t.dtype(O::embed) == DT_BF16_TILES;
     int* tok = reinterpret_cast<int*>(smem);  // [BATCH]
@@ -260,7 +267,7 @@ __device__ void op_embed(const Task& t, unsigned char* smem) {
     for (int i = threadIdx.x; i < BATCH * chunks; i += NUM_THREADS) {
         const int b = i / chunks, c = i - b * chunks;
         float f[8];
-        const size_t at = tiles ? tile_order_offset(tok[b], 8 * c, hidden) : (size_t)tok[b] * hidden + 8 * c;
+        const size_t at = tiles ? tile_order_offset(tok[b], 8 * c, emb_ld) : (size_t)tok[b] * emb_ld + 8 * c;
         unpack8(__ldg(reinterpret_cast<const uint4*>(emb + at)), f);
         float4* o = reinterpret_cast<float4*>(out + (size_t)b * hidden + 8 * c);
         o[0] = make_float4(f[0], f[1], f[2], f[3]);
@@ -644,7 +651,7 @@ __device__ void op_swiglu(const Task& t, unsigned char* smem) {
     using O = OPND_SWIGLU;
     using A = ARG_SWIGLU;
     const int row0 = t.arg(A::row0), rows = t.arg(A::rows), up0 = t.arg(A::up_row0), col0 = t.arg(A::col0);
-    const int k = t.dim(O::weight, 1);
+    const int k = input_k<O>(t);
     bf16* xs = gemv_xs(smem);
     stage_input_async<O>(t, smem, 0, k);
     const StageFinish<O> finish{t, smem, 0, k};
@@ -710,7 +717,7 @@ __device__ void op_expert_swiglu(const Task& t, unsigned char* smem) {
     using O = OPND_EXPERT_SWIGLU;
     using A = ARG_EXPERT_SWIGLU;
     const int slot = t.arg(A::slot), row0 = t.arg(A::row0), rows = t.arg(A::rows);
-    const int k = t.dim(O::weight, 1), inter2 = t.dim(O::weight, 2), w_ld = t.dim(O::weight, 1);
+    const int k = input_k<O>(t), inter2 = t.dim(O::weight, 2), w_ld = t.dim(O::weight, 1);
     const bool beside = NORM_BESIDE_ROUTING && t.has(O::norm);
     const Routing& rt = open_expert_up<O>(t, smem, k, beside);
     if (TAGGED_LOGITS && s_wait.abort) return;
@@ -747,7 +754,7 @@ __device__ void op_expert_mlp(const Task& t, unsigned char* smem) {
         using A = ARG_EXPERT_MLP;
         constexpr int ROWS = 64 * FUSED_DOWN_BLOCKS;
         const int slot = t.arg(A::slot), row0 = t.arg(A::row0), part = t.arg(A::part);
-        const int k = t.dim(O::weight, 1), inter2 = t.dim(O::weight, 2), w_ld = k;
+        const int k = input_k<O>(t), inter2 = t.dim(O::weight, 2), w_ld = t.dim(O::weight, 1);
         const int inter = t.dim(O::down, 1), hidden = t.dim(O::down, 2);
         float* out = t.ptr<float>(O::out) + (size_t)(slot * (inter / ROWS) + part) * BATCH * hidden;
         const Routing& rt = open_expert_up<O>(t, smem, k);
@@ -866,7 +873,7 @@ __device__ void op_lm_head(const Task& t, unsigned char* smem) {
     using O = OPND_LM_HEAD;
     using A = ARG_LM_HEAD;
     const int row0 = t.arg(A::row0), rows = t.arg(A::rows), tile = t.arg(A::tile);
-    const int k = t.dim(O::weight, 1);
+    const int k = input_k<O>(t);
     bf16* xs = gemv_xs(smem);
     stage_input_async<O>(t, smem, 0, k);
     const StageFinish<O> finish{t, smem, 0, k};

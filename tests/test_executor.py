@@ -458,3 +458,28 @@ def test_k_split_only_where_k_does_not_fit():
     for batch, parts in ((1, 2), (8, 3)):
         down = [t for t in lower(mixtral, batch, 4096, 132).tasks if t.op == Opcode.EXPERT_DOWN_SPLIT and t.layer == 0]
         assert len({t.arg("k0") for t in down}) == parts
+
+
+def _odd_llama():
+    """A tiny Llama whose reductions are not whole 64-column blocks: hidden size 96, 3 heads of 32
+    with a KV head each (O-projection slices of 32 columns), intermediate 160."""
+    spec = load_spec(Path(__file__).resolve().parents[1] / "configs" / "llama_tiny.yaml")
+    att = dataclasses.replace(spec.attention, num_heads=3, num_kv_heads=3, head_dim=32)
+    return dataclasses.replace(spec, hidden_size=96, dense_intermediate=160, attention=att)
+
+
+@pytest.mark.parametrize("batch, max_k", [(1, 0), (3, 0), (2, 64)])
+def test_ragged_k_matches_reference(batch, max_k):
+    """Reductions off the 64-column blocks (hidden size 96, intermediate 160): the O-projection's
+    slices start on whole blocks (two KV groups, then the last one), the kernel pads the rest
+    (weights with zero columns, staged inputs with zeros); the logits are the dense reference's in
+    random interleavings, and with the down projection also split along k (64 + 64 + 32 columns)."""
+    spec = _odd_llama()
+    w = random_weights(spec, seed=29, dtype=torch.float32, std=0.1)
+    sc = schedule(lower(spec, batch, 64, 8, max_gemv_k=max_k), spec.name)
+    o_proj = {(t.arg("k0"), t.arg("k")) for t in sc.tasks if "o_proj" in t.name and t.layer == 0}
+    assert o_proj == {(0, 64), (64, 32)}
+    if max_k:
+        assert {(t.arg("k0"), t.arg("k")) for t in sc.tasks if t.name.startswith("L0.down")} == {
+            (0, 64), (64, 64), (128, 32)}
+    _matches_reference(sc, spec, w, batch, 70 + batch, f"ragged k, max_gemv_k {max_k}")

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mkc.codegen.weight_tiles import padded_weights, stored_shape
 from mkc.ir.ops import OP_INFO, Opcode
 from mkc.schedule.schedule import Schedule, logits_operand
 
@@ -263,12 +264,14 @@ def buffer_table(schedule: Schedule, names: tuple[str, ...], pointers: dict[str,
                  tiled: frozenset[str] = frozenset(), tagged: frozenset[str] = frozenset()) -> np.ndarray:
     """The BUF_DESC array for the kernel: shape and dtype from the schedule, pointers from the
     runtime; the bf16 weights named in ``tiled`` are stored in tile order (bf16_tiles), the f32
-    buffers named in ``tagged`` are followed by their tagged copy (f32_tagged)."""
+    buffers named in ``tagged`` are followed by their tagged copy (f32_tagged), a GEMV weight whose
+    K is not whole 64-column blocks has the padded shape it is stored in (weight_tiles.padded_weights)."""
+    padded = padded_weights(schedule)
     table = np.zeros(len(names), dtype=BUF_DESC)
     for i, n in enumerate(names):
         b = schedule.buffers[n]
         table[i]["ptr"] = pointers[n]
-        table[i]["shape"] = (1,) * (MAX_RANK - len(b.shape)) + tuple(b.shape)
+        table[i]["shape"] = (1,) * (MAX_RANK - len(b.shape)) + stored_shape(b.shape, n in padded)
         dtype = "bf16_tiles" if n in tiled else "f32_tagged" if n in tagged else b.dtype
         if n in tagged and b.dtype != "f32":
             raise EncodeError(f"buffer {n} is {b.dtype}: only an f32 buffer has a tagged copy")

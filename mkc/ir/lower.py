@@ -297,12 +297,19 @@ class _Lowerer:
         n_down = 0 if len(down_parts) == 1 else len(down_parts) * (1 if ls.mlp == "dense" else s.moe.slots(B))
         shared = n_down and s.block == "parallel" and not o_ends
         o_part = None
-        if not o_ends:  # O-proj split-K by KV group: slice g waits only for the attention of group g
-            o_part = self.buf(f"{P}.o_part", (G + (n_down if shared else 0), B, H), "f32", "act",
-                              "[kv_heads (then the MLP's split-K parts), B, hidden] split-K partials")
-            o_tile = row_tile(H, GS * D * 2, G, opt.num_sms)
-            for g in range(G):
-                self.linear(layer, f"o_proj[kv{g}]", attn, wo, o_part, k0=g * GS * D, k=GS * D, slab=g, tile=o_tile)
+        # O-proj split-K by KV group: slice g waits only for the attention of group g. Slices start
+        # on whole 64-column blocks (the GEMV's): where a group's heads are narrower, a slice takes
+        # the fewest groups that are (the last slice may end short of a block: it is padded)
+        per = next((m for m in range(1, G) if m * GS * D % K_BLOCK == 0), G)
+        o_slices = [(g, min(G, g + per)) for g in range(0, G, per)]
+        if not o_ends:
+            o_part = self.buf(f"{P}.o_part", (len(o_slices) + (n_down if shared else 0), B, H), "f32", "act",
+                              "[kv group slices (then the MLP's split-K parts), B, hidden] split-K partials")
+            o_tile = row_tile(H, per * GS * D * 2, len(o_slices), opt.num_sms)
+            for i, (g0, g1) in enumerate(o_slices):
+                label = f"o_proj[kv{g0}]" if per == 1 else f"o_proj[kv{g0}:{g1}]"
+                self.linear(layer, label, attn, wo, o_part, k0=g0 * GS * D, k=(g1 - g0) * GS * D, slab=i,
+                            tile=o_tile)
         # --- MLP on the same normed input (parallel block)
         mlp_in = n
         if s.block == "sequential":
@@ -318,7 +325,7 @@ class _Lowerer:
         mo = routed = tslots = None
         parts = slab0 = None  # where the down projection's split-K partials go
         if n_down:
-            parts, slab0 = (o_part, G) if shared else (self.buf(
+            parts, slab0 = (o_part, len(o_slices)) if shared else (self.buf(
                 f"{P}.mlp_part", (n_down, B, H), "f32", "act",
                 "[(slots x) k parts, B, hidden] split-K partials of the MLP's down projection"), 0)
         if ls.mlp == "dense":
