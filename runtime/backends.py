@@ -323,7 +323,7 @@ class CudaBackend(DecoderBackend):
                  context: int = 4096, num_sms: int | None = None, page_size: int = 0, kv_pages: int = 0,
                  prefill: str = "fast", batches: Sequence[int] | None = None, weights_format: str = "bf16"):
         from mkc.codegen import build_kernel
-        from mkc.codegen.weight_tiles import TiledWeights, tiled_weights, to_tiles
+        from mkc.codegen.weight_tiles import TiledWeights, padded_weights, tiled_weights, to_tiles
         from mkc.ir.fp8 import SCALE_SUFFIX
         from mkc.runtime.cuda_backend import CudaDecoder
 
@@ -342,13 +342,15 @@ class CudaBackend(DecoderBackend):
             weights = fp8_device_weights(weights, schedule.buffers, weights_format)
             fp8_names = list(weights.tiled)
         if artifact.config.weights_tiled and all(t.is_cuda for t in weights.values()):
-            names = [n for n in tiled_weights(schedule) if n in weights and n not in fp8_names]
+            padded = padded_weights(schedule)  # stored with zero columns: the decoder makes a copy
+            names = [n for n in tiled_weights(schedule) if n in weights and n not in padded and n not in fp8_names]
             for n in names:
                 weights[n].copy_(to_tiles(weights[n]))
             weights = TiledWeights(weights, [*names, *fp8_names])
         self.dec = CudaDecoder(schedule, spec, weights, artifact=artifact)
         log.info("weights on the GPU in tile order, KV cache and buffers allocated in %.1f s", time.monotonic() - t0)
-        held = TiledWeights({n: t for n, t in self.dec.buffers.items() if n in weights}, self.dec.tiled)
+        held = TiledWeights({n: t for n, t in self.dec.buffers.items() if n in weights},
+                            self.dec.tiled | set(self.dec.padded))
         held.update({n + SCALE_SUFFIX: s for n, s in self.dec.scales.items()})
         smaller = []
         for b in step_batches(max_batch, batches)[:-1]:  # the same weights and KV cache, a smaller step

@@ -40,8 +40,11 @@ from mkc.codegen.weight_tiles import (
     TiledWeights,
     from_tiles,
     from_tiles_fp8,
+    logical_weight,
+    padded_weights,
+    stored_shape,
+    stored_weight,
     tiled_weights,
-    to_tiles,
     to_tiles_fp8,
 )
 from mkc.ir import fp8
@@ -138,11 +141,13 @@ class LogicalWeights(Mapping):
     """Weights by their lowering names in the lowering's row-major layout, over buffers some of
     which are stored in tile order (``tiled``): PyTorch code such as the prefill reads them. A
     tile-ordered weight is reordered back on each access, one matrix at a time: ``w[name][e]`` of
-    an expert stack reorders expert e only. Nothing is kept, so the weights are held once."""
+    an expert stack reorders expert e only. Nothing is kept, so the weights are held once. A weight
+    stored with zero columns (``padded``: name to its logical K) is seen without them."""
 
     def __init__(self, buffers: dict[str, torch.Tensor], names: list[str], tiled: frozenset[str],
-                 scales: dict[str, torch.Tensor] | None = None):
+                 padded: dict[str, int] | None = None, scales: dict[str, torch.Tensor] | None = None):
         self._buffers, self._names, self._tiled = buffers, dict.fromkeys(names), tiled
+        self._padded = padded or {}
         self._scales = scales or {}  # FP8 weights' scales: those weights come back dequantised to bf16
 
     def __getitem__(self, name: str):
@@ -150,28 +155,28 @@ class LogicalWeights(Mapping):
             raise KeyError(name)
         t = self._buffers[name]
         if name in self._scales:
-            return _TiledStack(t, self._scales[name]) if t.dim() == 3 else self.matrix(name)
-        if name not in self._tiled:
-            return t
-        return _TiledStack(t) if t.dim() == 3 else from_tiles(t)
+            return _TiledStack(t, scales=self._scales[name]) if t.dim() == 3 else self.matrix(name)
+        if name in self._tiled and t.dim() == 3:
+            return _TiledStack(t, self._padded.get(name))
+        return logical_weight(t, name in self._tiled, self._padded.get(name))
 
     def matrix(self, name: str) -> torch.Tensor:
         """The whole weight row-major, an expert stack [E, R, K] included (one reordered copy)."""
         if name not in self._names:
             raise KeyError(name)
-        t = self._buffers[name]
         if name in self._scales:
-            return _fp8_rows(t, self._scales[name])
-        return from_tiles(t) if name in self._tiled else t
+            return _fp8_rows(self._buffers[name], self._scales[name])
+        return logical_weight(self._buffers[name], name in self._tiled, self._padded.get(name))
 
     def rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` [T] of a matrix [R, K] (an embedding), reordering only their 16-row groups."""
         t = self._buffers[name]
+        k = self._padded.get(name)
         if name not in self._tiled:
-            return t[ids]
-        r, k = t.shape
-        groups = from_tiles(t.view(r // TILE_ROWS, TILE_ROWS, k)[ids // TILE_ROWS])  # [T, 16, K]
-        return groups[torch.arange(ids.numel(), device=ids.device), ids % TILE_ROWS]
+            return logical_weight(t[ids], False, k)
+        r, kp = t.shape
+        groups = from_tiles(t.view(r // TILE_ROWS, TILE_ROWS, kp)[ids // TILE_ROWS])  # [T, 16, K]
+        return logical_weight(groups[torch.arange(ids.numel(), device=ids.device), ids % TILE_ROWS], False, k)
 
     def __contains__(self, name) -> bool:  # without reordering (or dequantising) the weight
         return name in self._names
@@ -189,18 +194,19 @@ def _fp8_rows(t: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return fp8.dequantize(q, scales).to(torch.bfloat16)
 
 
-class _TiledStack:
-    """A tile-ordered stack of matrices [E, R, K]; indexing by e gives matrix e row-major (an FP8
-    stack's dequantised to bf16)."""
 
-    def __init__(self, t: torch.Tensor, scales: torch.Tensor | None = None):
-        self._t, self._scales = t, scales
-        self.shape = t.shape
+class _TiledStack:
+    """A tile-ordered stack of matrices [E, R, K]; indexing by e gives matrix e row-major (without
+    its zero columns where padded to ``k``; an FP8 stack's dequantised to bf16)."""
+
+    def __init__(self, t: torch.Tensor, k: int | None = None, scales: torch.Tensor | None = None):
+        self._t, self._k, self._scales = t, k, scales
+        self.shape = t.shape if k is None else (*t.shape[:-1], k)
 
     def __getitem__(self, e) -> torch.Tensor:
         if self._scales is not None:
             return _fp8_rows(self._t[e], self._scales[e])
-        return from_tiles(self._t[e])
+        return logical_weight(self._t[e], True, self._k)
 
 
 class CudaDecoder:
@@ -230,6 +236,8 @@ class CudaDecoder:
             self.launch_config = self._configure()
             # weights the kernel reads in tile order (CodegenOptions.weight_layout), reordered once here
             self.tiled = tiled_weights(schedule) if self.artifact.config.weights_tiled else frozenset()
+            # GEMV weights whose K is not whole 64-column blocks, stored with zero columns up to them
+            self.padded = padded_weights(schedule)
             # router logits with a tagged copy after them (CodegenOptions.tagged_logits)
             self.tagged = routing_logits(schedule) if self.artifact.config.tagged_logits else frozenset()
             self._tags: list[torch.Tensor] = []  # the tagged copies (zero: no step has written them)
@@ -300,10 +308,15 @@ class CudaDecoder:
                 out[b.name] = t
             elif b.kind == "weight" and b.dtype == "fp8":
                 out[b.name] = self._fp8_matrix(b, weights)
+            elif b.kind == "weight" and isinstance(weights, TiledWeights) and b.name in weights.tiled:
+                # stored as the kernel reads it already (tile order; zero columns where padded)
+                w, want = weights[b.name], stored_shape(b.shape, b.name in self.padded)
+                if tuple(w.shape) != want:
+                    raise ValueError(f"weight {b.name} as stored has shape {list(w.shape)}: expected {list(want)}")
+                out[b.name] = w.to(device=self.device, dtype=dt).contiguous()
             elif b.kind == "weight":
                 w = b.given(weights).to(device=self.device, dtype=dt)
-                ready = isinstance(weights, TiledWeights) and b.name in weights.tiled
-                out[b.name] = to_tiles(w) if b.name in self.tiled and not ready else w.contiguous()
+                out[b.name] = stored_weight(w, b.name in self.tiled, b.name in self.padded)
             elif b.kind in ("state", "input"):
                 out[b.name] = torch.zeros(b.shape, dtype=dt, device=self.device)
             elif b.name in self.tagged:  # the f32 values, then their tagged copy (taskwords.tagged_words)
@@ -345,7 +358,7 @@ class CudaDecoder:
         """The decoder's weights as the lowering lays them out (for the PyTorch prefill); FP8 ones
         dequantised to bf16 on access."""
         names = [n for n, b in self.schedule.buffers.items() if b.kind == "weight"]
-        return LogicalWeights(self.buffers, names, self.tiled, self.scales)
+        return LogicalWeights(self.buffers, names, self.tiled, self.padded, self.scales)
 
     def kv_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Live (k, v) views of a layer's cache, [B, kv_heads, ctx, head_dim] bf16 (for a paged

@@ -38,6 +38,20 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], u32 a0, u32 a1, u32 a2,
 constexpr int XS_PAD = 32;
 __device__ __forceinline__ int xs_ld(int k) { return k + XS_PAD; }
 
+// A GEMV's reduction k in whole 64-wide blocks (K_PADDED): the staged input's columns [k, pad_k(k))
+// are zeros (stage_pad_zeros), so the weights' columns there add nothing.
+__device__ __forceinline__ int pad_k(int k) { return K_PADDED ? (k + 63) & ~63 : k; }
+
+// The zeros of the staged input's columns [k, pad_k(k)) (K_PADDED): fewer than 8 pieces of 16 bytes
+// in each of its 8 rows, one per thread. gemv_tile stores them before its first weight loads (in
+// the staging, which overlaps those loads, they cost registers), and its `finish` publishes them.
+__device__ __forceinline__ void stage_pad_zeros(bf16* xs, int k) {
+    if constexpr (K_PADDED) {
+        const int pieces = (pad_k(k) - k) / 8, i = threadIdx.x;
+        if (i < 8 * pieces) *reinterpret_cast<uint4*>(xs + (i / pieces) * xs_ld(pad_k(k)) + k + (i % pieces) * 8) = zero4();
+    }
+}
+
 // The k-split reduction's floats: per warp, two row sets' fragments.
 constexpr int GEMV_RED_FLOATS = NUM_WARPS * 2 * 4 * 32;
 
@@ -111,7 +125,7 @@ __device__ __forceinline__ void stage_norm_finish(bf16* xs, int k0, int k, unsig
     const float4* xq = reinterpret_cast<const float4*>(scratch);
     const uint2* wq = reinterpret_cast<const uint2*>(scratch + BATCH * HIDDEN * 4);
     warps_barrier(first_warp);
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, ld = xs_ld(k), q0 = k0 / 4, nq = k / 4;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, ld = xs_ld(pad_k(k)), q0 = k0 / 4, nq = k / 4;
 #pragma unroll 1
     for (int n = warp - first_warp; n < 8; n += NUM_WARPS - first_warp) {
         bf16* row = xs + n * ld;
@@ -144,7 +158,7 @@ __device__ __forceinline__ void stage_norm_finish(bf16* xs, int k0, int k, unsig
 // ops.cuh). One warp per token row, its lanes over the row's pieces: a row's copies or zero stores
 // are one plain loop with no index arithmetic per piece, so the copies are issued soon.
 __device__ __forceinline__ void stage_x_async(bf16* xs, const bf16* x, int x_ld, int k0, int k, int nrows = BATCH) {
-    const int ld = xs_ld(k), chunks = k / 8, lane = threadIdx.x % 32;
+    const int ld = xs_ld(pad_k(k)), chunks = k / 8, lane = threadIdx.x % 32;
 #pragma unroll 1
     for (int n = threadIdx.x / 32; n < 8; n += NUM_WARPS) {
         bf16* row = xs + n * ld;
@@ -424,10 +438,11 @@ template <int NACC, class Epi, bool NC = true, class Fin = Staged>
 __device__ __forceinline__ void gemv_tile(const bf16* const (&w)[NACC], int w_ld, int rows, int k, const bf16* xs,
                                           float* red, Epi epi, Fin finish = Fin{}) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
-    const int groups = (rows + 15) / 16, blocks = k / 64;
+    const int groups = (rows + 15) / 16, blocks = pad_k(k) / 64;
     int ks = 1;
     while (ks * 2 * groups <= NUM_WARPS && ks * 2 <= blocks) ks *= 2;
-    const bf16* xrow = xs + g * xs_ld(k) + q * 8;
+    const bf16* xrow = xs + g * xs_ld(pad_k(k)) + q * 8;
+    stage_pad_zeros(const_cast<bf16*>(xs), k);  // the tile's own staging area (K_PADDED)
     // this warp's first item: group warp / ks, blocks part, part + ks, ...
     const int grp = warp / ks, part = warp % ks;
     const int r0 = grp * 16 + g, r1 = r0 + 8;

@@ -71,6 +71,11 @@ __device__ __forceinline__ bool norm_is_staged(const Task& t, int k0, int k) {
            s_staged_norm.x == t.ptr<float>(O::x) && s_staged_norm.w == t.ptr<bf16>(O::norm);
 }
 
+// The reduction of a GEMV over its whole input: the weight's row, or (K_PADDED: a weight may be
+// stored with zero columns up to whole 64-wide blocks) the input's width.
+template <class O>
+__device__ __forceinline__ int input_k(const Task& t) { return K_PADDED ? t.dim(O::x, 1) : t.dim(O::weight, 1); }
+
 // Stage a GEMV's input columns [k0, k0 + k) in two halves around the issue of its first weight
 // loads (gemv_tile's `finish`): the bf16 activations x [BATCH, x_ld], or, when the task has a norm
 // operand, the RMSNorm of the f32 residual stream x (stage_norm_*).
@@ -217,6 +222,22 @@ struct WaitCopyFinish {
     __device__ void landed() const { (*this)(); }
 };
 
+// WaitCopyFinish over the columns [k0, k0 + k) of rows of h_ld elements (op_expert_down_split).
+struct WaitCopySliceFinish {
+    const Task& t;
+    bf16* xs;
+    const bf16* h;
+    int h_ld, k0, k, first;
+    __device__ void operator()() const {
+        task_wait(t.w, first);
+        stage_x_async(xs, h, h_ld, k0, k);
+        cp_async_wait_all();
+        prof_staged();
+        cta_barrier();
+    }
+    __device__ void landed() const { (*this)(); }
+};
+
 // Element offset of the tile starting at (row0, k0) of a weight with k columns: row-major, or in
 // tile order (row0 % 16 == 0 and k0 % 64 == 0, mkc/codegen/weight_tiles.py).
 __device__ __forceinline__ size_t weight_tile_offset(int row0, int k0, int k) {
@@ -260,7 +281,9 @@ __device__ __forceinline__ size_t tile_order_offset(int row, int col, int k) {
 // an embedding tied to the LM head is stored in tile order: DT_BF16_TILES)
 __device__ void op_embed(const Task& t, unsigned char* smem) {
     using O = OPND_EMBED;
-    const int hidden = t.dim(O::embed, 1), chunks = hidden / 8;
+    // the embedding's row: HIDDEN columns, stored with zero columns past them where it is the LM
+    // head's weight and K_PADDED
+    const int hidden = K_PADDED ? HIDDEN : t.dim(O::embed, 1), chunks = hidden / 8, emb_ld = t.dim(O::embed, 1);
     const bf16* emb = t.ptr<bf16>(O::embed);
     const bool tiles = t.dtype(O::embed) == DT_BF16_TILES;
     int* tok = reinterpret_cast<int*>(smem);  // [BATCH]
@@ -271,7 +294,7 @@ __device__ void op_embed(const Task& t, unsigned char* smem) {
     for (int i = threadIdx.x; i < BATCH * chunks; i += NUM_THREADS) {
         const int b = i / chunks, c = i - b * chunks;
         float f[8];
-        const size_t at = tiles ? tile_order_offset(tok[b], 8 * c, hidden) : (size_t)tok[b] * hidden + 8 * c;
+        const size_t at = tiles ? tile_order_offset(tok[b], 8 * c, emb_ld) : (size_t)tok[b] * emb_ld + 8 * c;
         unpack8(__ldg(reinterpret_cast<const uint4*>(emb + at)), f);
         float4* o = reinterpret_cast<float4*>(out + (size_t)b * hidden + 8 * c);
         o[0] = make_float4(f[0], f[1], f[2], f[3]);
@@ -661,7 +684,7 @@ __device__ void op_swiglu(const Task& t, unsigned char* smem) {
     using O = OPND_SWIGLU;
     using A = ARG_SWIGLU;
     const int row0 = t.arg(A::row0), rows = t.arg(A::rows), up0 = t.arg(A::up_row0), col0 = t.arg(A::col0);
-    const int k = t.dim(O::weight, 1);
+    const int k = input_k<O>(t);
     bf16* xs = gemv_xs(smem);
     stage_input_async<O>(t, smem, 0, k);
     const StageFinish<O> finish{t, smem, 0, k};
@@ -731,7 +754,7 @@ __device__ void op_expert_swiglu(const Task& t, unsigned char* smem) {
     using O = OPND_EXPERT_SWIGLU;
     using A = ARG_EXPERT_SWIGLU;
     const int slot = t.arg(A::slot), row0 = t.arg(A::row0), rows = t.arg(A::rows);
-    const int k = t.dim(O::weight, 1), inter2 = t.dim(O::weight, 2), w_ld = t.dim(O::weight, 1);
+    const int k = input_k<O>(t), inter2 = t.dim(O::weight, 2), w_ld = t.dim(O::weight, 1);
     const bool beside = NORM_BESIDE_ROUTING && t.has(O::norm);
     const Routing& rt = open_expert_up<O>(t, smem, k, beside);
     if (TAGGED_LOGITS && s_wait.abort) return;
@@ -771,7 +794,7 @@ __device__ void op_expert_mlp(const Task& t, unsigned char* smem) {
         using A = ARG_EXPERT_MLP;
         constexpr int ROWS = 64 * FUSED_DOWN_BLOCKS;
         const int slot = t.arg(A::slot), row0 = t.arg(A::row0), part = t.arg(A::part);
-        const int k = t.dim(O::weight, 1), inter2 = t.dim(O::weight, 2), w_ld = k;
+        const int k = input_k<O>(t), inter2 = t.dim(O::weight, 2), w_ld = t.dim(O::weight, 1);
         const int inter = t.dim(O::down, 1), hidden = t.dim(O::down, 2);
         float* out = t.ptr<float>(O::out) + (size_t)(slot * (inter / ROWS) + part) * BATCH * hidden;
         const Routing& rt = open_expert_up<O>(t, smem, k);
@@ -845,12 +868,53 @@ __device__ void op_expert_down(const Task& t, unsigned char* smem) {
                  with_scales<wt, 1>(WaitCopyFinish{t, xs, h, k, routed ? 0 : 1}, t, O::weight, e, {row0}, 0));
 }
 
+// op_expert_down over the columns [k0, k0 + k) of the slot's hidden state only, into out[slab]:
+// the K split of an expert whose intermediate size does not fit the shared memory (a split-K
+// partial, summed by the tile that ends the layer). Waits in two parts, as op_expert_down. Empty
+// unless EXPERT_DOWN_K_SPLIT.
+__device__ void op_expert_down_split(const Task& t, unsigned char* smem) {
+    if constexpr (EXPERT_DOWN_K_SPLIT) {
+        using O = OPND_EXPERT_DOWN_SPLIT;
+        using A = ARG_EXPERT_DOWN_SPLIT;
+        const int slot = t.arg(A::slot), row0 = t.arg(A::row0), rows = t.arg(A::rows);
+        const int k0 = t.arg(A::k0), k = t.arg(A::k), slab = t.arg(A::slab);
+        const int h_ld = t.dim(O::h, 1), tokens = t.dim(O::h, 2);
+        bf16* xs = gemv_xs(smem);
+        const bf16* h = t.ptr<bf16>(O::h) + (size_t)slot * tokens * h_ld;
+        const float* logits = t.ptr<float>(O::logits);
+        const bool routed = routing_known(logits);
+        if (!routed) task_wait(t.w, 0, 1);
+        const Routing& rt = route_tokens(logits);
+        const int out_ld = t.dim(O::out, 1);
+        float* out = t.ptr<float>(O::out) + (size_t)slab * t.dim(O::out, 2) * out_ld + row0;
+        if (slot >= rt.count) {
+            if (routed) task_wait(t.w, 0, 1);  // nothing to wait for, but the profile records the wait
+            zero_rows(out, out_ld, rows);  // zeros, so the sum over every partial stays right
+            return;
+        }
+        const int e = rt.experts[slot];
+        const int n0 = 2 * (threadIdx.x % 4);
+        const float wt0 = rt.weight(n0, e), wt1 = rt.weight(n0 + 1, e);
+        const int w_ld = t.dim(O::weight, 1), w_rows = t.dim(O::weight, 2);
+        const bf16* const w[1] = {t.ptr<bf16>(O::weight) + (size_t)e * w_rows * w_ld +
+                                  weight_tile_offset(row0, k0, w_ld)};
+        const auto epi = [&](int r0, float (&acc)[1][4]) {
+            for_fragment(r0, acc[0], rows, [&](int r, int n, float v) {
+                const float wt = (n & 1) ? wt1 : wt0;
+                out[(size_t)n * out_ld + r] = wt != 0.f ? wt * v : 0.f;
+            });
+        };
+        gemv_tile<1>(w, w_ld, rows, k, xs, gemv_red(smem), epi,
+                     WaitCopySliceFinish{t, xs, h, h_ld, k0, k, routed ? 0 : 1});
+    }
+}
+
 // logits[b, row0 + i] = LOGIT_SCALE * x[b] . w[row0 + i]; best_*[b, tile] = its arg-max
 __device__ void op_lm_head(const Task& t, unsigned char* smem) {
     using O = OPND_LM_HEAD;
     using A = ARG_LM_HEAD;
     const int row0 = t.arg(A::row0), rows = t.arg(A::rows), tile = t.arg(A::tile);
-    const int k = t.dim(O::weight, 1);
+    const int k = input_k<O>(t);
     bf16* xs = gemv_xs(smem);
     stage_input_async<O>(t, smem, 0, k);
     const StageFinish<O> finish{t, smem, 0, k};

@@ -4,6 +4,7 @@ the tensor cores; the cache is content-addressed; errors carry what a person nee
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 from functools import cache as cache_fn
@@ -18,6 +19,7 @@ from mkc.codegen import CodegenOptions, CompileError, build_kernel, write_kernel
 from mkc.codegen import cvalues as cv
 from mkc.codegen.nvrtc import compile_cubin, parse_resources
 from mkc.codegen.render import (
+    MAX_SMEM_BYTES,
     TEMPLATE_DIR,
     CodegenError,
     environment,
@@ -59,6 +61,7 @@ from mkc.codegen.taskwords import (
     routing_logits,
     tagged_words,
 )
+from mkc.codegen.weight_tiles import padded_weights
 from mkc.ir.lower import lower
 from mkc.ir.ops import OP_INFO, Opcode
 from mkc.ir.spec import load_spec
@@ -233,6 +236,44 @@ def test_fused_experts_kernel_compiles_without_local_memory(cache):
     assert kernel_config(plain, spec1).fused_down_blocks == 0
 
 
+def _odd_moe():
+    """A tiny Qwen3-MoE whose reductions are not whole 64-column blocks (hidden size 96, 3 heads of
+    32, intermediates 160) and whose LM head is the embedding."""
+    spec = load_spec(ROOT / "configs" / "qwen3_moe_tiny.yaml")
+    att = dataclasses.replace(spec.attention, num_heads=3, num_kv_heads=3, head_dim=32)
+    return dataclasses.replace(spec, hidden_size=96, dense_intermediate=160, attention=att, tie_word_embeddings=True,
+                               moe=dataclasses.replace(spec.moe, intermediate=160))
+
+
+def test_k_split_and_padded_k_kernel_compiles_without_local_memory(cache):
+    """A model whose reductions are not whole 64-column blocks, with its down projections split
+    along k (max_gemv_k = 64: 64 + 64 + 32 columns, as Mixtral-8x7B's experts split at k = 14336):
+    the kernel pads the staged inputs (K_PADDED) and compiles the split expert op (EXPERT_DOWN_SPLIT);
+    each split tile waits for the router tiles first; a kernel without either (North Mini Code)
+    compiles neither. At 255 registers the padding tips ptxas into a spill of a few registers (24
+    bytes; a split alone, as Mixtral-8x7B's, has none): bounded here, a cost of odd shapes only."""
+    spec = _odd_moe()
+    sc = schedule(lower(spec, 2, 64, 8, max_gemv_k=64), spec.name)
+    split = [t for t in sc.tasks if t.op == Opcode.EXPERT_DOWN_SPLIT]
+    assert {(t.arg("k0"), t.arg("k")) for t in split} == {(0, 64), (64, 64), (128, 32)}
+    assert padded_weights(sc) == {"L0.w_down": 160, "L0.w_o": 96, "L0.w_qkv": 96, "L0.w_gate_up": 96,
+                                  "L1.w_experts_down": 160, "L1.w_experts_gate_up": 96, "L1.w_o": 96,
+                                  "L1.w_qkv": 96, "L1.w_router": 96, "L2.w_experts_down": 160,
+                                  "L2.w_experts_gate_up": 96, "L2.w_o": 96, "L2.w_qkv": 96, "L2.w_router": 96,
+                                  "embed": 96}
+    art = build_kernel(sc, spec, cache_dir=cache)
+    assert art.config.expert_down_split and art.config.k_padded and art.config.gemv_max_k == 128
+    assert art.spills <= 64, f"ptxas reports {art.spills} bytes of spills\n{art.log}"
+    assert instructions_by_op(art.cubin, art.cu_source).get("EXPERT_DOWN_SPLIT", 0) > 500
+    words = encode(sc)
+    rec = next(r for r in words.records if r[W_ID] == split[0].id)
+    router = sc.counters[words.waits[rec[W_WAIT_OFF]][0]].producers
+    assert all(sc.tasks[p].operand("out") == split[0].operand("logits") for p in router)
+    spec1, plain = _nmc_schedule(1)
+    cfg = kernel_config(plain, spec1)
+    assert not cfg.expert_down_split and not cfg.k_padded
+
+
 def test_a_residual_tile_off_the_copy_grain_is_refused(tiny):
     """The residual terms are copied 16 bytes at a time: a tile whose columns do not start on 4
     floats gets a CodegenError naming it, not a misaligned copy."""
@@ -252,7 +293,6 @@ def test_warp_split_rings_fit_the_shared_memory(nmc, tiny):
     attention's shared memory (8 warps x 8 KB per stage at head_dim 128: three fit, four do not),
     and is 0 (the CTA-wide chunks) for heads the tensor-core Q.K cannot take (head_dim 32)."""
     from mkc.codegen import CodegenOptions
-    from mkc.codegen.render import MAX_SMEM_BYTES
 
     sc = schedule(lower(nmc, 1, 8192, 132), nmc.name)
     for asked, fitted in ((0, 0), (2, 2), (3, 3), (10, 3)):

@@ -423,3 +423,63 @@ def test_expert_down_rows_are_checked():
     tiny = load_spec(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
     with pytest.raises(SpecError, match="expert_down_rows = 40: expected 0 \\(the tiling rule\\) or a positive multiple of 16"):
         lower(tiny, 1, 64, 8, expert_down_rows=40)
+
+
+@pytest.mark.parametrize("config, batch, fold", [("tiny.yaml", 1, False), ("tiny.yaml", 3, False),
+                                                 ("tiny.yaml", 2, True), ("qwen3_moe_tiny.yaml", 2, False),
+                                                 ("llama_tiny.yaml", 1, False)])
+def test_k_split_matches_reference(config, batch, fold):
+    """LowerOptions.max_gemv_k = 64: every MLP down projection (dense and per expert) is split
+    along k into 64-column parts whose partials the residual tiles (or the O-projection tiles that
+    end the layer) sum, beside the O-projection's: the same logits as the dense reference in random
+    interleavings, for a parallel block (dense and MoE layers), a sequential MoE block and a
+    sequential dense one. At batch 3 some routing slots are dead in some step: their zeros are summed."""
+    spec = load_spec(Path(__file__).resolve().parents[1] / "configs" / config)
+    if spec.moe is not None:  # an expert intermediate of 4 blocks
+        spec = dataclasses.replace(spec, moe=dataclasses.replace(spec.moe, intermediate=256))
+    w = random_weights(spec, seed=23, dtype=torch.float32, std=0.1)
+    sc = schedule(lower(spec, batch, 64, 8, residual_in_o_proj=fold, max_gemv_k=64), spec.name)
+    down = [t for t in sc.tasks if t.op == Opcode.EXPERT_DOWN_SPLIT or t.name.startswith("L0.down")]
+    assert down and {t.arg("k") for t in down} == {64}
+    assert not any(t.op == Opcode.EXPERT_DOWN for t in sc.tasks)
+    _matches_reference(sc, spec, w, batch, 60 + batch, f"{config}, k split")
+
+
+def test_k_split_only_where_k_does_not_fit():
+    """The K split engages only where the reduction does not fit the shared memory: North Mini
+    Code's lowering is the same task for task with the rule's limit as without a split at all, and
+    Mixtral-8x7B's expert down projection (k = 14336) is split in 2 parts at batch 1, 3 at batch 8."""
+    root = Path(__file__).resolve().parents[1] / "configs"
+    nmc = load_spec(root / "north_mini_code.yaml")
+    plain = lower(nmc, 8, 8192, 132, max_gemv_k=1 << 20)
+    ruled = lower(nmc, 8, 8192, 132)
+    assert [(t.op, t.name, t.args) for t in plain.tasks] == [(t.op, t.name, t.args) for t in ruled.tasks]
+    mixtral = load_spec(root / "mixtral_8x7b.yaml")
+    for batch, parts in ((1, 2), (8, 3)):
+        down = [t for t in lower(mixtral, batch, 4096, 132).tasks if t.op == Opcode.EXPERT_DOWN_SPLIT and t.layer == 0]
+        assert len({t.arg("k0") for t in down}) == parts
+
+
+def _odd_llama():
+    """A tiny Llama whose reductions are not whole 64-column blocks: hidden size 96, 3 heads of 32
+    with a KV head each (O-projection slices of 32 columns), intermediate 160."""
+    spec = load_spec(Path(__file__).resolve().parents[1] / "configs" / "llama_tiny.yaml")
+    att = dataclasses.replace(spec.attention, num_heads=3, num_kv_heads=3, head_dim=32)
+    return dataclasses.replace(spec, hidden_size=96, dense_intermediate=160, attention=att)
+
+
+@pytest.mark.parametrize("batch, max_k", [(1, 0), (3, 0), (2, 64)])
+def test_ragged_k_matches_reference(batch, max_k):
+    """Reductions off the 64-column blocks (hidden size 96, intermediate 160): the O-projection's
+    slices start on whole blocks (two KV groups, then the last one), the kernel pads the rest
+    (weights with zero columns, staged inputs with zeros); the logits are the dense reference's in
+    random interleavings, and with the down projection also split along k (64 + 64 + 32 columns)."""
+    spec = _odd_llama()
+    w = random_weights(spec, seed=29, dtype=torch.float32, std=0.1)
+    sc = schedule(lower(spec, batch, 64, 8, max_gemv_k=max_k), spec.name)
+    o_proj = {(t.arg("k0"), t.arg("k")) for t in sc.tasks if "o_proj" in t.name and t.layer == 0}
+    assert o_proj == {(0, 64), (64, 32)}
+    if max_k:
+        assert {(t.arg("k0"), t.arg("k")) for t in sc.tasks if t.name.startswith("L0.down")} == {
+            (0, 64), (64, 64), (128, 32)}
+    _matches_reference(sc, spec, w, batch, 70 + batch, f"ragged k, max_gemv_k {max_k}")

@@ -119,7 +119,7 @@ def test_nmc_fp8_matches_mirror(num_sms, batch, fmt):
         names = [n for n in weights if not n.endswith(fp8.SCALE_SUFFIX)]
         scales = {n: weights[n + fp8.SCALE_SUFFIX] for n in weights.tiled}
         plain = [n for n in names if n not in scales and n in dec.tiled]
-        mirror_weights = LogicalWeights(dec.buffers, names, frozenset(plain), scales)
+        mirror_weights = LogicalWeights(dec.buffers, names, frozenset(plain), scales=scales)
         untied = dataclasses.replace(spec, tie_word_embeddings=False)
         check_against_mirror(dec, untied, mirror_weights, tokens, positions, lg, nt, f"NMC {fmt} b{batch}")
     finally:

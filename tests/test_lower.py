@@ -9,7 +9,7 @@ from mkc.ir.graph import conflicting_pairs
 from mkc.ir.lower import lower
 from mkc.ir.ops import Opcode
 from mkc.ir.spec import SpecError, load_spec
-from mkc.ir.tiling import row_tile
+from mkc.ir.tiling import gemv_max_k, k_splits, row_tile
 
 
 def by_name(prog, name):
@@ -195,6 +195,31 @@ def test_tiling_rule():
     assert row_tile(262144, 4096, 1, 132) % 16 == 0  # mma m16 rows
     assert row_tile(128, 4096, 1, 132) == 16  # the router: 8 tasks of 64 KiB, not 2 of 256 KiB
     assert row_tile(96, 256, 1, 8, 32) == 96  # tiny op: one task (min bytes per task)
+
+
+@pytest.mark.parametrize("batch, hidden", [(1, 4096), (8, 4096), (8, 2048), (3, 128)])
+def test_gemv_max_k_is_what_the_kernel_fits(batch, hidden):
+    """tiling.gemv_max_k, the K split's limit, is the widest reduction whose GEMV shared memory
+    (KernelConfig.gemv_bytes, which the codegen checks) fits: one block more does not."""
+    import dataclasses
+
+    from mkc.codegen.render import MAX_SMEM_BYTES, KernelConfig
+
+    k = gemv_max_k(batch, hidden)
+    cfg = KernelConfig(threads=256, batch=batch, hidden=hidden, head_dim=128, page_size=0, group=8, top_k=8,
+                       norm_eps=1e-6, rope_theta=1e4, rope_interleaved=False, attn_scale=1.0, logit_scale=1.0,
+                       router_sigmoid=False, normalize_top_k=False, gemv_unroll=8, gemv_max_k=k, max_splits=132,
+                       num_experts=8, moe_slots=8, spin_limit=1, weights_tiled=True, attn_warp_request=2,
+                       routing_rank=False, norm_beside_routing=False, profile_phases=False, tagged_logits=False)
+    assert k % 64 == 0 and cfg.gemv_bytes <= MAX_SMEM_BYTES
+    assert dataclasses.replace(cfg, gemv_max_k=k + 64).gemv_bytes > MAX_SMEM_BYTES
+
+
+def test_k_splits():
+    assert k_splits(4096, 12416) == [(0, 4096)]  # fits: one part
+    assert k_splits(14336, 12416) == [(0, 7168), (7168, 7168)]  # the fewest equal parts
+    assert k_splits(14336, 5248) == [(0, 4800), (4800, 4800), (9600, 4736)]  # whole blocks, the last shorter
+    assert k_splits(256, 64) == [(0, 64), (64, 64), (128, 64), (192, 64)]
 
 
 @pytest.mark.parametrize("kw", [{"batch": 0}, {"batch": 9}, {"context": 0}, {"num_sms": 0}])

@@ -126,3 +126,55 @@ def test_tile_ordered_in_place_reorders_and_restores():
     with pytest.raises(RuntimeError, match="boom"), tile_ordered_in_place(w, ["a"]):
         raise RuntimeError("boom")
     assert torch.equal(w["a"], before["a"])
+
+
+def _odd_llama():
+    """A tiny Llama whose reductions are not whole 64-column blocks (hidden size 96, intermediate 160)."""
+    spec = load_spec(ROOT / "configs" / "llama_tiny.yaml")
+    att = dataclasses.replace(spec.attention, num_heads=3, num_kv_heads=3, head_dim=32)
+    return dataclasses.replace(spec, hidden_size=96, dense_intermediate=160, attention=att)
+
+
+@pytest.mark.parametrize("tiled", [True, False])
+def test_padded_weights_compute_what_the_logical_ones_do(tiled):
+    """A weight whose K is not whole 64-column blocks is stored with zero columns up to them (in
+    tile order or not): the GEMV over whole blocks, its input staged with zeros past k, gives the
+    logical product exactly, and logical_weight recovers the weight."""
+    from mkc.codegen.weight_tiles import logical_weight, pad_columns, stored_weight
+
+    w, x = torch.randn(2, 48, 160), torch.randn(3, 160)
+    stored = stored_weight(w, tiled=tiled, padded=True)
+    assert stored.shape == (2, 48, 192)
+    rows = from_tiles(stored) if tiled else stored
+    assert torch.equal(rows[..., 160:], torch.zeros(2, 48, 32))
+    xs = pad_columns(x)  # the staged input: zeros past k
+    assert torch.equal(xs @ rows[1].T, x @ w[1].T)
+    assert torch.equal(logical_weight(stored, tiled, 160), w)
+    assert pad_columns(x[:, :128]).data_ptr() == x[:, :128].data_ptr()  # whole blocks: as it is
+
+
+def test_padded_weights_are_the_ragged_gemv_weights():
+    """Which weights are padded (every GEMV weight whose K is off the blocks: hidden size 96 and
+    intermediate 160), their padded shape in the kernel's buffer table, tile order still possible
+    on the padded shapes, and the CUDA backend's logical view without the zero columns."""
+    from mkc.codegen.weight_tiles import padded_weights, stored_weight
+    from mkc.runtime.cuda_backend import LogicalWeights
+
+    spec = _odd_llama()
+    sc = schedule(lower(spec, 2, 16, 8), spec.name)
+    padded = padded_weights(sc)
+    assert padded == {"lm_head": 96, **{f"L{i}.{n}": k for i in range(3) for n, k in (
+        ("w_qkv", 96), ("w_o", 96), ("w_gate_up", 96), ("w_down", 160))}}
+    cfg = kernel_config(sc, spec)
+    assert cfg.weights_tiled and cfg.k_padded and cfg.gemv_max_k == 192
+    words = encode(sc)
+    table = buffer_table(sc, words.buffer_names, dict.fromkeys(words.buffer_names, 0), tiled_weights(sc))
+    for i, n in enumerate(words.buffer_names):
+        want = (*sc.buffers[n].shape[:-1], 192 if padded.get(n) == 160 else 128) if n in padded else sc.buffers[n].shape
+        assert tuple(table[i]["shape"][-len(want):]) == tuple(want), n
+    head, down = torch.randn(512, 96), torch.randn(96, 160)
+    bufs = {"lm_head": stored_weight(head, True, True), "L0.w_down": stored_weight(down, False, True)}
+    lw = LogicalWeights(bufs, ["lm_head", "L0.w_down"], frozenset({"lm_head"}), padded)
+    assert torch.equal(lw["lm_head"], head) and torch.equal(lw.matrix("L0.w_down"), down)
+    ids = torch.tensor([3, 17, 500])
+    assert torch.equal(lw.rows("lm_head", ids), head[ids])

@@ -22,12 +22,16 @@ from mkc.codegen.weight_tiles import (
     TILE_ROWS,
     WeightLayoutError,
     check_tileable,
+    padded_k,
+    padded_weights,
+    stored_shape,
     tiled_weights,
 )
 from mkc.ir.fp8 import WEIGHT_FORMATS, is_fp8
 from mkc.ir.kv_layout import page_size_of
 from mkc.ir.ops import OP_INFO, Opcode
 from mkc.ir.spec import ModelSpec
+from mkc.ir.tiling import SMEM_BYTES
 from mkc.schedule.schedule import Schedule
 
 
@@ -44,7 +48,7 @@ def _template_dir() -> Path:
 TEMPLATE_DIR = _template_dir()
 KERNEL_TEMPLATE = "kernel.cu.j2"
 KERNEL_NAME = "mkc_decode"
-MAX_SMEM_BYTES = 227 * 1024  # Hopper: opt-in dynamic shared memory per block
+MAX_SMEM_BYTES = SMEM_BYTES  # Hopper: opt-in dynamic shared memory per block
 STATIC_SMEM_RESERVE = 2 * 1024  # the kernel's static shared memory (task records, descriptors, routing)
 
 
@@ -153,6 +157,10 @@ class KernelConfig:
     reuse_staged_norm: bool = False  # CodegenOptions.reuse_staged_norm
     l2_warm: str = "off"  # CodegenOptions.l2_warm, resolved: the rules the runtime encodes (taskwords.encode)
     weights_evict_first: bool = False  # CodegenOptions.weights_evict_first, resolved
+    expert_down_split: bool = False  # the schedule has EXPERT_DOWN_SPLIT tiles (else op_expert_down_split is empty)
+    # a GEMV reduction is not whole 64-column blocks: its staged input is zero-padded to them and its
+    # weight stored with zero columns (weight_tiles.padded_weights)
+    k_padded: bool = False
     weight_format: str = "bf16"  # the GEMV matrices' storage (LowerOptions.weights: mkc/ir/fp8.py)
 
     @property
@@ -226,6 +234,8 @@ def _gemv_k(schedule: Schedule, t) -> tuple[int, int, str]:
     b = schedule.buffers
     if t.op == Opcode.LINEAR:
         return t.arg("k"), t.arg("k0"), t.operand("x")
+    if t.op == Opcode.EXPERT_DOWN_SPLIT:
+        return t.arg("k"), t.arg("k0"), t.operand("h")
     if t.op == Opcode.EXPERT_DOWN:
         return b[t.operand("h")].shape[-1], 0, t.operand("h")
     return b[t.operand("weight")].shape[-1], 0, t.operand("x")
@@ -247,9 +257,10 @@ def _residual_stage_bytes(schedule: Schedule, t) -> int:
 def tile_order_problem(schedule: Schedule) -> str | None:
     """Why the GEMV weights of ``schedule`` cannot be stored in tile order, or None: every such
     weight needs whole 16 x 64 blocks and every GEMV tile must start on a block."""
+    padded = padded_weights(schedule)
     for name in sorted(tiled_weights(schedule)):
         try:
-            check_tileable(name, schedule.buffers[name].shape)
+            check_tileable(name, stored_shape(schedule.buffers[name].shape, name in padded))
         except WeightLayoutError as e:
             return str(e)
     for t in schedule.tasks:
@@ -270,11 +281,12 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
         raise CodegenError(f"{name} = {value!r}: expected one of " + ", ".join(repr(c) for c in choices))
 
 
-def _task_limits(schedule: Schedule, spec: ModelSpec) -> tuple[int, int, int, set[int]]:
+def _task_limits(schedule: Schedule, spec: ModelSpec) -> tuple[int, int, int, set[int], bool]:
     """What the tasks ask of the kernel, each checked (raises CodegenError naming the task): the
-    widest GEMV reduction, the largest residual staging of a tile that ends a layer, the most
-    splits a combine merges, and the rows of the fused expert tiles."""
-    max_k, stage_bytes, max_splits = 64, 0, schedule.num_sms
+    widest GEMV reduction (in whole 64-column blocks), the largest residual staging of a tile that
+    ends a layer, the most splits a combine merges, the rows of the fused expert tiles, and whether
+    a reduction is not whole blocks (its staged input is padded with zeros: KernelConfig.k_padded)."""
+    max_k, stage_bytes, max_splits, ragged = 64, 0, schedule.num_sms, False
     fused_rows = {t.arg("rows") for t in schedule.tasks if t.op == Opcode.EXPERT_MLP}
     if len(fused_rows) > 1:
         raise CodegenError(f"fused expert tiles of {sorted(fused_rows)} rows: the kernel compiles one size "
@@ -282,9 +294,11 @@ def _task_limits(schedule: Schedule, spec: ModelSpec) -> tuple[int, int, int, se
     for t in schedule.tasks:
         if t.op in GEMV_OPS:
             k, k0, x = _gemv_k(schedule, t)
-            if k % 64 or k0 % 8 or schedule.buffers[x].shape[-1] % 8:
+            if k % 8 or k0 % 64 or schedule.buffers[x].shape[-1] % 8:
                 raise CodegenError(f"task {t.id} ({t.name}): reduction k = {k} at k0 = {k0} over {x} "
-                                   f"{schedule.buffers[x].shape}: expected k % 64 == 0 and 16-byte aligned rows")
+                                   f"{schedule.buffers[x].shape}: expected k % 8 == 0, k0 % 64 == 0 (whole "
+                                   f"64-column blocks) and 16-byte aligned rows")
+            ragged |= k % 64 != 0
             normed = t.operand("norm") != "-" if "norm" in OP_INFO[t.op].operands else False
             want = ("f32", (schedule.batch, spec.hidden_size)) if normed else ("bf16", None)
             xb = schedule.buffers[x]
@@ -292,7 +306,7 @@ def _task_limits(schedule: Schedule, spec: ModelSpec) -> tuple[int, int, int, se
                 raise CodegenError(f"task {t.id} ({t.name}): GEMV input {x} is {xb.dtype} {xb.shape}: expected "
                                    + ("the f32 residual stream [batch, hidden] (the task normalises it)" if normed
                                       else "bf16"))
-            max_k = max(max_k, k)
+            max_k = max(max_k, padded_k(k))
             if t.op == Opcode.LINEAR and t.operand("residual") != "-":
                 stage_bytes = max(stage_bytes, _residual_stage_bytes(schedule, t))
             if t.op == Opcode.EXPERT_MLP:
@@ -305,7 +319,7 @@ def _task_limits(schedule: Schedule, spec: ModelSpec) -> tuple[int, int, int, se
                                        f"multiples of 64, at most {scratch // 16 - 32} rows")
         elif t.op == Opcode.ATTN_COMBINE:
             max_splits = max(max_splits, t.arg("splits"))  # the combine's shared memory (KernelConfig.smem_bytes)
-    return max_k, stage_bytes, max_splits, fused_rows
+    return max_k, stage_bytes, max_splits, fused_rows, ragged
 
 
 def schedule_weight_format(schedule: Schedule) -> str:
@@ -366,11 +380,14 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
     if options.weight_layout == "tiles" and problem:
         raise CodegenError(problem)
     tiled = options.weight_layout != "rows" and problem is None
+    max_k, stage_bytes, max_splits, fused_rows, ragged = _task_limits(schedule, spec)
     weight_format = schedule_weight_format(schedule)
     if is_fp8(weight_format) and not tiled:
         raise CodegenError(f"--weights {weight_format}: FP8 weights are read in tile order only, and "
                            f"{problem or 'weight_layout = rows was asked for'}: expected bf16 weights")
-    max_k, stage_bytes, max_splits, fused_rows = _task_limits(schedule, spec)
+    if is_fp8(weight_format) and (ragged or any(t.op == Opcode.EXPERT_DOWN_SPLIT for t in schedule.tasks)):
+        raise CodegenError(f"--weights {weight_format}: a reduction off the 64-column blocks, or an expert down "
+                           f"projection split along k, reads bf16 weights only: expected --weights bf16")
     cfg = KernelConfig(
         threads=THREADS, batch=schedule.batch, hidden=spec.hidden_size, head_dim=a.head_dim,
         page_size=page_size_of(schedule.buffers), group=group, top_k=top_k,
@@ -384,6 +401,7 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
         norm_beside_routing=norm_beside, profile_phases=options.profile_phases, tagged_logits=tagged_logits,
         residual_stage_bytes=stage_bytes, reuse_staged_norm=options.reuse_staged_norm,
         fused_down_blocks=next(iter(fused_rows), 0) // 64, l2_warm=l2_warm, weights_evict_first=evict_first,
+        expert_down_split=any(t.op == Opcode.EXPERT_DOWN_SPLIT for t in schedule.tasks), k_padded=ragged,
         residual_epilogue_inline=options.residual_epilogue == "inline" or (options.residual_epilogue == "auto"
                                                                            and stage_bytes > 0))
     if cfg.smem_bytes > MAX_SMEM_BYTES:
@@ -438,6 +456,8 @@ def template_context(cfg: KernelConfig, banner: str) -> dict[str, Any]:
         "residual_epilogue_inline": cv.c_int(int(cfg.residual_epilogue_inline)),  # a preprocessor 0 / 1
         "reuse_staged_norm": cv.c_bool(cfg.reuse_staged_norm),
         "fused_down_blocks": cv.c_int(cfg.fused_down_blocks),
+        "expert_down_split": cv.c_bool(cfg.expert_down_split),
+        "k_padded": cv.c_bool(cfg.k_padded),
         "l2_warm": cv.c_bool(cfg.l2_warm != "off"),
         "weights_evict_first": cv.c_bool(cfg.weights_evict_first),
         "max_rank": cv.c_int(MAX_RANK),

@@ -11,7 +11,7 @@ The kernel binary depends only on shapes and tiling; the schedule reaches it as 
   without a round trip to device memory.
 * ``queue_start`` — int32 ``[num_sms + 1]``: SM ``i`` runs records ``queue_start[i]:queue_start[i+1]``.
 * ``waits`` — int32 ``[n, 2]``: ``(counter id, target per step)``, indexed by the wait offset. An
-  EXPERT_DOWN record lists the counter of the router tiles first (implied by its other waits,
+  EXPERT_DOWN (and EXPERT_DOWN_SPLIT) record lists the counter of the router tiles first (implied by its other waits,
   so redundant for the schedule): the kernel may wait for it alone, derive which expert's weights
   it streams and ask L2 for them, then wait for the rest (ops.cuh: op_expert_down). An
   EXPERT_SWIGLU (and EXPERT_MLP) record lists it first too: a kernel built with ``tagged_logits`` skips that wait
@@ -30,12 +30,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mkc.codegen.weight_tiles import padded_weights, stored_shape
 from mkc.ir.ops import OP_INFO, Opcode
 from mkc.schedule.schedule import Schedule, logits_operand
 
 MAX_OPERANDS = max(len(i.operands) for i in OP_INFO.values())
 MAX_ARGS = max(len(i.args) for i in OP_INFO.values())
 MAX_RANK = 5
+# the opcodes whose records list the router tiles' counter first (see the module doc)
+ROUTED_OPS = (Opcode.EXPERT_DOWN, Opcode.EXPERT_SWIGLU, Opcode.EXPERT_MLP, Opcode.EXPERT_DOWN_SPLIT)
 
 W_OP, W_ID, W_WAIT_OFF, W_WAIT_CNT, W_SIGNAL = range(5)
 W_OPERANDS = 5
@@ -73,7 +76,7 @@ class TaskWords:
 
 
 def routing_wait(schedule: Schedule, tid: int, writers: dict[str, set[int]]) -> tuple[int, int]:
-    """(counter, target) of the tiles that write the router logits an EXPERT_DOWN, EXPERT_SWIGLU or
+    """(counter, target) of the tiles that write the router logits an EXPERT_DOWN(_SPLIT), EXPERT_SWIGLU or
     EXPERT_MLP task reads; ``writers`` maps each buffer to the counters whose producers write it. For
     EXPERT_SWIGLU and EXPERT_MLP every producer of that counter must write the logits (a kernel that reads the
     tagged logits instead of waiting for the counter waits for nothing else through it)."""
@@ -140,7 +143,8 @@ def _target_weights(schedule: Schedule, target: str) -> dict[int, list[str]]:
         role, shift = "x", 0
     elif target == "next_router":  # LINEAR tiles that write the router logits, of the layer after
         found = {logits_operand(t) for t in tasks if t.op in (Opcode.EXPERT_SWIGLU, Opcode.EXPERT_DOWN,
-                                                              Opcode.EXPERT_MLP, Opcode.TOPK)}
+                                                              Opcode.EXPERT_DOWN_SPLIT, Opcode.EXPERT_MLP,
+                                                              Opcode.TOPK)}
         role, shift = "out", 1
     else:  # LINEAR tiles that write the QKV projection the attention reads, of the layer after
         found = {t.operand("qkv") for t in tasks if t.op in (Opcode.ATTN_SPLIT, Opcode.ROPE_APPEND)} - {"-"}
@@ -219,7 +223,7 @@ def encode(schedule: Schedule, l2_warm: str = "off") -> TaskWords:
             r = records[row]
             r[W_OP], r[W_ID] = int(t.op), t.id
             task_waits = [tuple(w) for w in schedule.waits[tid]]
-            if t.op in (Opcode.EXPERT_DOWN, Opcode.EXPERT_SWIGLU, Opcode.EXPERT_MLP):  # the routing first (see the module doc)
+            if t.op in ROUTED_OPS:  # the routing first (see the module doc)
                 first = routing_wait(schedule, tid, writers)
                 task_waits = [first, *(w for w in task_waits if w[0] != first[0])]
             r[W_WAIT_OFF], r[W_WAIT_CNT] = len(waits), len(task_waits)
@@ -261,12 +265,14 @@ def buffer_table(schedule: Schedule, names: tuple[str, ...], pointers: dict[str,
                  tiled: frozenset[str] = frozenset(), tagged: frozenset[str] = frozenset()) -> np.ndarray:
     """The BUF_DESC array for the kernel: shape and dtype from the schedule, pointers from the
     runtime; the bf16 weights named in ``tiled`` are stored in tile order (bf16_tiles), the f32
-    buffers named in ``tagged`` are followed by their tagged copy (f32_tagged)."""
+    buffers named in ``tagged`` are followed by their tagged copy (f32_tagged), a GEMV weight whose
+    K is not whole 64-column blocks has the padded shape it is stored in (weight_tiles.padded_weights)."""
+    padded = padded_weights(schedule)
     table = np.zeros(len(names), dtype=BUF_DESC)
     for i, n in enumerate(names):
         b = schedule.buffers[n]
         table[i]["ptr"] = pointers[n]
-        table[i]["shape"] = (1,) * (MAX_RANK - len(b.shape)) + tuple(b.shape)
+        table[i]["shape"] = (1,) * (MAX_RANK - len(b.shape)) + stored_shape(b.shape, n in padded)
         dtype = "f32_tagged" if n in tagged else b.dtype
         if n in tiled:
             dtype = "fp8_tiles" if b.dtype == "fp8" else "bf16_tiles"

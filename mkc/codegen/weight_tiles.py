@@ -15,6 +15,10 @@ tile spans every column). Leading dimensions (experts) are packed one matrix at 
 Which buffers are stored this way: every weight a GEMV task reads as its ``weight`` operand
 (``tiled_weights``). The embedding, when it is tied to the LM head, is read in tile order by the
 embedding lookup as well (its descriptor says so: DT_BF16_TILES).
+
+A GEMV reads whole 64-column blocks, so a weight whose K is not a multiple of 64 is stored with
+zero columns up to the next multiple (``padded_weights``, ``pad_columns``), in either layout; its
+descriptor holds the padded shape, and the kernel stages the input's columns past k as zeros.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ if TYPE_CHECKING:
 
 TILE_ROWS = 16  # rows of one block (a tensor-core fragment's m)
 TILE_COLS = 64  # columns of one block (four k-steps of 16)
-GEMV_OPS = (Opcode.LINEAR, Opcode.SWIGLU, Opcode.EXPERT_SWIGLU, Opcode.EXPERT_DOWN, Opcode.EXPERT_MLP, Opcode.LM_HEAD)
+GEMV_OPS = (Opcode.LINEAR, Opcode.SWIGLU, Opcode.EXPERT_SWIGLU, Opcode.EXPERT_DOWN, Opcode.EXPERT_MLP, Opcode.LM_HEAD,
+            Opcode.EXPERT_DOWN_SPLIT)
 
 
 class WeightLayoutError(ValueError):
@@ -44,6 +49,46 @@ def tiled_weights(schedule: Schedule) -> frozenset[str]:
     the ``down`` operands of EXPERT_MLP tasks, their second GEMV's weights)."""
     return frozenset(t.operand(role) for t in schedule.tasks if t.op in GEMV_OPS
                      for role in ("weight", "down") if role in OP_INFO[t.op].operands)
+
+
+def padded_k(k: int) -> int:
+    """A weight's K as stored: whole TILE_COLS-wide blocks."""
+    return -(-k // TILE_COLS) * TILE_COLS
+
+
+def padded_weights(schedule: Schedule) -> dict[str, int]:
+    """The GEMV weights (tiled_weights' names, in either layout) whose K is not a multiple of
+    TILE_COLS, with their logical K: each is stored with zero columns up to padded_k."""
+    return {n: schedule.buffers[n].shape[-1] for n in sorted(tiled_weights(schedule))
+            if schedule.buffers[n].shape[-1] % TILE_COLS}
+
+
+def stored_shape(shape: tuple[int, ...], padded: bool) -> tuple[int, ...]:
+    """The shape a weight is stored in: its K padded to whole blocks where ``padded``."""
+    return (*shape[:-1], padded_k(shape[-1])) if padded else tuple(shape)
+
+
+def pad_columns(w: torch.Tensor) -> torch.Tensor:
+    """``w`` [..., R, K] with zero columns up to padded_k(K) (a copy; ``w`` itself where K is whole)."""
+    k = w.shape[-1]
+    if k % TILE_COLS == 0:
+        return w
+    out = w.new_zeros((*w.shape[:-1], padded_k(k)))
+    out[..., :k] = w
+    return out
+
+
+def stored_weight(w: torch.Tensor, tiled: bool, padded: bool) -> torch.Tensor:
+    """``w`` [..., R, K] as the kernel reads it: zero columns up to whole blocks where ``padded``,
+    then in tile order where ``tiled`` (a contiguous tensor)."""
+    w = pad_columns(w) if padded else w
+    return to_tiles(w) if tiled else w.contiguous()
+
+
+def logical_weight(t: torch.Tensor, tiled: bool, k: int | None) -> torch.Tensor:
+    """The inverse of stored_weight: row-major, its first ``k`` columns (None: every one)."""
+    t = from_tiles(t) if tiled else t
+    return t if k is None else t[..., :k]
 
 
 def check_tileable(name: str, shape: tuple[int, ...]) -> None:
@@ -133,7 +178,8 @@ def tile_ordered_in_place(weights: dict, names: Iterable[str]) -> Iterator[Tiled
     """Reorder the named weights into tile order in their own storage (one matrix stack of scratch
     at a time) for the duration of the block, and back after it: a decoder built inside the block
     holds the weights once, and code after it reads them row-major again."""
-    names = [n for n in names if n in weights]
+    # a weight whose K is not whole blocks is padded (a new shape) when the decoder uploads it
+    names = [n for n in names if n in weights and weights[n].shape[-1] % TILE_COLS == 0]
     done: list[str] = []
     try:
         for n in names:

@@ -17,7 +17,7 @@ from mkc.ir.graph import DTYPE_BYTES, Buffer, Program, Region, Task, derive_edge
 from mkc.ir.kv_layout import pages_per_seq
 from mkc.ir.ops import OP_INFO, Opcode
 from mkc.ir.spec import ModelSpec, SpecError
-from mkc.ir.tiling import attention_split_keys, combine_heads, row_tile, tiles
+from mkc.ir.tiling import K_BLOCK, attention_split_keys, combine_heads, gemv_max_k, k_splits, row_tile, tiles
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +68,9 @@ class LowerOptions:
     # how the matrices a GEMV streams are stored: "bf16", "fp8" (e4m3, a scale per output row) or
     # "fp8-block" (a scale per 128 x 128 block); embeddings, norms and routers stay bf16 (mkc/ir/fp8.py)
     weights: str = "bf16"
+    # the widest reduction one GEMV task takes over a staged input; 0: what fits the shared memory
+    # (tiling.gemv_max_k). A wider MLP down projection is split along k (tiling.k_splits)
+    max_gemv_k: int = 0
 
     def check(self) -> None:
         if self.weights not in WEIGHT_FORMATS:
@@ -103,6 +106,9 @@ class LowerOptions:
         if self.expert_down_rows < 0 or self.expert_down_rows % 16:
             raise SpecError(f"expert_down_rows = {self.expert_down_rows}: expected 0 (the tiling rule) or a positive "
                             f"multiple of 16 (the GEMV's row group)")
+        if self.max_gemv_k < 0 or self.max_gemv_k % K_BLOCK:
+            raise SpecError(f"max_gemv_k = {self.max_gemv_k}: expected 0 (what fits the shared memory) or a "
+                            f"positive multiple of {K_BLOCK} (the GEMV's reduction block)")
         if self.kv_pages < 0 or (self.kv_pages and not self.page_size):
             raise SpecError(f"kv_pages = {self.kv_pages}: expected 0, or a pool size with a page size")
 
@@ -267,6 +273,19 @@ class _Lowerer:
         qkv_bytes = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim * self.spec.hidden_size * self.elem_bytes
         return max(1, min(opt.num_sms, round(opt.num_sms * mlp_bytes / (mlp_bytes + qkv_bytes))))
 
+    def k_parts(self, k: int) -> list[tuple[int, int]]:
+        """(k0, columns) of each part of a GEMV over ``k`` columns of a staged input: one part
+        where they fit the shared memory (LowerOptions.max_gemv_k), else the K split's."""
+        return k_splits(k, self.opt.max_gemv_k or gemv_max_k(self.opt.batch, self.spec.hidden_size))
+
+    def mlp_down_parts(self, layer: int) -> list[tuple[int, int]]:
+        """The K split of the layer's MLP down projection (one part: not split; fused expert tiles
+        split it themselves)."""
+        s = self.spec
+        if s.layers[layer].mlp == "dense":
+            return self.k_parts(s.dense_intermediate)
+        return [(0, s.moe.intermediate)] if self.opt.fused_experts else self.k_parts(s.moe.intermediate)
+
     # -- ops -----------------------------------------------------------------------------------
     def linear(self, layer: int, label: str, x: Buffer | Normed, w: Buffer, out: Buffer, *, k0: int = 0,
                k: int | None = None, slab: int = 0, col0: int = 0, instances: int = 1,
@@ -354,12 +373,26 @@ class _Lowerer:
         attn = self.attention(layer, n, positions)
         wo = self.matrix(f"{P}.w_o", (H, QH * D), "[hidden, heads * head_dim]")
         o_ends = opt.residual_in_o_proj
+        # an MLP down projection split along k writes one partial per (routing slot,) part, summed
+        # where the O-projection's are: after them in o_part (parallel block, residual tiles), else in
+        # a buffer of their own that the residual tiles (or the O-projection tiles ending the layer) sum
+        down_parts = self.mlp_down_parts(layer)
+        n_down = 0 if len(down_parts) == 1 else len(down_parts) * (1 if ls.mlp == "dense" else s.moe.slots(B))
+        shared = n_down and s.block == "parallel" and not o_ends
         o_part = None
-        if not o_ends:  # O-proj split-K by KV group: slice g waits only for the attention of group g
-            o_part = self.buf(f"{P}.o_part", (G, B, H), "f32", "act", "[kv_heads, B, hidden] split-K partials")
-            o_tile = row_tile(H, GS * D * self.elem_bytes, G, opt.num_sms)
-            for g in range(G):
-                self.linear(layer, f"o_proj[kv{g}]", attn, wo, o_part, k0=g * GS * D, k=GS * D, slab=g, tile=o_tile)
+        # O-proj split-K by KV group: slice g waits only for the attention of group g. Slices start
+        # on whole 64-column blocks (the GEMV's): where a group's heads are narrower, a slice takes
+        # the fewest groups that are (the last slice may end short of a block: it is padded)
+        per = next((m for m in range(1, G) if m * GS * D % K_BLOCK == 0), G)
+        o_slices = [(g, min(G, g + per)) for g in range(0, G, per)]
+        if not o_ends:
+            o_part = self.buf(f"{P}.o_part", (len(o_slices) + (n_down if shared else 0), B, H), "f32", "act",
+                              "[kv group slices (then the MLP's split-K parts), B, hidden] split-K partials")
+            o_tile = row_tile(H, per * GS * D * self.elem_bytes, len(o_slices), opt.num_sms)
+            for i, (g0, g1) in enumerate(o_slices):
+                label = f"o_proj[kv{g0}]" if per == 1 else f"o_proj[kv{g0}:{g1}]"
+                self.linear(layer, label, attn, wo, o_part, k0=g0 * GS * D, k=(g1 - g0) * GS * D, slab=i,
+                            tile=o_tile)
         # --- MLP on the same normed input (parallel block)
         mlp_in = n
         if s.block == "sequential":
@@ -373,20 +406,33 @@ class _Lowerer:
             x, o_part = x_mid, None
         x_out = self.buf(f"L{layer + 1}.x", (B, H), "f32", "act", f"[B, hidden] residual stream into layer {layer + 1}")
         mo = routed = tslots = None
+        parts = slab0 = None  # where the down projection's split-K partials go
+        if n_down:
+            parts, slab0 = (o_part, len(o_slices)) if shared else (self.buf(
+                f"{P}.mlp_part", (n_down, B, H), "f32", "act",
+                "[(slots x) k parts, B, hidden] split-K partials of the MLP's down projection"), 0)
         if ls.mlp == "dense":
             inter = s.dense_intermediate
             wgu = self.matrix(f"{P}.w_gate_up", (2 * inter, H), "[2 * inter (gate; up), hidden]")
             wd = self.matrix(f"{P}.w_down", (H, inter), "[hidden, inter]")
             h = self.buf(f"{P}.mlp_h", (B, inter), "bf16", "act", "[B, inter]")
-            mo = self.buf(f"{P}.mlp_out", (1, B, H), "f32", "act", "[1, B, hidden]")
             self.swiglu(layer, "gate_up", mlp_in, wgu, h, inter)
-            self.linear(layer, "down", h, wd, mo)
+            if parts is None:
+                mo = self.buf(f"{P}.mlp_out", (1, B, H), "f32", "act", "[1, B, hidden]")
+                self.linear(layer, "down", h, wd, mo)
+            else:
+                tile = row_tile(H, down_parts[0][1] * DTYPE_BYTES[wd.dtype], len(down_parts), opt.num_sms)
+                for p, (k0, k) in enumerate(down_parts):
+                    self.linear(layer, f"down[k{p}]", h, wd, parts, k0=k0, k=k, slab=slab0 + p, tile=tile)
         else:
-            routed, tslots = self.moe(layer, mlp_in)
+            routed, tslots = self.moe(layer, mlp_in, down_parts, parts, slab0)
+            if parts is not None:
+                routed = tslots = None
         if o_ends and s.block == "parallel":  # the O-projection ends the layer, after the MLP in program order
-            self.o_proj_residual(layer, attn, wo, x, x_out, mo, routed)
+            self.o_proj_residual(layer, attn, wo, x, x_out, mo, routed if parts is None else parts)
         else:
-            self.residual(layer, x, o_part, mo, routed, None if routed is None else tslots, x_out, "residual")
+            self.residual(layer, x, o_part if parts is None else parts, mo, routed,
+                          None if routed is None else tslots, x_out, "residual")
         return x_out
 
 
@@ -539,9 +585,12 @@ class _Lowerer:
                       {"row0": lo, "rows": hi - lo, "k0": 0, "k": k, "col0": lo, "slab": 0},
                       reads, [box(out, None, cols)], flops=2 * B * (hi - lo) * k)
 
-    def moe(self, layer: int, n: Normed) -> tuple[Buffer, Buffer]:
+    def moe(self, layer: int, n: Normed, down_parts: list[tuple[int, int]], parts: Buffer | None = None,
+            slab0: int = 0) -> tuple[Buffer, Buffer]:
         """The routed experts of one layer: (their weighted outputs [slots, B, hidden], each
-        token's slots [B, top_k])."""
+        token's slots [B, top_k]). With more than one of ``down_parts`` (the K split of the down
+        projection) the down tiles write slot j's part p to ``parts[slab0 + j * len(down_parts) + p]``
+        instead, and the first buffer returned is ``parts``."""
         s, opt = self.spec, self.opt
         m = s.moe
         assert m is not None
@@ -563,10 +612,13 @@ class _Lowerer:
         if opt.fused_experts:
             return self.fused_experts(layer, n, rl, wgu, wd, slots), tslots
         h = self.buf(f"{P}.moe_h", (slots, B, I), "bf16", "act", "[slots, B, inter]")
-        out = self.buf(f"{P}.moe_out", (slots, B, H), "f32", "act", "[slots, B, hidden] weighted expert outputs")
+        split = len(down_parts) > 1
+        out = parts if split else self.buf(f"{P}.moe_out", (slots, B, H), "f32", "act",
+                                           "[slots, B, hidden] weighted expert outputs")
         up_tile = row_tile(I, 2 * H * self.elem_bytes, slots, self.mlp_sms(slots * I * 2 * H * self.elem_bytes))
         xin, xreads = gemv_input(n)
-        down_tile = min(opt.expert_down_rows, H) or row_tile(H, I * self.elem_bytes, slots, opt.num_sms)
+        kd = down_parts[0][1]
+        down_tile = min(opt.expert_down_rows, H) or row_tile(H, kd * self.elem_bytes, slots * len(down_parts), opt.num_sms)
         up_ranges = tiles(I, up_tile)
         if opt.expert_up_rows:
             if sum(opt.expert_up_rows) != I:
@@ -586,13 +638,24 @@ class _Lowerer:
                           [box(h, (j, j + 1), None, (lo, hi))], flops=4 * B * (hi - lo) * H,
                           weight_bytes=2 * self.matrix_bytes(hi - lo, H))
         for j in range(slots):
-            for lo, hi in tiles(H, down_tile):
-                self.emit(Opcode.EXPERT_DOWN, layer, f"{P}.expert_down[slot{j}][{lo}:{hi}]",
-                          {"h": h, "weight": wd, "logits": rl, "out": out},
-                          {"slot": j, "row0": lo, "rows": hi - lo},
-                          [box(h, (j, j + 1), None, None), full(rl), box(wd, None, (lo, hi), None)],
-                          [box(out, (j, j + 1), None, (lo, hi))], flops=2 * B * (hi - lo) * I,
-                          weight_bytes=self.matrix_bytes(hi - lo, I))
+            if not split:
+                for lo, hi in tiles(H, down_tile):
+                    self.emit(Opcode.EXPERT_DOWN, layer, f"{P}.expert_down[slot{j}][{lo}:{hi}]",
+                              {"h": h, "weight": wd, "logits": rl, "out": out},
+                              {"slot": j, "row0": lo, "rows": hi - lo},
+                              [box(h, (j, j + 1), None, None), full(rl), box(wd, None, (lo, hi), None)],
+                              [box(out, (j, j + 1), None, (lo, hi))], flops=2 * B * (hi - lo) * I,
+                              weight_bytes=self.matrix_bytes(hi - lo, I))
+                continue
+            for p, (k0, k) in enumerate(down_parts):  # the K split: one partial per part
+                slab = slab0 + j * len(down_parts) + p
+                for lo, hi in tiles(H, down_tile):
+                    self.emit(Opcode.EXPERT_DOWN_SPLIT, layer, f"{P}.expert_down[slot{j}][{lo}:{hi}][k{p}]",
+                              {"h": h, "weight": wd, "logits": rl, "out": out},
+                              {"slot": j, "row0": lo, "rows": hi - lo, "k0": k0, "k": k, "slab": slab},
+                              [box(h, (j, j + 1), None, (k0, k0 + k)), full(rl), box(wd, None, (lo, hi), (k0, k0 + k))],
+                              [box(out, (slab, slab + 1), None, (lo, hi))], flops=2 * B * (hi - lo) * k,
+                              weight_bytes=self.matrix_bytes(hi - lo, k))
         return out, tslots
 
     def fused_experts(self, layer: int, n: Normed, rl: Buffer, wgu: Buffer, wd: Buffer, slots: int) -> Buffer:

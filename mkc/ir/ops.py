@@ -27,13 +27,17 @@ class Opcode(IntEnum):
     # share of its down projection: out[slot * parts + part, b, :] = weight[slot, b] * h[b, rows] .
     # w_down[expert, :, rows] (split-K partials, summed by the tile that ends the layer; 0: not routed)
     EXPERT_MLP = 14
+    # EXPERT_DOWN over the columns [k0, k0 + k) of the slot's hidden state only, into out[slab]: the K
+    # split of an expert whose intermediate size does not fit the GEMV's shared memory (split-K
+    # partials, summed by the tile that ends the layer; 0: not routed, or a slot past the live count)
+    EXPERT_DOWN_SPLIT = 15
 
 
 # Recomputed by consumers where a task of their own would cost a hop on a layer's critical path
 # for a few KB of work:
 # - RMSNorm: a GEMV with a "norm" operand reads the f32 residual stream x and stages
 #   xn = bf16(x * rsqrt(mean(x^2) + eps) * norm) itself (without one, x is its bf16 input);
-# - routing: EXPERT_SWIGLU, EXPERT_MLP and EXPERT_DOWN read the router logits and derive their slot's expert
+# - routing: EXPERT_SWIGLU, EXPERT_MLP and EXPERT_DOWN (_SPLIT) read the router logits and derive their slot's expert
 #   (and weights) themselves, so neither waits for a routing task; the TOPK task writes the same
 #   routing (the same code, so bit for bit) as token slots for RESIDUAL, which starts tens of µs
 #   later, and as the experts of each token for the host.
@@ -76,6 +80,8 @@ OP_INFO: dict[Opcode, OpInfo] = {
     # weight: [experts, 2 * inter, hidden] (gate; up), down: [experts, hidden, inter]; out: [slots *
     # parts, B, hidden], part = row0 / rows of the slot's tiles (LowerOptions.fused_experts)
     Opcode.EXPERT_MLP: OpInfo(("x", "norm", "weight", "down", "logits", "out"), ("slot", "row0", "rows", "part")),
+    # out: [slabs, B, hidden], slab = the first of the layer's partials + slot * parts + part
+    Opcode.EXPERT_DOWN_SPLIT: OpInfo(("h", "weight", "logits", "out"), ("slot", "row0", "rows", "k0", "k", "slab")),
     Opcode.RESIDUAL: OpInfo(("x", "o_part", "mlp", "routed", "token_slots", "out"), ("col0", "cols", "o_parts")),
     Opcode.LM_HEAD: OpInfo(("x", "norm", "weight", "logits", "best_val", "best_idx"), ("row0", "rows", "tile")),
     Opcode.ARGMAX: OpInfo(("best_val", "best_idx", "out"), ("tiles",)),

@@ -11,6 +11,9 @@ One rule for every model, stated here and in docs/tiling.md:
   (a head for QKV), so that dependencies can be as fine as the math allows.
 * Attention is split along the keys (flash-decoding) so that the attention tasks of one layer
   fill about one wave, with at least ``MIN_ATTN_KEYS`` keys per split.
+* A GEMV whose reduction is wider than its staged activations can hold in shared memory
+  (``gemv_max_k``) is split along k into equal parts of whole 64-column blocks (``k_splits``);
+  its partial sums go to separate slabs that the task ending the layer adds up.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ MIN_TASK_BYTES = 32 * 1024
 ROW_ALIGN = 16
 MIN_ATTN_KEYS = 64
 KEY_ALIGN = 64
+K_BLOCK = 64  # columns of one GEMV reduction block (four mma k-steps of 16)
+SMEM_BYTES = 227 * 1024  # Hopper: opt-in dynamic shared memory per block
 
 
 def _align_for(rows: int, boundary: int) -> int:
@@ -71,3 +76,33 @@ def combine_heads(group: int) -> int:
     while group % h:
         h -= 1
     return h
+
+
+def gemv_max_k(batch: int, hidden: int, warps: int = 8) -> int:
+    """The widest reduction one GEMV task stages in shared memory (a multiple of K_BLOCK): its 8
+    token rows of k + 32 bf16 beside the k-split reduction and the RMSNorm scratch (the f32
+    residual stream and the norm weight). The same sums as mkc/codegen/render.py:
+    KernelConfig.gemv_bytes, which the codegen checks."""
+    red = warps * 2 * 4 * 32 * 4
+    scratch = batch * hidden * 4 + hidden * 2
+    room = SMEM_BYTES - red - _round_up(scratch, 128)
+    return max(0, (room // (8 * 2) - 32) // K_BLOCK * K_BLOCK)
+
+
+def k_splits(k: int, max_k: int) -> list[tuple[int, int]]:
+    """(k0, columns) of each part of a reduction of ``k`` columns: one part when it fits ``max_k``,
+    else the fewest equal parts of whole K_BLOCK blocks that fit (the last may be shorter)."""
+    if k <= max_k:
+        return [(0, k)]
+    if max_k < K_BLOCK:
+        raise ValueError(f"k_splits: at most {max_k} columns per part: expected at least {K_BLOCK}")
+    parts = math.ceil(k / max_k)
+    part = _round_up(math.ceil(k / parts), K_BLOCK)
+    while part > max_k:  # rounding up to whole blocks overshot: one part more
+        parts += 1
+        part = _round_up(math.ceil(k / parts), K_BLOCK)
+    return [(lo, hi - lo) for lo, hi in tiles(k, part)]
+
+
+def _round_up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a

@@ -34,6 +34,7 @@ OP_FIXED_US: dict[str, float] = {
     "LINEAR": 2.0,
     "EXPERT_SWIGLU": 6.0,
     "EXPERT_DOWN": 4.0,
+    "EXPERT_DOWN_SPLIT": 4.0,  # as EXPERT_DOWN's (not yet measured on its own)
     "EXPERT_MLP": 6.0,  # as EXPERT_SWIGLU's (not yet measured on its own)
     "RESIDUAL": 2.5,
 }
@@ -43,7 +44,8 @@ DEFAULT_FIXED_US = 1.0
 # North Mini Code at batch 1 and 8K on an H200: run ≈ fixed + bytes / rate per opcode). EXPERT_DOWN
 # and LM_HEAD fit below zero (their tiles stream faster than the fair share): 1.5 and 3.0.
 SIM_FIXED_US: dict[str, float] = {
-    "EXPERT_SWIGLU": 2.9, "EXPERT_MLP": 2.9, "LINEAR": 3.4, "SWIGLU": 1.0, "EXPERT_DOWN": 1.5, "LM_HEAD": 3.0,
+    "EXPERT_SWIGLU": 2.9, "EXPERT_MLP": 2.9, "LINEAR": 3.4, "SWIGLU": 1.0, "EXPERT_DOWN": 1.5, "EXPERT_DOWN_SPLIT": 1.5,
+    "LM_HEAD": 3.0,
     "ATTN_SPLIT": 9.0, "ATTN_COMBINE": 3.5, "ROPE_APPEND": 2.3, "TOPK": 3.3, "RESIDUAL": 2.0, "EMBED": 3.5,
     "ARGMAX": 2.0,
 }
@@ -116,7 +118,7 @@ def gpu_name(device_name: str) -> str:
 
 # the opcodes whose tiles read the weights of their routing slot's expert (their "slot" argument):
 # slot j runs the j-th distinct expert the step routed to, and nothing when it routed to j or fewer
-SLOT_OPS = (Opcode.EXPERT_SWIGLU, Opcode.EXPERT_DOWN, Opcode.EXPERT_MLP)
+SLOT_OPS = (Opcode.EXPERT_SWIGLU, Opcode.EXPERT_DOWN, Opcode.EXPERT_MLP, Opcode.EXPERT_DOWN_SPLIT)
 
 
 def live_slot_probability(num_experts: int, top_k: int, batch: int) -> np.ndarray:

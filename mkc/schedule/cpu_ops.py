@@ -339,6 +339,22 @@ def _expert_down(t: Task, bufs: Tensors, w: Tensors, spec: ModelSpec) -> None:
     _store(out, torch.where(wt != 0, wt * (h @ weight.T), 0.0))
 
 
+def _expert_down_split(t: Task, bufs: Tensors, w: Tensors, spec: ModelSpec) -> None:
+    """_expert_down over the hidden state's columns [k0, k0 + k) only, into out[slab] (a split-K
+    partial; zeros where a token did not pick the expert, or the slot is past the live count)."""
+    slot, row0, rows, k0, k, slab = (t.arg(a) for a in ("slot", "row0", "rows", "k0", "k", "slab"))
+    routing = _routing(t, bufs, w, spec)
+    e = routing.expert_of(slot)
+    out = _operand(t, "out", bufs, w)[slab, :, row0:row0 + rows]
+    if e is None:
+        _store(out, torch.zeros(out.shape))
+        return
+    h = _f(_operand(t, "h", bufs, w)[slot, :, k0:k0 + k])  # [B, k]
+    weight = _f(_operand(t, "weight", bufs, w)[e, row0:row0 + rows, k0:k0 + k])  # [rows, k]
+    wt = routing.weight(e)[:, None]
+    _store(out, torch.where(wt != 0, wt * (h @ weight.T), 0.0))
+
+
 def _expert_mlp(t: Task, bufs: Tensors, w: Tensors, spec: ModelSpec) -> None:
     """The SwiGLU rows [row0, row0 + rows) of the slot's expert, rounded as an expert-up tile stores
     them, then their share of its down projection, weighted per token (split-K
@@ -405,6 +421,7 @@ _HANDLERS: dict[str, Handler] = {
     "TOPK": _topk,
     "EXPERT_SWIGLU": _expert_swiglu,
     "EXPERT_DOWN": _expert_down,
+    "EXPERT_DOWN_SPLIT": _expert_down_split,
     "EXPERT_MLP": _expert_mlp,
     "RESIDUAL": _residual,
     "LM_HEAD": _lm_head,
