@@ -44,6 +44,12 @@
 #   8K prompt's TTFT (3 in turn); a lone stream (512-token prompt, 256 tokens); 8 concurrent
 #   streams at ~8K (7936-token prompts, 256 tokens); 7 streams decoding while an 8K prompt arrives
 #   (their ITL p99); its /metrics; then mkc bench at batch 1 and 8, context 8192, on the same card.
+# --fp8 (limits 20 + 200 + 330 = 550 s): pip, the FP8 GPU tests (tests/test_fp8_gpu.py: the kernel
+#   against the CPU executor on FP8 weights, e4m3 subnormals included; North Mini Code against the
+#   mirror), then mkc bench --weights bf16,fp8 at batch 1,2,4,8, context 8192 (bench_fp8).
+# --models (limits 20 + 130 x 4 = 540 s): pip, then mkc bench at batch 1 and 8, context 8192, for
+#   Qwen3-30B-A3B, Qwen3-0.6B, TinyLlama-1.1B and SmolLM2-135M (one stage each), beside the
+#   CUDA-graph PyTorch step of the same run (issue 62's table).
 # The wheels: pip download -d .whl --python-version 3.12 --only-binary=:all: \
 #   --platform manylinux2014_x86_64 fastapi uvicorn httpx prometheus-client tqdm (carry .whl).
 set -u -o pipefail
@@ -60,7 +66,10 @@ for arg in "$@"; do
     --reads) mode=reads ;;
     --prefill) mode=prefill ;;
     --serve) mode=serve ;;
-    *) echo "usage: OUT=DIR bash benchmarks/gpu_session.sh [--quick | --bench | --long | --reads | --prefill | --serve]" >&2
+    --fp8) mode=fp8 ;;
+    --models) mode=models ;;
+    *) echo "usage: OUT=DIR bash benchmarks/gpu_session.sh [--quick | --bench | --long | --reads | --prefill | --serve |" \
+            "--fp8 | --models]" >&2
        exit 2 ;;
   esac
 done
@@ -120,6 +129,18 @@ if [ "$mode" = serve ]; then
   curl -s "$url/metrics" > "$OUT/metrics.txt"
   kill $server; wait $server 2> /dev/null
   bench bench 100 --batch 1,8 --context 8192
+  exit 0
+fi
+if [ "$mode" = fp8 ]; then
+  stage fp8_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_fp8_gpu.py
+  bench bench_fp8 330 --batch 1,2,4,8 --context 8192 --weights bf16,fp8
+  exit 0
+fi
+if [ "$mode" = models ]; then
+  for model in qwen3_30b_a3b qwen3_0_6b tinyllama_1_1b smollm2_135m; do
+    stage "bench_$model" 130 python3 -m mkc.cli bench --config "configs/$model.yaml" --random-weights --reps 20 \
+      --batch 1,8 --context 8192 -o "$OUT/bench-$model"
+  done
   exit 0
 fi
 if [ "$mode" = long ]; then
