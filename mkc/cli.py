@@ -219,7 +219,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     progress = Progress(len(a.prompt_ids) + a.max_new_tokens - 1, context=context)
     try:
         tokens = greedy_generate(spec, weights, a.prompt_ids, a.max_new_tokens, dtype=dtype, backend=a.backend,
-                                 context=context, progress=progress)
+                                 context=context, weights_format=a.weights, progress=progress)
     except ValueError as e:
         raise UsageError(str(e)) from None
     finally:
@@ -431,6 +431,9 @@ def _generate_arguments(g: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="weights and activations of the cpu backend (default float32; the cuda backend runs "
                         "bfloat16)")
+    from mkc.ir.fp8 import WEIGHT_FORMATS
+
+    g.add_argument("--weights", choices=WEIGHT_FORMATS, default="bf16", help=WEIGHTS_HELP)
     g.add_argument("--json", action="store_true", help='print {"tokens": [...]} (generated ids only)')
 
 

@@ -172,12 +172,33 @@ def _in_format(weights: dict[str, torch.Tensor], sc, fmt: str) -> dict[str, torc
     return fp8_weights(weights, sc.buffers, fmt)
 
 
+def gpu_memory_problem(spec: ModelSpec, batch: int, context: int, weights_format: str, free: int,
+                       gpu: str) -> str | None:
+    """The one-line error when the weights (in ``weights_format``) and the KV cache of ``batch``
+    sequences of ``context`` positions need more than ``free`` bytes of the GPU, else None."""
+    from mkc.runtime.bench import memory_estimate
+
+    est = memory_estimate(spec, batch, context, weights_format=weights_format)
+    need = est.weights + est.megakernel
+    if need <= free:
+        return None
+    fp8 = " --weights fp8," if weights_format == "bf16" else ""
+    return (f"{spec.name} needs {need / 1e9:.1f} GB on the GPU (weights {est.weights / 1e9:.1f} GB in "
+            f"{weights_format}, KV cache {est.kv_cache / 1e9:.1f} GB, margin {est.margin / 1e9:.1f} GB); "
+            f"{free / 1e9:.1f} GB are free on {gpu}: expected{fp8} a shorter --context, or a GPU with more memory")
+
+
 def _cuda_runner(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context: int, fmt: str = "bf16"):
     """The megakernel for (batch, context) on the current GPU, one CTA per SM."""
-    from mkc.runtime.cuda_backend import CudaDecoder, cuda_available
+    from mkc.runtime.cuda_backend import cuda_available
 
     if not cuda_available():
         raise ValueError("backend 'cuda': no usable CUDA GPU here: expected an H100/H200 (sm_90a)")
+    problem = gpu_memory_problem(spec, batch, context, fmt, torch.cuda.mem_get_info()[0], torch.cuda.get_device_name())
+    if problem:
+        raise ValueError(problem)
+    from mkc.runtime.cuda_backend import CudaDecoder
+
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     sc = plan(spec, batch, context, sms, **({} if fmt == "bf16" else {"weights": fmt}))
     # the decoder moves (and reorders) one weight at a time: the GPU never holds two copies

@@ -290,3 +290,25 @@ def test_fp8_needs_tile_order():
     sc = plan(spec, 1, 32, 8, weights="fp8")
     with pytest.raises(CodegenError, match="FP8 weights are read in tile order only"):
         kernel_config(sc, spec, CodegenOptions(weight_layout="rows"))
+
+
+def test_a_model_too_big_for_the_gpu_says_so_in_one_line():
+    """mkc generate --backend cuda (and bench, serve) check the memory before loading anything:
+    Mixtral-8x7B in bf16 does not fit an 80 GB H100 and the line names what it needs and what is
+    free; in FP8 its weights fit. North Mini Code at batch 8 and 32K fits in FP8, not in bf16."""
+    from mkc.ir.fp8 import stored_bytes
+    from mkc.runtime.generate import gpu_memory_problem
+    from mkc.runtime.weights import weight_shapes
+
+    free, gpu = 79_000_000_000, "NVIDIA H100 80GB HBM3"
+    mixtral = load_spec(CONFIGS / "mixtral_8x7b.yaml")
+    line = gpu_memory_problem(mixtral, 1, 8192, "bf16", free, gpu)
+    assert line is not None and "\n" not in line
+    assert line.startswith("mixtral_8x7b needs 95.") and "weights 93.4 GB in bf16" in line and "79.0 GB are free" in line
+    assert gpu_memory_problem(mixtral, 1, 8192, "fp8", free, gpu) is None
+    nmc = load_spec(CONFIGS / "north_mini_code.yaml")
+    assert gpu_memory_problem(nmc, 8, 32768, "bf16", free, gpu) is not None
+    assert gpu_memory_problem(nmc, 8, 32768, "fp8", free, gpu) is None
+    shapes = weight_shapes(nmc)
+    bf16, q = stored_bytes(shapes, "bf16", nmc.tie_word_embeddings), stored_bytes(shapes, "fp8", True)
+    assert 0.5 < q / bf16 < 0.53  # the matrices halve; embeddings, norms, routers and the FP8 head copy
