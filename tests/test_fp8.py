@@ -312,3 +312,18 @@ def test_a_model_too_big_for_the_gpu_says_so_in_one_line():
     shapes = weight_shapes(nmc)
     bf16, q = stored_bytes(shapes, "bf16", nmc.tie_word_embeddings), stored_bytes(shapes, "fp8", True)
     assert 0.5 < q / bf16 < 0.53  # the matrices halve; embeddings, norms, routers and the FP8 head copy
+
+
+def test_the_kernels_e4m3_to_bf16_bit_placement_is_exact():
+    """templates/common.cuh: e4m3x4_to_bf16 places an e4m3 byte's sign, exponent and mantissa into
+    bf16 bits ((b & 0x80) << 8 | (b & 0x7f) << 4) and multiplies by 2^120: for every finite e4m3
+    value (subnormals and zeros included) that is the value itself, so the kernel's products are
+    those of the dequantised weights. Checked here on the bits, as the kernel forms them."""
+    b = torch.arange(256, dtype=torch.int32)
+    finite = (b & 0x7F) != 0x7F  # e4m3fn's NaNs: 0x7f, 0xff
+    bits = ((b & 0x80) << 8) | ((b & 0x7F) << 4)
+    placed = (bits << 16).view(torch.float32)  # bf16 bits as the top half of a float32: exact
+    value = placed.double() * 2.0 ** 120
+    want = b.to(torch.uint8).view(torch.float8_e4m3fn).double()
+    assert torch.equal(value[finite], want[finite])
+    assert int((want[finite].abs() < 2.0 ** -6).sum()) == 16  # the 14 subnormals and both zeros covered
