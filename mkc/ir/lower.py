@@ -40,7 +40,8 @@ class LowerOptions:
     # takes this step's key and value from there, so the splits wait for the QKV tiles only: one
     # task and one hop fewer on the attention chain. The ROPE_APPEND task then only appends k and v
     # to the KV cache, after the splits (no one in the step waits for it). False: ROPE_APPEND
-    # rotates q too and appends first, and the splits wait for it.
+    # rotates q too and appends first, and the splits wait for it: measured slower, it stays because
+    # its device path (the q operands and their branches) is part of the shipped kernels' SASS.
     rope_in_splits: bool = True
     # the O-projection ends the layer: one GEMV over every head (no split-K partials by KV group)
     # whose tiles add the residual stream and the MLP's output (a dense MLP's, or every routing
