@@ -44,6 +44,9 @@
 #   8K prompt's TTFT (3 in turn); a lone stream (512-token prompt, 256 tokens); 8 concurrent
 #   streams at ~8K (7936-token prompts, 256 tokens); 7 streams decoding while an 8K prompt arrives
 #   (their ITL p99); its /metrics; then mkc bench at batch 1 and 8, context 8192, on the same card.
+# --serve-long (limits 20 + 60 + 240 + 90 + 60 + 90 = 560 s at most): as --serve, with a paged KV
+#   pool (--context 40960, 256 pages of 256): 7 streams decoding while a 32K prompt arrives (their
+#   ITL p99, its TTFT), then two 32K prompts' TTFT in turn.
 # --fp8 (limits 20 + 200 + 330 = 550 s): pip, the FP8 GPU tests (tests/test_fp8_gpu.py: the kernel
 #   against the CPU executor on FP8 weights, e4m3 subnormals included; North Mini Code against the
 #   mirror), then mkc bench --weights bf16,fp8 at batch 1,2,4,8, context 8192 (bench_fp8).
@@ -66,10 +69,11 @@ for arg in "$@"; do
     --reads) mode=reads ;;
     --prefill) mode=prefill ;;
     --serve) mode=serve ;;
+    --serve-long) mode=serve_long ;;
     --fp8) mode=fp8 ;;
     --models) mode=models ;;
     *) echo "usage: OUT=DIR bash benchmarks/gpu_session.sh [--quick | --bench | --long | --reads | --prefill | --serve |" \
-            "--fp8 | --models]" >&2
+            "--serve-long | --fp8 | --models]" >&2
        exit 2 ;;
   esac
 done
@@ -92,7 +96,7 @@ if [ "$mode" = reads ]; then
   stage sm_stream_l2 120 python3 benchmarks/sm_stream.py --l2 --json "$OUT/sm_stream_l2.json"
   exit 0
 fi
-if [ "$mode" = prefill ] || [ "$mode" = serve ]; then
+if [ "$mode" = prefill ] || [ "$mode" = serve ] || [ "$mode" = serve_long ]; then
   stage wheels 60 python3 -m pip install -q --no-index --find-links .whl fastapi uvicorn httpx prometheus-client tqdm
 fi
 if [ "$mode" = prefill ]; then
@@ -102,11 +106,15 @@ if [ "$mode" = prefill ]; then
     --reference-prompts 1024,4096 --chunks 2048,8192 -o "$OUT/prefill.json"
   exit 0
 fi
-if [ "$mode" = serve ]; then
+if [ "$mode" = serve ] || [ "$mode" = serve_long ]; then
   url=http://127.0.0.1:8011
   t0=$SECONDS
+  if [ "$mode" = serve ]; then context=(--context 16384); else
+    # a 32K prompt beside 7 streams: a paged pool of 256 pages of 256 positions (6.5 GB of KV)
+    context=(--context 40960 --kv-layout paged --page-size 256 --kv-pages 256)
+  fi
   python3 -m mkc.cli serve --config configs/north_mini_code.yaml --random-weights --backend cuda --max-batch 8 \
-    --context 16384 --port 8011 > "$OUT/server.log" 2>&1 &
+    "${context[@]}" --port 8011 > "$OUT/server.log" 2>&1 &
   server=$!
   until curl -sf "$url/health" > /dev/null 2>&1; do
     if ! kill -0 $server 2> /dev/null || [ $((SECONDS - t0)) -gt 240 ]; then break; fi
@@ -117,6 +125,18 @@ if [ "$mode" = serve ]; then
     local name=$1 limit=$2; shift 2
     stage "$name" "$limit" python3 -m mkc.cli bench-serve --url "$url" --vocab-size 262144 -o "$OUT/$name.json" "$@"
   }
+  if [ "$mode" = serve_long ]; then
+    # 7 streams decode; 6 s later a 32K prompt arrives: the streams' ITL p99, and its TTFT
+    load long_streams 90 --num-requests 7 --concurrency 7 --prompt-len 512 --output-len 1536 --seed 1 &
+    streams=$!
+    sleep 6
+    load long_prompt 60 --num-requests 1 --prompt-len 32768 --output-len 2 --seed 2
+    wait $streams
+    load ttft_32k 90 --num-requests 2 --concurrency 1 --prompt-len 32768 --output-len 2 --seed 3
+    curl -s "$url/metrics" > "$OUT/metrics.txt"
+    kill $server; wait $server 2> /dev/null
+    exit 0
+  fi
   load ttft_8k 60 --num-requests 3 --concurrency 1 --prompt-len 8192 --output-len 2
   load lone 40 --num-requests 1 --concurrency 1 --prompt-len 512 --output-len 256
   load eight 60 --num-requests 8 --concurrency 8 --prompt-len 7936 --output-len 256
