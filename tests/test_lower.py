@@ -1,5 +1,6 @@
 """Lowering: the tile-task DAG, its region-derived edges, and the tiling rule."""
 
+import dataclasses
 from pathlib import Path
 
 import networkx as nx
@@ -128,6 +129,16 @@ def test_residual_in_o_proj_ends_each_layer(tiny):
     ends = {t.operand("out") for t in prog.tasks if ".o_proj[" in t.name}
     assert ends == {f"L{i}.x_mid" for i in range(seq.num_layers)}
     assert {t.name.split(".")[1].split("[")[0] for t in prog.tasks if t.op == Opcode.RESIDUAL} == {"residual"}
+    # ... and a dense one adds the MLP in its down projection's tiles: no RESIDUAL tile at all
+    dense = load_spec(Path(__file__).resolve().parents[1] / "configs" / "llama_tiny.yaml")
+    prog = lower(dense, batch=2, context=40, num_sms=8, residual_in_o_proj=True)
+    assert not any(t.op == Opcode.RESIDUAL for t in prog.tasks)
+    for layer in range(dense.num_layers):
+        down = [t for t in prog.tasks if t.name.startswith(f"L{layer}.down[")]
+        assert down and {(t.operand("x"), t.operand("residual"), t.operand("out")) for t in down} == {
+            (f"L{layer}.mlp_h", f"L{layer}.x_mid", f"L{layer + 1}.x")}
+        rows = sorted((t.arg("row0"), t.arg("row0") + t.arg("rows")) for t in down)
+        assert [lo for lo, _ in rows] == [0, *(hi for _, hi in rows[:-1])] and rows[-1][1] == dense.hidden_size
 
 
 def test_attention_splits_scale_with_context(tiny):
@@ -195,6 +206,31 @@ def test_tiling_rule():
     assert row_tile(262144, 4096, 1, 132) % 16 == 0  # mma m16 rows
     assert row_tile(128, 4096, 1, 132) == 16  # the router: 8 tasks of 64 KiB, not 2 of 256 KiB
     assert row_tile(96, 256, 1, 8, 32) == 96  # tiny op: one task (min bytes per task)
+
+
+def test_tiling_rule_spreads_rows_with_few_divisors_over_every_sm():
+    """Without a natural boundary, equal tiles (a divisor of the rows) are kept where they are at
+    least half the tasks wanted; a vocabulary of 151,936 rows (2^7 x 1187: its divisors that are
+    multiples of 16 jump from 128 to 18,992 rows) takes 132 tiles, the last one shorter, not 8."""
+    tile = row_tile(151936, 4096, 1, 132)
+    assert tile % 16 == 0 and -(-151936 // tile) == 132
+    assert row_tile(262144, 4096, 1, 132) == 2048  # 128 equal tiles: enough, kept
+    assert row_tile(2048, 1536, 16, 132) == 256  # 8 expert-down tiles per slot of 16: kept
+    assert row_tile(5120, 4096, 1, 132, boundary=128) == 64  # a head boundary still rules
+
+
+def test_lm_head_of_a_large_vocabulary_fills_every_sm():
+    """Qwen3-0.6B cut to one layer, at batch 1 on 132 SMs: its LM head (vocabulary 151,936) is cut
+    into a tile per SM, and the scheduler puts each on an SM of its own."""
+    from mkc.schedule.scheduler import schedule
+
+    spec = load_spec(Path(__file__).resolve().parents[1] / "configs" / "qwen3_0_6b.yaml")
+    spec = dataclasses.replace(spec, num_layers=1, layers=spec.layers[:1])
+    sc = schedule(lower(spec, 1, 1024, 132), spec.name)
+    head = [t.id for t in sc.tasks if t.op == Opcode.LM_HEAD]
+    sm = sc.sm_of()
+    assert len(head) == 132 and len({sm[t] for t in head}) == 132
+    assert sum(sc.tasks[t].arg("rows") for t in head) == spec.vocab_size
 
 
 @pytest.mark.parametrize("batch, hidden", [(1, 4096), (8, 4096), (8, 2048), (3, 128)])

@@ -189,3 +189,40 @@ def test_the_compilers_global_layers_splits_at_long_contexts(nmc):
     assert sc.meta["attention_sms"]["chosen"] == 64 and sc.meta["global_attention_sms"] == 256
     line = next(ln for ln in format_summary(summary(sc, nmc)).splitlines() if ln.startswith("global layers"))
     assert "256 SMs' worth of attention splits; chosen by a probe's step under shared bandwidth" in line, line
+
+
+def test_the_compiler_ends_a_sequential_blocks_halves_by_its_gemvs_only_for_a_clear_simulated_gain(
+        nmc, monkeypatch):
+    """Where nothing was measured, a sequential block's layer end (LowerOptions.residual_in_o_proj)
+    is the probe's faster under shared bandwidth, on only where it beats off by LAYER_END_MIN_GAIN,
+    and plan_choices says so; a parallel block (North Mini Code) is not probed, and a choice the
+    caller gives is not replaced."""
+    from mkc.schedule import plan as plan_mod
+    from mkc.schedule.plan import LAYER_END_MIN_GAIN, choose_residual_in_o_proj
+
+    seq = load_spec(ROOT / "configs" / "llama_tiny.yaml")
+    steps = {False: 100.0, True: 97.0}
+    monkeypatch.setattr(plan_mod, "_probe_step_us", lambda *a, residual_in_o_proj, **kw: steps[residual_in_o_proj])
+    assert choose_residual_in_o_proj(seq, 1, 8192, 132, 0) == (True, {"off": 100.0, "on": 97.0})
+    steps[True] = 100.0 * (1 - LAYER_END_MIN_GAIN) + 0.1  # a gain the simulation may have wrong
+    assert choose_residual_in_o_proj(seq, 1, 8192, 132, 0)[0] is False
+    assert choose_residual_in_o_proj(nmc, 1, 8192, 132, 0) == (False, {})
+    steps[True] = 90.0
+    _, _, how = plan_mod.plan_choices(seq, 1, 8192, 132)
+    assert how["residual_in_o_proj"] is True and how["residual_in_o_proj_probe_us"] == {"off": 100.0, "on": 90.0}
+    assert "residual_in_o_proj" not in plan_mod.plan_choices(seq, 1, 8192, 132, residual_in_o_proj=False)[2]
+
+
+def test_a_sequential_dense_model_without_an_entry_ends_its_layers_in_its_gemvs():
+    """Qwen3-0.6B cut to three layers, nothing measured, batch 1 at 8K: the probe puts the residual
+    in the O-projection and the down projection (one hand-off fewer per half layer), so no
+    RESIDUAL task is left, and mkc compile's summary names the choice."""
+    from mkc.schedule.visualize import format_summary, summary
+
+    spec = load_spec(ROOT / "configs" / "qwen3_0_6b.yaml")
+    spec = dataclasses.replace(spec, num_layers=3, layers=spec.layers[:3])
+    sc = plan(spec, 1, 8192, 132)
+    assert sc.meta["residual_in_o_proj"] is True
+    assert not any(t.op == Opcode.RESIDUAL for t in sc.tasks)
+    line = next(ln for ln in format_summary(summary(sc, spec)).splitlines() if ln.startswith("layer end"))
+    assert "chosen by a probe's step under shared bandwidth" in line, line

@@ -47,7 +47,9 @@ class LowerOptions:
     # whose tiles add the residual stream and the MLP's output (a dense MLP's, or every routing
     # slot's expert output) and write the next layer's residual stream, so no RESIDUAL task (and
     # its hand-off) follows them on the layer's chain. Its tiles wait for the whole attention and
-    # the MLP. False: O-projection partials per KV group, then RESIDUAL tiles that sum them.
+    # the MLP. False: O-projection partials per KV group, then RESIDUAL tiles that sum them. In a
+    # sequential block the O-projection ends the attention half (x + attn) and a dense MLP's down
+    # projection (unsplit along k) ends the layer the same way.
     residual_in_o_proj: bool = False
     # each expert tile also multiplies its rows of the hidden state by its slice of the expert's
     # down projection (EXPERT_MLP: split-K partials [slot * parts + part, B, hidden], summed by the
@@ -418,6 +420,10 @@ class _Lowerer:
             wd = self.matrix(f"{P}.w_down", (H, inter), "[hidden, inter]")
             h = self.buf(f"{P}.mlp_h", (B, inter), "bf16", "act", "[B, inter]")
             self.swiglu(layer, "gate_up", mlp_in, wgu, h, inter)
+            if parts is None and o_ends and s.block == "sequential":
+                # the down projection ends the layer as the O-projection ends its first half
+                self.o_proj_residual(layer, h, wd, x, x_out, label="down")
+                return x_out
             if parts is None:
                 mo = self.buf(f"{P}.mlp_out", (1, B, H), "f32", "act", "[1, B, hidden]")
                 self.linear(layer, "down", h, wd, mo)
@@ -571,9 +577,10 @@ class _Lowerer:
         return attn
 
     def o_proj_residual(self, layer: int, attn: Buffer, wo: Buffer, x: Buffer, out: Buffer,
-                        mlp: Buffer | None = None, routed: Buffer | None = None) -> None:
+                        mlp: Buffer | None = None, routed: Buffer | None = None, label: str = "o_proj") -> None:
         """out[:, rows] = x + attn @ wo[rows]^T (+ mlp) (+ every routing slot's output), tiled by
-        rows (LowerOptions.residual_in_o_proj)."""
+        rows (LowerOptions.residual_in_o_proj); in a sequential block the dense MLP's down
+        projection ends the layer the same way (``label`` "down", ``attn`` its input)."""
         H, k = wo.shape
         tile = row_tile(H, k * DTYPE_BYTES[wo.dtype], 1, self.opt.num_sms)
         B = self.opt.batch
@@ -581,7 +588,7 @@ class _Lowerer:
             cols = (lo, hi)
             reads = [full(attn), box(wo, cols, None), box(x, None, cols)]
             reads += [box(b, None, None, cols) for b in (mlp, routed) if b is not None]
-            self.emit(Opcode.LINEAR, layer, f"L{layer}.o_proj[{lo}:{hi}]",
+            self.emit(Opcode.LINEAR, layer, f"L{layer}.{label}[{lo}:{hi}]",
                       {"x": attn, "norm": None, "weight": wo, "out": out, "residual": x, "mlp": mlp, "routed": routed},
                       {"row0": lo, "rows": hi - lo, "k0": 0, "k": k, "col0": lo, "slab": 0},
                       reads, [box(out, None, cols)], flops=2 * B * (hi - lo) * k)

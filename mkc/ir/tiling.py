@@ -26,6 +26,10 @@ MIN_ATTN_KEYS = 64
 KEY_ALIGN = 64
 K_BLOCK = 64  # columns of one GEMV reduction block (four mma k-steps of 16)
 SMEM_BYTES = 227 * 1024  # Hopper: opt-in dynamic shared memory per block
+# Equal tiles (a divisor of the rows) are kept where they are at least this share of the tasks
+# wanted: one SM streams at up to about twice its fair share of the read bandwidth when few others
+# do, so half a wave of equal tiles still keeps it busy; fewer leave it idle (docs/tiling.md).
+EQUAL_TILES_MIN = 0.5
 
 
 def _align_for(rows: int, boundary: int) -> int:
@@ -39,8 +43,12 @@ def _align_for(rows: int, boundary: int) -> int:
 def row_tile(rows: int, row_bytes: int, instances: int, num_sms: int, boundary: int | None = None) -> int:
     """Rows per task for an op of ``instances`` independent weight matrices of ``rows`` rows.
 
-    The tile divides ``boundary`` (or is a multiple of it) so no task straddles a head.
+    The tile divides ``boundary`` (or is a multiple of it) so no task straddles a head. Without a
+    boundary the tile grows to a divisor of ``rows`` (equal tiles) only where that keeps at least
+    half the tasks wanted (``EQUAL_TILES_MIN``); else the last tile is shorter, so a row count with
+    few divisors (a vocabulary of 151,936 = 2^7 x 1187) still spreads over every SM.
     """
+    natural = boundary is not None
     boundary = boundary or rows
     total = rows * row_bytes * instances
     wanted = max(1, min(num_sms, total // MIN_TASK_BYTES))
@@ -48,11 +56,13 @@ def row_tile(rows: int, row_bytes: int, instances: int, num_sms: int, boundary: 
     tile = math.ceil(rows / per_instance)
     align = _align_for(rows, boundary)
     tile = max(align, math.ceil(tile / align) * align)
-    if tile < boundary:
-        while boundary % tile:  # grow to a divisor of the boundary: never more tasks than wanted
-            tile += align
-    else:
-        tile = math.ceil(tile / boundary) * boundary
+    if tile >= boundary:
+        return min(math.ceil(tile / boundary) * boundary, rows)
+    ragged = tile
+    while boundary % tile:  # grow to a divisor of the boundary: never more tasks than wanted
+        tile += align
+    if not natural and math.ceil(rows / tile) * instances < wanted * EQUAL_TILES_MIN:
+        return ragged
     return min(tile, rows)
 
 

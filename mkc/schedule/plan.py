@@ -69,7 +69,8 @@ SPREAD = "spread_siblings"
 # measured without it. Where nothing was measured it is off: the probe's predictions (within 1%
 # either way) disagreed in sign with the measurements (faster at batch 1, where the attention chain
 # ends the layer; 5-17% slower at batch 2-8, where its tiles hold their SMs until the longer MoE
-# branch ends).
+# branch ends). A sequential block has no branches side by side: there the compiler chooses by the
+# probe (choose_residual_in_o_proj), on where it beats off by LAYER_END_MIN_GAIN.
 RESIDUAL_IN_O_PROJ = "residual_in_o_proj"
 # ... and the splits of the layers of global attention (LowerOptions.global_attention_sms: timed
 # after the residual's choice, where the model has such layers and they attend more keys than its
@@ -85,6 +86,10 @@ GLOBAL_ATTENTION_SMS = "global_attention_sms"
 # (mean regret 0.6%); with no threshold the mean regret is 1.2%, and as many splits as the other
 # layers is 8-13% slower at 128K.
 GLOBAL_SPLITS_MIN_GAIN = 0.02
+# ... and the same margin for a sequential block's layer end where nothing was measured: the
+# O-projection (and a dense down projection) adding the residual, one RESIDUAL hand-off fewer per
+# half layer, only where the probe's step is this much shorter.
+LAYER_END_MIN_GAIN = GLOBAL_SPLITS_MIN_GAIN
 # ... and the rows of the expert-down tiles (LowerOptions.expert_down_rows, 0: the tiling rule), where
 # an entry names them: not timed by mkc bench --tune (which keeps them when it rewrites the entry),
 # so an entry has them only from another tool, which it names under EXPERT_DOWN_ROWS + "_by" with
@@ -200,6 +205,23 @@ def choose_global_attention_sms(spec: ModelSpec, batch: int, context: int, num_s
     return (best if predicted[best] < predicted[0] * (1 - GLOBAL_SPLITS_MIN_GAIN) else 0), predicted
 
 
+def choose_residual_in_o_proj(spec: ModelSpec, batch: int, context: int, num_sms: int, attention_sms: int,
+                              page_size: int = 0, kv_pages: int = 0, ceilings: Ceilings = H200,
+                              **lowering) -> tuple[bool, dict[str, float]]:
+    """Whether a sequential block's GEMVs end its halves (LowerOptions.residual_in_o_proj): on where
+    the probe's step under shared bandwidth beats off by LAYER_END_MIN_GAIN, and both probe steps in
+    µs ("off", "on"). A parallel block: (False, {}), since there the probe's sign disagreed with the
+    measurements (RESIDUAL_IN_O_PROJ's comment)."""
+    if spec.block != "sequential":
+        return False, {}
+    lowering = lowering_choices(lowering)
+    probe = probe_spec(spec)
+    predicted = {name: _probe_step_us(probe, batch, context, num_sms, page_size, kv_pages, ceilings,
+                                      attention_sms=attention_sms, **{**lowering, RESIDUAL_IN_O_PROJ: on})
+                 for name, on in (("off", False), ("on", True))}
+    return predicted["on"] < predicted["off"] * (1 - LAYER_END_MIN_GAIN), predicted
+
+
 def _probe_step_us(probe: ModelSpec, batch: int, context: int, num_sms: int, page_size: int, kv_pages: int,
                    ceilings: Ceilings, **lowering) -> float:
     """The probe lowered with ``lowering``, placed with ``ceilings``: its step under shared bandwidth."""
@@ -247,6 +269,13 @@ def plan_choices(spec: ModelSpec, batch: int, context: int, num_sms: int, page_s
             if wide_tried:
                 how[GLOBAL_ATTENTION_SMS] = wide
                 how[GLOBAL_ATTENTION_SMS + "_probe_us"] = {str(w): us for w, us in wide_tried.items()}
+        if RESIDUAL_IN_O_PROJ not in given:  # a sequential block's layer end, beside those
+            wide = {GLOBAL_ATTENTION_SMS: how[GLOBAL_ATTENTION_SMS]} if GLOBAL_ATTENTION_SMS in how else {}
+            fold, fold_tried = choose_residual_in_o_proj(spec, batch, context, num_sms, attention_sms, page_size,
+                                                         kv_pages, ceilings, **{**lowering, **wide})
+            if fold_tried:
+                how[RESIDUAL_IN_O_PROJ] = fold
+                how[RESIDUAL_IN_O_PROJ + "_probe_us"] = fold_tried
         return attention_sms, ceilings, how
     how = {"chosen_by": "measured", **_measured_choices(spec, batch, context, num_sms, measured, measured_context,
                                                         ceilings == H200, given, lowering["fused_experts"])}

@@ -266,6 +266,9 @@ def _layer_end_row(d: dict[str, Any]) -> str:
     if "residual_in_o_proj" in a and timed:  # the tuning entry measured both
         by = a.get("residual_in_o_proj_by") or "mkc bench --tune"
         return row + f"; measured faster by {by} (step µs, the O-projection ending the layer off / on: {timed})"
+    if "residual_in_o_proj_probe_us" in a:  # the compiler chose it (plan.py: choose_residual_in_o_proj)
+        tried = ", ".join(f"{k} {v:.1f}" for k, v in a["residual_in_o_proj_probe_us"].items())
+        return row + f"; chosen by a probe's step under shared bandwidth (µs: {tried})"
     return row if not on else row + ", as asked"
 
 
