@@ -56,7 +56,6 @@ def test_executor_on_fp8_weights_matches_reference_over_dequantised(config, batc
     over the dequantised weights."""
     spec = load_spec(CONFIGS / config)
     sc = schedule(lower(spec, batch, 32, 8, weights=fmt), spec.name)
-    sc.meta["weights"] = fmt
     assert any(b.dtype == "fp8" for b in sc.buffers.values())
     w = fp8_weights(random_weights(spec, seed=7, dtype=torch.float32, std=0.1), sc.buffers, fmt)
     ref_w, ref_spec = _dequantised(w, sc.buffers, spec)
@@ -77,7 +76,6 @@ def test_fp8_changes_the_logits_against_bf16():
     spec = load_spec(CONFIGS / "tiny.yaml")
     w32 = random_weights(spec, seed=7, dtype=torch.float32, std=0.1)
     sc = schedule(lower(spec, 1, 32, 8, weights="fp8"), spec.name)
-    sc.meta["weights"] = "fp8"
     w = fp8_weights(w32, sc.buffers, "fp8")
     got, _ = CpuExecutor(sc, spec, w).step([5], [0], seed=0)
     plain = DenseReference(spec, w32).step(torch.tensor([5]), [0])
@@ -148,7 +146,6 @@ def test_dequantise_matches_quantiser(fmt):
 def test_bad_fp8_tensors_name_the_tensor(breakage, message):
     spec = load_spec(CONFIGS / "tiny.yaml")
     sc = schedule(lower(spec, 1, 32, 8, weights="fp8"), spec.name)
-    sc.meta["weights"] = "fp8"
     w = fp8_weights(random_weights(spec, seed=7, dtype=torch.float32, std=0.1), sc.buffers, "fp8")
     breakage(w)
     with pytest.raises(ValueError, match=message.replace(".", r"\.")):

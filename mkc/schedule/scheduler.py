@@ -119,7 +119,10 @@ def schedule(program: Program, model: str, ceilings: Ceilings = H200) -> Schedul
     }
     return Schedule(model=model, batch=int(program.options["batch"]), context=int(program.options["context"]),
                     num_sms=n_sm, buffers=program.buffers, tasks=tasks, queues=queues, waits=waits,
-                    signals=signals, counters=counters, predicted=predicted)
+                    signals=signals, counters=counters, predicted=predicted,
+                    # an FP8 lowering's format travels with its buffers (mkc/ir/fp8.py)
+                    meta={} if program.options.get("weights", "bf16") == "bf16"
+                    else {"weights": program.options["weights"]})
 
 
 def _counters(preds: list[list[int]], n: int) -> tuple[list[int], list[Counter]]:
