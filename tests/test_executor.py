@@ -460,42 +460,6 @@ def test_k_split_only_where_k_does_not_fit():
         assert len({t.arg("k0") for t in down}) == parts
 
 
-@pytest.mark.parametrize("config, batch, fold", [("llama_tiny.yaml", 2, False), ("llama_tiny.yaml", 3, True),
-                                                 ("tiny.yaml", 2, False)])
-def test_fill_k_split_matches_reference(config, batch, fold):
-    """LowerOptions.fill_down_k on 8 SMs: the dense down projection's row tiles (2 of 64 rows for a
-    hidden size of 128; 1 for tiny.yaml's) fill fewer than half the SMs, so it is also split along
-    k (tiling.fill_k_parts: 4 parts of 64 columns; tiny.yaml's 192 columns in 3) with the whole-k
-    tiles' rows, tiles x parts filling the SMs; the partials go the K split's way and the logits
-    are the dense reference's (a sequential block with and without the layer end in the GEMVs, and
-    a parallel one)."""
-    spec = load_spec(Path(__file__).resolve().parents[1] / "configs" / config)
-    w = random_weights(spec, seed=31, dtype=torch.float32, std=0.1)
-    sc = schedule(lower(spec, batch, 64, 8, residual_in_o_proj=fold, fill_down_k=True), spec.name)
-    down = [t for t in sc.tasks if t.name.startswith("L0.down")]
-    want = {"llama_tiny.yaml": {(r0, k0): 64 for r0 in (0, 64) for k0 in (0, 64, 128, 192)},
-            "tiny.yaml": {(0, k0): 64 for k0 in (0, 64, 128)}}[config]
-    assert {(t.arg("row0"), t.arg("k0")): t.arg("k") for t in down} == want
-    assert all(t.op == Opcode.LINEAR for t in down)
-    _matches_reference(sc, spec, w, batch, 80 + batch, f"{config}, fill k split")
-
-
-def test_fill_k_split_only_where_row_tiles_are_few():
-    """The fill split engages by the shape rule only: Qwen3-0.6B's down projection (hidden 1024: 64
-    tiles of 16 rows on 132 SMs) in 2 parts of 1536 columns, 128 tiles; North Mini Code's dense
-    layer (128 tiles) and TinyLlama's (hidden 2048) keep theirs task for task."""
-    root = Path(__file__).resolve().parents[1] / "configs"
-    qwen = load_spec(root / "qwen3_0_6b.yaml")
-    down = [t for t in lower(qwen, 1, 1024, 132, fill_down_k=True).tasks if t.name.startswith("L0.down")]
-    assert len(down) == 128 and {(t.arg("k0"), t.arg("k")) for t in down} == {(0, 1536), (1536, 1536)}
-    assert {t.arg("rows") for t in down} == {16}
-    for name in ("north_mini_code.yaml", "tinyllama_1_1b.yaml"):
-        spec = load_spec(root / name)
-        for batch in (1, 8):
-            plain, filled = lower(spec, batch, 1024, 132), lower(spec, batch, 1024, 132, fill_down_k=True)
-            assert [(t.op, t.name, t.args) for t in plain.tasks] == [(t.op, t.name, t.args) for t in filled.tasks]
-
-
 def _odd_llama():
     """A tiny Llama whose reductions are not whole 64-column blocks: hidden size 96, 3 heads of 32
     with a KV head each (O-projection slices of 32 columns), intermediate 160."""

@@ -17,16 +17,7 @@ from mkc.ir.graph import DTYPE_BYTES, Buffer, Program, Region, Task, derive_edge
 from mkc.ir.kv_layout import pages_per_seq
 from mkc.ir.ops import OP_INFO, Opcode
 from mkc.ir.spec import ModelSpec, SpecError
-from mkc.ir.tiling import (
-    K_BLOCK,
-    attention_split_keys,
-    combine_heads,
-    fill_k_parts,
-    gemv_max_k,
-    k_splits,
-    row_tile,
-    tiles,
-)
+from mkc.ir.tiling import K_BLOCK, attention_split_keys, combine_heads, gemv_max_k, k_splits, row_tile, tiles
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,11 +74,6 @@ class LowerOptions:
     # the widest reduction one GEMV task takes over a staged input; 0: what fits the shared memory
     # (tiling.gemv_max_k). A wider MLP down projection is split along k (tiling.k_splits)
     max_gemv_k: int = 0
-    # a dense MLP down projection whose row tiles fill fewer than half the SMs (a tile is at least
-    # 16 rows: Qwen3-0.6B's hidden size of 1024 gives 64 tiles) is also split along k so that tiles
-    # x parts fill them (tiling.fill_k_parts), its partials summed as the K split's are. The planner
-    # turns it on where the probe's simulated step is shorter (plan.py: FILL_DOWN_K)
-    fill_down_k: bool = False
 
     def check(self) -> None:
         if self.weights not in WEIGHT_FORMATS:
@@ -300,19 +286,8 @@ class _Lowerer:
         split it themselves)."""
         s = self.spec
         if s.layers[layer].mlp == "dense":
-            parts = self.k_parts(s.dense_intermediate)
-            if self.opt.fill_down_k:
-                fill = fill_k_parts(s.dense_intermediate, len(tiles(s.hidden_size, self.dense_down_tile())),
-                                    self.opt.num_sms)
-                if len(fill) > len(parts):
-                    return fill
-            return parts
+            return self.k_parts(s.dense_intermediate)
         return [(0, s.moe.intermediate)] if self.opt.fused_experts else self.k_parts(s.moe.intermediate)
-
-    def dense_down_tile(self) -> int:
-        """Rows per tile of a dense MLP down projection taken whole along k (the tiling rule's)."""
-        s = self.spec
-        return row_tile(s.hidden_size, s.dense_intermediate * self.elem_bytes, 1, self.opt.num_sms)
 
     # -- ops -----------------------------------------------------------------------------------
     def linear(self, layer: int, label: str, x: Buffer | Normed, w: Buffer, out: Buffer, *, k0: int = 0,
@@ -454,8 +429,6 @@ class _Lowerer:
                 self.linear(layer, "down", h, wd, mo)
             else:
                 tile = row_tile(H, down_parts[0][1] * DTYPE_BYTES[wd.dtype], len(down_parts), opt.num_sms)
-                if opt.fill_down_k:  # the parts fill the SMs beside the whole-k tiles (fill_k_parts)
-                    tile = min(tile, self.dense_down_tile())
                 for p, (k0, k) in enumerate(down_parts):
                     self.linear(layer, f"down[k{p}]", h, wd, parts, k0=k0, k=k, slab=slab0 + p, tile=tile)
         else:
@@ -756,14 +729,3 @@ def lower(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: in
     if opt.expert_up_rows and spec.moe is None:
         raise SpecError(f"expert_up_rows = {opt.expert_up_rows}: {spec.name} has no routed experts")
     return _Lowerer(spec, opt).lower()
-
-
-def dense_down_parts(spec: ModelSpec, batch: int, num_sms: int, weights: str = "bf16",
-                     fill_down_k: bool = False) -> list[tuple[int, int]]:
-    """(k0, columns) of each part of the model's dense MLP down projection as lowered (one part:
-    not split along k); [] where the model has no dense layer."""
-    layer = next((i for i, ls in enumerate(spec.layers) if ls.mlp == "dense"), None)
-    if layer is None:
-        return []
-    opt = LowerOptions(batch=batch, context=1, num_sms=num_sms, weights=weights, fill_down_k=fill_down_k)
-    return _Lowerer(spec, opt).mlp_down_parts(layer)

@@ -14,9 +14,6 @@ One rule for every model, stated here and in docs/tiling.md:
 * A GEMV whose reduction is wider than its staged activations can hold in shared memory
   (``gemv_max_k``) is split along k into equal parts of whole 64-column blocks (``k_splits``);
   its partial sums go to separate slabs that the task ending the layer adds up.
-* A dense MLP down projection whose row tiles cannot fill half the SMs (a tile is at least 16
-  rows: a hidden size of 1024 gives 64) may also be split along k (``fill_k_parts``), so that
-  tiles x parts fill the SMs, through the same partial sums (LowerOptions.fill_down_k).
 """
 
 from __future__ import annotations
@@ -115,19 +112,6 @@ def k_splits(k: int, max_k: int) -> list[tuple[int, int]]:
         parts += 1
         part = _round_up(math.ceil(k / parts), K_BLOCK)
     return [(lo, hi - lo) for lo, hi in tiles(k, part)]
-
-
-def fill_k_parts(k: int, row_tiles: int, num_sms: int) -> list[tuple[int, int]]:
-    """(k0, columns) of the parts of a reduction of ``k`` columns whose ``row_tiles`` tiles fill
-    fewer than EQUAL_TILES_MIN of ``num_sms``: num_sms // row_tiles equal parts of whole K_BLOCK
-    blocks (at most one a block), so tiles x parts fill the SMs; one part where the tiles already
-    fill that share."""
-    if row_tiles >= num_sms * EQUAL_TILES_MIN:
-        return [(0, k)]
-    parts = min(num_sms // max(1, row_tiles), math.ceil(k / K_BLOCK))
-    if parts <= 1:
-        return [(0, k)]
-    return k_splits(k, _round_up(math.ceil(k / parts), K_BLOCK))
 
 
 def _round_up(n: int, a: int) -> int:

@@ -38,7 +38,7 @@ import dataclasses
 import math
 from typing import Any
 
-from mkc.ir.lower import MAX_ATTENTION_WAVES, LowerOptions, dense_down_parts, lower
+from mkc.ir.lower import MAX_ATTENTION_WAVES, LowerOptions, lower
 from mkc.ir.spec import ModelSpec
 from mkc.schedule import tuning
 from mkc.schedule.cost import H200, Ceilings
@@ -90,13 +90,6 @@ GLOBAL_SPLITS_MIN_GAIN = 0.02
 # O-projection (and a dense down projection) adding the residual, one RESIDUAL hand-off fewer per
 # half layer, only where the probe's step is this much shorter.
 LAYER_END_MIN_GAIN = GLOBAL_SPLITS_MIN_GAIN
-# ... and whether a dense MLP down projection whose row tiles fill fewer than half the SMs is also
-# split along k (LowerOptions.fill_down_k; tiling.fill_k_parts): not recorded by mkc bench --tune, so
-# never applied beside a measured entry (North Mini Code's row tiles fill its SMs anyway); where
-# nothing was measured the compiler turns it on where the probe's step is FILL_DOWN_K_MIN_GAIN
-# shorter (choose_fill_down_k), and the schedule's meta says so only then.
-FILL_DOWN_K = "fill_down_k"
-FILL_DOWN_K_MIN_GAIN = 0.005
 # ... and the rows of the expert-down tiles (LowerOptions.expert_down_rows, 0: the tiling rule), where
 # an entry names them: not timed by mkc bench --tune (which keeps them when it rewrites the entry),
 # so an entry has them only from another tool, which it names under EXPERT_DOWN_ROWS + "_by" with
@@ -229,29 +222,6 @@ def choose_residual_in_o_proj(spec: ModelSpec, batch: int, context: int, num_sms
     return predicted["on"] < predicted["off"] * (1 - LAYER_END_MIN_GAIN), predicted
 
 
-def fill_down_k_engages(spec: ModelSpec, batch: int, num_sms: int, weights: str = "bf16") -> bool:
-    """Whether LowerOptions.fill_down_k changes any tile of the model: a dense layer whose down
-    projection's row tiles fill fewer than half the SMs (tiling.fill_k_parts)."""
-    return (dense_down_parts(spec, batch, num_sms, weights, fill_down_k=True)
-            != dense_down_parts(spec, batch, num_sms, weights))
-
-
-def choose_fill_down_k(spec: ModelSpec, batch: int, context: int, num_sms: int, attention_sms: int,
-                       page_size: int = 0, kv_pages: int = 0, ceilings: Ceilings = H200,
-                       **lowering) -> tuple[bool, dict[str, float]]:
-    """Whether a dense down projection is also split along k to fill the SMs (FILL_DOWN_K): on where
-    the probe's step under shared bandwidth beats off by FILL_DOWN_K_MIN_GAIN, and both probe steps
-    in µs ("off", "on"); (False, {}) where it changes no tile."""
-    lowering = lowering_choices(lowering)
-    if not fill_down_k_engages(spec, batch, num_sms, str(lowering["weights"])):
-        return False, {}
-    probe = probe_spec(spec)
-    predicted = {name: _probe_step_us(probe, batch, context, num_sms, page_size, kv_pages, ceilings,
-                                      attention_sms=attention_sms, **lowering, **({FILL_DOWN_K: True} if on else {}))
-                 for name, on in (("off", False), ("on", True))}
-    return predicted["on"] < predicted["off"] * (1 - FILL_DOWN_K_MIN_GAIN), predicted
-
-
 def _probe_step_us(probe: ModelSpec, batch: int, context: int, num_sms: int, page_size: int, kv_pages: int,
                    ceilings: Ceilings, **lowering) -> float:
     """The probe lowered with ``lowering``, placed with ``ceilings``: its step under shared bandwidth."""
@@ -306,13 +276,6 @@ def plan_choices(spec: ModelSpec, batch: int, context: int, num_sms: int, page_s
             if fold_tried:
                 how[RESIDUAL_IN_O_PROJ] = fold
                 how[RESIDUAL_IN_O_PROJ + "_probe_us"] = fold_tried
-        if FILL_DOWN_K not in given:  # the dense down projection's K split to fill the SMs, beside those
-            wide = {k: how[k] for k in (GLOBAL_ATTENTION_SMS, RESIDUAL_IN_O_PROJ) if k in how}
-            fill, fill_tried = choose_fill_down_k(spec, batch, context, num_sms, attention_sms, page_size,
-                                                  kv_pages, ceilings, **{**lowering, **wide})
-            if fill:
-                how[FILL_DOWN_K] = True
-                how[FILL_DOWN_K + "_probe_us"] = fill_tried
         return attention_sms, ceilings, how
     how = {"chosen_by": "measured", **_measured_choices(spec, batch, context, num_sms, measured, measured_context,
                                                         ceilings == H200, given, lowering["fused_experts"])}
@@ -426,8 +389,6 @@ def plan(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int
     for choice in (RESIDUAL_IN_O_PROJ, GLOBAL_ATTENTION_SMS, EXPERT_DOWN_ROWS, EXPERT_UP_ROWS):
         if choice in how:  # measured at this point (plan_choices)
             lowering[choice] = how[choice]
-    if how.get(FILL_DOWN_K):  # chosen by the probe (plan_choices); else the default, off
-        lowering[FILL_DOWN_K] = True
     program = lower(spec, batch, context, num_sms, page_size, kv_pages, attention_sms=attention_sms, **lowering)
     sc = schedule(program, spec.name, ceilings)
     sc.meta["attention_sms"] = {"chosen": attention_sms, **how}
