@@ -38,6 +38,7 @@ from mkc.codegen.taskwords import buffer_table, encode, record_descriptors, rout
 from mkc.codegen.weight_tiles import (
     TILE_ROWS,
     TiledWeights,
+    fp8_stored,
     from_tiles,
     from_tiles_fp8,
     logical_weight,
@@ -45,7 +46,6 @@ from mkc.codegen.weight_tiles import (
     stored_shape,
     stored_weight,
     tiled_weights,
-    to_tiles_fp8,
 )
 from mkc.ir import fp8
 from mkc.ir.kv_layout import identity_page_table, logical_view, page_size_of
@@ -344,13 +344,7 @@ class CudaDecoder:
                                  f"{self.device}: expected runtime/quantize.py: fp8_device_weights' layout")
             self.scales[b.name] = s
             return q
-        numel, off = math.prod(b.shape), fp8.scales_offset(math.prod(b.shape))
-        store = torch.empty(off + 4 * s.numel(), dtype=torch.uint8, device=self.device)
-        data = store[:numel].view(torch.float8_e4m3fn).view(b.shape)
-        data.copy_(to_tiles_fp8(q.to(self.device).view(torch.uint8)).view(torch.float8_e4m3fn))
-        scales = store[off:].view(torch.float32).view(s.shape)
-        scales.copy_(s.to(device=self.device, dtype=torch.float32))
-        self.scales[b.name] = scales
+        data, self.scales[b.name] = fp8_stored(q, s, self.device)
         return data
 
     # -- running --------------------------------------------------------------------------------

@@ -241,13 +241,9 @@ def fp8_weights(weights: dict, buffers: dict, fmt: str) -> dict:
     float32 ``weights`` (an FP8 LM head from a tied embedding); the other weights as they were.
     One matrix at a time, on the weights' device; the bf16 source of a quantised matrix is dropped
     from the result."""
-    from mkc.ir.fp8 import SCALE_SUFFIX, is_fp8
-    from mkc.runtime.weights import Fp8Format
+    from mkc.ir.fp8 import SCALE_SUFFIX
 
-    if not is_fp8(fmt):
-        raise ValueError(f"--weights {fmt}: expected fp8 or fp8-block")
-    scheme = Fp8Format("fp8", "block", (128, 128), "_scale_inv") if fmt == "fp8-block" else \
-        Fp8Format("compressed-tensors", "channel", None, "_scale")
+    scheme = _scheme(fmt)
     out = dict(weights)
     for name, b in buffers.items():
         if b.kind != "weight" or b.dtype != "fp8":
@@ -290,30 +286,21 @@ def fp8_device_weights(weights: dict, buffers: dict, fmt: str):
 
 def fp8_device_matrix(w: torch.Tensor, fmt: str, name: str = "tensor") -> tuple[torch.Tensor, torch.Tensor]:
     """One matrix [..., R, K] quantised (quantize_weight) into one allocation on its device, as the
-    kernel reads it: its e4m3 elements in the FP8 tile order (mkc/codegen/weight_tiles.py:
-    to_tiles_fp8), then its float32 scales (mkc/ir/fp8.py: scales_offset). Returns the views
-    (elements, scales)."""
-    import torch
+    kernel reads it (mkc/codegen/weight_tiles.py: fp8_stored). Returns the views (elements,
+    scales)."""
+    from mkc.codegen.weight_tiles import fp8_stored
 
-    from mkc.codegen.weight_tiles import to_tiles_fp8
-    from mkc.ir.fp8 import scales_offset
-
-    q = fp8_weights({name: w}, {name: _Matrix(tuple(w.shape))}, fmt)
-    q, s = q[name], q[name + ".scale"]
-    numel = q.numel()
-    off = scales_offset(numel)
-    store = torch.empty(off + 4 * s.numel(), dtype=torch.uint8, device=q.device)
-    data = store[:numel].view(torch.float8_e4m3fn).view(q.shape)
-    data.view(torch.uint8).copy_(to_tiles_fp8(q.view(torch.uint8)))
-    scales = store[off:].view(torch.float32).view(s.shape)
-    scales.copy_(s)
-    return data, scales
+    try:
+        q, s = quantize_weight(w, _scheme(fmt))
+    except ValueError as e:
+        raise ValueError(f"weight {name}: {e}") from None
+    return fp8_stored(q, s, w.device)
 
 
-class _Matrix:
-    """A stand-in for a lowering Buffer: an FP8 weight of ``shape`` (what fp8_weights reads)."""
+def _scheme(fmt: str) -> Fp8Format:
+    """The scale layout of a weight format (mkc/ir/fp8.py) as quantize_weight takes it."""
+    from mkc.ir.fp8 import SCALE_BLOCK, is_fp8
 
-    kind, dtype = "weight", "fp8"
-
-    def __init__(self, shape: tuple[int, ...]):
-        self.shape = shape
+    if not is_fp8(fmt):
+        raise ValueError(f"--weights {fmt}: expected fp8 or fp8-block")
+    return fp8_format_for("block" if fmt == "fp8-block" else "channel", SCALE_BLOCK)

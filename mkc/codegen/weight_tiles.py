@@ -104,32 +104,35 @@ def _blocked(shape: tuple[int, ...]) -> tuple[int, ...]:
     return (*lead, r // TILE_ROWS, 2, 8, k // TILE_COLS, 2, 4, 8)
 
 
-def to_tiles(w: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of ``w`` [..., R, K] in tile order (same shape and dtype)."""
+# The block axes of a [..., R, K] weight (_blocked): G, hi (row half), g, KB, half (column half),
+# q, e. Each tile order lists them as it stores them.
+_BF16_ORDER = (0, 3, 1, 4, 2, 5, 6)  # piece j = 2 hi + half at 256 j, lane 4 g + q at 8 per lane
+_FP8_ORDER = (0, 3, 1, 2, 5, 4, 6)  # row half hi at 512 hi, lane 4 g + q at 16: its two pieces side by side
+
+
+def _to_order(w: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
     check_tileable("tensor", tuple(w.shape))
     n = w.dim() - 2
     x = w.reshape(_blocked(tuple(w.shape)))
-    # [..., G, hi, g, KB, half, q, e] -> [..., G, KB, hi, half, g, q, e]: piece j = 2 hi + half,
-    # lane = 4 g + q
-    perm = (*range(n), n, n + 3, n + 1, n + 4, n + 2, n + 5, n + 6)
-    return x.permute(perm).contiguous().reshape(w.shape)
+    return x.permute((*range(n), *(n + a for a in order))).contiguous().reshape(w.shape)
+
+
+def _from_order(p: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
+    check_tileable("tensor", tuple(p.shape))
+    n = p.dim() - 2
+    blocked = _blocked(tuple(p.shape))
+    x = p.reshape(*blocked[:n], *(blocked[n + a] for a in order))
+    return x.permute((*range(n), *(n + order.index(a) for a in range(7)))).contiguous().reshape(p.shape)
+
+
+def to_tiles(w: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``w`` [..., R, K] in tile order (same shape and dtype)."""
+    return _to_order(w, _BF16_ORDER)
 
 
 def from_tiles(p: torch.Tensor) -> torch.Tensor:
     """The inverse of to_tiles: ``p`` in tile order back to row-major [..., R, K]."""
-    check_tileable("tensor", tuple(p.shape))
-    n = p.dim() - 2
-    *lead, r, k = p.shape
-    x = p.reshape(*lead, r // TILE_ROWS, k // TILE_COLS, 2, 2, 8, 4, 8)
-    # [..., G, KB, hi, half, g, q, e] -> [..., G, hi, g, KB, half, q, e]
-    perm = (*range(n), n, n + 2, n + 4, n + 1, n + 3, n + 5, n + 6)
-    return x.permute(perm).contiguous().reshape(p.shape)
-
-
-def _fp8_perm(n: int) -> tuple[int, ...]:
-    """[..., G, hi, g, KB, half, q, e] -> [..., G, KB, hi, g, q, half, e]: row half hi of lane
-    4 g + q holds its two 8-element pieces side by side (16 bytes; templates/gemv.cuh)."""
-    return (*range(n), n, n + 3, n + 1, n + 2, n + 5, n + 4, n + 6)
+    return _from_order(p, _BF16_ORDER)
 
 
 def to_tiles_fp8(w: torch.Tensor) -> torch.Tensor:
@@ -137,20 +140,30 @@ def to_tiles_fp8(w: torch.Tensor) -> torch.Tensor:
     in the FP8 tile order: block (G, kb) at element (G * K / 64 + kb) * 1024 as in to_tiles, row
     half j of lane l at j * 512 + 16 l: W[16 G + g + 8 j, 64 kb + 8 q : + 8] then the 8 at
     64 kb + 32 + 8 q (g = l / 4, q = l % 4)."""
-    check_tileable("tensor", tuple(w.shape))
-    x = w.reshape(_blocked(tuple(w.shape)))
-    return x.permute(_fp8_perm(w.dim() - 2)).contiguous().reshape(w.shape)
+    return _to_order(w, _FP8_ORDER)
 
 
 def from_tiles_fp8(p: torch.Tensor) -> torch.Tensor:
     """The inverse of to_tiles_fp8: ``p`` in FP8 tile order back to row-major [..., R, K]."""
-    check_tileable("tensor", tuple(p.shape))
-    n = p.dim() - 2
-    *lead, r, k = p.shape
-    x = p.reshape(*lead, r // TILE_ROWS, k // TILE_COLS, 2, 8, 4, 2, 8)
-    # [..., G, KB, hi, g, q, half, e] -> [..., G, hi, g, KB, half, q, e]
-    perm = (*range(n), n, n + 2, n + 3, n + 1, n + 5, n + 4, n + 6)
-    return x.permute(perm).contiguous().reshape(p.shape)
+    return _from_order(p, _FP8_ORDER)
+
+
+def fp8_stored(q: torch.Tensor, scales: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """An FP8 weight as the kernel reads it, in one allocation on ``device``: its e4m3 elements
+    ``q`` [..., R, K] in the FP8 tile order, then its float32 ``scales`` (mkc/ir/fp8.py:
+    scales_offset). Returns the views (elements, scales)."""
+    import torch
+
+    from mkc.ir.fp8 import scales_offset
+
+    numel = q.numel()
+    off = scales_offset(numel)
+    store = torch.empty(off + 4 * scales.numel(), dtype=torch.uint8, device=device)
+    data = store[:numel].view(torch.float8_e4m3fn).view(q.shape)
+    data.view(torch.uint8).copy_(to_tiles_fp8(q.to(device).view(torch.uint8)))
+    placed = store[off:].view(torch.float32).view(scales.shape)
+    placed.copy_(scales.to(device=device, dtype=torch.float32))
+    return data, placed
 
 
 def tile_offset(row: int, col: int, k: int) -> int:
