@@ -339,7 +339,8 @@ class CudaBackend(DecoderBackend):
         if weights_format != "bf16":  # quantised on their device, one matrix at a time, each bf16 source freed
             from mkc.runtime.quantize import fp8_device_weights
 
-            weights = fp8_device_weights(weights, schedule.buffers, weights_format)
+            names = [n for n, b in schedule.buffers.items() if b.kind == "weight" and b.dtype == "fp8"]
+            weights = fp8_device_weights(weights, names, weights_format)
             fp8_names = list(weights.tiled)
         if artifact.config.weights_tiled and all(t.is_cuda for t in weights.values()):
             padded = padded_weights(schedule)  # stored with zero columns: the decoder makes a copy

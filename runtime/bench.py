@@ -273,16 +273,16 @@ def _device_random(spec: ModelSpec, seed: int, device: str = "cuda") -> Iterator
         yield name, (x.mul_(0.05).add_(1.0) if name.endswith("norm") else x.mul_(0.02))
 
 
-def device_random_fp8_weights(spec: ModelSpec, seed: int, buffers: dict, fmt: str,
-                              device: str = "cuda") -> dict[str, torch.Tensor]:
+def device_random_fp8_weights(spec: ModelSpec, seed: int, fmt: str, device: str = "cuda") -> dict[str, torch.Tensor]:
     """device_random_weights' values (the same seed gives the same bf16 matrices), each FP8 matrix
     of ``buffers`` quantised as soon as it is made (runtime/quantize.py: fp8_device_weights), so the
     GPU never holds the bf16 model: North Mini Code's 31 GB in FP8 on an 80 GB H100."""
     from mkc.codegen.weight_tiles import TiledWeights
-    from mkc.ir.fp8 import SCALE_SUFFIX
+    from mkc.ir.fp8 import SCALE_SUFFIX, fp8_matrices
     from mkc.runtime.quantize import fp8_device_matrix
+    from mkc.runtime.weights import weight_shapes
 
-    fp8_names = [n for n, b in buffers.items() if b.kind == "weight" and b.dtype == "fp8"]
+    fp8_names = fp8_matrices(weight_shapes(spec), spec.tie_word_embeddings)
     out: dict[str, torch.Tensor] = {}
     for name, x in _device_random(spec, seed, device):
         if name in fp8_names:
@@ -615,7 +615,7 @@ def bench_main(a) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rows: list[Row | Skip] = []
     for fmt in formats:  # each format on freshly made weights, the last format's freed first
-        weights = bench_weights(spec, a, fmt, batches, contexts)
+        weights = bench_weights(spec, a, fmt)
         rows += run_bench(spec, weights, batches, contexts, reps=a.reps, profile_dir=out if a.profile else None,
                           page_size=a.page_size, tune=a.tune, tune_rounds=a.tune_rounds, tune_tiles=a.tune_tiles,
                           tune_every_count=a.tune_every_count, weights_format=fmt)
@@ -630,23 +630,20 @@ def bench_main(a) -> int:
     return 0
 
 
-def bench_weights(spec: ModelSpec, a, fmt: str, batches: list[int], contexts: list[int]) -> dict[str, torch.Tensor]:
+def bench_weights(spec: ModelSpec, a, fmt: str) -> dict[str, torch.Tensor]:
     """The weights ``mkc bench`` times format ``fmt`` with, on the GPU: the checkpoint's or random
     bf16 ones, the FP8 formats' matrices quantised from them and laid out for the kernel (random:
     device_random_fp8_weights, each as it is made; a checkpoint's: fp8_device_weights)."""
-    from mkc.ir.lower import lower
-
-    # the buffers of the format (every point lowers the same weights): the smallest point's
-    buffers = lower(spec, min(batches), min(contexts), 132, weights=fmt).buffers if fmt != "bf16" else {}
     if a.checkpoint:
         from mkc.runtime.weights import load_checkpoint
 
         weights = {k: v.cuda() for k, v in load_checkpoint(a.checkpoint, spec, torch.bfloat16).items()}
         if fmt == "bf16":
             return weights
+        from mkc.ir.fp8 import fp8_matrices
         from mkc.runtime.quantize import fp8_device_weights
 
-        return fp8_device_weights(weights, buffers, fmt)
+        return fp8_device_weights(weights, fp8_matrices(weights, spec.tie_word_embeddings), fmt)
     if fmt == "bf16":
         return device_random_weights(spec, a.seed)
-    return device_random_fp8_weights(spec, a.seed, buffers, fmt)
+    return device_random_fp8_weights(spec, a.seed, fmt)

@@ -259,9 +259,10 @@ def fp8_weights(weights: dict, buffers: dict, fmt: str) -> dict:
     return out
 
 
-def fp8_device_weights(weights: dict, buffers: dict, fmt: str):
+def fp8_device_weights(weights: dict, names: list[str], fmt: str):
     """fp8_weights laid out as the kernel reads them, for a CudaDecoder to take as they are: each
-    FP8 matrix quantised on its source's device (fp8_device_matrix). Returns a TiledWeights naming
+    FP8 matrix ``names`` (mkc/ir/fp8.py: fp8_matrices) quantised on its source's device
+    (fp8_device_matrix). Returns a TiledWeights naming
     those matrices (their scales under name + SCALE_SUFFIX). Consumes ``weights``: each bf16 source
     matrix is dropped from it once quantised (a tied embedding stays), so the GPU holds the model
     once."""
@@ -270,7 +271,6 @@ def fp8_device_weights(weights: dict, buffers: dict, fmt: str):
     from mkc.codegen.weight_tiles import TiledWeights
     from mkc.ir.fp8 import SCALE_SUFFIX
 
-    names = [n for n, b in buffers.items() if b.kind == "weight" and b.dtype == "fp8"]
     for name in names:
         if name in weights and weights[name].dtype == torch.float8_e4m3fn and name + SCALE_SUFFIX in weights:
             continue  # laid out already (device_random_fp8_weights, or an earlier call)

@@ -569,11 +569,9 @@ def build_state(args: argparse.Namespace) -> ServerState:
         _check_gpu_memory(spec, args)
     fmt = getattr(args, "weights", "bf16")
     if args.random_weights and backend_name == "cuda" and fmt != "bf16":  # FP8 as made: never the bf16 model
-        from mkc.ir.lower import lower
         from mkc.runtime.bench import device_random_fp8_weights
 
-        weights = device_random_fp8_weights(spec, args.seed, lower(spec, 1, args.context, 132, weights=fmt).buffers,
-                                            fmt)
+        weights = device_random_fp8_weights(spec, args.seed, fmt)
     elif args.random_weights and backend_name == "cuda":  # made on the GPU: seconds, not minutes on the host
         from mkc.runtime.bench import device_random_weights
 

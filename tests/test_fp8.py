@@ -324,3 +324,15 @@ def test_the_kernels_e4m3_to_bf16_bit_placement_is_exact():
     want = b.to(torch.uint8).view(torch.float8_e4m3fn).double()
     assert torch.equal(value[finite], want[finite])
     assert int((want[finite].abs() < 2.0 ** -6).sum()) == 16  # the 14 subnormals and both zeros covered
+
+
+@pytest.mark.parametrize("config", ["north_mini_code.yaml", "qwen3_0_6b.yaml", "qwen3_tiny.yaml", "mixtral_tiny.yaml"])
+def test_fp8_matrices_are_the_lowerings_fp8_buffers(config):
+    """The runtime names the FP8 matrices without lowering (mkc/ir/fp8.py: fp8_matrices, used to
+    quantise weights as they are made): exactly the fp8 buffers of the lowering, a tied model's
+    FP8 head included."""
+    from mkc.runtime.weights import weight_shapes
+
+    spec = load_spec(CONFIGS / config)
+    lowered = {n for n, b in lower(spec, 1, 64, 8, weights="fp8").buffers.items() if b.dtype == "fp8"}
+    assert set(fp8.fp8_matrices(weight_shapes(spec), spec.tie_word_embeddings)) == lowered

@@ -98,13 +98,12 @@ def test_nmc_fp8_matches_mirror(num_sms, batch, fmt):
     held), against the mirror over the dequantised weights (its LM head the FP8 copy of the tied
     embedding)."""
     from mkc.codegen import build_kernel
-    from mkc.ir.lower import lower
     from mkc.runtime.bench import device_random_fp8_weights
     from mkc.runtime.cuda_backend import CudaDecoder, LogicalWeights
 
     spec = load_spec(NMC)
     sc = plan(spec, batch, 8192, num_sms, weights=fmt)
-    weights = device_random_fp8_weights(spec, 2026, lower(spec, 1, 1024, num_sms, weights=fmt).buffers, fmt)
+    weights = device_random_fp8_weights(spec, 2026, fmt)
     try:
         dec = CudaDecoder(sc, spec, weights, artifact=build_kernel(sc, spec))
         g = torch.Generator(device="cuda").manual_seed(batch)

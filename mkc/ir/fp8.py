@@ -32,6 +32,14 @@ SCALE_SUFFIX = ".scale"  # logical name of a matrix's scales: name + SCALE_SUFFI
 MATRIX_NAMES = (".w_qkv", ".w_o", ".w_gate_up", ".w_down", ".w_experts_gate_up", ".w_experts_down", "lm_head")
 
 
+def fp8_matrices(weight_names, tied: bool) -> list[str]:
+    """The weights an FP8 lowering stores as e4m3 (its ``fp8`` buffers), from a model's weight
+    names (runtime/weights.py: weight_shapes) without lowering it: its matrices, and "lm_head",
+    which a tied embedding gets as an FP8 copy."""
+    names = [n for n in weight_names if n.endswith(MATRIX_NAMES)]
+    return names + ["lm_head"] if tied and "lm_head" not in names else names
+
+
 def is_fp8(fmt: str) -> bool:
     return fmt in ("fp8", "fp8-block")
 
@@ -61,15 +69,12 @@ def stored_bytes(weights: dict[str, tuple[int, ...]], fmt: str, tied: bool) -> i
     """Device bytes of a model's weights (name -> shape, runtime/weights.py: weight_shapes) in
     format ``fmt``: its matrices in FP8 with their scales, the rest bf16; a tied embedding's FP8
     copy for the LM head included."""
+    fp8 = set(fp8_matrices(weights, tied)) if is_fp8(fmt) else set()
     total = 0
-    for name, shape in weights.items():
+    for name in [*weights, *(["lm_head"] if "lm_head" in fp8 and "lm_head" not in weights else [])]:
+        shape = weights.get(name) or weights["embed"]
         numel = math.prod(shape)
-        total += 2 * numel
-        if is_fp8(fmt) and name.endswith(MATRIX_NAMES):
-            total -= numel - 4 * math.prod(scale_shape(fmt, shape))
-    if is_fp8(fmt) and tied and "embed" in weights:
-        shape = weights["embed"]
-        total += math.prod(shape) + 4 * math.prod(scale_shape(fmt, shape))
+        total += numel + 4 * math.prod(scale_shape(fmt, shape)) if name in fp8 else 2 * numel
     return total
 
 
