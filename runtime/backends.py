@@ -33,7 +33,7 @@ import torch
 
 from mkc.ir.spec import ModelSpec
 from mkc.runtime.prefill import FastPrefill, PagedKV, Prefill, PrefillSteps, SlabKV, SlotKV, run_to_end
-from mkc.schedule.plan import plan
+from mkc.schedule.plan_cache import cached_plan
 from mkc.schedule.schedule import Schedule
 
 log = logging.getLogger("mkc.backend")
@@ -254,11 +254,16 @@ class DecoderBackend:
 
 def compile_schedule(spec: ModelSpec, max_batch: int, context: int, num_sms: int, page_size: int = 0,
                      kv_pages: int = 0, weights: str = "bf16") -> Schedule:
-    """The backend's schedule; a paged cache gets ``kv_pages`` pages plus the scratch page;
+    """The backend's schedule, from the schedule cache where it was planned before
+    (mkc/schedule/plan_cache.py); a paged cache gets ``kv_pages`` pages plus the scratch page;
     ``weights``: the weight format (mkc/ir/fp8.py)."""
     lowering = {} if weights == "bf16" else {"weights": weights}
-    return plan(spec, max_batch, context, num_sms, page_size=page_size,
-                kv_pages=kv_pages + 1 if page_size and kv_pages else 0, **lowering)
+    t0 = time.monotonic()
+    sc, cached = cached_plan(spec, max_batch, context, num_sms, page_size=page_size,
+                             kv_pages=kv_pages + 1 if page_size and kv_pages else 0, **lowering)
+    log.info("schedule (batch %d, context %d) %s in %.1f s", max_batch, context,
+             "read from the schedule cache" if cached else "planned", time.monotonic() - t0)
+    return sc
 
 
 def step_batches(max_batch: int, batches: Sequence[int] | None) -> list[int]:

@@ -226,3 +226,45 @@ def test_a_sequential_dense_model_without_an_entry_ends_its_layers_in_its_gemvs(
     assert not any(t.op == Opcode.RESIDUAL for t in sc.tasks)
     line = next(ln for ln in format_summary(summary(sc, spec)).splitlines() if ln.startswith("layer end"))
     assert "chosen by a probe's step under shared bandwidth" in line, line
+
+
+def test_the_schedule_cache_gives_back_what_plan_made(tiny, tmp_path, monkeypatch):
+    """A second call with the same inputs reads the stored schedule (plan() is not called again) and
+    it equals plan()'s, JSON for JSON; an entry that cannot be read is planned again and replaced."""
+    from mkc.schedule import plan_cache
+
+    fresh = json.loads(json.dumps(plan(tiny, 2, 64, 8).to_json()))
+    sc, cached = plan_cache.cached_plan(tiny, 2, 64, 8, cache_dir=tmp_path)
+    assert cached is False and json.loads(json.dumps(sc.to_json())) == fresh
+    (entry,) = (tmp_path / "schedules").iterdir()
+
+    def no_plan(*a, **kw):
+        raise AssertionError("planned again although the cache holds the schedule")
+
+    monkeypatch.setattr(plan_cache, "plan", no_plan)
+    sc, cached = plan_cache.cached_plan(tiny, 2, 64, 8, cache_dir=tmp_path)
+    assert cached is True and json.loads(json.dumps(sc.to_json())) == fresh
+    monkeypatch.undo()
+    entry.write_bytes(b"not gzip")
+    sc, cached = plan_cache.cached_plan(tiny, 2, 64, 8, cache_dir=tmp_path)
+    assert cached is False and json.loads(json.dumps(sc.to_json())) == fresh
+    assert plan_cache.cached_plan(tiny, 2, 64, 8, cache_dir=tmp_path)[1] is True
+
+
+def test_the_schedule_cache_plans_again_when_an_input_of_plan_changes(tiny, tmp_path, monkeypatch):
+    """The key covers the point, the lowering, the ceilings and the tuning tables plan() reads."""
+    from mkc.schedule.plan_cache import plan_key
+
+    base = plan_key(tiny, 2, 64, 8)
+    assert plan_key(tiny, 2, 64, 8) == base
+    changed = [plan_key(tiny, 1, 64, 8), plan_key(tiny, 2, 128, 8), plan_key(tiny, 2, 64, 16),
+               plan_key(tiny, 2, 64, 8, page_size=16, kv_pages=9), plan_key(tiny, 2, 64, 8, attention_sms=2),
+               plan_key(tiny, 2, 64, 8, ceilings=dataclasses.replace(H200, read_bw=3.05e12)),
+               plan_key(tiny, 2, 64, 8, weights="fp8"), plan_key(dataclasses.replace(tiny, norm_eps=1e-5), 2, 64, 8)]
+    assert len({base, *changed}) == len(changed) + 1
+    table = tmp_path / "tuning.json"
+    monkeypatch.setenv("MKC_TUNING_FILE", str(table))
+    table.write_text("{}")
+    empty = plan_key(tiny, 2, 64, 8)
+    table.write_text(json.dumps({"x/b2/c64/sms8/page0": {"attention_sms": 0}}))
+    assert plan_key(tiny, 2, 64, 8) != empty
