@@ -50,6 +50,9 @@
 # --fp8 (limits 20 + 200 + 330 = 550 s): pip, the FP8 GPU tests (tests/test_fp8_gpu.py: the kernel
 #   against the CPU executor on FP8 weights, e4m3 subnormals included; North Mini Code against the
 #   mirror), then mkc bench --weights bf16,fp8 at batch 1,2,4,8, context 8192 (bench_fp8).
+# --fp8-tune (limits 20 + 280 + 280 = 580 s): pip, then mkc bench --tune --weights fp8 at batch 1 and
+#   at batch 8, context 8192 (tune_fp8_b1, tune_fp8_b8): FP8 schedules timed and recorded in
+#   $OUT/tuning.json (MKC_TUNING_FILE), to merge into configs/tuning/ (their keys end in "+fp8").
 # --models (limits 20 + 130 x 4 = 540 s): pip, then mkc bench at batch 1 and 8, context 8192, for
 #   Qwen3-30B-A3B, Qwen3-0.6B, TinyLlama-1.1B and SmolLM2-135M (one stage each), beside the
 #   CUDA-graph PyTorch step of the same run (issue 62's table).
@@ -71,9 +74,10 @@ for arg in "$@"; do
     --serve) mode=serve ;;
     --serve-long) mode=serve_long ;;
     --fp8) mode=fp8 ;;
+    --fp8-tune) mode=fp8_tune ;;
     --models) mode=models ;;
     *) echo "usage: OUT=DIR bash benchmarks/gpu_session.sh [--quick | --bench | --long | --reads | --prefill | --serve |" \
-            "--serve-long | --fp8 | --models]" >&2
+            "--serve-long | --fp8 | --fp8-tune | --models]" >&2
        exit 2 ;;
   esac
 done
@@ -154,6 +158,12 @@ fi
 if [ "$mode" = fp8 ]; then
   stage fp8_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_fp8_gpu.py
   bench bench_fp8 330 --batch 1,2,4,8 --context 8192 --weights bf16,fp8
+  exit 0
+fi
+if [ "$mode" = fp8_tune ]; then
+  export MKC_TUNING_FILE=$OUT/tuning.json
+  bench tune_fp8_b1 280 --batch 1 --context 8192 --weights fp8 --tune
+  bench tune_fp8_b8 280 --batch 8 --context 8192 --weights fp8 --tune
   exit 0
 fi
 if [ "$mode" = models ]; then

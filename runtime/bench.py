@@ -407,7 +407,8 @@ def run_bench(spec: ModelSpec, weights: dict[str, torch.Tensor], batches: list[i
                         if engine == "mkc":
                             tuned = _tune(spec, weights, batch, context, sms=sms, bw=bw, reps=reps,
                                           page_size=page_size, log=log, rounds=tune_rounds,
-                                          tiles=tune_tiles, every_count=tune_every_count) if tune else None
+                                          tiles=tune_tiles, every_count=tune_every_count,
+                                          weights_format=weights_format) if tune else None
                             if tuned and profile_dir is None:  # the fastest count's run is the row
                                 for line in tuned[2]:
                                     log(line)
@@ -448,7 +449,7 @@ def tune_attention_sms(spec: ModelSpec, weights: dict[str, torch.Tensor], batch:
 
 def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context: int, *, sms: int, bw: float,
           reps: int, page_size: int, log, rounds: int = 1, tiles: bool = False,
-          every_count: bool = False) -> tuple[int, Row, list[str]] | None:
+          every_count: bool = False, weights_format: str = "bf16") -> tuple[int, Row, list[str]] | None:
     """tune_attention_sms, also returning the fastest count's row and the lines its run logged
     (so that mkc bench --tune reports that run instead of timing the count again). The search is
     mkc/schedule/tune.py's; this times each schedule it asks for."""
@@ -469,7 +470,7 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
 
     chosen = run_tune(spec, batch, context, sms, page_size, time=time, log=log, rounds=rounds, reps=reps,
                       gpu=lambda: torch.cuda.get_device_name(0), tiles=tiles, every_count=every_count,
-                      build_errors=(CodegenError, SpecError))
+                      build_errors=(CodegenError, SpecError), weights=weights_format)
     return None if chosen is None else (chosen.attention_sms, *runs[chosen])
 
 
@@ -597,10 +598,6 @@ def bench_main(a) -> int:
     if a.page_size > min(contexts):
         print(f"mkc: error: --page-size {a.page_size} is longer than the context {min(contexts)}: expected a page "
               f"of at most the shortest context", file=sys.stderr)
-        return 2
-    if getattr(a, "tune", False) and formats != ["bf16"]:
-        print(f"mkc: error: --tune with --weights {','.join(formats)}: the tuner times bf16 schedules: expected "
-              f"--weights bf16", file=sys.stderr)
         return 2
     if not cuda_available():
         print("mkc: error: bench needs a CUDA GPU and none is usable here: expected an H100/H200 (sm_90a)",

@@ -361,6 +361,37 @@ def test_tune_times_every_candidate_and_records_the_fastest(tiny, tuning_file, t
     assert plan(tiny, 2, 40, 16, global_attention_sms=0).meta["global_attention_sms"] == 0
 
 
+
+def test_an_fp8_tune_records_its_own_entry_and_fp8_plans_take_bf16s_until_then(tiny, tuning_file, timed_on_an_h200):
+    """FP8 weights are their own model in the tuning table: with only a bf16 entry, an FP8 plan takes
+    it and says it was measured with bf16 weights; mkc bench --tune --weights fp8 times FP8 schedules
+    and records them apart, leaving the bf16 entry as it was."""
+    from mkc.schedule.visualize import format_summary, summary
+
+    other = next(a for a in attention_sms_candidates(tiny, 2, 16) if a not in (0, 4))
+    tuning.record(tuning.tuning_key(tiny, 2, 40, 16), entry(other))
+    assert tuning.tuning_key(tiny, 2, 40, 16, weights="fp8") != tuning.tuning_key(tiny, 2, 40, 16)
+    sc = plan(tiny, 2, 40, 16, weights="fp8")
+    meta = sc.meta["attention_sms"]
+    assert (meta["chosen"], meta["chosen_by"], meta["measured_lowering"]["weights"]) == (other, "measured", "bf16")
+    assert "measured under weights=bf16 (this compile: weights=fp8)" in format_summary(summary(sc, tiny))
+    timed = []
+
+    def fake_row(spec, w, b, c, *, attention_sms, **kw):
+        timed.append(kw.get("weights"))
+        return bench.row("mkc", b, c, [1e-4 * (1 + abs(attention_sms - 4))], 10**6, 4e12)
+
+    timed_on_an_h200(fake_row)
+    best = bench._tune(tiny, {}, 2, 40, sms=16, bw=4e12, reps=3, page_size=0, log=print, weights_format="fp8")
+    assert best[0] == 4 and timed and set(timed) == {"fp8"}
+    table = json.loads(tuning_file.read_text())
+    assert table[tuning.tuning_key(tiny, 2, 40, 16)] == entry(other)
+    fp8 = table[tuning.tuning_key(tiny, 2, 40, 16, weights="fp8")]
+    assert fp8["attention_sms"] == 4 and fp8["lowering"]["weights"] == "fp8"
+    meta = plan(tiny, 2, 40, 16, weights="fp8").meta["attention_sms"]
+    assert (meta["chosen"], meta["measured_lowering"]["weights"]) == (4, "fp8")
+    assert plan(tiny, 2, 40, 16).meta["attention_sms"]["chosen"] == other
+
 def test_a_re_tune_keeps_the_entry_its_choice_does_not_beat_side_by_side(tiny, tuning_file, timed_on_an_h200, tmp_path):
     """A tune at a point with an entry times the entry's schedule and its own choice in turn at the
     end (two runs each) and keeps the entry unless its choice runs faster there: here its choice, 8

@@ -237,12 +237,15 @@ def plan_choices(spec: ModelSpec, batch: int, context: int, num_sms: int, page_s
     without the count (see plan). Where this context has no entry, the nearest measured context's
     (tuning.nearest; ``measured_at_context``) applies, its global layers' splits scaled
     (transferred_global_count). Unless the caller gives the count or ``residual_in_o_proj``, a
-    measured entry's choice of it is ``how[RESIDUAL_IN_O_PROJ]`` (absent from the entry: False)."""
+    measured entry's choice of it is ``how[RESIDUAL_IN_O_PROJ]`` (absent from the entry: False).
+    FP8 weights take their own format's entries first, then bf16's (this model's, measured with the
+    other weights: ``how["measured_lowering"]["weights"]`` says so)."""
     given = frozenset(lowering)  # the caller's lowering choices: an entry's do not replace them
     lowering = lowering_choices(lowering)
     how: dict[str, Any] = {"chosen_by": "asked", "probe_predicted_us": {}}
-    key = tuning.tuning_key(spec, batch, context, num_sms, page_size)
-    found = tuning.lookup(key)
+    keys = {w: tuning.tuning_key(spec, batch, context, num_sms, page_size, w)
+            for w in dict.fromkeys((str(lowering["weights"]), "bf16"))}
+    found = next((e for e in map(tuning.lookup, keys.values()) if e), None)
     measured = tuning.TuningEntry.from_json(found) if found else None
     if attention_sms is not None:
         # an asked count takes none of an entry's choices (the raise, spread, layer end, splits and
@@ -252,12 +255,16 @@ def plan_choices(spec: ModelSpec, batch: int, context: int, num_sms: int, page_s
             how["entry_not_applied"] = measured.attention_sms
         return attention_sms, ceilings, how
     counts = attention_sms_candidates(spec, batch, num_sms)
-    measured_context = context
-    if not (measured and measured.attention_sms in counts):
-        # nothing measured here: the choices measured at the nearest context of this batch, if any
+    measured_context, measured, measured_weights = context, None, None
+    for weights, key in keys.items():  # here, else at the nearest measured context of this batch
+        found = tuning.lookup(key)
+        if found and tuning.TuningEntry.from_json(found).attention_sms in counts:
+            measured, measured_weights = tuning.TuningEntry.from_json(found), weights
+            break
         near = tuning.nearest(key)
-        if near:
-            measured_context, measured = near[0], tuning.TuningEntry.from_json(near[1])
+        if near and tuning.TuningEntry.from_json(near[1]).attention_sms in counts:
+            measured_context, measured, measured_weights = near[0], tuning.TuningEntry.from_json(near[1]), weights
+            break
     if not (measured and measured.attention_sms in counts):
         attention_sms, tried = choose_attention_sms(spec, batch, context, num_sms, page_size, kv_pages,
                                                     ceilings, **lowering)
@@ -279,6 +286,8 @@ def plan_choices(spec: ModelSpec, batch: int, context: int, num_sms: int, page_s
         return attention_sms, ceilings, how
     how = {"chosen_by": "measured", **_measured_choices(spec, batch, context, num_sms, measured, measured_context,
                                                         ceilings == H200, given, lowering["fused_experts"])}
+    if measured_weights != lowering["weights"]:  # another format's entry: the summary names the format
+        how["measured_lowering"] = {**(how["measured_lowering"] or {}), "weights": measured_weights}
     if ceilings == H200:  # the entry's raise and spread, unless the caller asked for other ceilings
         ceilings = dataclasses.replace(ceilings, **{k: how[k] for k in (INPUTS_FIRST, SPLITS_FIRST, SPREAD)
                                                     if k in how})

@@ -76,6 +76,7 @@ class Candidate:
     global_attention_sms: int = 0  # LowerOptions.global_attention_sms (0: as the other layers)
     up_rows: tuple[int, ...] = ()  # LowerOptions.expert_up_rows (): the tiling rule's
     down_rows: int = 0  # LowerOptions.expert_down_rows (0: the tiling rule's)
+    weights: str = "bf16"  # LowerOptions.weights: the weight format, the same for every candidate of a tune
 
     def ceilings(self) -> Ceilings:
         return dataclasses.replace(H200, attention_inputs_first_us=self.raise_us, splits_first=self.splits_first,
@@ -86,7 +87,8 @@ class Candidate:
         return {**({RESIDUAL_IN_O_PROJ: True} if self.residual_in_o_proj else {}),
                 **({GLOBAL_ATTENTION_SMS: self.global_attention_sms} if self.global_attention_sms else {}),
                 **({EXPERT_UP_ROWS: self.up_rows} if self.up_rows else {}),
-                **({EXPERT_DOWN_ROWS: self.down_rows} if self.down_rows else {})}
+                **({EXPERT_DOWN_ROWS: self.down_rows} if self.down_rows else {}),
+                **({"weights": self.weights} if self.weights != "bf16" else {})}
 
     def describe(self) -> str:
         """In words, as mkc bench --tune logs its choice."""
@@ -126,8 +128,9 @@ class Tuner:
 
     def __init__(self, spec: ModelSpec, batch: int, context: int, sms: int, page_size: int, *, time: Timer,
                  log: Callable[[str], object], rounds: int, reps: int, gpu: Callable[[], str],
-                 build_errors: tuple[type, ...]):
+                 build_errors: tuple[type, ...], weights: str = "bf16"):
         self.spec, self.batch, self.context, self.sms, self.page_size = spec, batch, context, sms, page_size
+        self.weights = weights
         self.time, self.log, self.rounds, self.reps, self.gpu = time, log, rounds, reps, gpu
         self.build_errors = build_errors
         self.times: dict[Candidate, list[float]] = {}  # every timed step, in the order run (µs)
@@ -138,9 +141,9 @@ class Tuner:
         self.counts: list[int] = []  # those timed
         self.not_timed: dict[int, float] = {}  # count -> its simulated probe step (µs), where left out
         self.tile_choice: tuple[list[tuple[int, ...]], list[int]] | None = None
-        self.chosen = Candidate(0)
+        self.chosen = Candidate(0, weights=weights)
         self.entry = tuning.TuningEntry()
-        self.key = tuning.tuning_key(spec, batch, context, sms, page_size)
+        self.key = tuning.tuning_key(spec, batch, context, sms, page_size, weights)
 
     def say(self, line: str) -> None:
         self.log(f"batch {self.batch} context {self.context}: {line}")
@@ -192,7 +195,8 @@ class Tuner:
         planner's); returns the path written."""
         by = None if done is None else f"mkc bench --tune, stopped after {done} (the rest: the planner's own)"
         return tuning.record(self.key, dataclasses.replace(self.entry, by=by, gpu=self.gpu(), reps=self.reps,
-                                                           rounds=self.rounds, lowering=dict(DEFAULT_LOWERING),
+                                                           rounds=self.rounds,
+                                                           lowering={**DEFAULT_LOWERING, "weights": self.weights},
                                                            date=_now()))
 
 
@@ -288,7 +292,8 @@ def _down_record(t: Tuner, down: int, med: dict[int, float]) -> dict[str, Any]:
 
 
 ATTENTION_SMS = Decision(
-    "the attention SMs", _count_options, lambda c, a: Candidate(a, up_rows=c.up_rows, down_rows=c.down_rows),
+    "the attention SMs", _count_options, lambda c, a: Candidate(a, up_rows=c.up_rows, down_rows=c.down_rows,
+                                                             weights=c.weights),
     lambda t, a: f"{a} attention SMs", lambda t, a: a,
     lambda t, a, med: {"attention_sms": a, "measured_us": {str(n): _us(us) for n, us in med.items()},
                        "not_timed_simulated_us": {str(n): us for n, us in t.not_timed.items()} or None})
@@ -333,7 +338,8 @@ TILE_DECISIONS = (UP_ROWS, DOWN_ROWS)
 
 def run_tune(spec: ModelSpec, batch: int, context: int, sms: int, page_size: int, *, time: Timer,
              log: Callable[[str], object], rounds: int = 1, reps: int, gpu: Callable[[], str], tiles: bool = False,
-             every_count: bool = False, build_errors: tuple[type, ...] = ()) -> Candidate | None:
+             every_count: bool = False, build_errors: tuple[type, ...] = (),
+             weights: str = "bf16") -> Candidate | None:
     """Choose and record (tuning.record) the fastest schedule at this point, timing each with
     ``time``: DECISIONS in order (and TILE_DECISIONS with ``tiles``); the schedule that the entry
     now records (None where the planner has one candidate count). Unless ``every_count``, the counts
@@ -342,6 +348,8 @@ def run_tune(spec: ModelSpec, batch: int, context: int, sms: int, page_size: int
     options in turn that many times and compares medians (the entry's times are those medians).
     ``build_errors``: what ``time`` raises for a schedule that cannot be built (a decision that
     allows it keeps its first option). ``reps`` and the name ``gpu`` gives are recorded beside the choices.
+    ``weights``: the weight format every schedule is lowered with; its entries are its own
+    (tuning.tuning_key).
 
     Where the point had an entry measured here, its schedule and the tune's choice are then timed
     side by side (keep_the_faster), and the entry stays unless the tune's choice is faster. Where
@@ -349,12 +357,13 @@ def run_tune(spec: ModelSpec, batch: int, context: int, sms: int, page_size: int
     schedule is timed with them, so that the entry records a schedule that ran (a re-tune timed
     with the rule's rows and recorded beside another tool's ran 2.9% slower than its old entry)."""
     t = Tuner(spec, batch, context, sms, page_size, time=time, log=log, rounds=rounds, reps=reps, gpu=gpu,
-              build_errors=build_errors)
+              build_errors=build_errors, weights=weights)
     t.every = t.counts = attention_sms_candidates(spec, batch, sms)
     if len(t.every) == 1:
         return None
     if not every_count:
-        _, simulated = planner.choose_attention_sms(spec, batch, context, sms, page_size=page_size)
+        _, simulated = planner.choose_attention_sms(spec, batch, context, sms, page_size=page_size,
+                                                    **Candidate(0, weights=weights).lowering())
         fastest = min(simulated.values())
         t.not_timed = {a: us for a, us in simulated.items() if us > fastest * (1 + TUNE_SIMULATED_MARGIN)}
         for a, us in t.not_timed.items():
@@ -390,12 +399,12 @@ def _incumbent(t: Tuner, before: tuning.TuningEntry | None) -> tuple[Candidate |
     (None where it has none)."""
     if before is None:
         return None, ((), 0), None
-    a, c, how = plan_choices(t.spec, t.batch, t.context, t.sms, t.page_size)
+    a, c, how = plan_choices(t.spec, t.batch, t.context, t.sms, t.page_size, **t.chosen.lowering())
     here = how.get("chosen_by") == "measured" and "measured_at_context" not in how
     rows = (tuple(how.get(EXPERT_UP_ROWS, ())), int(how.get(EXPERT_DOWN_ROWS, 0)))
     incumbent = Candidate(a, c.attention_inputs_first_us, c.splits_first, c.spread_siblings,
                           bool(how.get(RESIDUAL_IN_O_PROJ)), int(how.get(GLOBAL_ATTENTION_SMS, 0)),
-                          *rows) if here else None
+                          *rows, t.weights) if here else None
     kept = {f: v for f in ("expert_up_rows", "expert_up_measured_us", "expert_up_by", "expert_down_rows",
                            "expert_down_measured_us", "expert_down_by") if (v := getattr(before, f)) is not None}
     return incumbent, rows, tuning.TuningEntry(**kept) if kept else None

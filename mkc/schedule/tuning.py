@@ -114,11 +114,15 @@ def row_list(text: str) -> tuple[int, ...]:
                  for size, _, count in [term.partition("x")] for _ in range(int(count or 1)))
 
 
-def tuning_key(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int = 0) -> str:
-    """What a measured choice depends on. Not the page pool's size: it changes no tile, so a
-    server's pool (mkc serve) uses what mkc bench --tune measured at its page size."""
+def tuning_key(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int = 0,
+               weights: str = "bf16") -> str:
+    """What a measured choice depends on; a weight format other than bf16 (mkc/ir/fp8.py) is its own
+    model ("+fp8" after the digest), so that its choices are measured apart. Not the page pool's
+    size: it changes no tile, so a server's pool (mkc serve) uses what mkc bench --tune measured at
+    its page size."""
     digest = hashlib.sha256(json.dumps(spec.to_yaml_dict(), sort_keys=True).encode()).hexdigest()[:16]
-    return f"{spec.name}-{digest}/b{batch}/c{context}/sms{num_sms}/page{page_size}"
+    model = f"{spec.name}-{digest}" + ("" if weights == "bf16" else f"+{weights}")
+    return f"{model}/b{batch}/c{context}/sms{num_sms}/page{page_size}"
 
 
 def load(path: Path | None = None) -> dict[str, Any]:
