@@ -896,8 +896,8 @@ __device__ void op_expert_down_split(const Task& t, unsigned char* smem) {
         const int n0 = 2 * (threadIdx.x % 4);
         const float wt0 = rt.weight(n0, e), wt1 = rt.weight(n0 + 1, e);
         const int w_ld = t.dim(O::weight, 1), w_rows = t.dim(O::weight, 2);
-        const bf16* const w[1] = {t.ptr<bf16>(O::weight) + (size_t)e * w_rows * w_ld +
-                                  weight_tile_offset(row0, k0, w_ld)};
+        const wt* const w[1] = {t.ptr<wt>(O::weight) + (size_t)e * w_rows * w_ld +
+                                weight_tile_offset(row0, k0, w_ld)};
         const auto epi = [&](int r0, float (&acc)[1][4]) {
             for_fragment(r0, acc[0], rows, [&](int r, int n, float v) {
                 const float wt = (n & 1) ? wt1 : wt0;
@@ -905,7 +905,8 @@ __device__ void op_expert_down_split(const Task& t, unsigned char* smem) {
             });
         };
         gemv_tile<1>(w, w_ld, rows, k, xs, gemv_red(smem), epi,
-                     WaitCopySliceFinish{t, xs, h, h_ld, k0, k, routed ? 0 : 1});
+                     with_scales<wt, 1>(WaitCopySliceFinish{t, xs, h, h_ld, k0, k, routed ? 0 : 1}, t, O::weight, e,
+                                        {row0}, k0));
     }
 }
 

@@ -40,13 +40,20 @@ def num_sms() -> int:
     return torch.cuda.get_device_properties(0).multi_processor_count
 
 
-def _tiny_fp8(fmt: str, batch: int, num_sms: int, *, subnormal: bool = False):
+def _tiny_fp8(fmt: str, batch: int, num_sms: int, *, subnormal: bool = False, split: bool = False):
+    """The tiny model's plan and FP8 weights; ``split``: its experts 256 wide, their down projection
+    split along k into 64-column parts (EXPERT_DOWN_SPLIT, as Mixtral-8x7B's)."""
+    from mkc.ir.lower import lower
     from mkc.runtime.quantize import fp8_weights
     from mkc.runtime.weights import random_weights
+    from mkc.schedule.scheduler import schedule
 
     spec = load_spec(TINY)
+    if split:
+        spec = dataclasses.replace(spec, moe=dataclasses.replace(spec.moe, intermediate=256))
     w = random_weights(spec, seed=7, dtype=torch.float32, std=0.1)
-    sc = plan(spec, batch, 24, num_sms, weights=fmt)
+    sc = (schedule(lower(spec, batch, 24, num_sms, weights=fmt, max_gemv_k=64), spec.name) if split
+          else plan(spec, batch, 24, num_sms, weights=fmt))
     if subnormal:  # one large element per row: the rest of the row quantises to e4m3 subnormals (and zeros)
         for name, b in sc.buffers.items():
             if b.dtype == "fp8" and name in w:
@@ -59,16 +66,18 @@ def _tiny_fp8(fmt: str, batch: int, num_sms: int, *, subnormal: bool = False):
     return spec, sc, w8
 
 
-@pytest.mark.parametrize("subnormal", [False, True], ids=["normal", "subnormal"])
+@pytest.mark.parametrize("subnormal, split", [(False, False), (True, False), (False, True)],
+                         ids=["normal", "subnormal", "k-split"])
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("batch", [1, 2, 8])
-def test_tiny_fp8_step_matches_cpu_executor(num_sms, batch, fmt, subnormal):
+def test_tiny_fp8_step_matches_cpu_executor(num_sms, batch, fmt, subnormal, split):
     """Logits and next token of one step at positions within and past the sliding window, from a
-    random KV cache: the megakernel on FP8 weights against the CPU executor on the same ones."""
+    random KV cache: the megakernel on FP8 weights against the CPU executor on the same ones (also
+    with the experts' down projection split along k)."""
     from mkc.runtime.cuda_backend import CudaDecoder
     from mkc.schedule.executor import CpuExecutor
 
-    spec, sc, w8 = _tiny_fp8(fmt, batch, num_sms, subnormal=subnormal)
+    spec, sc, w8 = _tiny_fp8(fmt, batch, num_sms, subnormal=subnormal, split=split)
     dec = CudaDecoder(sc, spec, w8)
     ex = CpuExecutor(sc, spec, w8, dtype=torch.bfloat16)
     gen = torch.Generator().manual_seed(batch)

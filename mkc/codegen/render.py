@@ -385,9 +385,9 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
     if is_fp8(weight_format) and not tiled:
         raise CodegenError(f"--weights {weight_format}: FP8 weights are read in tile order only, and "
                            f"{problem or 'weight_layout = rows was asked for'}: expected bf16 weights")
-    if is_fp8(weight_format) and (ragged or any(t.op == Opcode.EXPERT_DOWN_SPLIT for t in schedule.tasks)):
-        raise CodegenError(f"--weights {weight_format}: a reduction off the 64-column blocks, or an expert down "
-                           f"projection split along k, reads bf16 weights only: expected --weights bf16")
+    if is_fp8(weight_format) and ragged:
+        raise CodegenError(f"--weights {weight_format}: a reduction off the 64-column blocks reads bf16 weights "
+                           f"only: expected --weights bf16")
     cfg = KernelConfig(
         threads=THREADS, batch=schedule.batch, hidden=spec.hidden_size, head_dim=a.head_dim,
         page_size=page_size_of(schedule.buffers), group=group, top_k=top_k,
