@@ -438,18 +438,18 @@ def run_bench(spec: ModelSpec, weights: dict[str, torch.Tensor], batches: list[i
 
 def tune_attention_sms(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context: int, *, sms: int,
                        bw: float, reps: int, page_size: int = 0, log=print, rounds: int = 1,
-                       tiles: bool = False, every_count: bool = False) -> int | None:
+                       tiles: bool = False, every_count: bool = False) -> int:
     """Tune the schedule at this point on this GPU (mkc/schedule/tune.py: run_tune, which says what
-    it times and records) and return the attention-SM count it records; None when there is only one
-    candidate. Every schedule runs the same tokens and KV cache."""
+    it times and records) and return the attention-SM count it records (0 for a sequential block,
+    whose other choices it times). Every schedule runs the same tokens and KV cache."""
     best = _tune(spec, weights, batch, context, sms=sms, bw=bw, reps=reps, page_size=page_size, log=log,
                  rounds=rounds, tiles=tiles, every_count=every_count)
-    return best[0] if best else None
+    return best[0]
 
 
 def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context: int, *, sms: int, bw: float,
           reps: int, page_size: int, log, rounds: int = 1, tiles: bool = False,
-          every_count: bool = False, weights_format: str = "bf16") -> tuple[int, Row, list[str]] | None:
+          every_count: bool = False, weights_format: str = "bf16") -> tuple[int, Row, list[str]]:
     """tune_attention_sms, also returning the fastest count's row and the lines its run logged
     (so that mkc bench --tune reports that run instead of timing the count again). The search is
     mkc/schedule/tune.py's; this times each schedule it asks for."""
@@ -471,7 +471,7 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
     chosen = run_tune(spec, batch, context, sms, page_size, time=time, log=log, rounds=rounds, reps=reps,
                       gpu=lambda: torch.cuda.get_device_name(0), tiles=tiles, every_count=every_count,
                       build_errors=(CodegenError, SpecError), weights=weights_format)
-    return None if chosen is None else (chosen.attention_sms, *runs[chosen])
+    return chosen.attention_sms, *runs[chosen]
 
 
 def _megakernel_row(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context: int, *, sms: int,

@@ -750,11 +750,32 @@ def test_tune_every_count_times_the_counts_the_simulation_puts_far_behind(tiny, 
     assert "not_timed_simulated_us" not in json.loads(tuning_file.read_text())[key]
 
 
-def test_tune_skips_a_point_with_one_candidate(monkeypatch, tuning_file):
-    spec = load_spec("configs/mixtral_tiny.yaml")
-    monkeypatch.setattr(bench, "_megakernel_row", lambda *a, **kw: pytest.fail("nothing to time"))
-    assert bench.tune_attention_sms(spec, {}, 1, 64, sms=16, bw=4e12, reps=3, log=print) is None
-    assert not tuning_file.exists()
+def test_tune_times_a_sequential_blocks_other_choices(tuning_file, timed_on_an_h200):
+    """A sequential block has one attention-SM count (0): the tune times it once, then the choices
+    that do apply (here the layer's end: the residual added by the O-projection, faked 10% faster),
+    records them, and the planner then takes the entry instead of its probes."""
+    spec = load_spec(ROOT / "configs" / "mixtral_tiny.yaml")
+    assert attention_sms_candidates(spec, 1, 16) == [0]
+    timed = []
+
+    def fake_row(spec, w, b, c, *, attention_sms, **kw):
+        timed.append((attention_sms, bool(kw.get("residual_in_o_proj"))))
+        return bench.row("mkc", b, c, [1e-4 * (0.9 if kw.get("residual_in_o_proj") else 1.0)], 10**6, 4e12)
+
+    timed_on_an_h200(fake_row)
+    logs = []
+    assert bench.tune_attention_sms(spec, {}, 1, 64, sms=16, bw=4e12, reps=3, log=logs.append) == 0
+    assert timed[:2] == [(0, False), (0, True)] and all(a == 0 for a, _ in timed)
+    rec = json.loads(tuning_file.read_text())[tuning.tuning_key(spec, 1, 64, 16)]
+    assert rec["attention_sms"] == 0 and rec["measured_us"] == {"0": 100.0}
+    assert rec["residual_in_o_proj"] is True and rec["residual_in_o_proj_measured_us"] == {"off": 100.0, "on": 90.0}
+    assert any("fastest with 0 attention SMs and the residual added by the O-projection" in ln for ln in logs)
+    sc = plan(spec, 1, 64, 16)
+    assert sc.meta["attention_sms"]["chosen_by"] == "measured" and sc.meta["residual_in_o_proj"] is True
+    from mkc.schedule.visualize import format_summary, summary
+
+    assert "the only count (a sequential block); timed by mkc bench --tune on NVIDIA H200" in format_summary(
+        summary(sc, spec))
 
 
 @pytest.mark.parametrize("profiled", [False, True])

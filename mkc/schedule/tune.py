@@ -339,10 +339,11 @@ TILE_DECISIONS = (UP_ROWS, DOWN_ROWS)
 def run_tune(spec: ModelSpec, batch: int, context: int, sms: int, page_size: int, *, time: Timer,
              log: Callable[[str], object], rounds: int = 1, reps: int, gpu: Callable[[], str], tiles: bool = False,
              every_count: bool = False, build_errors: tuple[type, ...] = (),
-             weights: str = "bf16") -> Candidate | None:
+             weights: str = "bf16") -> Candidate:
     """Choose and record (tuning.record) the fastest schedule at this point, timing each with
     ``time``: DECISIONS in order (and TILE_DECISIONS with ``tiles``); the schedule that the entry
-    now records (None where the planner has one candidate count). Unless ``every_count``, the counts
+    now records. A sequential block has one attention-SM count (0): it is timed once, as the
+    schedule the other decisions start from. Unless ``every_count``, the counts
     whose simulated probe step is more than TUNE_SIMULATED_MARGIN above the fastest count's are left
     out (the entry records their simulated steps). With ``rounds`` > 1 each decision times its
     options in turn that many times and compares medians (the entry's times are those medians).
@@ -359,9 +360,7 @@ def run_tune(spec: ModelSpec, batch: int, context: int, sms: int, page_size: int
     t = Tuner(spec, batch, context, sms, page_size, time=time, log=log, rounds=rounds, reps=reps, gpu=gpu,
               build_errors=build_errors, weights=weights)
     t.every = t.counts = attention_sms_candidates(spec, batch, sms)
-    if len(t.every) == 1:
-        return None
-    if not every_count:
+    if len(t.every) > 1 and not every_count:
         _, simulated = planner.choose_attention_sms(spec, batch, context, sms, page_size=page_size,
                                                     **Candidate(0, weights=weights).lowering())
         fastest = min(simulated.values())

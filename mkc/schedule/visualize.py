@@ -308,9 +308,9 @@ def _attention_sms_row(d: dict[str, Any]) -> str:
         timed = ", ".join(f"{k}: {v:.1f}" for k, v in sorted(a["measured_us"].items(), key=lambda kv: int(kv[0])))
         there = (f" at context {a['measured_at_context']}, the nearest measured for this batch, whose "
                  f"choices this compile takes" if "measured_at_context" in a else "")
-        row = (f"{head}; measured fastest by {a.get('measured_by') or 'mkc bench --tune'} on {a['measured_on']}, "
-               f"{a['measured_at']}{there} "
-               f"(step µs by attention SMs: {timed})")
+        by = f"{a.get('measured_by') or 'mkc bench --tune'} on {a['measured_on']}, {a['measured_at']}{there}"
+        row = (f"{head}; measured fastest by {by} (step µs by attention SMs: {timed})" if len(a["measured_us"]) > 1
+               else f"{head}, the only count (a sequential block); timed by {by} (step µs: {timed})")
         if a.get("not_timed_simulated_us"):
             left = ", ".join(f"{k}: {v:.1f}" for k, v in sorted(a["not_timed_simulated_us"].items(),
                                                                 key=lambda kv: int(kv[0])))
