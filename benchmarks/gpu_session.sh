@@ -53,6 +53,10 @@
 # --fp8-tune (limits 20 + 280 + 280 = 580 s): pip, then mkc bench --tune --weights fp8 at batch 1 and
 #   at batch 8, context 8192 (tune_fp8_b1, tune_fp8_b8): FP8 schedules timed and recorded in
 #   $OUT/tuning.json (MKC_TUNING_FILE), to merge into configs/tuning/ (their keys end in "+fp8").
+# --qwen3-tune (limits 20 + 280 + 280 = 580 s): pip, then mkc bench --tune for Qwen3-30B-A3B at batch 1
+#   and at batch 8, context 8192 (tune_qwen3_b1, tune_qwen3_b8), recorded in $OUT/tuning.json: the
+#   compiler's own choices (its probe's layer end) among the schedules timed, beside the tune's pick
+#   (issue 62: the compiler's schedule within 10% of the tune's).
 # --models (limits 20 + 130 x 4 = 540 s): pip, then mkc bench at batch 1 and 8, context 8192, for
 #   Qwen3-30B-A3B, Qwen3-0.6B, TinyLlama-1.1B and SmolLM2-135M (one stage each), beside the
 #   CUDA-graph PyTorch step of the same run (issue 62's table).
@@ -75,9 +79,10 @@ for arg in "$@"; do
     --serve-long) mode=serve_long ;;
     --fp8) mode=fp8 ;;
     --fp8-tune) mode=fp8_tune ;;
+    --qwen3-tune) mode=qwen3_tune ;;
     --models) mode=models ;;
     *) echo "usage: OUT=DIR bash benchmarks/gpu_session.sh [--quick | --bench | --long | --reads | --prefill | --serve |" \
-            "--serve-long | --fp8 | --fp8-tune | --models]" >&2
+            "--serve-long | --fp8 | --fp8-tune | --qwen3-tune | --models]" >&2
        exit 2 ;;
   esac
 done
@@ -164,6 +169,14 @@ if [ "$mode" = fp8_tune ]; then
   export MKC_TUNING_FILE=$OUT/tuning.json
   bench tune_fp8_b1 280 --batch 1 --context 8192 --weights fp8 --tune
   bench tune_fp8_b8 280 --batch 8 --context 8192 --weights fp8 --tune
+  exit 0
+fi
+if [ "$mode" = qwen3_tune ]; then
+  export MKC_TUNING_FILE=$OUT/tuning.json
+  for b in 1 8; do
+    stage "tune_qwen3_b$b" 280 python3 -m mkc.cli bench --config configs/qwen3_30b_a3b.yaml --random-weights --reps 20 \
+      --batch $b --context 8192 --tune -o "$OUT/tune-qwen3-b$b"
+  done
   exit 0
 fi
 if [ "$mode" = models ]; then
