@@ -59,7 +59,8 @@
 #   (issue 62: the compiler's schedule within 10% of the tune's).
 # --models (limits 20 + 130 x 4 = 540 s): pip, then mkc bench at batch 1 and 8, context 8192, for
 #   Qwen3-30B-A3B, Qwen3-0.6B, TinyLlama-1.1B and SmolLM2-135M (one stage each), beside the
-#   CUDA-graph PyTorch step of the same run (issue 62's table).
+#   CUDA-graph PyTorch step of the same run (issue 62's table), each point also profiled (its per-task
+#   timeline, trace-b*-c8192.npz: benchmarks/calibrate_cost.py fits the cost model to several models).
 # The wheels: pip download -d .whl --python-version 3.12 --only-binary=:all: \
 #   --platform manylinux2014_x86_64 fastapi uvicorn httpx prometheus-client tqdm (carry .whl).
 set -u -o pipefail
@@ -182,7 +183,7 @@ fi
 if [ "$mode" = models ]; then
   for model in qwen3_30b_a3b qwen3_0_6b tinyllama_1_1b smollm2_135m; do
     stage "bench_$model" 130 python3 -m mkc.cli bench --config "configs/$model.yaml" --random-weights --reps 20 \
-      --batch 1,8 --context 8192 -o "$OUT/bench-$model"
+      --batch 1,8 --context 8192 --profile -o "$OUT/bench-$model"
   done
   exit 0
 fi
