@@ -60,7 +60,8 @@
 # --models (limits 20 + 130 x 4 = 540 s): pip, then mkc bench at batch 1 and 8, context 8192, for
 #   Qwen3-30B-A3B, Qwen3-0.6B, TinyLlama-1.1B and SmolLM2-135M (one stage each), beside the
 #   CUDA-graph PyTorch step of the same run (issue 62's table), each point also profiled (its per-task
-#   timeline, trace-b*-c8192.npz: benchmarks/calibrate_cost.py fits the cost model to several models).
+#   timeline, trace-b*-c8192.npz): python benchmarks/calibrate_models.py $OUT/bench-* sets the
+#   simulation beside each measured step and refits its fixed times over the four models.
 # The wheels: pip download -d .whl --python-version 3.12 --only-binary=:all: \
 #   --platform manylinux2014_x86_64 fastapi uvicorn httpx prometheus-client tqdm (carry .whl).
 set -u -o pipefail

@@ -6,6 +6,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+from conftest import ROOT, load_benchmark
 
 from mkc.ir.lower import lower
 from mkc.ir.ops import Opcode
@@ -232,3 +233,52 @@ def test_mkc_bench_records_the_simulated_step_at_its_runs_bandwidth(tiny_schedul
     bench.write_json([mk, base], tmp_path / "bench.json", {})
     rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
     assert [r["predicted_us"] for r in rows] == [101.5, None]
+
+
+def _profiled_bench(folder, model: str, batch: int, context: int, truth) -> float:
+    """An `mkc bench --profile -o folder` output for one point whose 'measured' step is the
+    simulation under the ceilings ``truth``: bench.json and the timeline by task id."""
+    import json
+
+    from mkc.ir.spec import load_spec
+    from mkc.schedule.plan import plan
+    from mkc.schedule.simulate import simulate
+
+    sc = plan(load_spec(ROOT / "configs" / f"{model}.yaml"), batch, context, 132)
+    start, end = simulate(sc, truth)
+    folder.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(folder / f"trace-b{batch}-c{context}.npz", op=np.array([int(t.op) for t in sc.tasks]),
+                        start=start, end=end)
+    step = float(end.max()) + truth.launch_in_graph * 1e6
+    (folder / "bench.json").write_text(json.dumps({"meta": {"model": model, "page_size": 0}, "rows": [
+        {"engine": "mkc", "batch": batch, "context": context, "step_us": step, "read_bw": truth.read_bw},
+        {"engine": "torch+graph", "batch": batch, "context": context, "step_us": 2 * step, "read_bw": truth.read_bw}]}))
+    return step
+
+
+def test_calibrate_models_refits_the_fixed_times_over_several_models(tmp_path, capsys):
+    """benchmarks/calibrate_models.py on two models' profiles made by the simulation itself with
+    every fixed time 3 µs longer than shipped: with the shipped times the simulation is fast on both,
+    with the times it refits over both it comes nearer each measured step; a profile of another
+    schedule is refused in one line."""
+    from mkc.schedule.cost import SIM_FIXED_US
+
+    cal = load_benchmark("calibrate_models")
+    truth = dataclasses.replace(H200, read_bw=3.0e12, sim_fixed_us={k: v + 3.0 for k, v in SIM_FIXED_US.items()})
+    dirs = [tmp_path / "qwen3", tmp_path / "llama"]
+    _profiled_bench(dirs[0], "qwen3_moe_tiny", 1, 256, truth)
+    _profiled_bench(dirs[1], "llama_tiny", 2, 256, truth)
+    points = cal.load_points(dirs, 132)
+    assert [(p.model, p.batch) for p in points] == [("qwen3_moe_tiny", 1), ("llama_tiny", 2)]
+    fits = cal.refit_fixed_us(points)
+    assert fits["LINEAR"][0] > SIM_FIXED_US["LINEAR"] + 1.5
+    cal.main([str(d) for d in dirs])
+    rows = [ln.split() for ln in capsys.readouterr().out.splitlines()[1:3]]
+    for r in rows:
+        shipped, refitted = abs(float(r[5].rstrip("%"))), abs(float(r[7].rstrip("%")))
+        assert float(r[5].rstrip("%")) < -5 and refitted < shipped / 2, r
+    bad = tmp_path / "bad"  # llama_tiny's point at batch 1, its timeline qwen3_moe_tiny's
+    _profiled_bench(bad, "llama_tiny", 1, 256, truth)
+    (dirs[0] / "trace-b1-c256.npz").replace(bad / "trace-b1-c256.npz")
+    with pytest.raises(SystemExit, match="its tasks are not this tree's schedule of llama_tiny at batch 1"):
+        cal.load_points([bad], 132)
