@@ -142,10 +142,10 @@ class LogicalWeights(Mapping):
     which are stored in tile order (``tiled``): PyTorch code such as the prefill reads them. A
     tile-ordered weight is reordered back on each access, one matrix at a time: ``w[name][e]`` of
     an expert stack reorders expert e only. Nothing is kept, so the weights are held once. A weight
-    stored with zero columns (``padded``: name to its logical K) is seen without them."""
+    stored with zero rows or columns (``padded``: name to its logical (rows, K)) is seen without them."""
 
     def __init__(self, buffers: dict[str, torch.Tensor], names: list[str], tiled: frozenset[str],
-                 padded: dict[str, int] | None = None, scales: dict[str, torch.Tensor] | None = None):
+                 padded: dict[str, tuple[int, int]] | None = None, scales: dict[str, torch.Tensor] | None = None):
         self._buffers, self._names, self._tiled = buffers, dict.fromkeys(names), tiled
         self._padded = padded or {}
         self._scales = scales or {}  # FP8 weights' scales: those weights come back dequantised to bf16
@@ -171,12 +171,12 @@ class LogicalWeights(Mapping):
     def rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` [T] of a matrix [R, K] (an embedding), reordering only their 16-row groups."""
         t = self._buffers[name]
-        k = self._padded.get(name)
+        k = self._padded[name][1] if name in self._padded else t.shape[-1]
         if name not in self._tiled:
-            return logical_weight(t[ids], False, k)
+            return t[ids][..., :k]
         r, kp = t.shape
         groups = from_tiles(t.view(r // TILE_ROWS, TILE_ROWS, kp)[ids // TILE_ROWS])  # [T, 16, K]
-        return logical_weight(groups[torch.arange(ids.numel(), device=ids.device), ids % TILE_ROWS], False, k)
+        return groups[torch.arange(ids.numel(), device=ids.device), ids % TILE_ROWS][..., :k]
 
     def __contains__(self, name) -> bool:  # without reordering (or dequantising) the weight
         return name in self._names
@@ -197,16 +197,17 @@ def _fp8_rows(t: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 class _TiledStack:
     """A tile-ordered stack of matrices [E, R, K]; indexing by e gives matrix e row-major (without
-    its zero columns where padded to ``k``; an FP8 stack's dequantised to bf16)."""
+    its zero rows and columns where padded from ``logical`` = (R, K); an FP8 stack's dequantised
+    to bf16)."""
 
-    def __init__(self, t: torch.Tensor, k: int | None = None, scales: torch.Tensor | None = None):
-        self._t, self._k, self._scales = t, k, scales
-        self.shape = t.shape if k is None else (*t.shape[:-1], k)
+    def __init__(self, t: torch.Tensor, logical: tuple[int, int] | None = None, scales: torch.Tensor | None = None):
+        self._t, self._logical, self._scales = t, logical, scales
+        self.shape = t.shape if logical is None else (*t.shape[:-2], *logical)
 
     def __getitem__(self, e) -> torch.Tensor:
         if self._scales is not None:
             return _fp8_rows(self._t[e], self._scales[e])
-        return logical_weight(self._t[e], True, self._k)
+        return logical_weight(self._t[e], True, self._logical)
 
 
 class CudaDecoder:
@@ -309,7 +310,7 @@ class CudaDecoder:
             elif b.kind == "weight" and b.dtype == "fp8":
                 out[b.name] = self._fp8_matrix(b, weights)
             elif b.kind == "weight" and isinstance(weights, TiledWeights) and b.name in weights.tiled:
-                # stored as the kernel reads it already (tile order; zero columns where padded)
+                # stored as the kernel reads it already (tile order; zero rows and columns where padded)
                 w, want = weights[b.name], stored_shape(b.shape, b.name in self.padded)
                 if tuple(w.shape) != want:
                     raise ValueError(f"weight {b.name} as stored has shape {list(w.shape)}: expected {list(want)}")

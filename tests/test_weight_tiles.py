@@ -11,8 +11,9 @@ import torch
 
 from mkc.codegen.render import CodegenError, CodegenOptions, kernel_config
 from mkc.codegen.taskwords import DTYPE_CODES, buffer_table, encode
-from mkc.codegen.weight_tiles import from_tiles, tile_offset, tiled_weights, to_tiles
+from mkc.codegen.weight_tiles import from_tiles, padded_weights, tile_offset, tiled_weights, to_tiles
 from mkc.ir.lower import lower
+from mkc.ir.ops import OP_INFO, Opcode
 from mkc.ir.spec import load_spec
 from mkc.schedule.scheduler import schedule
 
@@ -83,13 +84,26 @@ def test_buffer_table_marks_tiled_weights():
         assert table[i]["dtype"] == DTYPE_CODES[want], n
 
 
-def test_tile_order_refuses_rows_not_a_multiple_of_16():
-    """Asked for, tile order is an error naming the weight; by default the kernel falls back to rows."""
+def test_rows_off_the_blocks_are_padded_and_a_tile_off_a_block_is_refused():
+    """A weight whose rows are not whole 16-row blocks (a tied LM head of 520 rows; Mixtral's router,
+    8) is stored with zero rows, so tile order holds and the buffer table has the stored shape; a GEMV
+    tile starting off a block cannot read tile order: asked for, an error naming the task; by
+    default the kernel falls back to rows."""
     spec = load_spec(TINY)
     odd = dataclasses.replace(spec, vocab_size=520)  # the tied LM head: 520 rows
     sc = schedule(lower(odd, 2, 16, 8), odd.name)
+    assert padded_weights(sc) == {"embed": (520, odd.hidden_size)}
+    assert kernel_config(sc, odd).weights_tiled
+    words = encode(sc)
+    table = buffer_table(sc, words.buffer_names, dict.fromkeys(words.buffer_names, 0), tiled_weights(sc))
+    assert tuple(table[words.buffer_names.index("embed")]["shape"][-2:]) == (528, odd.hidden_size)
+    i = next(i for i, t in enumerate(sc.tasks) if t.op == Opcode.LINEAR)
+    t = sc.tasks[i]
+    args = list(t.args)
+    args[OP_INFO[t.op].args.index("row0")] += 8
+    sc.tasks[i] = dataclasses.replace(t, args=tuple(args))
     assert not kernel_config(sc, odd).weights_tiled
-    with pytest.raises(CodegenError, match=r"embed .*520.*multiple of 16"):
+    with pytest.raises(CodegenError, match=r"row0 = \d+: tile-ordered weights need tiles starting at multiples of 16"):
         kernel_config(sc, odd, CodegenOptions(weight_layout="tiles"))
     with pytest.raises(CodegenError, match="weight_layout"):
         kernel_config(sc, odd, CodegenOptions(weight_layout="columns"))
@@ -139,38 +153,46 @@ def _odd_llama():
 def test_padded_weights_compute_what_the_logical_ones_do(tiled):
     """A weight whose K is not whole 64-column blocks is stored with zero columns up to them (in
     tile order or not): the GEMV over whole blocks, its input staged with zeros past k, gives the
-    logical product exactly, and logical_weight recovers the weight."""
-    from mkc.codegen.weight_tiles import logical_weight, pad_columns, stored_weight
+    logical product exactly, and logical_weight recovers the weight. Rows off the 16-row blocks
+    (Mixtral's router, 8 rows) are stored with zero rows: the first rows' products are the logical ones."""
+    from mkc.codegen.weight_tiles import logical_weight, pad_to_blocks, stored_weight
 
     w, x = torch.randn(2, 48, 160), torch.randn(3, 160)
     stored = stored_weight(w, tiled=tiled, padded=True)
     assert stored.shape == (2, 48, 192)
     rows = from_tiles(stored) if tiled else stored
     assert torch.equal(rows[..., 160:], torch.zeros(2, 48, 32))
-    xs = pad_columns(x)  # the staged input: zeros past k
+    xs = torch.nn.functional.pad(x, (0, 32))  # the staged input: zeros past k
     assert torch.equal(xs @ rows[1].T, x @ w[1].T)
-    assert torch.equal(logical_weight(stored, tiled, 160), w)
-    assert pad_columns(x[:, :128]).data_ptr() == x[:, :128].data_ptr()  # whole blocks: as it is
+    assert torch.equal(logical_weight(stored, tiled, (48, 160)), w)
+    assert pad_to_blocks(w[..., :128]).data_ptr() == w[..., :128].data_ptr()  # whole blocks: as it is
+    router = torch.randn(8, 128)
+    stored = stored_weight(router, tiled=tiled, padded=True)
+    rows = from_tiles(stored) if tiled else stored
+    assert stored.shape == (16, 128) and torch.equal(rows[8:], torch.zeros(8, 128))
+    assert torch.equal((x[:, :128] @ rows.T)[:, :8], x[:, :128] @ router.T)
+    assert torch.equal(logical_weight(stored, tiled, (8, 128)), router)
 
 
 def test_padded_weights_are_the_ragged_gemv_weights():
     """Which weights are padded (every GEMV weight whose K is off the blocks: hidden size 96 and
     intermediate 160), their padded shape in the kernel's buffer table, tile order still possible
     on the padded shapes, and the CUDA backend's logical view without the zero columns."""
-    from mkc.codegen.weight_tiles import padded_weights, stored_weight
+    from mkc.codegen.weight_tiles import stored_weight
     from mkc.runtime.cuda_backend import LogicalWeights
 
     spec = _odd_llama()
     sc = schedule(lower(spec, 2, 16, 8), spec.name)
     padded = padded_weights(sc)
-    assert padded == {"lm_head": 96, **{f"L{i}.{n}": k for i in range(3) for n, k in (
-        ("w_qkv", 96), ("w_o", 96), ("w_gate_up", 96), ("w_down", 160))}}
+    assert padded == {"lm_head": tuple(sc.buffers["lm_head"].shape), **{
+        f"L{i}.{n}": tuple(sc.buffers[f"L{i}.{n}"].shape) for i in range(3) for n in ("w_qkv", "w_o", "w_gate_up", "w_down")}}
+    assert {k for _, k in padded.values()} == {96, 160}
     cfg = kernel_config(sc, spec)
     assert cfg.weights_tiled and cfg.k_padded and cfg.gemv_max_k == 192
     words = encode(sc)
     table = buffer_table(sc, words.buffer_names, dict.fromkeys(words.buffer_names, 0), tiled_weights(sc))
     for i, n in enumerate(words.buffer_names):
-        want = (*sc.buffers[n].shape[:-1], 192 if padded.get(n) == 160 else 128) if n in padded else sc.buffers[n].shape
+        want = (*sc.buffers[n].shape[:-1], 192 if padded[n][1] == 160 else 128) if n in padded else sc.buffers[n].shape
         assert tuple(table[i]["shape"][-len(want):]) == tuple(want), n
     head, down = torch.randn(512, 96), torch.randn(96, 160)
     bufs = {"lm_head": stored_weight(head, True, True), "L0.w_down": stored_weight(down, False, True)}

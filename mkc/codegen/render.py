@@ -388,6 +388,10 @@ def kernel_config(schedule: Schedule, spec: ModelSpec, options: CodegenOptions |
     if is_fp8(weight_format) and ragged:
         raise CodegenError(f"--weights {weight_format}: a reduction off the 64-column blocks reads bf16 weights "
                            f"only: expected --weights bf16")
+    short = [n for n in padded_weights(schedule) if schedule.buffers[n].dtype == "fp8"]
+    if short:  # an FP8 matrix is stored as given (mkc/ir/fp8.py): no zero rows
+        raise CodegenError(f"--weights {weight_format}: FP8 matrix {short[0]} {schedule.buffers[short[0]].shape} is not "
+                           f"whole 16-row blocks: expected --weights bf16")
     cfg = KernelConfig(
         threads=THREADS, batch=schedule.batch, hidden=spec.hidden_size, head_dim=a.head_dim,
         page_size=page_size_of(schedule.buffers), group=group, top_k=top_k,

@@ -17,8 +17,10 @@ Which buffers are stored this way: every weight a GEMV task reads as its ``weigh
 embedding lookup as well (its descriptor says so: DT_BF16_TILES).
 
 A GEMV reads whole 64-column blocks, so a weight whose K is not a multiple of 64 is stored with
-zero columns up to the next multiple (``padded_weights``, ``pad_columns``), in either layout; its
-descriptor holds the padded shape, and the kernel stages the input's columns past k as zeros.
+zero columns up to the next multiple, and one whose rows are not a multiple of 16 (Mixtral's
+router: 8 experts) with zero rows (``padded_weights``, ``pad_to_blocks``), in either layout; its
+descriptor holds the padded shape, the kernel stages the input's columns past k as zeros, and a
+tile reads and writes its own rows only.
 """
 
 from __future__ import annotations
@@ -56,39 +58,48 @@ def padded_k(k: int) -> int:
     return -(-k // TILE_COLS) * TILE_COLS
 
 
-def padded_weights(schedule: Schedule) -> dict[str, int]:
+def padded_rows(r: int) -> int:
+    """A weight's rows as stored: whole TILE_ROWS-high blocks."""
+    return -(-r // TILE_ROWS) * TILE_ROWS
+
+
+def padded_weights(schedule: Schedule) -> dict[str, tuple[int, int]]:
     """The GEMV weights (tiled_weights' names, in either layout) whose K is not a multiple of
-    TILE_COLS, with their logical K: each is stored with zero columns up to padded_k."""
-    return {n: schedule.buffers[n].shape[-1] for n in sorted(tiled_weights(schedule))
-            if schedule.buffers[n].shape[-1] % TILE_COLS}
+    TILE_COLS or whose rows are not a multiple of TILE_ROWS (Mixtral's router: 8 experts), with
+    their logical (rows, K): each is stored with zero columns and rows up to whole blocks (a tile
+    reads its own rows only)."""
+    return {n: tuple(schedule.buffers[n].shape[-2:]) for n in sorted(tiled_weights(schedule))
+            if schedule.buffers[n].shape[-1] % TILE_COLS or schedule.buffers[n].shape[-2] % TILE_ROWS}
 
 
 def stored_shape(shape: tuple[int, ...], padded: bool) -> tuple[int, ...]:
-    """The shape a weight is stored in: its K padded to whole blocks where ``padded``."""
-    return (*shape[:-1], padded_k(shape[-1])) if padded else tuple(shape)
+    """The shape a weight is stored in: its rows and K padded to whole blocks where ``padded``."""
+    return (*shape[:-2], padded_rows(shape[-2]), padded_k(shape[-1])) if padded else tuple(shape)
 
 
-def pad_columns(w: torch.Tensor) -> torch.Tensor:
-    """``w`` [..., R, K] with zero columns up to padded_k(K) (a copy; ``w`` itself where K is whole)."""
-    k = w.shape[-1]
-    if k % TILE_COLS == 0:
+def pad_to_blocks(w: torch.Tensor) -> torch.Tensor:
+    """``w`` [..., R, K] with zero rows and columns up to whole blocks (a copy; ``w`` itself where
+    both are whole)."""
+    r, k = w.shape[-2:]
+    if r % TILE_ROWS == 0 and k % TILE_COLS == 0:
         return w
-    out = w.new_zeros((*w.shape[:-1], padded_k(k)))
-    out[..., :k] = w
+    out = w.new_zeros(stored_shape(tuple(w.shape), True))
+    out[..., :r, :k] = w
     return out
 
 
 def stored_weight(w: torch.Tensor, tiled: bool, padded: bool) -> torch.Tensor:
-    """``w`` [..., R, K] as the kernel reads it: zero columns up to whole blocks where ``padded``,
-    then in tile order where ``tiled`` (a contiguous tensor)."""
-    w = pad_columns(w) if padded else w
+    """``w`` [..., R, K] as the kernel reads it: zero rows and columns up to whole blocks where
+    ``padded``, then in tile order where ``tiled`` (a contiguous tensor)."""
+    w = pad_to_blocks(w) if padded else w
     return to_tiles(w) if tiled else w.contiguous()
 
 
-def logical_weight(t: torch.Tensor, tiled: bool, k: int | None) -> torch.Tensor:
-    """The inverse of stored_weight: row-major, its first ``k`` columns (None: every one)."""
+def logical_weight(t: torch.Tensor, tiled: bool, shape: tuple[int, int] | None) -> torch.Tensor:
+    """The inverse of stored_weight: row-major, its first rows and columns ``shape`` = (rows, K)
+    (None: every one)."""
     t = from_tiles(t) if tiled else t
-    return t if k is None else t[..., :k]
+    return t if shape is None else t[..., :shape[0], :shape[1]]
 
 
 def check_tileable(name: str, shape: tuple[int, ...]) -> None:

@@ -46,7 +46,9 @@ def row_tile(rows: int, row_bytes: int, instances: int, num_sms: int, boundary: 
     The tile divides ``boundary`` (or is a multiple of it) so no task straddles a head. Without a
     boundary the tile grows to a divisor of ``rows`` (equal tiles) only where that keeps at least
     half the tasks wanted (``EQUAL_TILES_MIN``); else the last tile is shorter, so a row count with
-    few divisors (a vocabulary of 151,936 = 2^7 x 1187) still spreads over every SM.
+    few divisors (a vocabulary of 151,936 = 2^7 x 1187) still spreads over every SM. Without a
+    boundary, tiles are whole ROW_ALIGN blocks even where the rows are not (the weight is stored
+    with zero rows up to the block: weight_tiles.padded_weights), so tile order holds.
     """
     natural = boundary is not None
     boundary = boundary or rows
@@ -54,14 +56,14 @@ def row_tile(rows: int, row_bytes: int, instances: int, num_sms: int, boundary: 
     wanted = max(1, min(num_sms, total // MIN_TASK_BYTES))
     per_instance = max(1, math.ceil(wanted / instances))
     tile = math.ceil(rows / per_instance)
-    align = _align_for(rows, boundary)
+    align = _align_for(rows, boundary) if natural else ROW_ALIGN
     tile = max(align, math.ceil(tile / align) * align)
     if tile >= boundary:
         return min(math.ceil(tile / boundary) * boundary, rows)
     ragged = tile
-    while boundary % tile:  # grow to a divisor of the boundary: never more tasks than wanted
+    while boundary % tile and tile < boundary:  # grow to a divisor of the boundary: never more tasks than wanted
         tile += align
-    if not natural and math.ceil(rows / tile) * instances < wanted * EQUAL_TILES_MIN:
+    if boundary % tile or (not natural and math.ceil(rows / tile) * instances < wanted * EQUAL_TILES_MIN):
         return ragged
     return min(tile, rows)
 
