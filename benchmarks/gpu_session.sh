@@ -8,12 +8,14 @@
 #   OUT=/path bash benchmarks/gpu_session.sh --bench     # timing only
 #   OUT=/path bash benchmarks/gpu_session.sh --long      # long-context mode
 #
-# Kernels compile on the device (NVRTC, 12-15 s each) unless MKC_CACHE_DIR names a kernel cache
-# built on the CPU machine beforehand and sent along: `MKC_CACHE_DIR=$PWD/.mkc-cache/h mkc compile
-# configs/north_mini_code.yaml --batch B [--context C] [--residual-in-o-proj on|off]` builds the
-# kernel a point plans (the key hashes the source, the templates and the NVRTC version: the CPU
-# machine's cuda-python NVRTC and the device's matched on 2026-12-05, so those builds were found
-# there), then run this with the same MKC_CACHE_DIR and the folder carried.
+# Kernels compile on the device (NVRTC, 12-15 s each) and a server plans each step's schedule (10 s,
+# 25 s paged) unless MKC_CACHE_DIR names caches built on the CPU machine beforehand and sent along:
+# `MKC_CACHE_DIR=$PWD/.mkc-cache/h python benchmarks/warm_cache.py --batch 1,2,4,8 --context 16384`
+# (--serve; --context 40960 --page-size 256 --kv-pages 256 for --serve-long; --context 8192
+# --weights bf16,fp8 for --fp8; --config configs/MODEL.yaml --batch 1,8 for --models) plans and
+# builds what those runs ask for (the kernel key hashes the source, the templates and the NVRTC
+# version: the CPU machine's cuda-python NVRTC and the device's matched on 2026-12-05), then run
+# this with the same MKC_CACHE_DIR and the folder carried (about 2 MB a kernel without kernel.cu).
 #
 # Default mode (limits 20 + 380 + 100 + 60 = 560 s):
 #   pip          the package installed in place, no network, no dependencies (python3 -m pip

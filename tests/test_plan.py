@@ -268,3 +268,25 @@ def test_the_schedule_cache_plans_again_when_an_input_of_plan_changes(tiny, tmp_
     empty = plan_key(tiny, 2, 64, 8)
     table.write_text(json.dumps({"x/b2/c64/sms8/page0": {"attention_sms": 0}}))
     assert plan_key(tiny, 2, 64, 8) != empty
+
+
+def test_warm_cache_fills_the_caches_a_backend_then_reads(tmp_path, monkeypatch, capsys):
+    """benchmarks/warm_cache.py plans and builds what the CUDA backend asks for: afterwards the
+    backend's schedule comes from the schedule cache and the kernel from the kernel cache."""
+    pytest.importorskip("cuda.bindings.nvrtc", reason="NVRTC (cuda-bindings) is not installed")
+    from conftest import load_benchmark
+
+    from mkc.codegen import build_kernel
+    from mkc.runtime.backends import compile_schedule
+    from mkc.schedule import plan_cache
+
+    monkeypatch.setenv("MKC_CACHE_DIR", str(tmp_path))
+    load_benchmark("warm_cache").main(["--config", str(ROOT / "configs" / "tiny.yaml"), "--batch", "2",
+                                       "--context", "64", "--num-sms", "8"])
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith("tiny bf16 batch 2 context 64: schedule")
+    kernels = sorted(p.name for p in (tmp_path / "kernels").iterdir() if p.is_dir())
+    spec = load_spec(ROOT / "configs" / "tiny.yaml")
+    monkeypatch.setattr(plan_cache, "plan", lambda *a, **kw: pytest.fail("planned again"))
+    monkeypatch.setattr("mkc.codegen.nvrtc.compile_cubin", lambda *a, **kw: pytest.fail("compiled again"))
+    assert [build_kernel(compile_schedule(spec, 2, 64, 8), spec).name] == kernels
