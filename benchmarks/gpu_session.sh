@@ -14,7 +14,7 @@
 # (--serve; --context 40960 --page-size 256 --kv-pages 256 for --serve-long; --context 8192
 # --weights bf16,fp8 for --fp8; --config configs/MODEL.yaml --batch 1,8 for --models) plans and
 # builds what those runs ask for (the kernel key hashes the source, the templates and the NVRTC
-# version: the CPU machine's cuda-python NVRTC and the device's matched on 2026-12-05), then run
+# version, so a device whose NVRTC differs compiles them itself), then run
 # this with the same MKC_CACHE_DIR and the folder carried (about 2 MB a kernel without kernel.cu).
 #
 # Default mode (limits 20 + 380 + 100 + 60 = 560 s):

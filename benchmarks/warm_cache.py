@@ -7,7 +7,7 @@ carry to the device (so its minutes go to measuring, and mkc serve's start is me
 Each point goes through what the CUDA backend and mkc bench call (runtime/backends.py:
 compile_schedule, then build_kernel), so the schedule cache (mkc/schedule/plan_cache.py) and the
 kernel cache hold the same keys the device computes: the kernel's hashes its source, the templates
-and the NVRTC version, which must match the device's (checked equal on 2026-12-05 and 2026-12-07).
+and the NVRTC version, which must match the device's (where it does not, the device compiles).
 Then run the device command with MKC_CACHE_DIR naming the carried folder (benchmarks/gpu_session.sh).
 """
 
