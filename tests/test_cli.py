@@ -143,7 +143,7 @@ def test_bad_input_is_one_clear_line(args, needle):
 
 @pytest.mark.parametrize(("config", "batch", "layout"), [
     ("configs/tiny.yaml", 1, "weights in tile order, tagged router logits"),
-    ("configs/mixtral_tiny.yaml", 2, "weights row-major (weight L0.w_router (8, 128)"),  # an 8-row router
+    ("configs/mixtral_tiny.yaml", 2, "weights in tile order"),  # its 8-row router stored with zero rows
 ])
 def test_compile_names_the_kernel_and_its_weight_layout(config, batch, layout, tmp_path):
     pytest.importorskip("cuda.bindings.nvrtc", reason="NVRTC (cuda-bindings) is not installed")
