@@ -24,7 +24,7 @@ from typing import NamedTuple
 import numpy as np
 
 from mkc.ir.spec import load_spec
-from mkc.schedule.cost import H200, SIM_FIXED_US, Ceilings
+from mkc.schedule.cost import H200, SIM_FIXED_US, Ceilings, fit_run_line
 from mkc.schedule.plan import plan
 from mkc.schedule.schedule import Schedule
 from mkc.schedule.simulate import simulated_step_us
@@ -88,13 +88,8 @@ def refit_fixed_us(points: list[Point]) -> dict[str, tuple[float, float, int]]:
             share[t.op.name] = min(share.get(t.op.name, np.inf), fair)
     out = {}
     for op, sizes in xs.items():
-        x, y = np.array(sizes, dtype=np.float64), np.array(ys[op])
-        if len(x) > 1 and np.ptp(x) > 0:
-            slope, fixed = np.polyfit(x, y, 1)
-            gbps = 1e-3 / slope if slope > 0 else float("inf")
-        else:
-            fixed, gbps = float(y.mean() - x.mean() / share[op]), float("nan")
-        out[op] = (max(float(fixed), MIN_FIXED_US), float(gbps), len(x))
+        fixed, gbps = fit_run_line(np.array(sizes, dtype=np.float64), np.array(ys[op]), share[op])
+        out[op] = (max(fixed, MIN_FIXED_US), gbps, len(sizes))
     return out
 
 

@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 import torch
 
+from mkc.ir.fp8 import weights_choice
 from mkc.ir.spec import ModelSpec
 from mkc.runtime.prefill import FastPrefill, PagedKV, Prefill, PrefillSteps, SlabKV, SlotKV, run_to_end
 from mkc.schedule.plan_cache import cached_plan
@@ -257,10 +258,9 @@ def compile_schedule(spec: ModelSpec, max_batch: int, context: int, num_sms: int
     """The backend's schedule, from the schedule cache where it was planned before
     (mkc/schedule/plan_cache.py); a paged cache gets ``kv_pages`` pages plus the scratch page;
     ``weights``: the weight format (mkc/ir/fp8.py)."""
-    lowering = {} if weights == "bf16" else {"weights": weights}
     t0 = time.monotonic()
     sc, cached = cached_plan(spec, max_batch, context, num_sms, page_size=page_size,
-                             kv_pages=kv_pages + 1 if page_size and kv_pages else 0, **lowering)
+                             kv_pages=kv_pages + 1 if page_size and kv_pages else 0, **weights_choice(weights))
     log.info("schedule (batch %d, context %d) %s in %.1f s", max_batch, context,
              "read from the schedule cache" if cached else "planned", time.monotonic() - t0)
     return sc

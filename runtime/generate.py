@@ -15,6 +15,7 @@ from typing import TextIO
 
 import torch
 
+from mkc.ir.fp8 import weights_choice
 from mkc.ir.spec import ModelSpec
 from mkc.runtime.reference import DenseReference
 from mkc.schedule.executor import CpuExecutor
@@ -127,7 +128,7 @@ def greedy_generate_batch(spec: ModelSpec, weights: dict[str, torch.Tensor], pro
     if ctx < steps:
         raise ValueError(f"context {ctx} is too small for {steps} positions (longest prompt + max_new_tokens - 1)")
     B = len(prompts)
-    lowering = {} if weights_format == "bf16" else {"weights": weights_format}
+    lowering = weights_choice(weights_format)
     if backend == "cpu":
         sc = plan(spec, B, ctx, num_sms, **lowering)
         weights = _in_format(weights, sc, weights_format)
@@ -200,7 +201,7 @@ def _cuda_runner(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, 
     from mkc.runtime.cuda_backend import CudaDecoder
 
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    sc = plan(spec, batch, context, sms, **({} if fmt == "bf16" else {"weights": fmt}))
+    sc = plan(spec, batch, context, sms, **weights_choice(fmt))
     # the decoder moves (and reorders) one weight at a time: the GPU never holds two copies
     dec = CudaDecoder(sc, spec, _in_format(weights, sc, fmt))
 

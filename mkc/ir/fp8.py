@@ -40,6 +40,11 @@ def fp8_matrices(weight_names, tied: bool) -> list[str]:
     return names + ["lm_head"] if tied and "lm_head" not in names else names
 
 
+def weights_choice(fmt: str) -> dict[str, str]:
+    """plan()'s lowering choice for the weight format ``fmt``: none for bf16, the default."""
+    return {} if fmt == "bf16" else {"weights": fmt}
+
+
 def is_fp8(fmt: str) -> bool:
     return fmt in ("fp8", "fp8-block")
 

@@ -188,6 +188,16 @@ class OpFit:
     predicted_us: float  # mean of task_time over the same tasks (the model in use)
 
 
+def fit_run_line(nbytes: np.ndarray, run_us: np.ndarray, fair_bytes_per_us: float) -> tuple[float, float]:
+    """(fixed µs, GB/s) of the least-squares line run ≈ fixed + bytes / rate through tasks of one
+    opcode; where they all read the same bytes, their mean run less those bytes at the fair per-SM
+    share ``fair_bytes_per_us`` (the rate unknown: NaN)."""
+    if len(nbytes) > 1 and np.ptp(nbytes) > 0:
+        slope, fixed = np.polyfit(nbytes, run_us, 1)
+        return float(fixed), 1e-3 / slope if slope > 0 else float("inf")  # bytes per µs → GB/s
+    return float(run_us.mean() - nbytes.mean() / fair_bytes_per_us), float("nan")
+
+
 def fit_op_costs(tasks: list[Task], run_us, num_sms: int, c: Ceilings = H200) -> dict[str, OpFit]:
     """Per opcode, a least-squares line through (bytes, measured run time) of its tasks, beside
     the cost model's prediction: how to re-measure ``OP_FIXED_US`` from a profiled step
@@ -200,11 +210,7 @@ def fit_op_costs(tasks: list[Task], run_us, num_sms: int, c: Ceilings = H200) ->
     for op, ids in by_op.items():
         x = np.array([tasks[i].weight_bytes + tasks[i].act_bytes for i in ids], dtype=np.float64)
         y = run[ids]
-        if len(ids) > 1 and np.ptp(x) > 0:
-            slope, fixed = np.polyfit(x, y, 1)
-            gbps = 1e-3 / slope if slope > 0 else float("inf")  # bytes per µs → GB/s
-        else:  # one size: the fixed time assuming the fair per-SM share of bandwidth, rate unknown
-            fixed, gbps = float(y.mean() - x.mean() / (c.read_bw / num_sms) * 1e6), float("nan")
+        fixed, gbps = fit_run_line(x, y, c.read_bw / num_sms / 1e6)
         out[op] = OpFit(tasks=len(ids), mean_us=float(y.mean()), fixed_us=float(fixed), gbps=float(gbps),
                         predicted_us=float(np.mean([task_time(tasks[i], num_sms, c) for i in ids]) * 1e6))
     return out

@@ -245,25 +245,25 @@ def plan_choices(spec: ModelSpec, batch: int, context: int, num_sms: int, page_s
     how: dict[str, Any] = {"chosen_by": "asked", "probe_predicted_us": {}}
     keys = {w: tuning.tuning_key(spec, batch, context, num_sms, page_size, w)
             for w in dict.fromkeys((str(lowering["weights"]), "bf16"))}
-    found = next((e for e in map(tuning.lookup, keys.values()) if e), None)
-    measured = tuning.TuningEntry.from_json(found) if found else None
+    here = {w: tuning.TuningEntry.from_json(e) for w, k in keys.items() if (e := tuning.lookup(k))}
     if attention_sms is not None:
         # an asked count takes none of an entry's choices (the raise, spread, layer end, splits and
         # rows were measured together; mkc bench --tune and schedule_variants.py time counts so),
         # and the summary says that an entry exists
+        measured = next(iter(here.values()), None)
         if measured and isinstance(measured.attention_sms, int):
             how["entry_not_applied"] = measured.attention_sms
         return attention_sms, ceilings, how
     counts = attention_sms_candidates(spec, batch, num_sms)
     measured_context, measured, measured_weights = context, None, None
-    for weights, key in keys.items():  # here, else at the nearest measured context of this batch
-        found = tuning.lookup(key)
-        if found and tuning.TuningEntry.from_json(found).attention_sms in counts:
-            measured, measured_weights = tuning.TuningEntry.from_json(found), weights
-            break
-        near = tuning.nearest(key)
-        if near and tuning.TuningEntry.from_json(near[1]).attention_sms in counts:
-            measured_context, measured, measured_weights = near[0], tuning.TuningEntry.from_json(near[1]), weights
+    for weights, key in keys.items():
+        if weights in here:  # measured here (an entry here is also the nearest one: nothing else to try)
+            at, entry = context, here[weights]
+        else:  # the choices measured at the nearest context of this batch, if any
+            near = tuning.nearest(key)
+            at, entry = (near[0], tuning.TuningEntry.from_json(near[1])) if near else (context, None)
+        if entry and entry.attention_sms in counts:
+            measured_context, measured, measured_weights = at, entry, weights
             break
     if not (measured and measured.attention_sms in counts):
         attention_sms, tried = choose_attention_sms(spec, batch, context, num_sms, page_size, kv_pages,

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from mkc.ir.fp8 import weights_choice
 from mkc.ir.spec import ModelSpec
 from mkc.schedule import plan as planner
 from mkc.schedule import tuning
@@ -88,7 +89,7 @@ class Candidate:
                 **({GLOBAL_ATTENTION_SMS: self.global_attention_sms} if self.global_attention_sms else {}),
                 **({EXPERT_UP_ROWS: self.up_rows} if self.up_rows else {}),
                 **({EXPERT_DOWN_ROWS: self.down_rows} if self.down_rows else {}),
-                **({"weights": self.weights} if self.weights != "bf16" else {})}
+                **weights_choice(self.weights)}
 
     def describe(self) -> str:
         """In words, as mkc bench --tune logs its choice."""
@@ -362,7 +363,7 @@ def run_tune(spec: ModelSpec, batch: int, context: int, sms: int, page_size: int
     t.every = t.counts = attention_sms_candidates(spec, batch, sms)
     if len(t.every) > 1 and not every_count:
         _, simulated = planner.choose_attention_sms(spec, batch, context, sms, page_size=page_size,
-                                                    **Candidate(0, weights=weights).lowering())
+                                                    **weights_choice(weights))
         fastest = min(simulated.values())
         t.not_timed = {a: us for a, us in simulated.items() if us > fastest * (1 + TUNE_SIMULATED_MARGIN)}
         for a, us in t.not_timed.items():
@@ -398,7 +399,7 @@ def _incumbent(t: Tuner, before: tuning.TuningEntry | None) -> tuple[Candidate |
     (None where it has none)."""
     if before is None:
         return None, ((), 0), None
-    a, c, how = plan_choices(t.spec, t.batch, t.context, t.sms, t.page_size, **t.chosen.lowering())
+    a, c, how = plan_choices(t.spec, t.batch, t.context, t.sms, t.page_size, **weights_choice(t.weights))
     here = how.get("chosen_by") == "measured" and "measured_at_context" not in how
     rows = (tuple(how.get(EXPERT_UP_ROWS, ())), int(how.get(EXPERT_DOWN_ROWS, 0)))
     incumbent = Candidate(a, c.attention_inputs_first_us, c.splits_first, c.spread_siblings,
