@@ -13,7 +13,7 @@ import gc
 import json
 import statistics
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,6 +23,7 @@ import torch
 from mkc.ir.kv_layout import pages_per_seq
 from mkc.ir.spec import ModelSpec
 from mkc.schedule.cost import H200, Ceilings, gpu_name
+from mkc.schedule.schedule import Schedule
 from mkc.schedule.tune import in_turn  # noqa: F401 (the benchmarks take it from here)
 
 BF16 = 2
@@ -459,11 +460,11 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
 
     runs: dict[Candidate, tuple[Row, list[str]]] = {}  # each schedule's latest run and what it logged
 
-    def time(c: Candidate, what: str) -> float:
+    def time(c: Candidate, what: str, schedule: Callable[[], Schedule]) -> float:
         lines: list[str] = []
         r = _megakernel_row(spec, weights, batch, context, sms=sms, bw=bw, reps=reps, page_size=page_size,
                             profile_dir=None, log=lines.append, attention_sms=c.attention_sms, predict=False,
-                            ceilings=c.ceilings(), **c.lowering())
+                            ceilings=c.ceilings(), schedule=schedule, **c.lowering())
         runs[c] = (r, lines)
         log(f"batch {batch} context {context}: {what}: {r.step_us:.1f} µs ({r.sol_fraction:.1%} SOL)")
         return r.step_us
@@ -477,19 +478,20 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
 def _megakernel_row(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context: int, *, sms: int,
                     bw: float, reps: int, page_size: int, profile_dir: Path | None, log,
                     attention_sms: int | None = None, ceilings: Ceilings = H200, predict: bool = True,
-                    **lowering) -> Row:
+                    schedule: Callable[[], Schedule] | None = None, **lowering) -> Row:
     """Time the megakernel at one point (random KV cache, every sequence at position context - 1;
     the same tokens for a batch size every time); its buffers are freed on return. ``ceilings``:
     the scheduler's (the planner applies a tuned raise only under the default); ``lowering``: plan's
     LOWERING_CHOICES (default: the planner's); ``predict``: the row's predicted_us (about a second
-    of simulation, which a tune's many timings skip)."""
+    of simulation, which a tune's many timings skip); ``schedule``: gives the schedule these
+    arguments plan (a tune's, planned once for all its timings)."""
     from mkc.codegen import build_kernel
     from mkc.schedule.plan import plan
 
     tokens = bench_tokens(spec, batch)
     positions = torch.full((batch,), context - 1, dtype=torch.int32)
-    sc = plan(spec, batch, context, sms, page_size=page_size, attention_sms=attention_sms, ceilings=ceilings,
-              **lowering)
+    sc = schedule() if schedule else plan(spec, batch, context, sms, page_size=page_size,
+                                          attention_sms=attention_sms, ceilings=ceilings, **lowering)
     art = build_kernel(sc, spec)
     with decoder_in_place(sc, spec, weights, artifact=art) as dec:
         return _time_decoder(dec, sc, spec, tokens, positions, bw=bw, reps=reps, profile_dir=profile_dir, log=log,

@@ -122,24 +122,28 @@ def test_nmc_kernel_compiles_without_local_memory(cache, batch):
     assert by_op[KERNEL_LOOP] < 0.2 * sum(by_op.values()), by_op
 
 
-# The kernels benchmarks/kernel_variants.py measures against the default, by its names where it has
-# them: the batches CI compiles each at, and its CodegenOptions fields. To keep CI short, options
-# measured slower and kept off only as a record compile together where that fits the registers
-# (each alone compiled without spills on the device's runs). Not compiled here: the CTA-chunk
-# attention at batch 8 (its batch-1 kernel is).
+# The kernels benchmarks/kernel_variants.py measures against the default, by its names ("+" joins
+# those built as one kernel): the batches CI compiles each at, and its CodegenOptions fields. To keep
+# CI short, options off by default compile together where that fits the registers (each alone
+# compiled without spills on the device's runs). Not compiled here: the CTA-chunk attention at
+# batch 8 (its batch-1 kernel is).
 CODEGEN_VARIANTS: dict[str, tuple[tuple[int, ...], dict]] = {
-    "attn-cta": ((1,), {"attn_warp_stages": 0}),  # attention splits in CTA-wide chunks
-    "attn-warps-3": ((1, 8), {"attn_warp_stages": 3}),  # warp splits with three ring stages
+    # attention splits in CTA-wide chunks; expert-up tiles wait for the router's counter; a normed
+    # GEMV reuses the input staged before it; the routing's arg-max rounds with the expert tiles'
+    # input normalised after them (batch 1's default before)
+    "attn-cta+counter-logits+norm-reuse+redux-after": ((1,), {
+        "attn_warp_stages": 0, "tagged_logits": "off", "reuse_staged_norm": True, "routing_argmax": "redux",
+        "norm_beside_routing": "off"}),
+    # warp splits with three ring stages; the routing's picks ranked at once, the input normalised
+    # after them (batch 1's default normalises beside them)
+    "attn-warps-3+rank-after": ((1,), {"attn_warp_stages": 3, "routing_argmax": "rank",
+                                       "norm_beside_routing": "off"}),
+    # ... at batch 8, with the expert-up tiles reading tagged logits (off by default at 8) and an
+    # expert gate/up tile's input normalised by warps 1.. during the routing's rounds
+    "attn-warps-3+tagged-logits+norm-beside-routing": ((8,), {"attn_warp_stages": 3, "tagged_logits": "on",
+                                                              "norm_beside_routing": "on"}),
+    "rank-after": ((8,), {"routing_argmax": "rank", "norm_beside_routing": "off"}),  # the ranks at batch 8
     "profile-phases": ((1,), {"profile_phases": True}),  # the phase-marking profile kernel
-    "counter-logits": ((1,), {"tagged_logits": "off"}),  # expert-up tiles wait for the router's counter
-    "tagged-logits": ((8,), {"tagged_logits": "on"}),  # ... or read tagged logits (off by default at 8)
-    "norm-reuse": ((1,), {"reuse_staged_norm": True}),  # a normed GEMV reuses the input staged before it
-    # the routing's picks ranked at once, the input normalised after them (batch 1's default
-    # normalises beside them); at batch 8 the ranks where the rounds are the default
-    "rank-after": ((1, 8), {"routing_argmax": "rank", "norm_beside_routing": "off"}),
-    # an expert gate/up tile's input normalised by warps 1.. during the routing
-    "norm-beside-routing": ((8,), {"norm_beside_routing": "on"}),
-    "redux-after": ((1,), {"routing_argmax": "redux", "norm_beside_routing": "off"}),  # batch 1's default before
     # the default at batch 4: the O-projection warmed in L2 by the expert gate/up tiles, evict-first
     # streams (l2_warm and weights_evict_first "auto", on at batch 2-4)
     "default": ((4,), {}),

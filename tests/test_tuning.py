@@ -5,6 +5,7 @@ megakernel is faked, so no GPU is needed."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -614,71 +615,73 @@ def test_tune_times_the_splits_inputs_first_where_it_places_differently(nmc, tun
     assert how["attention_inputs_first_us"] == 100.0 and how["splits_first"] is True
 
 
-def test_tune_times_the_sliding_layers_on_fewer_sms_beneath_the_global_layers(nmc, tuning_file, timed_on_an_h200):
-    """North Mini Code at batch 1 and 32K: the whole model runs fastest on 64 attention SMs (its
-    global layers decide), but with the global layers on 64 SMs' worth of splits the sliding ones
-    run faster on 32 (fake timings, as measured on an H200 on 2026-12-03: -1.5%). The tuner times
-    those pairs last and records 32 attention SMs with 64 for the global layers; the planner
-    lowers with both, and mkc compile's summary says why 32 is not the fastest of the first times."""
+def test_tune_times_the_sliding_layers_on_fewer_sms_beneath_the_global_layers(tiny, tuning_file, timed_on_an_h200):
+    """The whole model runs fastest on 4 attention SMs (at a long context its global layers
+    decide), but with the global layers on 4 SMs' worth of splits the sliding ones run faster on 2
+    (fake timings, as North Mini Code at batch 1 and 32K measured on an H200: 32 beneath 64's
+    splits, -1.5%). The tuner times those pairs last and records 2 attention SMs with 4 for the
+    global layers; the planner lowers with both, and mkc compile's summary says why 2 is not the
+    fastest of the first times."""
     from mkc.schedule.visualize import format_summary, summary
 
     def fake_row(spec, w, b, c, *, attention_sms, ceilings=None, **kw):
         wide = kw.get("global_attention_sms", 0)
-        us = 100 * (1 + abs(attention_sms - 64) / 64)
-        if (attention_sms, wide) == (32, 64):
+        us = 100 * (1 + abs(attention_sms - 4) / 4)
+        if (attention_sms, wide) == (2, 4):
             us = 98.0
         return bench.row("mkc", b, c, [us * 1e-6], 10**6, 4e12)
 
     timed_on_an_h200(fake_row)
     logs = []
-    assert bench.tune_attention_sms(nmc, {}, 1, 32768, sms=132, bw=4e12, reps=3, log=logs.append) == 32
-    rec = json.loads(tuning_file.read_text())[tuning.tuning_key(nmc, 1, 32768, 132)]
-    assert rec["attention_sms"] == 32 and rec["global_attention_sms"] == 64
-    assert min(rec["measured_us"], key=rec["measured_us"].get) == "64"
-    assert rec["global_attention_sms_measured_us"] == {"0": 100.0, "128": 100.0, "256": 100.0, "512": 100.0,
-                                                       "64@32": 98.0, "128@32": 150.0, "256@32": 150.0}
-    assert any("fastest with 32 attention SMs and 64 SMs' worth of splits in the layers of global attention" in ln
+    assert bench.tune_attention_sms(tiny, {}, 1, 40, sms=16, bw=4e12, reps=3, log=logs.append) == 2
+    rec = json.loads(tuning_file.read_text())[tuning.tuning_key(tiny, 1, 40, 16)]
+    assert rec["attention_sms"] == 2 and rec["global_attention_sms"] == 4
+    assert min(rec["measured_us"], key=rec["measured_us"].get) == "4"
+    assert rec["global_attention_sms_measured_us"] == {"0": 100.0, "8": 100.0, "16": 100.0, "32": 100.0,
+                                                       "4@2": 98.0, "8@2": 150.0, "16@2": 150.0}
+    assert any("fastest with 2 attention SMs and 4 SMs' worth of splits in the layers of global attention" in ln
                for ln in logs)
-    sc = plan(nmc, 1, 32768, 132)
-    assert sc.meta["attention_sms"]["chosen"] == 32 and sc.meta["global_attention_sms"] == 64
-    text = format_summary(summary(sc, nmc))
-    assert "then with the layers of global attention on 64's splits or more, 32 measured faster" in text
-    assert "64 SMs' worth of attention splits; measured fastest by mkc bench --tune" in text
+    sc = plan(tiny, 1, 40, 16)
+    assert sc.meta["attention_sms"]["chosen"] == 2 and sc.meta["global_attention_sms"] == 4
+    text = format_summary(summary(sc, tiny))
+    assert "then with the layers of global attention on 4's splits or more, 2 measured faster" in text
+    assert "4 SMs' worth of attention splits; measured fastest by mkc bench --tune" in text
 
 
-def test_tune_times_the_global_layers_splits_on_a_count_that_tied_with_the_fastest(nmc, tuning_file, timed_on_an_h200):
-    """North Mini Code at batch 1 and 128K: no attention SMs ran 0.3% faster than 64 (a tie within
-    the run's noise, as measured on an H200 on 2026-12-05), but 64 with 256 SMs' worth of splits in
+def test_tune_times_the_global_layers_splits_on_a_count_that_tied_with_the_fastest(tiny, tuning_file, timed_on_an_h200):
+    """No attention SMs run 0.3% faster than 4 (a tie within the run's noise, as North Mini Code at
+    batch 1 and 128K measured on an H200: none against 64), but 4 with 16 SMs' worth of splits in
     the layers of global attention runs faster than anything with none set apart (fake timings).
     The tuner times the global layers' splits on the tied count as well, and records that pair."""
 
     def fake_row(spec, w, b, c, *, attention_sms, ceilings=None, **kw):
         wide = kw.get("global_attention_sms", 0)
-        us = {0: 100.0, 64: 100.3}.get(attention_sms, 150.0)
-        if (attention_sms, wide) == (64, 256):
+        us = {0: 100.0, 4: 100.3}.get(attention_sms, 150.0)
+        if (attention_sms, wide) == (4, 16):
             us = 93.0
         return bench.row("mkc", b, c, [us * 1e-6], 10**6, 4e12)
 
     timed_on_an_h200(fake_row)
     logs = []
-    assert bench.tune_attention_sms(nmc, {}, 1, 131072, sms=132, bw=4e12, reps=3, log=logs.append) == 64
-    rec = json.loads(tuning_file.read_text())[tuning.tuning_key(nmc, 1, 131072, 132)]
-    assert rec["attention_sms"] == 64 and rec["global_attention_sms"] == 256
+    assert bench.tune_attention_sms(tiny, {}, 1, 40, sms=16, bw=4e12, reps=3, log=logs.append) == 4
+    rec = json.loads(tuning_file.read_text())[tuning.tuning_key(tiny, 1, 40, 16)]
+    assert rec["attention_sms"] == 4 and rec["global_attention_sms"] == 16
     timed = rec["global_attention_sms_measured_us"]
-    assert timed["256@64"] == 93.0 and {"0", "264", "528", "128@64", "512@64"} <= set(timed)
-    assert any("fastest with 64 attention SMs and 256 SMs' worth of splits" in ln for ln in logs)
+    assert timed["16@4"] == 93.0 and set(timed) == {"0", "32", "64", "8@4", "16@4", "32@4"}
+    assert any("fastest with 4 attention SMs and 16 SMs' worth of splits" in ln for ln in logs)
 
 
-def test_tune_times_no_other_count_where_none_tied(nmc, tuning_file, timed_on_an_h200):
-    """The same point with 64 attention SMs 3% slower than none: only none's pairs are timed."""
+def test_tune_times_no_other_count_where_none_tied(tiny, tuning_file, timed_on_an_h200):
+    """The same with 4 attention SMs 3% slower than none: only none's pairs are timed."""
     asked = []
 
     def fake_row(spec, w, b, c, *, attention_sms, ceilings=None, **kw):
         asked.append((attention_sms, kw.get("global_attention_sms", 0)))
-        return bench.row("mkc", b, c, [{0: 100.0, 64: 103.0}.get(attention_sms, 150.0) * 1e-6], 10**6, 4e12)
+        return bench.row("mkc", b, c, [{0: 100.0, 4: 103.0}.get(attention_sms, 150.0) * 1e-6], 10**6, 4e12)
 
     timed_on_an_h200(fake_row)
-    assert bench.tune_attention_sms(nmc, {}, 1, 131072, sms=132, bw=4e12, reps=3, log=lambda line: None) == 0
+    assert bench.tune_attention_sms(tiny, {}, 1, 40, sms=16, bw=4e12, reps=3, log=lambda line: None) == 0
+    assert {wide for a, wide in asked if a == 0} == {0, 32, 64}
     assert not [a for a, wide in asked if wide and a != 0]
 
 
@@ -689,7 +692,6 @@ def test_tune_leaves_out_the_counts_the_simulation_puts_far_behind(nmc, tuning_f
     say so with their simulated steps, and mkc compile's summary names them. 32, the next count
     below the fastest, is still timed beneath the global layers' splits (the pair measured fastest
     on an H200)."""
-    from mkc.schedule.plan import choose_attention_sms
     from mkc.schedule.visualize import format_summary, summary
 
     asked = []
@@ -703,10 +705,6 @@ def test_tune_leaves_out_the_counts_the_simulation_puts_far_behind(nmc, tuning_f
         return bench.row("mkc", b, c, [us * 1e-6], 10**6, 4e12)
 
     timed_on_an_h200(fake_row)
-    _, simulated = choose_attention_sms(nmc, 1, 131072, 132)
-    fastest = min(simulated.values())
-    far = {a for a, t in simulated.items() if t > fastest * (1 + tune.TUNE_SIMULATED_MARGIN)}
-    assert far == {4, 8, 16, 32}
     logs = []
     assert bench.tune_attention_sms(nmc, {}, 1, 131072, sms=132, bw=4e12, reps=3, log=logs.append) == 32
     assert {a for a, wide in asked if not wide} == {0, 64}
@@ -714,10 +712,39 @@ def test_tune_leaves_out_the_counts_the_simulation_puts_far_behind(nmc, tuning_f
     rec = json.loads(tuning_file.read_text())[tuning.tuning_key(nmc, 1, 131072, 132)]
     assert set(rec["measured_us"]) == {"0", "64"}
     assert rec["attention_sms"] == 32 and rec["global_attention_sms"] == 256
-    assert rec["not_timed_simulated_us"] == {str(a): simulated[a] for a in sorted(far)}
+    far = rec["not_timed_simulated_us"]  # the probe steps of the counts left out
+    assert set(far) == {"4", "8", "16", "32"}
+    said = [ln for ln in logs if "attention SMs not timed: its simulated probe step" in ln]
+    fastest = float(re.search(r"above the fastest count's \(([\d.]+) µs", said[0]).group(1))
+    assert len(said) == 4 and all(us > fastest * (1 + tune.TUNE_SIMULATED_MARGIN) for us in far.values())
     assert any("4 attention SMs not timed: its simulated probe step" in ln for ln in logs)
     text = format_summary(summary(plan(nmc, 1, 131072, 132), nmc))
     assert "not timed, their probe's simulated step far slower (µs by attention SMs: 4: " in text
+
+
+def test_a_tune_plans_each_schedule_once_for_its_placements_and_its_timings(tiny, tuning_file, timed_on_an_h200,
+                                                                             monkeypatch):
+    """A decision compares its options' placements, then times each, in turn with rounds: each
+    schedule is planned once for all of that (North Mini Code: about 10 s a plan), and the timings
+    run the schedules the tune planned."""
+    planned = []
+
+    def counted_plan(*args, **kw):
+        planned.append(repr(sorted(kw.items())))
+        return plan(*args, **kw)
+
+    monkeypatch.setattr(tune, "plan", counted_plan)
+    timed = []
+
+    def fake_row(spec, w, b, c, *, attention_sms, schedule, ceilings=None, **kw):
+        sc = schedule()
+        timed.append(sc.meta["attention_sms"]["chosen"] == attention_sms)
+        return bench.row("mkc", b, c, [1e-4 * (1 + abs(attention_sms - 4))], 10**6, 4e12)
+
+    timed_on_an_h200(fake_row)
+    bench.tune_attention_sms(tiny, {}, 2, 40, sms=16, bw=4e12, reps=3, log=lambda line: None, rounds=2)
+    assert len(timed) > 2 * len(attention_sms_candidates(tiny, 2, 16)) and all(timed)
+    assert len(planned) == len(set(planned)), "a schedule planned twice"
 
 
 def test_tune_every_count_times_the_counts_the_simulation_puts_far_behind(tiny, tuning_file, timed_on_an_h200,

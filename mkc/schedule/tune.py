@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import statistics
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +48,7 @@ T = TypeVar("T")
 # tried with the global layers' splits (batch 1 at 128K: 0 attention SMs timed 0.3% faster than
 # 64 alone, but 64 with more global splits ran 7% faster than 0 with them).
 TUNE_TIE = 0.02
+SCHEDULES_KEPT = 8  # a tune's latest schedules kept planned (North Mini Code: about 10 s to plan each)
 # mkc bench --tune does not time an attention-SM count whose probe step under the shared-bandwidth
 # simulation (plan.py: choose_attention_sms) is more than this fraction slower than the fastest
 # count's (unless asked to time every count). Over the 11 points of configs/tuning/h200.json, the
@@ -106,8 +108,9 @@ class Candidate:
         return " and ".join(parts)
 
 
-# Times one candidate's megakernel, logging the line (what it is, its time) and returning its step in µs.
-Timer = Callable[[Candidate, str], float]
+# Times one candidate's megakernel, logging the line (what it is, its time) and returning its step in µs;
+# its third argument gives the candidate's schedule, planned once for the tune's queues and timings alike.
+Timer = Callable[[Candidate, str, Callable[[], Schedule]], float]
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +141,7 @@ class Tuner:
         self.medians: dict[str, dict[Any, float]] = {}  # decision name -> option -> median µs
         self.chosen_options: dict[str, Any] = {}  # decision name -> the option chosen
         self.placed: dict[Candidate, list[list[int]]] = {}
+        self.planned: OrderedDict[Candidate, Schedule] = OrderedDict()  # the latest SCHEDULES_KEPT planned
         self.every: list[int] = []  # every attention-SM count the planner considers
         self.counts: list[int] = []  # those timed
         self.not_timed: dict[int, float] = {}  # count -> its simulated probe step (µs), where left out
@@ -150,7 +154,7 @@ class Tuner:
         self.log(f"batch {self.batch} context {self.context}: {line}")
 
     def time_once(self, c: Candidate, what: str) -> None:
-        self.times.setdefault(c, []).append(self.time(c, what))
+        self.times.setdefault(c, []).append(self.time(c, what, lambda: self.plan(c)))
 
     def decide(self, options: dict[Candidate, str]) -> None:
         """Time ``options``: with one round each once (a schedule timed before is not timed again);
@@ -162,8 +166,16 @@ class Tuner:
                 self.time_once(c, options[c])
 
     def plan(self, c: Candidate) -> Schedule:
-        return plan(self.spec, self.batch, self.context, self.sms, page_size=self.page_size,
-                    attention_sms=c.attention_sms, ceilings=c.ceilings(), **c.lowering())
+        """``c``'s schedule, planned once while it is among the latest SCHEDULES_KEPT asked for (a
+        decision compares its options' placements, then times each, in turn with rounds)."""
+        sc = self.planned.pop(c, None)
+        if sc is None:
+            sc = plan(self.spec, self.batch, self.context, self.sms, page_size=self.page_size,
+                      attention_sms=c.attention_sms, ceilings=c.ceilings(), **c.lowering())
+        self.planned[c] = sc
+        while len(self.planned) > SCHEDULES_KEPT:
+            self.planned.popitem(last=False)
+        return sc
 
     def queues(self, c: Candidate) -> list[list[int]]:
         """How ``c`` places the tasks (a raise or spread that places nothing differently is not timed)."""
