@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 
 import pytest
@@ -67,6 +68,28 @@ def test_attention_sms_gives_the_splits_their_own_wave(nmc):
 def test_split_schedules_are_safe(nmc, batch, attention_sms):
     sc = schedule(lower(nmc, batch, 8192, 132, attention_sms=attention_sms), nmc.name)
     assert validate(sc) == []
+
+
+def test_plan_pauses_the_garbage_collector_and_leaves_it_as_it_found_it(tiny, monkeypatch):
+    """plan() pauses the cyclic collector while it lowers and places (graph.gc_paused), and gives it
+    back as it was, after an error too."""
+    from mkc.schedule import plan as plan_mod
+
+    collecting = []
+    real = plan_mod.schedule
+    monkeypatch.setattr(plan_mod, "schedule", lambda *a: collecting.append(gc.isenabled()) or real(*a))
+    assert gc.isenabled()
+    plan(tiny, 2, 40, 8)
+    assert collecting and not any(collecting) and gc.isenabled()
+    with pytest.raises(SpecError):
+        plan(tiny, 2, 40, 8, attention_sms=999)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        plan(tiny, 2, 40, 8)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def test_the_compiler_keeps_the_candidate_predicted_fastest(nmc):

@@ -262,7 +262,7 @@ def derive_edges(program: Program) -> nx.DiGraph:
     # networkx copies the attributes into a dict of each edge's own, so edges can share them
     attrs = [[{"buffers": frozenset((name,)), "kind": kind} for kind in KINDS] for name in c.names]
     g = nx.DiGraph()
-    with _gc_paused():
+    with gc_paused():
         g.add_nodes_from(t.id for t in program.tasks)
         g.add_edges_from((a, b, attrs[buf][kind]) for a, b, buf, kind in
                          zip(c.a[first].tolist(), c.b[first].tolist(), c.buffer[first].tolist(),
@@ -274,8 +274,9 @@ def derive_edges(program: Program) -> nx.DiGraph:
 
 
 @contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector while building a large structure that makes no garbage.
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector while building large structures without reference cycles
+    (what they leave behind is freed by reference counting all the same). Nested pauses are fine.
 
     A collection starts every few hundred container allocations, and a full one, which traverses
     everything alive, each time the heap has grown by a quarter: building a graph of a million

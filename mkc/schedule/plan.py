@@ -38,6 +38,7 @@ import dataclasses
 import math
 from typing import Any
 
+from mkc.ir.graph import gc_paused
 from mkc.ir.lower import MAX_ATTENTION_WAVES, LowerOptions, lower
 from mkc.ir.spec import ModelSpec
 from mkc.schedule import tuning
@@ -392,14 +393,16 @@ def plan(spec: ModelSpec, batch: int, context: int, num_sms: int, page_size: int
     differ from this one.
     ``lowering``: the LOWERING_CHOICES (LowerOptions fields; default DEFAULT_LOWERING), each also in
     ``meta`` under its name."""
-    attention_sms, ceilings, how = plan_choices(spec, batch, context, num_sms, page_size, kv_pages, attention_sms,
-                                                ceilings, **lowering)
-    lowering = lowering_choices(lowering)
-    for choice in (RESIDUAL_IN_O_PROJ, GLOBAL_ATTENTION_SMS, EXPERT_DOWN_ROWS, EXPERT_UP_ROWS):
-        if choice in how:  # measured at this point (plan_choices)
-            lowering[choice] = how[choice]
-    program = lower(spec, batch, context, num_sms, page_size, kv_pages, attention_sms=attention_sms, **lowering)
-    sc = schedule(program, spec.name, ceilings)
+    with gc_paused():  # the lowerings and placements make millions of objects and no cycles
+        attention_sms, ceilings, how = plan_choices(spec, batch, context, num_sms, page_size, kv_pages,
+                                                    attention_sms, ceilings, **lowering)
+        lowering = lowering_choices(lowering)
+        for choice in (RESIDUAL_IN_O_PROJ, GLOBAL_ATTENTION_SMS, EXPERT_DOWN_ROWS, EXPERT_UP_ROWS):
+            if choice in how:  # measured at this point (plan_choices)
+                lowering[choice] = how[choice]
+        program = lower(spec, batch, context, num_sms, page_size, kv_pages, attention_sms=attention_sms,
+                        **lowering)
+        sc = schedule(program, spec.name, ceilings)
     sc.meta["attention_sms"] = {"chosen": attention_sms, **how}
     sc.meta.update(lowering)
     return sc
