@@ -368,6 +368,15 @@ class CudaBackend(DecoderBackend):
         super().__init__(self.dec, spec, self.dec.logical_weights(), max_batch=max_batch,
                          context=context, act_dtype=torch.bfloat16, buffers=self.dec.buffers, prefill=prefill,
                          smaller=smaller)
+        # the first prefill on a GPU pays the libraries' set-up (cuBLAS, the grouped GEMM, SDPA):
+        # seconds that would land on the first user's time to first token
+        t0 = time.monotonic()
+        n = min(context, getattr(self._prefill, "chunk", 2048))
+        if self.pages is not None:
+            n = min(n, len(self.pages.free) * self.pages.page_size)
+        self.prefill(0, [0] * n)
+        self.free(0)
+        log.info("prefill warmed up (%d tokens) in %.1f s", n, time.monotonic() - t0)
 
     def _settled(self, steps: PrefillSteps) -> PrefillSteps:
         """Each layer finished on the GPU before it yields, so the engine's clock times real work."""

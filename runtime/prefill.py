@@ -408,9 +408,11 @@ class FastPrefill(Prefill):
         by_expert, order = torch.sort(experts.reshape(-1), stable=True)
         ends = torch.searchsorted(by_expert, torch.arange(m.num_experts, device=n.device), right=True)
         ends = ends.to(torch.int32)
-        token = order // m.top_k
-        gate, up = _grouped_mm(n[token], self._weight(f"{P}.w_experts_gate_up"), ends).float().chunk(2, dim=-1)
-        h = (F.silu(gate) * up).to(self.act_dtype)
-        down = _grouped_mm(h, self._weight(f"{P}.w_experts_down"), ends).float()  # [T * k, H]
-        weighted = down * wts.reshape(-1)[order, None]
-        return torch.zeros(n.shape[0], n.shape[1], device=n.device).index_add_(0, token, weighted)
+        gate, up = _grouped_mm(n[order // m.top_k], self._weight(f"{P}.w_experts_gate_up"), ends).chunk(2, dim=-1)
+        # each row scaled by its routing weight before the down GEMM (linear), so the pairs come
+        # back in token order as bf16 rows to sum: no float32 [T * k, H] tensor, no atomics
+        h = F.silu(gate.float()).mul_(up).mul_(wts.reshape(-1)[order, None]).to(self.act_dtype)
+        down = _grouped_mm(h, self._weight(f"{P}.w_experts_down"), ends)  # [T * k, H]
+        back = torch.empty_like(order)
+        back[order] = torch.arange(order.numel(), device=n.device)
+        return down[back].view(n.shape[0], m.top_k, -1).sum(1, dtype=torch.float32)

@@ -3,9 +3,12 @@ the PyTorch prefill writes the cache the kernel's decode steps would have writte
 leave the other slots alone, and continuous batching with preemption runs every request to the
 end. Skips cleanly without a CUDA driver or GPU.
 
-Tolerance: bf16 storage, fp32 accumulation on both sides; the prefill (one GEMM) and the
-kernel (tiles, split-K) sum in different orders, which now and then flips one bf16 rounding of
-a cache element (2^-8 relative, values below 1): absolute 1e-2 on the cache and the logits.
+Tolerance: bf16 storage, fp32 accumulation on both sides, but the tensor-core prefill
+(runtime/prefill.py: FastPrefill) and the kernel round at different points (the prefill keeps q/k
+in float32 through RoPE, sums the experts in its own order), each a 2^-9 relative difference,
+compounding over the 5 layers: 3e-2 relative per cache position (the budget of
+tests/test_prefill_gpu.py) and of the largest logit. One position of the prompt may be further off:
+its top-k routing flipped by a near-tie (MoE routing is not continuous).
 """
 
 from __future__ import annotations
@@ -27,7 +30,17 @@ pytestmark = pytest.mark.gpu
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 CONTEXT = 64
-ATOL = 1e-2
+RTOL = 3e-2
+
+
+def bf16_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """A cache [G, n, D]: the second largest relative error of a position (one may flip its
+    routing); logits [V]: the max error over the largest logit."""
+    a, b = a.float().cpu(), b.float().cpu()
+    if a.dim() == 1:
+        return float((a - b).abs().max() / b.abs().max())
+    per_position = (a - b).norm(dim=(0, 2)) / b.norm(dim=(0, 2)).clamp_min(1e-30)
+    return float(per_position.sort(descending=True).values[1])
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +65,7 @@ PAGED = {"page_size": 8, "kv_pages": 4 * CONTEXT // 8}
 @pytest.mark.parametrize("layout", [{}, PAGED], ids=["slab", "paged"])
 def test_cuda_prefill_matches_kernel_decode(backend_factory, layout):
     _spec, make = backend_factory
-    check_prefill_matches_decode(make(4, **layout), ATOL)
+    check_prefill_matches_decode(make(4, **layout), RTOL, bf16_err)
 
 
 @pytest.mark.parametrize("layout", [{}, PAGED], ids=["slab", "paged"])

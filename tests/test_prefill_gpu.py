@@ -72,9 +72,33 @@ def test_gpu_fast_prefill_matches_float32_reference(config, layout):
     assert err <= BF16_RTOL, f"logits: relative error {err:.2e} > {BF16_RTOL:.0e}"
 
 
-def test_gpu_serving_prefill_logits_match_transformers(tmp_path):
+class _Routes:
+    """Records the experts every prefill layer routes each position to (``mkc.runtime.prefill.route``)."""
+
+    def __init__(self, monkeypatch):
+        from mkc.runtime import prefill
+
+        self.calls: list[torch.Tensor] = []
+        route = prefill.route
+
+        def recording(logits, top_k, *args):
+            experts, wts = route(logits, top_k, *args)
+            self.calls.append(experts.sort(dim=-1).values.cpu())
+            return experts, wts
+
+        monkeypatch.setattr(prefill, "route", recording)
+
+    def take(self) -> torch.Tensor:
+        out, self.calls = torch.cat(self.calls), []
+        return out
+
+
+def test_gpu_serving_prefill_logits_match_transformers(tmp_path, monkeypatch):
     """CudaBackend (fast prefill, tile-ordered weights) on the tiny Cohere2-MoE checkpoint: the
-    logits of a prompt's last token against transformers' float32 forward."""
+    logits of a prompt's last token against transformers' float32 forward over the same
+    (bf16-representable) weights, within the decode kernel's budget (BF16_REL_BUDGET of the largest
+    logit). As in that test, a prompt some position of which the GPU routes to other experts than the
+    float32 reference does (a near-tie flipped by bf16 rounding) is not compared; a third must be."""
     transformers = pytest.importorskip("transformers")
     from test_transformers_oracle import BF16_REL_BUDGET, _hf_config
 
@@ -86,13 +110,27 @@ def test_gpu_serving_prefill_logits_match_transformers(tmp_path):
     torch.manual_seed(2026)
     model = transformers.Cohere2MoeForCausalLM(_hf_config()).eval()
     save_checkpoint(model, tmp_path)
+    with torch.no_grad():  # the weights mkc loads in bf16, exactly
+        for p in model.parameters():
+            p.copy_(p.bfloat16().float())
     spec = load_spec(tmp_path)
-    be = CudaBackend(spec, load_checkpoint(tmp_path, spec, torch.bfloat16), max_batch=2, context=64)
-    for n in (5, 20, 40):  # within and past the sliding window (8)
+    weights = load_checkpoint(tmp_path, spec, torch.bfloat16)
+    f32 = Prefill(spec, {k: v.float() for k, v in weights.items()})
+    be = CudaBackend(spec, weights, max_batch=2, context=64)
+    routes, compared = _Routes(monkeypatch), []
+    lengths = (3, 5, 7, 9, 12, 16, 20, 40)  # within and past the sliding window (8)
+    for n in lengths:
         prompt = torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+        f32.run(prompt, 0, _slab(spec, torch.float32, "cpu"))
+        want_routes = routes.take()
+        got = be.prefill(1, prompt).float().cpu()
+        be.free(1)
+        if not torch.equal(routes.take(), want_routes):
+            continue
         with torch.no_grad():
             want = model(torch.tensor([prompt])).logits[0, -1]
-        got = be.prefill(1, prompt).float().cpu()
-        err = rel_err(want, got)
-        assert err <= BF16_REL_BUDGET, f"prompt of {n}: relative error {err:.2e} > {BF16_REL_BUDGET}"
-        be.free(1)
+        err, scale = (want - got).abs().max().item(), want.abs().max().item()
+        assert err <= BF16_REL_BUDGET * scale, (f"prompt of {n}: max error {err:.3g} > budget {BF16_REL_BUDGET} "
+                                                f"x max |logit| {scale:.3g}")
+        compared.append(n)
+    assert len(compared) * 3 >= len(lengths), f"only prompts of {compared} routed as in float32"
