@@ -115,7 +115,7 @@ fi
 if [ "$mode" = prefill ]; then
   stage prefill_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_prefill_gpu.py \
     tests/test_backends_gpu.py
-  stage prefill_speed 280 python3 benchmarks/prefill_speed.py --prompts 1024,8192,32768 \
+  stage prefill_speed 280 python3 benchmarks/prefill_speed.py --prompts 1024,8192,32768 --profile 8192 \
     --reference-prompts 1024,4096 --chunks 2048,8192 -o "$OUT/prefill.json"
   exit 0
 fi

@@ -44,6 +44,26 @@ def _time(fn) -> float:
     return time.perf_counter() - t0
 
 
+def _profile(run, ids: list[int], chunk: int, path: Path) -> None:
+    """One prompt under torch.profiler (after an untimed run): each operator's GPU time, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run(ids)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run(ids)
+        torch.cuda.synchronize()
+    ops = sorted((e for e in prof.key_averages() if e.device_time_total > 0 and e.key.startswith("aten::")),
+                 key=lambda e: -e.self_device_time_total)
+    rows = [{"op": e.key, "gpu_ms": round(e.self_device_time_total / 1e3, 2), "calls": e.count} for e in ops[:25]]
+    total = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
+    print(f"profile: a prompt of {len(ids)} in calls of {chunk}, {total:.1f} ms of GPU time")
+    for r in rows:
+        print(f"  {r['op']:<45} {r['gpu_ms']:>9.2f} ms  {r['calls']:>6} calls")
+    path.write_text(json.dumps({"gpu": torch.cuda.get_device_name(0), "prompt": len(ids), "chunk": chunk,
+                                "gpu_ms": round(total, 1), "ops": rows}, indent=1))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="configs/north_mini_code.yaml")
@@ -53,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunks", type=_ints, default=[2048, 8192],
                    help="prompt tokens per prefill call (the engine's --prefill-chunk) to time")
     p.add_argument("--row-major", action="store_true", help="also time over row-major weights (no reorder)")
+    p.add_argument("--profile", type=int, default=0, metavar="TOKENS",
+                   help="also profile one prompt of TOKENS over tile order in calls of the largest chunk: "
+                        "the GPU time per operator, printed and written beside the output (*-profile.json)")
     p.add_argument("-o", "--output", default="build/prefill.json")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -77,14 +100,17 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(json.dumps(row), flush=True)
 
+    def calls(fast: FastPrefill, chunk: int):
+        def run(ids):
+            for lo in range(0, len(ids), chunk):
+                run_to_end(fast.layers(ids[lo:lo + chunk], lo, cache, logits=lo + chunk >= len(ids)))
+        return run
+
     def fast_points(w, layout: str) -> None:
         fast = FastPrefill(spec, w)
         for chunk in a.chunks:
-            def calls(ids, chunk=chunk):
-                for lo in range(0, len(ids), chunk):
-                    run_to_end(fast.layers(ids[lo:lo + chunk], lo, cache, logits=lo + chunk >= len(ids)))
             for n in a.prompts:
-                point("fast", layout, chunk, n, calls)
+                point("fast", layout, chunk, n, calls(fast, chunk))
 
     if a.row_major:
         fast_points(weights, "row-major")
@@ -101,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         point("reference", "tiles", ref.chunk, n, lambda ids: ref.run(ids, 0, cache), warm=False)
     out = Path(a.output)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if a.profile:
+        _profile(calls(FastPrefill(spec, lw), max(a.chunks)), list(range(a.profile)), max(a.chunks),
+                 out.with_name(out.stem + "-profile.json"))
     out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(0), "model": spec.name, "rows": rows}, indent=1))
     print(f"wrote {out}")
     return 0
