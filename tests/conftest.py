@@ -55,6 +55,23 @@ def _no_machine_tuning(tmp_path_factory):
         os.environ["MKC_TUNING_FILE"] = old
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _own_cache(tmp_path_factory):
+    """Tests never read or fill the user's schedule and kernel caches (~/.cache/mkc): the run has
+    its own, one folder shared by pytest-xdist's workers (beside their base folders), so what one
+    worker planned or compiled the others read instead of making it again."""
+    base = tmp_path_factory.getbasetemp()
+    path = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "mkc-cache"
+    path.mkdir(exist_ok=True)
+    old = os.environ.get("MKC_CACHE_DIR")
+    os.environ["MKC_CACHE_DIR"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("MKC_CACHE_DIR", None)
+    else:
+        os.environ["MKC_CACHE_DIR"] = old
+
+
 @pytest.fixture(autouse=True)
 def _fixed_seeds():
     random.seed(SEED)
