@@ -2,11 +2,14 @@
 # One device call that checks and times the tree (H100/H200). Logs and JSON land under $OUT
 # (default ./gpu-session), one log per stage and a line per stage in $OUT/summary.log; a stage that
 # fails or runs out of time does not stop the rest. Each mode's stage limits add up to under the
-# 10-minute limit of one call.
+# 10-minute limit of one call. Several modes run in the order given (`--prefill --serve`), each
+# stage's limit cut to what is left of the call (CALL_SECONDS, default 590 s): a stage with under
+# 10 s left is skipped, and says so in summary.log.
 #
 #   OUT=/path bash benchmarks/gpu_session.sh [--quick]   # default mode
 #   OUT=/path bash benchmarks/gpu_session.sh --bench     # timing only
 #   OUT=/path bash benchmarks/gpu_session.sh --long      # long-context mode
+#   OUT=/path bash benchmarks/gpu_session.sh --prefill --serve   # two modes in one call
 #
 # Kernels compile on the device (NVRTC, 12-15 s each) and a server plans each step's schedule (10 s,
 # 25 s paged) unless MKC_CACHE_DIR names caches built on the CPU machine beforehand and sent along:
@@ -70,29 +73,29 @@ set -u -o pipefail
 OUT=${OUT:-gpu-session}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+deadline=$((SECONDS + ${CALL_SECONDS:-590}))
 batches=1,2,4,8
-mode=default
+modes=()
 for arg in "$@"; do
   case $arg in
     --quick) batches=1,8 ;;
-    --bench) mode=bench ;;
-    --long) mode=long ;;
-    --reads) mode=reads ;;
-    --prefill) mode=prefill ;;
-    --serve) mode=serve ;;
-    --serve-long) mode=serve_long ;;
-    --fp8) mode=fp8 ;;
-    --fp8-tune) mode=fp8_tune ;;
-    --qwen3-tune) mode=qwen3_tune ;;
-    --models) mode=models ;;
-    *) echo "usage: OUT=DIR bash benchmarks/gpu_session.sh [--quick | --bench | --long | --reads | --prefill | --serve |" \
-            "--serve-long | --fp8 | --fp8-tune | --qwen3-tune | --models]" >&2
+    --bench|--long|--reads|--prefill|--serve|--serve-long|--fp8|--fp8-tune|--qwen3-tune|--models)
+      m=${arg#--}; modes+=("${m//-/_}") ;;
+    *) echo "usage: OUT=DIR bash benchmarks/gpu_session.sh [--quick] [--bench | --long | --reads | --prefill |" \
+            "--serve | --serve-long | --fp8 | --fp8-tune | --qwen3-tune | --models]..." >&2
        exit 2 ;;
   esac
 done
-stage() {  # name, timeout (s), command...
+[ ${#modes[@]} -eq 0 ] && modes=(default)
+left() { echo $((deadline - SECONDS)); }
+stage() {  # name, timeout (s), command...: the timeout cut to what is left of the call
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS
+  [ "$limit" -gt "$(left)" ] && limit=$(left)
+  if [ "$limit" -lt 10 ]; then
+    echo "$name: skipped, $(left) s left of the call" | tee -a "$OUT/summary.log"
+    return
+  fi
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   echo "$name: rc=$? in $((SECONDS - t0)) s ($(date -u +%H:%M:%S) UTC)" | tee -a "$OUT/summary.log"
   tail -4 "$OUT/$name.log"
@@ -102,43 +105,48 @@ bench() {  # stage name, timeout (s), mkc bench arguments...
   stage "$name" "$limit" python3 -m mkc.cli bench --config configs/north_mini_code.yaml --random-weights \
     --reps 20 -o "$OUT/${name//_/-}" "$@"
 }
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/env.log" 2>&1
-stage pip 20 python3 -m pip install -q --no-deps --no-build-isolation -e .
-if [ "$mode" = reads ]; then
+wheels_installed=0
+wheels() {  # the serving wheels the device image lacks, from .whl/, once a call
+  [ $wheels_installed = 1 ] && return
+  stage wheels 60 python3 -m pip install -q --no-index --find-links .whl fastapi uvicorn httpx prometheus-client tqdm
+  wheels_installed=1
+}
+
+run_reads() {
   stage sm_stream 120 python3 benchmarks/sm_stream.py --json "$OUT/sm_stream.json"
   stage sm_stream_l2 120 python3 benchmarks/sm_stream.py --l2 --json "$OUT/sm_stream_l2.json"
-  exit 0
-fi
-if [ "$mode" = prefill ] || [ "$mode" = serve ] || [ "$mode" = serve_long ]; then
-  stage wheels 60 python3 -m pip install -q --no-index --find-links .whl fastapi uvicorn httpx prometheus-client tqdm
-fi
-if [ "$mode" = prefill ]; then
+}
+
+run_prefill() {
+  wheels
   stage prefill_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_prefill_gpu.py \
     tests/test_backends_gpu.py
   stage prefill_speed 280 python3 benchmarks/prefill_speed.py --prompts 1024,8192,32768 --profile 8192 \
     --reference-prompts 1024,4096 --chunks 2048,8192 -o "$OUT/prefill.json"
-  exit 0
-fi
-if [ "$mode" = serve ] || [ "$mode" = serve_long ]; then
-  url=http://127.0.0.1:8011
-  t0=$SECONDS
-  if [ "$mode" = serve ]; then context=(--context 16384); else
+}
+
+run_serve() {  # serve or serve_long
+  local kind=$1 url=http://127.0.0.1:8011 context server streams
+  wheels
+  local t0=$SECONDS wait_limit=240
+  [ "$wait_limit" -gt "$(left)" ] && wait_limit=$(left)
+  if [ "$kind" = serve ]; then context=(--context 16384); else
     # a 32K prompt beside 7 streams: a paged pool of 256 pages of 256 positions (6.5 GB of KV)
     context=(--context 40960 --kv-layout paged --page-size 256 --kv-pages 256)
   fi
   python3 -m mkc.cli serve --config configs/north_mini_code.yaml --random-weights --backend cuda --max-batch 8 \
-    "${context[@]}" --port 8011 > "$OUT/server.log" 2>&1 &
+    "${context[@]}" --port 8011 > "$OUT/server${kind#serve}.log" 2>&1 &
   server=$!
   until curl -sf "$url/health" > /dev/null 2>&1; do
-    if ! kill -0 $server 2> /dev/null || [ $((SECONDS - t0)) -gt 240 ]; then break; fi
+    if ! kill -0 $server 2> /dev/null || [ $((SECONDS - t0)) -gt $wait_limit ]; then break; fi
     sleep 1
   done
-  echo "server start to healthy: $((SECONDS - t0)) s" | tee -a "$OUT/summary.log"
+  echo "$kind: server start to healthy: $((SECONDS - t0)) s" | tee -a "$OUT/summary.log"
   load() {  # stage name, timeout (s), mkc bench-serve arguments...
     local name=$1 limit=$2; shift 2
     stage "$name" "$limit" python3 -m mkc.cli bench-serve --url "$url" --vocab-size 262144 -o "$OUT/$name.json" "$@"
   }
-  if [ "$mode" = serve_long ]; then
+  if [ "$kind" = serve_long ]; then
     # 7 streams decode; 6 s later a 32K prompt arrives: the streams' ITL p99, and its TTFT
     load long_streams 90 --num-requests 7 --concurrency 7 --prompt-len 512 --output-len 1536 --seed 1 &
     streams=$!
@@ -146,9 +154,9 @@ if [ "$mode" = serve ] || [ "$mode" = serve_long ]; then
     load long_prompt 60 --num-requests 1 --prompt-len 32768 --output-len 2 --seed 2
     wait $streams
     load ttft_32k 90 --num-requests 2 --concurrency 1 --prompt-len 32768 --output-len 2 --seed 3
-    curl -s "$url/metrics" > "$OUT/metrics.txt"
+    curl -s "$url/metrics" > "$OUT/metrics_long.txt"
     kill $server; wait $server 2> /dev/null
-    exit 0
+    return
   fi
   load ttft_8k 60 --num-requests 3 --concurrency 1 --prompt-len 8192 --output-len 2
   load lone 40 --num-requests 1 --concurrency 1 --prompt-len 512 --output-len 256
@@ -162,44 +170,56 @@ if [ "$mode" = serve ] || [ "$mode" = serve_long ]; then
   curl -s "$url/metrics" > "$OUT/metrics.txt"
   kill $server; wait $server 2> /dev/null
   bench bench 100 --batch 1,8 --context 8192
-  exit 0
-fi
-if [ "$mode" = fp8 ]; then
+}
+
+run_fp8() {
   stage fp8_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_fp8_gpu.py
   bench bench_fp8 330 --batch 1,2,4,8 --context 8192 --weights bf16,fp8
-  exit 0
-fi
-if [ "$mode" = fp8_tune ]; then
-  export MKC_TUNING_FILE=$OUT/tuning.json
-  bench tune_fp8_b1 280 --batch 1 --context 8192 --weights fp8 --tune
-  bench tune_fp8_b8 280 --batch 8 --context 8192 --weights fp8 --tune
-  exit 0
-fi
-if [ "$mode" = qwen3_tune ]; then
-  export MKC_TUNING_FILE=$OUT/tuning.json
+}
+
+run_fp8_tune() {
+  MKC_TUNING_FILE=$OUT/tuning.json bench tune_fp8_b1 280 --batch 1 --context 8192 --weights fp8 --tune
+  MKC_TUNING_FILE=$OUT/tuning.json bench tune_fp8_b8 280 --batch 8 --context 8192 --weights fp8 --tune
+}
+
+run_qwen3_tune() {
   for b in 1 8; do
-    stage "tune_qwen3_b$b" 280 python3 -m mkc.cli bench --config configs/qwen3_30b_a3b.yaml --random-weights --reps 20 \
-      --batch $b --context 8192 --tune -o "$OUT/tune-qwen3-b$b"
+    MKC_TUNING_FILE=$OUT/tuning.json stage "tune_qwen3_b$b" 280 python3 -m mkc.cli bench \
+      --config configs/qwen3_30b_a3b.yaml --random-weights --reps 20 --batch $b --context 8192 --tune \
+      -o "$OUT/tune-qwen3-b$b"
   done
-  exit 0
-fi
-if [ "$mode" = models ]; then
+}
+
+run_models() {
   for model in qwen3_30b_a3b qwen3_0_6b tinyllama_1_1b smollm2_135m; do
     stage "bench_$model" 130 python3 -m mkc.cli bench --config "configs/$model.yaml" --random-weights --reps 20 \
       --batch 1,8 --context 8192 --profile -o "$OUT/bench-$model"
   done
-  exit 0
-fi
-if [ "$mode" = long ]; then
+}
+
+run_long() {
   bench bench_long 270 --batch 1,8 --context 32768,131072
   bench bench_long_paged 270 --batch 1,8 --context 32768,131072 --page-size 256
-  exit 0
-fi
-if [ "$mode" = default ]; then
-  stage gpu_tests 380 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_gpu.py \
-    tests/test_families_gpu.py tests/test_generate_gpu.py tests/test_backends_gpu.py tests/test_paged_kv.py \
-    tests/test_transformers_oracle.py
-fi
-bench bench 100 --batch "$batches" --context 8192
-[ "$mode" = bench ] && bench bench_paged 100 --batch "$batches" --context 8192 --page-size 256
-stage profile 60 python3 benchmarks/megakernel_step.py --batch 1 8 --context 8192 --reps 10 --profile "$OUT/prof"
+}
+
+run_default() {  # default (--quick: batch 1 and 8) and bench
+  local kind=$1
+  if [ "$kind" = default ]; then
+    stage gpu_tests 380 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_gpu.py \
+      tests/test_families_gpu.py tests/test_generate_gpu.py tests/test_backends_gpu.py tests/test_paged_kv.py \
+      tests/test_transformers_oracle.py
+  fi
+  bench bench 100 --batch "$batches" --context 8192
+  [ "$kind" = bench ] && bench bench_paged 100 --batch "$batches" --context 8192 --page-size 256
+  stage profile 60 python3 benchmarks/megakernel_step.py --batch 1 8 --context 8192 --reps 10 --profile "$OUT/prof"
+}
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/env.log" 2>&1
+stage pip 20 python3 -m pip install -q --no-deps --no-build-isolation -e .
+for mode in "${modes[@]}"; do
+  case $mode in
+    default|bench) run_default "$mode" ;;
+    serve|serve_long) run_serve "$mode" ;;
+    *) "run_$mode" ;;
+  esac
+done
