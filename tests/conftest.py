@@ -46,13 +46,9 @@ def _no_machine_tuning(tmp_path_factory):
     """Schedules in tests never depend on this machine's measured choices (mkc bench --tune):
     every test, and every CLI it starts, reads an empty tuning file of its own."""
     path = tmp_path_factory.mktemp("tuning") / "tuning.json"
-    old = os.environ.get("MKC_TUNING_FILE")
-    os.environ["MKC_TUNING_FILE"] = str(path)
-    yield path
-    if old is None:
-        os.environ.pop("MKC_TUNING_FILE", None)
-    else:
-        os.environ["MKC_TUNING_FILE"] = old
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MKC_TUNING_FILE", str(path))
+        yield path
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -63,13 +59,9 @@ def _own_cache(tmp_path_factory):
     base = tmp_path_factory.getbasetemp()
     path = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "mkc-cache"
     path.mkdir(exist_ok=True)
-    old = os.environ.get("MKC_CACHE_DIR")
-    os.environ["MKC_CACHE_DIR"] = str(path)
-    yield path
-    if old is None:
-        os.environ.pop("MKC_CACHE_DIR", None)
-    else:
-        os.environ["MKC_CACHE_DIR"] = old
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MKC_CACHE_DIR", str(path))
+        yield path
 
 
 @pytest.fixture(autouse=True)
