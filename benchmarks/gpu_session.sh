@@ -44,6 +44,9 @@
 #   the prefill's GPU tests (tests/test_prefill_gpu.py, tests/test_backends_gpu.py), then
 #   benchmarks/prefill_speed.py: prompts of 1K, 8K and 32K through the tensor-core prefill in calls
 #   of 2048 and 8192 tokens, and 1K and 4K through the float32 one, over tile-ordered weights.
+#   With BASE=DIR (another tree, e.g. `git archive OLD | tar x -C DIR`), the tensor-core points and
+#   the profile again, this script over that tree's library (installed to /tmp/base-site), into
+#   prefill-base.json: before and after on one card.
 # --serve (limits 20 + 60 + 240 + 60 + 40 + 60 + 40 + 30 = 550 s at most): pip and wheels, then
 #   mkc serve --max-batch 8 --context 16384 (start to healthy timed) driven by mkc bench-serve: an
 #   8K prompt's TTFT (3 in turn); a lone stream (512-token prompt, 256 tokens); 8 concurrent
@@ -72,6 +75,7 @@
 set -u -o pipefail
 OUT=${OUT:-gpu-session}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1
 deadline=$((SECONDS + ${CALL_SECONDS:-590}))
 batches=1,2,4,8
@@ -123,6 +127,12 @@ run_prefill() {
     tests/test_backends_gpu.py
   stage prefill_speed 280 python3 benchmarks/prefill_speed.py --prompts 1024,8192,32768 --profile 8192 \
     --reference-prompts 1024,4096 --chunks 2048,8192 -o "$OUT/prefill.json"
+  if [ -n "${BASE:-}" ]; then  # the same points and profile over the library of the tree at $BASE
+    stage base_install 60 python3 -m pip install -q --upgrade --no-deps --no-build-isolation --target /tmp/base-site \
+      "$BASE"
+    PYTHONPATH=/tmp/base-site stage prefill_speed_base 200 python3 benchmarks/prefill_speed.py --profile 8192 \
+      --prompts 1024,8192,32768 --reference-prompts "" --chunks 2048,8192 -o "$OUT/prefill-base.json"
+  fi
 }
 
 run_serve() {  # serve or serve_long
