@@ -123,8 +123,8 @@ _FP8_ORDER = (0, 3, 1, 2, 5, 4, 6)  # row half hi at 512 hi, lane 4 g + q at 16:
 
 def _wide(t: torch.Tensor) -> torch.Tensor:
     """``t`` [..., 8 k] with each run of 8 elements (the tile orders' innermost axis, which no
-    order moves) as one element of 8 or 16 bytes: a permuted copy then moves whole runs, several
-    times faster than element by element. The bits are copied, never computed on."""
+    order moves) as one element of 8 or 16 bytes, so that a permuted copy moves whole runs, one
+    index computation per run instead of per element. The bits are copied, never computed on."""
     import torch
 
     wide = {16: torch.complex128, 8: torch.int64}.get(8 * t.element_size())
