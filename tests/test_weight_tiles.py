@@ -31,6 +31,22 @@ def test_round_trip_keeps_shape_and_values():
     assert torch.equal(from_tiles(to_tiles(w[1])), w[1])
 
 
+def test_reordering_moves_every_bit_pattern_as_the_element_order_does():
+    """to_tiles / from_tiles move a bf16 or e4m3 weight in runs of 8 elements viewed as one wide
+    element (weight_tiles._wide): every bit pattern, NaNs and subnormals included, lands where the
+    element-by-element order (an int64 copy of the same values) puts it, and comes back unchanged."""
+    from mkc.codegen.weight_tiles import from_tiles_fp8, to_tiles_fp8
+
+    bits = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).reshape(2, 32, 1024)
+    tiled = to_tiles(bits.view(torch.bfloat16)).view(torch.int16)
+    assert torch.equal(tiled, to_tiles(bits.to(torch.int64)).to(torch.int16))
+    assert torch.equal(from_tiles(tiled.view(torch.bfloat16)).view(torch.int16), bits)
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(64).reshape(16, 1024)
+    tiled8 = to_tiles_fp8(codes.view(torch.float8_e4m3fn)).view(torch.uint8)
+    assert torch.equal(tiled8, to_tiles_fp8(codes.to(torch.int64)).to(torch.uint8))
+    assert torch.equal(from_tiles_fp8(tiled8.view(torch.float8_e4m3fn)).view(torch.uint8), codes)
+
+
 def test_kernel_addresses_read_the_right_elements():
     """gemv.cuh's group_rows / block_stride / half_offset in tile order: lane l of group G reads
     piece j of block kb at G * 16 * K + kb * 1024 + l * 8 (+ 256 for the second 32 columns, + 512
