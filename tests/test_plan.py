@@ -92,6 +92,22 @@ def test_plan_pauses_the_garbage_collector_and_leaves_it_as_it_found_it(tiny, mo
         gc.enable()
 
 
+def test_a_cached_schedule_is_read_with_the_garbage_collector_paused(tiny, tmp_path, monkeypatch):
+    """Reading a stored schedule back (JSON, then tens of thousands of tasks' tuples, no cycles)
+    pauses the cyclic collector and gives it back as it was: a server reads one for each step batch
+    at start, and each read otherwise slows as the earlier ones stay alive."""
+    from mkc.schedule import plan_cache
+    from mkc.schedule.schedule import Schedule
+
+    plan_cache.cached_plan(tiny, 2, 40, 8, cache_dir=tmp_path)
+    collecting = []
+    real = Schedule._from_json.__func__
+    monkeypatch.setattr(Schedule, "_from_json", classmethod(lambda cls, d: collecting.append(gc.isenabled())
+                                                            or real(cls, d)))
+    assert plan_cache.cached_plan(tiny, 2, 40, 8, cache_dir=tmp_path)[1] is True
+    assert collecting == [False] and gc.isenabled()
+
+
 def test_the_compiler_keeps_the_candidate_predicted_fastest(nmc):
     sc = plan(nmc, 1, 8192, 132)
     chosen, how = sc.meta["attention_sms"]["chosen"], sc.meta["attention_sms"]

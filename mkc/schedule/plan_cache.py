@@ -21,6 +21,7 @@ from typing import Any
 
 import mkc
 from mkc import settings
+from mkc.ir.graph import gc_paused
 from mkc.ir.spec import ModelSpec
 from mkc.schedule.cost import H200, Ceilings
 from mkc.schedule.plan import plan
@@ -69,7 +70,8 @@ def cached_plan(spec: ModelSpec, batch: int, context: int, num_sms: int, page_si
     root = (cache_dir or settings.cache_dir()) / "schedules"
     path = root / f"{spec.name}-b{batch}-c{context}-{key[:16]}.json.gz"
     try:
-        return Schedule.from_json(json.loads(gzip.decompress(path.read_bytes()))), True
+        with gc_paused():  # parsing makes millions of objects and no cycles
+            return Schedule.from_json(json.loads(gzip.decompress(path.read_bytes()))), True
     except (OSError, EOFError, ValueError):  # absent, unreadable or not a schedule: plan it again
         pass
     sc = plan(spec, batch, context, num_sms, page_size, kv_pages, attention_sms, ceilings, **lowering)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mkc.ir.graph import Buffer, Region, Task
+from mkc.ir.graph import Buffer, Region, Task, gc_paused
 from mkc.ir.ops import OP_INFO, Opcode
 
 FORMAT = "mkc-schedule/1"
@@ -110,7 +110,8 @@ class Schedule:
                     else f"a JSON {_JSON_KINDS.get(type(d), type(d).__name__)}")
             raise ValueError(f"{what}: expected an object with \"format\": {FORMAT!r}")
         try:
-            sc = cls._from_json(d)
+            with gc_paused():  # tens of thousands of tasks' tuples, no cycles
+                sc = cls._from_json(d)
         except KeyError as e:
             raise ValueError(f"missing key {e.args[0]!r}") from None
         except (TypeError, AttributeError, IndexError) as e:
@@ -147,7 +148,8 @@ class Schedule:
 
     @classmethod
     def load(cls, path: str | Path) -> Schedule:
-        return cls.from_json(json.loads(Path(path).read_text()))
+        with gc_paused():
+            return cls.from_json(json.loads(Path(path).read_text()))
 
 
 def _check_references(sc: Schedule) -> None:
