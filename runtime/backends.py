@@ -368,10 +368,15 @@ class CudaBackend(DecoderBackend):
         super().__init__(self.dec, spec, self.dec.logical_weights(), max_batch=max_batch,
                          context=context, act_dtype=torch.bfloat16, buffers=self.dec.buffers, prefill=prefill,
                          smaller=smaller)
-        # the first prefill on a GPU pays the libraries' set-up (cuBLAS, the grouped GEMM, SDPA):
-        # seconds that would land on the first user's time to first token
+        if isinstance(self._prefill, FastPrefill):
+            self._warm_prefill()
+
+    def _warm_prefill(self) -> None:
+        """One chunk of the tensor-core prefill into slot 0, freed again: its first call pays the
+        libraries' set-up (cuBLAS, the grouped GEMM, SDPA), seconds that would otherwise land on
+        the first user's time to first token."""
         t0 = time.monotonic()
-        n = min(context, getattr(self._prefill, "chunk", 2048))
+        n = min(self.context, self._prefill.chunk)
         if self.pages is not None:
             n = min(n, len(self.pages.free) * self.pages.page_size)
         self.prefill(0, [0] * n)
