@@ -9,8 +9,8 @@ re-prefilling its prompt plus what it has generated so far. Nothing is ever drop
 
 Prompts are prefilled in chunks of ``prefill_chunk`` tokens, between decode steps: while other
 streams decode, a step runs at most ``prefill_budget`` decode steps' time of prefill (whole layers,
-at least one) before their next token, so a long prompt never freezes them; with nobody decoding
-a step runs one whole chunk.
+at least one, each timed before it starts by the slowest of the request's last four) before their
+next token, so a long prompt never freezes them; with nobody decoding a step runs one whole chunk.
 
 Full pages of prompts are kept in a prefix cache (when the backend can copy KV out and in), keyed by
 the chain of token ids up to the page's end, evicted least recently used whenever a running request
@@ -124,6 +124,7 @@ class _Request:
     held: str = ""  # text held back: it may be the start of a stop string
     steps: Generator[None, None, torch.Tensor | None] | None = None  # the prefill chunk in flight
     chunk_end: int = 0  # position after the chunk in flight
+    layer_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=4))  # its latest prefill layers
     last_token_at: float | None = None
     finished: bool = False
     preemptions: int = 0
@@ -181,7 +182,7 @@ class Engine:
 
     def __init__(self, backend: Backend, tokenizer: Tokenizer, *, page_size: int = 16,
                  kv_pages: int | None = None, prefix_cache: bool = True, metrics: Metrics | None = None,
-                 prefill_chunk: int = 8192, prefill_budget: float = 2.0):
+                 prefill_chunk: int = 8192, prefill_budget: float = 1.5):
         if prefill_chunk < 1 or prefill_budget <= 0:
             raise ValueError(f"prefill_chunk = {prefill_chunk}, prefill_budget = {prefill_budget}: expected a "
                              f"chunk of at least one token and a positive budget")
@@ -331,11 +332,18 @@ class Engine:
 
     def _prefill_some(self) -> None:
         """Admit and prefill prompts, oldest first, up to ``prefill_chunk`` tokens in all: to the
-        end of the chunk when nobody decodes, else layers until ``prefill_budget`` decode steps'
-        time is spent (at least one layer); a chunk cut short goes on at the next step."""
+        end of the chunk when nobody decodes, else whole layers while the next one, timed as the
+        slowest of the last four, ends within ``prefill_budget`` decode steps' time (at least one
+        layer); a chunk cut short goes on at the next step."""
         deadline = None
         if self._running and self._step_seconds is not None:
             deadline = time.monotonic() + self.prefill_budget * self._step_seconds
+
+        def out_of_budget(layer_seconds: Sequence[float]) -> bool:  # would the next layer end past it?
+            if not self._running:
+                return False
+            return deadline is None or time.monotonic() + max(layer_seconds, default=0.0) > deadline
+
         tokens = self.prefill_chunk
         while tokens > 0 and (self._prefilling or self._admit()):
             req = self._prefilling[0]
@@ -345,7 +353,7 @@ class Engine:
                 req.steps = self._prefill_steps(req.slot, ids[req.kv_len:req.chunk_end], req.kv_len,
                                                 logits=req.chunk_end == len(ids) and not req.output)
             tokens -= req.chunk_end - req.kv_len
-            t0 = time.monotonic()
+            t0 = t = time.monotonic()
             while True:
                 try:
                     next(req.steps)
@@ -356,11 +364,13 @@ class Engine:
                     if req.kv_len == len(ids):
                         self._prefilled(req, ids, done.value)
                     break
-                if self._running and (deadline is None or time.monotonic() >= deadline):
+                req.layer_seconds.append(time.monotonic() - t)
+                t = time.monotonic()
+                if out_of_budget(req.layer_seconds):
                     if self.metrics:
                         self.metrics.on_prefill(0, time.monotonic() - t0)
                     return
-            if self._running and (deadline is None or time.monotonic() >= deadline):
+            if out_of_budget(self._prefilling[0].layer_seconds if self._prefilling else ()):
                 return
 
     def _prefill_steps(self, slot: int, ids: list[int], start: int,

@@ -40,9 +40,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-chunk", type=int, default=8192,
                         help="prompt tokens prefilled per engine step (default 8192); a longer prompt takes "
                              "several steps, with the running streams' decode steps between them")
-    parser.add_argument("--prefill-budget", type=float, default=2.0,
+    parser.add_argument("--prefill-budget", type=float, default=1.5,
                         help="while other streams decode: prefill time between two of their steps, in decode "
-                             "steps (default 2.0; whole layers, at least one)")
+                             "steps (default 1.5, so their inter-token latency stays under 3 steps with room "
+                             "for host work; whole layers, at least one)")
     parser.add_argument("--kv-layout", choices=("slab", "paged"), default="slab",
                         help="slab: one KV slab of the whole context per batch slot; paged: a pool of --kv-pages "
                              "pages of --page-size positions that slots take as they grow (the kernel reads them "

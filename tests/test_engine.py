@@ -8,6 +8,7 @@ whole cached sequence, so a wrong or missing cache position changes the output (
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -192,9 +193,10 @@ class LayeredBackend(FakeBackend):
 
     LAYERS, PREFILL_LAYER, DECODE = 6, 0.004, 0.010
 
-    def __init__(self, clock: list[float], **kw):
+    def __init__(self, clock: list[float], layer_times: Sequence[float] = (), **kw):
         super().__init__(**kw)
         self.clock, self.events = clock, []  # events: ("layer", slot, start, n, layer) | ("decode", slots)
+        self.layer_times = layer_times  # seconds of each layer, when they differ
 
     def prefill_layers(self, slot, token_ids, start=0, *, logits=True):
         if start + len(token_ids) > self.context:
@@ -203,7 +205,7 @@ class LayeredBackend(FakeBackend):
 
     def _layers(self, slot, ids, start, logits):
         for layer in range(self.LAYERS):
-            self.clock[0] += self.PREFILL_LAYER
+            self.clock[0] += self.layer_times[layer] if self.layer_times else self.PREFILL_LAYER
             self.events.append(("layer", slot, start, len(ids), layer))
             yield
         out = FakeBackend.prefill(self, slot, ids, start)  # the cache is written when the chunk ends
@@ -249,6 +251,39 @@ def test_long_prompt_is_chunked_between_decode_steps(monkeypatch):
     for name, prompt in (("short", short), ("long", long)):
         alone = run_engine(Engine(FakeBackend(context=128), tok), [prompt], greedy)[0]
         assert text_of(got[name]) == text_of(alone)
+
+
+@pytest.mark.parametrize("layer_times", [(0.003, 0.003, 0.009, 0.003, 0.003, 0.009), (0.025,) * 6],
+                         ids=["uneven-layers", "layers-over-budget"])
+def test_prefill_slice_ends_within_the_budget(monkeypatch, layer_times):
+    """Between two decode steps of a running stream, the prefill runs only the layers that end
+    within prefill_budget decode steps (here 2 x 10 ms), each timed as the slowest of the request's
+    last four: uneven layers never carry a slice past 20 ms (without the estimate, 3 + 3 + 9 + 9
+    would); a layer longer than the whole budget still runs, one a step, so the prompt gets on."""
+    clock = [0.0]
+    monkeypatch.setattr("mkc.runtime.engine.time.monotonic", lambda: clock[0])
+    tok = ByteTokenizer(V)
+    greedy = SamplingParams(max_tokens=40, temperature=0)
+    be = LayeredBackend(clock, layer_times, context=128)
+    eng = Engine(be, tok, prefill_chunk=32, prefill_budget=2.0)
+    got: list[Output] = []
+    eng.submit(tok.encode("hi"), greedy, got.append, request_id="short")
+    for _ in range(3):
+        eng.step()
+    eng.submit(tok.encode("a long prompt " * 6), greedy, lambda o: None, request_id="long")
+    while eng.has_work():
+        eng.step()
+    slices, run = [], []  # the long prompt's layers between two decode steps, in seconds
+    for e in be.events[3:]:
+        if e[0] == "layer" and e[1] == 1:
+            run.append(layer_times[e[4]])
+        elif e[0] == "decode" and run:
+            slices.append(run)
+            run = []
+    assert len(slices) >= 3 and sum(map(len, slices)) == 3 * be.LAYERS
+    for run in slices:
+        assert sum(run) <= 0.020 + 1e-9 or len(run) == 1, f"a prefill slice of {run} s passed the 20 ms budget"
+    assert text_of(got) == text_of(run_engine(Engine(FakeBackend(context=128), tok), [tok.encode("hi")], greedy)[0])
 
 
 def test_metrics_count_prefilled_tokens():
