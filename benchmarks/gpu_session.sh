@@ -47,6 +47,10 @@
 #   With BASE=DIR (another tree, e.g. `git archive OLD | tar x -C DIR`), the tensor-core points and
 #   the profile again, this script over that tree's library (installed to /tmp/base-site), into
 #   prefill-base.json: before and after on one card.
+# --prefill-attention (limits 20 + 240 = 260 s): pip, then benchmarks/prefill_attention.py: one
+#   sliding and one global layer's attention for the last 8192 queries of 8K and 32K prompts, the
+#   way FastPrefill computes it beside the candidates (smaller query blocks, SDPA's grouped-query
+#   support, compiled FlexAttention), each checked against float32 (prefill_attention.json).
 # --serve (limits 20 + 60 + 240 + 60 + 40 + 60 + 40 + 30 = 550 s at most): pip and wheels, then
 #   mkc serve --max-batch 8 --context 16384 (start to healthy timed) driven by mkc bench-serve: an
 #   8K prompt's TTFT (3 in turn); a lone stream (512-token prompt, 256 tokens); 8 concurrent
@@ -83,10 +87,10 @@ modes=()
 for arg in "$@"; do
   case $arg in
     --quick) batches=1,8 ;;
-    --bench|--long|--reads|--prefill|--serve|--serve-long|--fp8|--fp8-tune|--qwen3-tune|--models)
+    --bench|--long|--reads|--prefill|--prefill-attention|--serve|--serve-long|--fp8|--fp8-tune|--qwen3-tune|--models)
       m=${arg#--}; modes+=("${m//-/_}") ;;
     *) echo "usage: OUT=DIR bash benchmarks/gpu_session.sh [--quick] [--bench | --long | --reads | --prefill |" \
-            "--serve | --serve-long | --fp8 | --fp8-tune | --qwen3-tune | --models]..." >&2
+            "--prefill-attention | --serve | --serve-long | --fp8 | --fp8-tune | --qwen3-tune | --models]..." >&2
        exit 2 ;;
   esac
 done
@@ -133,6 +137,11 @@ run_prefill() {
     PYTHONPATH=/tmp/base-site stage prefill_speed_base 200 python3 benchmarks/prefill_speed.py --profile 8192 \
       --prompts 1024,8192,32768 --reference-prompts "" --chunks 2048,8192 -o "$OUT/prefill-base.json"
   fi
+}
+
+run_prefill_attention() {
+  stage prefill_attention 240 python3 benchmarks/prefill_attention.py --prompts 8192,32768 --chunk 8192 \
+    -o "$OUT/prefill_attention.json"
 }
 
 run_serve() {  # serve or serve_long

@@ -137,3 +137,26 @@ def test_layers_yield_once_a_layer_and_check_up_front():
     yields, value = _count_yields(Prefill(spec, w, chunk=32).layers(list(range(40)), 0, _cache(spec, torch.float32)))
     assert yields == 2 * spec.num_layers and value.shape == (spec.vocab_size,)
     assert run_to_end(fast.layers([1, 2, 3], 0, _cache(spec, torch.float32))).shape == (spec.vocab_size,)
+
+
+def test_every_attention_way_the_benchmark_times_is_right(tmp_path):
+    """benchmarks/prefill_attention.py times FastPrefill's attention beside candidates to replace
+    it: each must compute the same attention before its time means anything. On small shapes (a
+    window of 128, query blocks of 128 and 64, so the band and the block edges are crossed), every
+    way is within 1e-2 of float32 attention over the first and last queries: bf16 outputs give
+    about 2e-3, and a band one key too wide gives 9e-2."""
+    import json
+
+    from conftest import load_benchmark
+
+    out = tmp_path / "attention.json"
+    assert load_benchmark("prefill_attention").main(
+        ["--device", "cpu", "--prompts", "600", "--chunk", "300", "--window", "128", "--blocks", "128,64",
+         "-o", str(out)]) == 0
+    cases = json.loads(out.read_text())["cases"]
+    assert {c["kind"] for c in cases} == {"sliding", "global"}
+    for case in cases:
+        assert len(case["ways"]) >= 3
+        for name, row in case["ways"].items():
+            assert "error" not in row, f"{case['kind']} {name}: {row['error']}"
+            assert row["rel_err"] <= 1e-2, f"{case['kind']} {name}: error {row['rel_err']:.3g} > 1e-2"
