@@ -281,7 +281,8 @@ class FastPrefill(Prefill):
     ids)`` (embedding rows), as ``LogicalWeights`` is. A call runs layer by layer over all its
     positions, ``chunk`` positions at a time within a layer (which bounds the activations): each
     layer's matrices are read back row-major once a call, one layer at a time, so the GPU never
-    holds a second copy of the model.
+    holds a second copy of the model; on a GPU the MLP's (the experts: nearly all of a layer's
+    bytes) are read back on a second stream while the layer's attention runs.
     """
 
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], *,
@@ -289,25 +290,69 @@ class FastPrefill(Prefill):
         super().__init__(spec, weights, act_dtype=act_dtype, chunk=chunk)
         self.query_block = query_block  # queries per SDPA call of a sliding layer (bounds its mask)
         self._held: dict[str, torch.Tensor] = {}  # the current layer's matrices, row-major
+        self._ready: dict[str, torch.cuda.Event] = {}  # held matrices still being read back on _copies
+        self._copies: torch.cuda.Stream | None = None  # the stream that reads the MLP's matrices back
+        self._gpu = weights["final_norm"].device.type == "cuda"
 
     @torch.inference_mode()
     def _steps(self, token_ids: list[int], start: int, kv: SlotKV, logits: bool) -> PrefillSteps:
         """Layer-major: every position of the call through a layer, then the next layer (a
-        position's keys in a layer are written before any later position of it attends)."""
+        position's keys in a layer are written before any later position of it attends). Within a
+        layer, the attention of every ``chunk`` of positions runs before any of the MLP, which
+        needs only its own positions' attention: meanwhile the MLP's matrices are read back from
+        tile order on a second stream (``_read_back``)."""
         device = self.w["final_norm"].device
         ids = torch.tensor(token_ids, dtype=torch.long, device=device)
         pos = torch.arange(start, start + ids.numel(), device=device)
+        spans = [(lo, min(lo + self.chunk, ids.numel())) for lo in range(0, ids.numel(), self.chunk)]
         x = self._embed(ids)  # [T, H] residual stream, float32
         try:
             for i in range(self.spec.num_layers):
-                for lo in range(0, ids.numel(), self.chunk):
-                    hi = min(lo + self.chunk, ids.numel())
-                    x[lo:hi] = self._layer(i, x[lo:hi], pos[lo:hi], start + lo, kv)
+                self._read_back(self._mlp_matrices(i))
+                normed = [self._attend(i, x, lo, hi, pos[lo:hi], start + lo, kv) for lo, hi in spans]
+                for (lo, hi), n in zip(spans, normed):
+                    x[lo:hi] = x[lo:hi] + self._mlp(i, n if n is not None else self._mlp_input(i, x[lo:hi]))
                 self._held.clear()
+                self._ready.clear()
                 yield
             return self._logits(x[-1:]) if logits else None
         finally:
             self._held.clear()
+            self._ready.clear()
+
+    def _attend(self, i: int, x: torch.Tensor, lo: int, hi: int, pos: torch.Tensor, p0: int,
+                kv: SlotKV) -> torch.Tensor | None:
+        """Positions [lo, hi) of layer i's attention, added to the residual ``x`` in place; returns
+        the normed input a parallel block's MLP shares (None in a sequential block)."""
+        n = _rms_norm(x[lo:hi], self.w[f"L{i}.attn_norm"], self.spec.norm_eps).to(self.act_dtype)  # [T, H]
+        x[lo:hi] = x[lo:hi] + self._attention(i, n, pos, p0, kv)
+        return n if self.spec.block == "parallel" else None
+
+    def _mlp_input(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        return _rms_norm(x, self.w[f"L{i}.mlp_norm"], self.spec.norm_eps).to(self.act_dtype)
+
+    def _mlp_matrices(self, i: int) -> tuple[str, ...]:
+        P = f"L{i}"
+        if self.spec.layers[i].mlp == "dense":
+            return f"{P}.w_gate_up", f"{P}.w_down"
+        return f"{P}.w_experts_gate_up", f"{P}.w_experts_down"
+
+    def _read_back(self, names: Sequence[str]) -> None:
+        """Start reading ``names`` back from tile order on a second CUDA stream, after the work
+        queued so far (a decode step between layers keeps the read bandwidth to itself), beside
+        the attention queued next; ``_weight`` makes the compute stream wait for each. Without
+        tile order or a GPU, nothing: a matrix is read back when first used."""
+        whole = getattr(self.w, "matrix", None)
+        if whole is None or not self._gpu:
+            return
+        compute = torch.cuda.current_stream()
+        if self._copies is None:
+            self._copies = torch.cuda.Stream(device=compute.device)
+        self._copies.wait_stream(compute)
+        with torch.cuda.stream(self._copies):
+            for name in names:
+                self._held[name] = whole(name)
+                self._ready[name] = self._copies.record_event()
 
     def _weight(self, name: str) -> torch.Tensor:
         """A matrix row-major: read back from tile order once per layer and call."""
@@ -316,6 +361,11 @@ class FastPrefill(Prefill):
             return self.w[name]
         if name not in self._held:
             self._held[name] = whole(name)
+        copied = self._ready.pop(name, None)
+        if copied is not None:  # read back on the copy stream: wait for it, and keep its memory until used
+            compute = torch.cuda.current_stream()
+            compute.wait_event(copied)
+            self._held[name].record_stream(compute)
         return self._held[name]
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -338,15 +388,6 @@ class FastPrefill(Prefill):
             return torch.mm(x, w.T, out_dtype=torch.float32)
         except (RuntimeError, TypeError):
             return (x @ w.T).float()
-
-    def _layer(self, i: int, x: torch.Tensor, pos: torch.Tensor, p0: int, kv: SlotKV) -> torch.Tensor:
-        s, P, act = self.spec, f"L{i}", self.act_dtype
-        n = _rms_norm(x, self.w[f"{P}.attn_norm"], s.norm_eps).to(act)  # [T, H]
-        attn = self._attention(i, n, pos, p0, kv)
-        if s.block == "parallel":
-            return x + attn + self._mlp(i, n)
-        x = x + attn
-        return x + self._mlp(i, _rms_norm(x, self.w[f"{P}.mlp_norm"], s.norm_eps).to(act))
 
     def _attention(self, layer: int, n: torch.Tensor, pos: torch.Tensor, p0: int, kv: SlotKV) -> torch.Tensor:
         s, a, act = self.spec, self.spec.attention, self.act_dtype

@@ -114,6 +114,73 @@ def test_fast_prefill_over_tile_ordered_weights():
     assert torch.equal(plain, tiled)
 
 
+def test_mlp_matrices_read_back_on_a_second_stream_are_waited_for(monkeypatch):
+    """On a GPU, FastPrefill reads each layer's MLP matrices back from tile order on a second
+    stream while the layer's attention runs. Here CUDA's streams and events are stand-ins that log
+    what is called: every matrix read on the copy stream is waited for by the compute stream and
+    kept alive for it before the compute stream uses it, the copy stream first waits for the work
+    queued before (a decode step), and the result is the one-stream result bit for bit."""
+    import contextlib
+
+    spec = load_spec(CONFIGS / "tiny.yaml")
+    w = random_weights(spec, 2, torch.float32)
+    tileable = {n for n, t in w.items() if t.dim() >= 2 and t.shape[-2] % 16 == 0 and t.shape[-1] % 64 == 0}
+    lw = LogicalWeights({n: to_tiles(t) if n in tileable else t for n, t in w.items()}, list(w), frozenset(tileable))
+    log: list[tuple] = []
+    current: list[str] = ["compute"]
+
+    class Stream:
+        def __init__(self, name: str = "copies", device=None):
+            self.name, self.device = name, device
+
+        def wait_stream(self, other):
+            log.append(("wait_stream", self.name, other.name))
+
+        def record_event(self):
+            log.append(("event", self.name, len(log)))
+            return log[-1]
+
+        def wait_event(self, event):
+            log.append(("wait_event", self.name, event))
+
+    compute = Stream("compute")
+
+    @contextlib.contextmanager
+    def on(stream):
+        current.append(stream.name)
+        yield
+        current.pop()
+
+    def matrix(name, _read=LogicalWeights.matrix):
+        log.append(("read", name, current[-1]))
+        return _read(lw, name)
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, stream: log.append(("keep", stream.name)))
+    monkeypatch.setattr(lw, "matrix", matrix)
+    real_weight = FastPrefill._weight
+    monkeypatch.setattr(FastPrefill, "_weight", lambda self, name: (real_weight(self, name), log.append(("use", name)))[0])
+    ids = _prompt(spec)
+    plain = FastPrefill(spec, w, act_dtype=torch.float32, chunk=8).run(ids, 0, _cache(spec, torch.float32))
+    log.clear()
+    fast = FastPrefill(spec, lw, act_dtype=torch.float32, chunk=8)  # type: ignore[arg-type]
+    fast._gpu = True
+    assert torch.equal(fast.run(ids, 0, _cache(spec, torch.float32)), plain)
+    for i in range(spec.num_layers):
+        names = fast._mlp_matrices(i)
+        for name in names:
+            read = next(k for k, e in enumerate(log) if e[:2] == ("read", name))
+            event = log[read + 1]
+            assert log[read][2] == "copies" and event[:2] == ("event", "copies"), f"{name}: not read on the copy stream"
+            waited = log.index(("wait_event", "compute", event))
+            assert log[waited + 1] == ("keep", "compute"), f"{name}: its memory not kept for the compute stream"
+            assert waited < log.index(("use", name)), f"{name}: used before the compute stream waited for its copy"
+        first_read = next(k for k, e in enumerate(log) if e[:2] == ("read", names[0]))
+        assert log[first_read - 1] == ("wait_stream", "copies", "compute"), "the copy did not wait for queued work"
+
+
 def _count_yields(steps) -> tuple[int, object]:
     yields = 0
     while True:
