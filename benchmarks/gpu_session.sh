@@ -44,9 +44,9 @@
 #   the prefill's GPU tests (tests/test_prefill_gpu.py, tests/test_backends_gpu.py), then
 #   benchmarks/prefill_speed.py: prompts of 1K, 8K and 32K through the tensor-core prefill in calls
 #   of 2048 and 8192 tokens, and 1K and 4K through the float32 one, over tile-ordered weights.
-#   With BASE=DIR (another tree, e.g. `git archive OLD | tar x -C DIR`), the tensor-core points and
-#   the profile again, this script over that tree's library (installed to /tmp/base-site), into
-#   prefill-base.json: before and after on one card.
+#   With BASE=DIR[:DIR...] (other trees, e.g. `git archive OLD | tar x -C DIR`), 8K and 32K in calls
+#   of 8192 and the profile again, this script over each tree's library (installed to
+#   /tmp/site-NAME), into prefill-NAME.json, NAME the folder's name: before and after on one card.
 # --prefill-attention (limits 20 + 240 = 260 s): pip, then benchmarks/prefill_attention.py: one
 #   sliding and one global layer's attention for the last 8192 queries of 8K and 32K prompts, the
 #   way FastPrefill computes it beside the candidates (smaller query blocks, SDPA's grouped-query
@@ -131,12 +131,14 @@ run_prefill() {
     tests/test_backends_gpu.py
   stage prefill_speed 280 python3 benchmarks/prefill_speed.py --prompts 1024,8192,32768 --profile 8192 \
     --reference-prompts 1024,4096 --chunks 2048,8192 -o "$OUT/prefill.json"
-  if [ -n "${BASE:-}" ]; then  # the same points and profile over the library of the tree at $BASE
-    stage base_install 60 python3 -m pip install -q --upgrade --no-deps --no-build-isolation --target /tmp/base-site \
-      "$BASE"
-    PYTHONPATH=/tmp/base-site stage prefill_speed_base 200 python3 benchmarks/prefill_speed.py --profile 8192 \
-      --prompts 1024,8192,32768 --reference-prompts "" --chunks 2048,8192 -o "$OUT/prefill-base.json"
-  fi
+  local base name
+  for base in ${BASE//:/ }; do  # 8K and 32K in calls of 8192 and the profile over each other tree's library
+    name=$(basename "$base")
+    stage "install_$name" 60 python3 -m pip install -q --upgrade --no-deps --no-build-isolation \
+      --target "/tmp/site-$name" "$base"
+    PYTHONPATH=/tmp/site-$name stage "prefill_speed_$name" 150 python3 benchmarks/prefill_speed.py --profile 8192 \
+      --prompts 8192,32768 --reference-prompts "" --chunks 8192 -o "$OUT/prefill-$name.json"
+  done
 }
 
 run_prefill_attention() {

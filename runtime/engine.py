@@ -36,7 +36,7 @@ from typing import Any, Protocol
 import torch
 
 from mkc.runtime.metrics import Metrics
-from mkc.runtime.sampling import SamplingParams, make_generator, sample
+from mkc.runtime.sampling import SamplingParams, make_generator, sample, sample_batch
 from mkc.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("mkc.engine")
@@ -462,12 +462,10 @@ class Engine:
         self.steps += 1
         if self.metrics:
             self.metrics.on_step(seconds)
-        # greedy rows take one argmax over the batch where the logits live (no per-row copies)
-        greedy = [i for i, r in enumerate(batch) if r.params.temperature == 0 or r.params.top_k == 1]
-        picked = dict(zip(greedy, logits[greedy].argmax(-1).tolist())) if greedy else {}
-        for i, req in enumerate(batch):
+        # every row sampled where the logits live, one copy of the tokens to the host
+        tokens = sample_batch(logits, [r.params for r in batch], [r.gen for r in batch])
+        for req, token in zip(batch, tokens):
             req.kv_len += 1
-            token = picked[i] if i in picked else sample(logits[i], req.params, req.gen)
             self._emit_token(req, token)
 
     def _preempt(self, req: _Request) -> None:

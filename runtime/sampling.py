@@ -7,6 +7,7 @@ the batch beside it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -47,20 +48,51 @@ def make_generator(seed: int | None) -> torch.Generator:
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
-    """One token from ``logits`` ([V], any float dtype, any device)."""
-    logits = logits.detach().float().cpu()
-    if params.temperature == 0 or params.top_k == 1:
-        return int(torch.argmax(logits))
-    x = logits / params.temperature
-    if 0 < params.top_k < x.numel():
-        kth = torch.topk(x, params.top_k).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_x, idx = torch.sort(x, descending=True)
-        probs = torch.softmax(sorted_x, dim=-1)
+    """One token from ``logits`` ([V], any float dtype, any device): ``sample_batch`` of one row."""
+    return sample_batch(logits[None], [params], [gen])[0]
+
+
+def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams], gens: Sequence[torch.Generator]) -> list[int]:
+    """One token per row of ``logits`` [B, V] (any float dtype, any device), row b under
+    ``params[b]`` with generator ``gens[b]``, computed where the logits are with one copy of the B
+    tokens to the host (a vocabulary of 262,144 sampled on the host took 8 ms a row, 35 ms with
+    top_p). A sampled row draws one uniform number from its own generator and takes the token where
+    it falls in the cumulative distribution of what temperature, top_k and top_p leave; so a row's
+    token depends on its logits, its parameters and its generator only, never on the other rows."""
+    B = logits.shape[0]
+    device = logits.device
+    tokens = torch.empty(B, dtype=torch.long, device=device)
+    greedy = [b for b, p in enumerate(params) if p.temperature == 0 or p.top_k == 1]
+    drawn = [b for b, p in enumerate(params) if not (p.temperature == 0 or p.top_k == 1)]
+    if greedy:
+        rows = torch.tensor(greedy, device=device)
+        tokens[rows] = logits[rows].argmax(-1)
+    if drawn:
+        rows = torch.tensor(drawn, device=device)
+        chosen = [params[b] for b in drawn]
+        tokens[rows] = _draw(logits[rows].float(), chosen, [gens[b] for b in drawn])
+    return tokens.tolist()
+
+
+def _draw(x: torch.Tensor, params: Sequence[SamplingParams], gens: Sequence[torch.Generator]) -> torch.Tensor:
+    """Tokens [R] drawn from the rows of logits ``x`` [R, V] (float32)."""
+    V = x.shape[1]
+    device, inf = x.device, float("inf")
+    x = x / torch.tensor([p.temperature for p in params], device=device)[:, None]
+    ks = torch.tensor([p.top_k if 0 < p.top_k < V else 0 for p in params], device=device)
+    if bool((ks > 0).any()):  # keep each row's k largest (and any equal to its k-th)
+        top = torch.topk(x, int(ks.max()), dim=-1).values  # [R, max k]
+        kth = top.gather(1, (ks.clamp(min=1) - 1)[:, None])
+        x = x.masked_fill((x < kth) & (ks[:, None] > 0), -inf)
+    if any(p.top_p < 1.0 for p in params):
         # drop a token when the mass before it already reaches top_p (the top token always stays)
-        drop = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
-        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
-        x = torch.full_like(x, float("-inf")).scatter(0, idx, sorted_x)
-    probs = torch.softmax(x, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=gen))
+        mass = torch.tensor([p.top_p if p.top_p < 1.0 else inf for p in params], device=device)[:, None]
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        drop = (torch.cumsum(probs, dim=-1) - probs) >= mass
+        x = torch.full_like(x, -inf).scatter(1, order, sorted_x.masked_fill(drop, -inf))
+    cdf = torch.softmax(x, dim=-1).double().cumsum(-1)  # [R, V]; a dropped token adds nothing
+    u = torch.tensor([float(torch.rand((), generator=g, dtype=torch.float64)) for g in gens], dtype=torch.float64,
+                     device=device)
+    # the first token whose cumulative mass passes u of the row's total: never one of mass 0
+    return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp(max=V - 1)

@@ -81,6 +81,10 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab-size", type=int, default=None,
                         help=f"prompt token ids are drawn from [0, N) (default: the in-process model's vocabulary; "
                              f"{URL_VOCAB} with --url)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="every request's sampling temperature (default 0: greedy); above 0 each request is "
+                             "seeded from --seed and its index")
+    parser.add_argument("--top-p", type=float, default=1.0, help="every request's nucleus mass (default 1: all)")
     parser.add_argument("-o", "--output", default=DEFAULT_OUTPUT, help=f"JSON report (default {DEFAULT_OUTPUT})")
     group = parser.add_argument_group(
         "in-process server", "start the server in this process with these `mkc serve` options instead of --url "
@@ -115,6 +119,8 @@ class LoadConfig:
     prompt_len: tuple[int, int]  # inclusive range of prompt tokens
     output_len: tuple[int, int]  # inclusive range of output tokens
     seed: int
+    temperature: float = 0.0  # each request's sampling: 0 = greedy
+    top_p: float = 1.0
 
     @classmethod
     def from_args(cls, a: argparse.Namespace) -> LoadConfig:
@@ -124,9 +130,14 @@ class LoadConfig:
             raise BenchServeError(f"--concurrency {a.concurrency}: expected at least 1 (or leave it out: no limit)")
         if not a.request_rate > 0:
             raise BenchServeError(f"--request-rate {a.request_rate}: expected a positive rate in requests/s, or inf")
+        if not a.temperature >= 0:
+            raise BenchServeError(f"--temperature {a.temperature}: expected a number >= 0 (0: greedy)")
+        if not 0 < a.top_p <= 1:
+            raise BenchServeError(f"--top-p {a.top_p}: expected a number in (0, 1]")
         return cls(num_requests=a.num_requests, concurrency=a.concurrency or a.num_requests,
                    request_rate=a.request_rate, prompt_len=parse_length("--prompt-len", a.prompt_len),
-                   output_len=parse_length("--output-len", a.output_len), seed=a.seed)
+                   output_len=parse_length("--output-len", a.output_len), seed=a.seed,
+                   temperature=a.temperature, top_p=a.top_p)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -265,15 +276,17 @@ class StreamParser:
             r.output_tokens = sum(r.chunk_tokens) if r.chunk_tokens else len(r.chunk_times_s)
 
 
-def completion_body(model: str, prompt: Sequence[int], max_tokens: int) -> dict[str, Any]:
-    """A greedy, streamed /v1/completions request of exactly ``max_tokens`` tokens."""
+def completion_body(model: str, prompt: Sequence[int], max_tokens: int, sampling: dict[str, Any] | None = None
+                    ) -> dict[str, Any]:
+    """A streamed /v1/completions request of exactly ``max_tokens`` tokens: greedy, or with
+    ``sampling``'s fields (temperature, top_p, seed)."""
     return {"model": model, "prompt": list(prompt), "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "stream": True,
+            **(sampling or {}), "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
 
 
 async def send_request(client: httpx.AsyncClient, model: str, record: RequestRecord, prompt: Sequence[int],
-                       t0: float) -> RequestRecord:
+                       t0: float, sampling: dict[str, Any] | None = None) -> RequestRecord:
     """Send one request and record it; a failure is recorded in ``record.error``, never raised."""
     import httpx
 
@@ -282,7 +295,7 @@ async def send_request(client: httpx.AsyncClient, model: str, record: RequestRec
     parser = StreamParser(record)
     try:
         async with client.stream("POST", "/v1/completions",
-                                 json=completion_body(model, prompt, record.output_len)) as response:
+                                 json=completion_body(model, prompt, record.output_len, sampling)) as response:
             if response.status_code != 200:
                 body = (await response.aread()).decode(errors="replace")
                 record.error = f"HTTP {response.status_code}: {_error_message(body)}"
@@ -333,7 +346,7 @@ def _progress(total: int) -> Any:
 
 
 async def run_load(client: httpx.AsyncClient, model: str, workload: Workload, concurrency: int,
-                   progress: Any = None) -> tuple[list[RequestRecord], float]:
+                   progress: Any = None, load: LoadConfig | None = None) -> tuple[list[RequestRecord], float]:
     """Send every request of ``workload`` when due, at most ``concurrency`` in flight; returns the
     records in request order and the duration (s) from the first arrival to the last response."""
     gate = asyncio.Semaphore(concurrency)
@@ -344,13 +357,20 @@ async def run_load(client: httpx.AsyncClient, model: str, workload: Workload, co
                                scheduled_s=workload.arrivals[i])
         await asyncio.sleep(max(0.0, t0 + record.scheduled_s - time.perf_counter()))
         async with gate:
-            await send_request(client, model, record, workload.prompts[i], t0)
+            await send_request(client, model, record, workload.prompts[i], t0, _sampling(load, i))
         if progress is not None:
             progress.update(1)
         return record
 
     records = await asyncio.gather(*(one(i) for i in range(len(workload.prompts))))
     return list(records), time.perf_counter() - t0
+
+
+def _sampling(load: LoadConfig | None, i: int) -> dict[str, Any] | None:
+    """Request i's sampling fields: none when greedy."""
+    if load is None or load.temperature == 0:
+        return None
+    return {"temperature": load.temperature, "top_p": load.top_p, "seed": load.seed * 1_000_003 + i}
 
 
 def _stats(values: Sequence[float]) -> dict[str, float] | None:
@@ -513,7 +533,7 @@ async def _bench(target: Target, load: LoadConfig, workload: Workload) -> tuple[
             raise BenchServeError(f"{target.url}: the probe request failed: {probe.error}")
         progress = _progress(load.num_requests)
         try:
-            return await run_load(client, target.model, workload, load.concurrency, progress)
+            return await run_load(client, target.model, workload, load.concurrency, progress, load)
         finally:
             progress.close()
 

@@ -226,3 +226,30 @@ def test_bad_input_one_line(capsys, argv, says):
     assert main(["bench-serve", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("mkc: error:") and says in err[0], err
+
+
+def test_url_sampled_run(server: Target, tmp_path, capsys):
+    """--temperature and --top-p go into every request, each seeded apart: the run completes with
+    every token, and each request body carries them."""
+    from mkc.runtime.serve_bench import _sampling, completion_body
+
+    out = tmp_path / "report.json"
+    assert main(["bench-serve", "--url", server.url, "--num-requests", "3", "--prompt-len", "4",
+                 "--output-len", "5", "--temperature", "0.9", "--top-p", "0.8", "-o", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["summary"]["output_tokens"] == 15 and report["config"]["temperature"] == 0.9
+    load = LoadConfig(num_requests=3, concurrency=3, request_rate=float("inf"), prompt_len=(4, 4),
+                      output_len=(5, 5), seed=2, temperature=0.9, top_p=0.8)
+    bodies = [completion_body("m", [1, 2], 5, _sampling(load, i)) for i in range(3)]
+    assert [(b["temperature"], b["top_p"]) for b in bodies] == [(0.9, 0.8)] * 3
+    assert len({b["seed"] for b in bodies}) == 3
+    greedy = completion_body("m", [1, 2], 5, _sampling(LoadConfig(1, 1, 1.0, (1, 1), (1, 1), 0), 0))
+    assert greedy["temperature"] == 0.0 and "seed" not in greedy
+
+
+@pytest.mark.parametrize(("option", "value", "expected"), [("--temperature", "-1.0", "a number >= 0"),
+                                                            ("--top-p", "0.0", "a number in (0, 1]")])
+def test_bad_sampling_options(server: Target, capsys, option, value, expected):
+    assert main(["bench-serve", "--url", server.url, option, value]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"mkc: error: {option} {value}: expected {expected}"), err
