@@ -51,10 +51,12 @@
 #   sliding and one global layer's attention for the last 8192 queries of 8K and 32K prompts, the
 #   way FastPrefill computes it beside the candidates (smaller query blocks, SDPA's grouped-query
 #   support, compiled FlexAttention), each checked against float32 (prefill_attention.json).
-# --serve (limits 20 + 60 + 240 + 60 + 40 + 60 + 40 + 30 = 550 s at most): pip and wheels, then
+# --serve (limits 20 + 60 + 240 + 60 + 40 + 60 + 40 + 40 + 100, cut to the call's 590 s; a warm start
+#   takes far less than its 240): pip and wheels, then
 #   mkc serve --max-batch 8 --context 16384 (start to healthy timed) driven by mkc bench-serve: an
 #   8K prompt's TTFT (3 in turn); a lone stream (512-token prompt, 256 tokens); 8 concurrent
-#   streams at ~8K (7936-token prompts, 256 tokens); 7 streams decoding while an 8K prompt arrives
+#   streams at ~8K (7936-token prompts, 256 tokens); 8 sampled streams (temperature 0.8, top_p
+#   0.95: the device-side sampling's cost beside greedy); 7 streams decoding while an 8K prompt arrives
 #   (their ITL p99); its /metrics; then mkc bench at batch 1 and 8, context 8192, on the same card.
 # --serve-long (limits 20 + 60 + 240 + 90 + 60 + 90 = 560 s at most): as --serve, with a paged KV
 #   pool (--context 40960, 256 pages of 256): 7 streams decoding while a 32K prompt arrives (their
@@ -128,7 +130,7 @@ run_reads() {
 run_prefill() {
   wheels
   stage prefill_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_prefill_gpu.py \
-    tests/test_backends_gpu.py
+    tests/test_backends_gpu.py tests/test_engine.py
   stage prefill_speed 280 python3 benchmarks/prefill_speed.py --prompts 1024,8192,32768 --profile 8192 \
     --reference-prompts 1024,4096 --chunks 2048,8192 -o "$OUT/prefill.json"
   local base name
@@ -182,6 +184,8 @@ run_serve() {  # serve or serve_long
   load ttft_8k 60 --num-requests 3 --concurrency 1 --prompt-len 8192 --output-len 2
   load lone 40 --num-requests 1 --concurrency 1 --prompt-len 512 --output-len 256
   load eight 60 --num-requests 8 --concurrency 8 --prompt-len 7936 --output-len 256
+  load eight_sampled 40 --num-requests 8 --concurrency 8 --prompt-len 512 --output-len 256 --temperature 0.8 \
+    --top-p 0.95
   # 7 streams decode; 6 s later an 8K prompt arrives: the streams' ITL p99 is the number
   load interleave_streams 40 --num-requests 7 --concurrency 7 --prompt-len 512 --output-len 768 --seed 1 &
   streams=$!

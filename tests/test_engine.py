@@ -159,9 +159,10 @@ def test_sampling_seeded_and_filtered():
                                     SamplingParams(1, temperature=1.0, top_p=0.8),
                                     SamplingParams(1, temperature=0.9, top_k=5, top_p=0.9)],
                          ids=["temperature", "top_k", "top_p", "all"])
-def test_sampled_tokens_follow_the_distribution(params):
-    """6,000 draws from 8 logits land on each token as often as its probability after temperature,
-    top_k and top_p, computed here in float64 (within 5 standard errors; a draw shifted to the next
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_sampled_tokens_follow_the_distribution(params, device):
+    """6,000 draws from 8 logits (on the host, or where a GPU's logits are) land on each token as
+    often as its probability after temperature, top_k and top_p, computed here in float64 (within 5 standard errors; a draw shifted to the next
     token or a filter off by one misses by far more), and never on a token the filters drop."""
     logits = torch.tensor([2.0, 1.5, 1.4, 0.3, 0.0, -0.5, -1.0, 1.0])
     x = logits.double() / params.temperature
@@ -175,7 +176,8 @@ def test_sampled_tokens_follow_the_distribution(params):
         keep[order[before >= params.top_p]] = False
     want = torch.softmax(x.masked_fill(~keep, float("-inf")), -1)
     n, g = 6000, make_generator(11)
-    got = torch.bincount(torch.tensor(sample_batch(logits[None].expand(n, 8), [params] * n, [g] * n)), minlength=8)
+    rows = logits[None].expand(n, 8).to(device)
+    got = torch.bincount(torch.tensor(sample_batch(rows, [params] * n, [g] * n)), minlength=8)
     freq = got.double() / n
     assert bool((got[~keep] == 0).all()), f"drew dropped tokens: {got.tolist()} (kept {keep.tolist()})"
     bound = 5 * (want * (1 - want) / n).sqrt() + 1e-3
