@@ -61,16 +61,17 @@ def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams], gens: S
     token depends on its logits, its parameters and its generator only, never on the other rows."""
     B = logits.shape[0]
     device = logits.device
-    tokens = torch.empty(B, dtype=torch.long, device=device)
     greedy = [b for b, p in enumerate(params) if p.temperature == 0 or p.top_k == 1]
     drawn = [b for b, p in enumerate(params) if not (p.temperature == 0 or p.top_k == 1)]
-    if greedy:
-        rows = torch.tensor(greedy, device=device)
-        tokens[rows] = logits[rows].argmax(-1)
-    if drawn:
-        rows = torch.tensor(drawn, device=device)
-        chosen = [params[b] for b in drawn]
-        tokens[rows] = _draw(logits[rows].float(), chosen, [gens[b] for b in drawn])
+    if not drawn:  # the whole batch greedy: no copy of its rows
+        return logits.argmax(-1).tolist()
+    if not greedy:
+        return _draw(logits.float(), params, gens).tolist()
+    tokens = torch.empty(B, dtype=torch.long, device=device)
+    rows = torch.tensor(greedy, device=device)
+    tokens[rows] = logits[rows].argmax(-1)
+    rows = torch.tensor(drawn, device=device)
+    tokens[rows] = _draw(logits[rows].float(), [params[b] for b in drawn], [gens[b] for b in drawn])
     return tokens.tolist()
 
 
