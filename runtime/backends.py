@@ -129,6 +129,7 @@ class DecoderBackend:
         else:
             self.pages = None
             self._kv = self._pool_kv  # each [B, G, ctx, D]
+        self._pos0: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # see _first_positions
 
     def slot_kv(self, slot: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (k, v) of positions [0, end) of a slot, [G, end, D]: views of a slab, or
@@ -190,12 +191,24 @@ class DecoderBackend:
             tok[self._row[s]], pos[self._row[s]] = int(t), int(p)
         # an idle row of the step writes its position 0: put back what the slot there had
         idle = sorted(set(range(batch)) - {self._row[s] for s in slots})
-        saved = [(k[idle, :, 0].clone(), v[idle, :, 0].clone()) for k, v in self._kv] if idle else []
+        for row in idle:
+            cache, saved = self._first_positions(row)
+            torch._foreach_copy_(saved, cache)
         logits, _ = decoder.step(tok, pos)
-        for (k, v), (ks, vs) in zip(self._kv, saved, strict=False):
-            k[idle, :, 0] = ks
-            v[idle, :, 0] = vs
+        for row in idle:
+            cache, saved = self._first_positions(row)
+            torch._foreach_copy_(cache, saved)
         return logits[[self._row[s] for s in slots]]
+
+    def _first_positions(self, row: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Position 0 of slab row ``row`` in every layer's k and v cache ([G, D] views), and as
+        many views of a buffer to keep it in: saved and put back in one multi-tensor copy each,
+        not four copies a layer."""
+        if row not in self._pos0:
+            cache = [t[row, :, 0] for kv in self._kv for t in kv]
+            self._pos0[row] = cache, list(torch.empty((len(cache), *cache[0].shape), dtype=cache[0].dtype,
+                                                      device=cache[0].device).unbind(0))
+        return self._pos0[row]
 
     def _rows_below(self, slots: Sequence[int], batch: int) -> None:
         """Move the caches of ``slots`` into slab rows below ``batch`` (the rows a step of that
