@@ -14,8 +14,8 @@ the whole prompt) through one sliding-window layer and one global layer of ``--c
 * ``causal-gqa``: the same with SDPA's grouped-query support.
 * ``flex``: torch.compile'd FlexAttention with a block mask of the band (sliding) or the causal
   triangle (global), grouped-query: only the blocks that hold allowed keys are computed. Its
-  first call, its compile on a GPU, is timed apart (``first_call_s``), as is building the block mask (``mask_ms``), which a
-  call would do once for all its layers of a kind.
+  first call (its compile, on a GPU) is timed apart (``first_call_s``), as is building the block
+  mask (``mask_ms``), which a call would do once for all its layers of a kind.
 
 Each way's error is ||out - ref|| / ||ref|| over the first and last 256 queries, ref the same
 attention in float32 over the bf16 inputs (bf16 outputs: expect a few 1e-3). Times are the median
