@@ -150,6 +150,7 @@ class Workload:
     output_lens: tuple[int, ...]  # max_tokens of each request
     arrivals: tuple[float, ...]  # seconds after the start at which each request is due
     probe: tuple[int, ...]  # the probe request's prompt: as long as the first, sharing no prefix with it
+    sampling: tuple[dict[str, Any], ...] = ()  # each request's sampling fields; empty: all greedy
 
 
 def poisson_arrivals(n: int, rate: float, rng: np.random.Generator) -> np.ndarray:
@@ -173,9 +174,12 @@ def make_workload(load: LoadConfig, vocab_size: int) -> Workload:
     prompt_lens = lengths.integers(load.prompt_len[0], load.prompt_len[1] + 1, size=n)
     output_lens = lengths.integers(load.output_len[0], load.output_len[1] + 1, size=n)
     ids = [tuple(int(t) for t in prompts.integers(0, vocab_size, size=int(p))) for p in (*prompt_lens, prompt_lens[0])]
+    # a sampled request is seeded from the load's seed and its index, so a run repeats
+    sampling = tuple({"temperature": load.temperature, "top_p": load.top_p, "seed": load.seed * 1_000_003 + i}
+                     for i in range(n)) if load.temperature > 0 else ()
     return Workload(prompts=tuple(ids[:-1]), output_lens=tuple(int(o) for o in output_lens),
                     arrivals=tuple(float(t) for t in poisson_arrivals(n, load.request_rate, arrivals)),
-                    probe=ids[-1])
+                    probe=ids[-1], sampling=sampling)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -346,7 +350,7 @@ def _progress(total: int) -> Any:
 
 
 async def run_load(client: httpx.AsyncClient, model: str, workload: Workload, concurrency: int,
-                   progress: Any = None, load: LoadConfig | None = None) -> tuple[list[RequestRecord], float]:
+                   progress: Any = None) -> tuple[list[RequestRecord], float]:
     """Send every request of ``workload`` when due, at most ``concurrency`` in flight; returns the
     records in request order and the duration (s) from the first arrival to the last response."""
     gate = asyncio.Semaphore(concurrency)
@@ -357,20 +361,14 @@ async def run_load(client: httpx.AsyncClient, model: str, workload: Workload, co
                                scheduled_s=workload.arrivals[i])
         await asyncio.sleep(max(0.0, t0 + record.scheduled_s - time.perf_counter()))
         async with gate:
-            await send_request(client, model, record, workload.prompts[i], t0, _sampling(load, i))
+            await send_request(client, model, record, workload.prompts[i], t0,
+                               workload.sampling[i] if workload.sampling else None)
         if progress is not None:
             progress.update(1)
         return record
 
     records = await asyncio.gather(*(one(i) for i in range(len(workload.prompts))))
     return list(records), time.perf_counter() - t0
-
-
-def _sampling(load: LoadConfig | None, i: int) -> dict[str, Any] | None:
-    """Request i's sampling fields: none when greedy."""
-    if load is None or load.temperature == 0:
-        return None
-    return {"temperature": load.temperature, "top_p": load.top_p, "seed": load.seed * 1_000_003 + i}
 
 
 def _stats(values: Sequence[float]) -> dict[str, float] | None:
@@ -533,7 +531,7 @@ async def _bench(target: Target, load: LoadConfig, workload: Workload) -> tuple[
             raise BenchServeError(f"{target.url}: the probe request failed: {probe.error}")
         progress = _progress(load.num_requests)
         try:
-            return await run_load(client, target.model, workload, load.concurrency, progress, load)
+            return await run_load(client, target.model, workload, load.concurrency, progress)
         finally:
             progress.close()
 

@@ -231,7 +231,7 @@ def test_bad_input_one_line(capsys, argv, says):
 def test_url_sampled_run(server: Target, tmp_path, capsys):
     """--temperature and --top-p go into every request, each seeded apart: the run completes with
     every token, and each request body carries them."""
-    from mkc.runtime.serve_bench import _sampling, completion_body
+    from mkc.runtime.serve_bench import completion_body
 
     out = tmp_path / "report.json"
     assert main(["bench-serve", "--url", server.url, "--num-requests", "3", "--prompt-len", "4",
@@ -240,11 +240,11 @@ def test_url_sampled_run(server: Target, tmp_path, capsys):
     assert report["summary"]["output_tokens"] == 15 and report["config"]["temperature"] == 0.9
     load = LoadConfig(num_requests=3, concurrency=3, request_rate=float("inf"), prompt_len=(4, 4),
                       output_len=(5, 5), seed=2, temperature=0.9, top_p=0.8)
-    bodies = [completion_body("m", [1, 2], 5, _sampling(load, i)) for i in range(3)]
+    bodies = [completion_body("m", [1, 2], 5, s) for s in make_workload(load, 100).sampling]
     assert [(b["temperature"], b["top_p"]) for b in bodies] == [(0.9, 0.8)] * 3
     assert len({b["seed"] for b in bodies}) == 3
-    greedy = completion_body("m", [1, 2], 5, _sampling(LoadConfig(1, 1, 1.0, (1, 1), (1, 1), 0), 0))
-    assert greedy["temperature"] == 0.0 and "seed" not in greedy
+    assert make_workload(LoadConfig(1, 1, 1.0, (1, 1), (1, 1), 0), 100).sampling == ()
+    assert completion_body("m", [1, 2], 5)["temperature"] == 0.0
 
 
 @pytest.mark.parametrize(("option", "value", "expected"), [("--temperature", "-1.0", "a number >= 0"),
