@@ -191,24 +191,29 @@ class DecoderBackend:
             tok[self._row[s]], pos[self._row[s]] = int(t), int(p)
         # an idle row of the step writes its position 0: put back what the slot there had
         idle = sorted(set(range(batch)) - {self._row[s] for s in slots})
-        for row in idle:
-            cache, saved = self._first_positions(row)
+        cache, saved = self._first_positions(idle)
+        if cache:
             torch._foreach_copy_(saved, cache)
         logits, _ = decoder.step(tok, pos)
-        for row in idle:
-            cache, saved = self._first_positions(row)
+        if cache:
             torch._foreach_copy_(cache, saved)
         return logits[[self._row[s] for s in slots]]
 
-    def _first_positions(self, row: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Position 0 of slab row ``row`` in every layer's k and v cache ([G, D] views), and as
-        many views of a buffer to keep it in: saved and put back in one multi-tensor copy each,
-        not four copies a layer."""
-        if row not in self._pos0:
-            cache = [t[row, :, 0] for kv in self._kv for t in kv]
-            self._pos0[row] = cache, list(torch.empty((len(cache), *cache[0].shape), dtype=cache[0].dtype,
-                                                      device=cache[0].device).unbind(0))
-        return self._pos0[row]
+    def _first_positions(self, rows: Sequence[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Position 0 of slab ``rows`` in every layer's k and v cache, a [D] view per KV head, and
+        as many rows of a buffer to keep them in: saved and put back in one multi-tensor copy each.
+        Both lists are 1-D and contiguous, the condition for CUDA's one-launch ``_foreach_copy_``
+        (a [G, D] view at position 0 is not dense, and falls back to a copy per tensor)."""
+        cache: list[torch.Tensor] = []
+        saved: list[torch.Tensor] = []
+        for row in rows:
+            if row not in self._pos0:
+                views = [t[row, g, 0] for kv in self._kv for t in kv for g in range(t.shape[1])]
+                buffer = torch.empty((len(views), views[0].numel()), dtype=views[0].dtype, device=views[0].device)
+                self._pos0[row] = views, list(buffer.unbind(0))
+            cache += self._pos0[row][0]
+            saved += self._pos0[row][1]
+        return cache, saved
 
     def _rows_below(self, slots: Sequence[int], batch: int) -> None:
         """Move the caches of ``slots`` into slab rows below ``batch`` (the rows a step of that

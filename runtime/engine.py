@@ -9,8 +9,9 @@ re-prefilling its prompt plus what it has generated so far. Nothing is ever drop
 
 Prompts are prefilled in chunks of ``prefill_chunk`` tokens, between decode steps: while other
 streams decode, a step runs at most ``prefill_budget`` decode steps' time of prefill (whole layers,
-at least one, each timed before it starts by the slowest of the request's last four) before their
-next token, so a long prompt never freezes them; with nobody decoding a step runs one whole chunk.
+at least one, each timed before it starts by the slowest of the request's last four, a request's
+first by the latest request's) before their next token, so a long prompt never freezes them; with
+nobody decoding a step runs one whole chunk.
 
 Full pages of prompts are kept in a prefix cache (when the backend can copy KV out and in), keyed by
 the chain of token ids up to the page's end, evicted least recently used whenever a running request
@@ -208,6 +209,7 @@ class Engine:
         self._running: list[_Request] = []  # decoding
         self._prefilling: deque[_Request] = deque()  # holding a slot, prompt not yet all prefilled
         self._step_seconds: float | None = None  # a decode step's time, smoothed
+        self._layer_estimate = 0.0  # the latest request's prefill layer estimate, for one with none yet
         self._free_slots = list(range(backend.max_batch))
         self._pages_used = 0
         self._admissions = itertools.count()
@@ -339,10 +341,10 @@ class Engine:
         if self._running and self._step_seconds is not None:
             deadline = time.monotonic() + self.prefill_budget * self._step_seconds
 
-        def out_of_budget(layer_seconds: Sequence[float]) -> bool:  # would the next layer end past it?
+        def out_of_budget(req: _Request | None) -> bool:  # would its next layer end past it?
             if not self._running:
                 return False
-            return deadline is None or time.monotonic() + max(layer_seconds, default=0.0) > deadline
+            return deadline is None or time.monotonic() + self._next_layer_seconds(req) > deadline
 
         tokens = self.prefill_chunk
         while tokens > 0 and (self._prefilling or self._admit()):
@@ -365,13 +367,22 @@ class Engine:
                         self._prefilled(req, ids, done.value)
                     break
                 req.layer_seconds.append(time.monotonic() - t)
+                self._layer_estimate = max(req.layer_seconds)
                 t = time.monotonic()
-                if out_of_budget(req.layer_seconds):
+                if out_of_budget(req):
                     if self.metrics:
                         self.metrics.on_prefill(0, time.monotonic() - t0)
                     return
-            if out_of_budget(self._prefilling[0].layer_seconds if self._prefilling else ()):
+            if out_of_budget(self._prefilling[0] if self._prefilling else None):
                 return
+
+    def _next_layer_seconds(self, req: _Request | None) -> float:
+        """A prefill layer's time before it starts: the slowest of the request's last four; for a
+        request with none yet (or the next to be admitted), the latest request's estimate, so its
+        first layer cannot start past the budget; 0 before any layer was ever timed."""
+        if req is not None and req.layer_seconds:
+            return max(req.layer_seconds)
+        return self._layer_estimate
 
     def _prefill_steps(self, slot: int, ids: list[int], start: int,
                        logits: bool) -> Generator[None, None, torch.Tensor | None]:

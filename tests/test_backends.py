@@ -79,6 +79,45 @@ def test_idle_rows_leave_other_slots_alone(model, layout):
     assert torch.equal(together[1], alone[0])
 
 
+def test_idle_rows_position_zero_saved_and_restored_in_one_dense_copy(model, monkeypatch):
+    """A slab step with idle rows saves their position-0 K/V before the step and puts it back after,
+    one ``_foreach_copy_`` each way for all idle rows, over 1-D contiguous views on both sides (a
+    [D] view per KV head): what CUDA's one-launch multi-tensor copy asks, where [G, D] views of
+    position 0 are not dense and fall back to a copy per tensor. The step does write those
+    positions (the dummy token at position 0); after it they hold exactly what they held."""
+    spec, w = model
+    be = CpuBackend(spec, w, max_batch=4, context=CONTEXT, batches=[4])
+    for s in range(4):
+        be.prefill(s, [s + 1] * (5 + s))
+    idle = [0, 2, 3]
+
+    def first() -> list[torch.Tensor]:  # position 0 of the idle rows, every layer's k and v
+        return [t[row, :, 0].clone() for row in idle for kv in be._kv for t in kv]
+
+    before = first()
+    copies: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+    real_copy, step = torch._foreach_copy_, be.decoder.step
+    during: list[list[torch.Tensor]] = []  # position 0 right after the step, before it is put back
+
+    def record_step(tokens, positions):
+        out = step(tokens, positions)
+        during.append(first())
+        return out
+
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda dst, src: (copies.append((dst, src)), real_copy(dst, src)))
+    monkeypatch.setattr(be.decoder, "step", record_step)
+    be.decode([1], [9], [6])
+    assert len(copies) == 2, f"{len(copies)} multi-tensor copies: expected one to save and one to restore"
+    views = len(idle) * 2 * spec.num_layers * spec.attention.num_kv_heads
+    for dst, src in copies:
+        assert len(dst) == len(src) == views
+        for t in (*dst, *src):
+            assert t.dim() == 1 and t.is_contiguous() and t.numel() == spec.attention.head_dim
+    assert any(not torch.equal(a, b) for a, b in zip(during[0], before, strict=True)), "the step wrote no position 0"
+    for a, b in zip(first(), before, strict=True):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
 @pytest.mark.parametrize("layout", [{}, PAGED], ids=["slab", "paged"])
 def test_steps_run_the_smallest_decoder_over_one_cache(model, layout):
     """Step decoders of batch 1, 2 and 4 share one KV cache: a step runs the smallest that holds

@@ -199,6 +199,31 @@ def test_a_rows_draws_do_not_depend_on_the_batch():
     assert batch[0] == int(logits[0].argmax())
 
 
+def test_sample_batch_reads_nothing_back_before_the_tokens():
+    """On CUDA each host list made a tensor is a blocking copy, and each value read back
+    (``bool``, ``int``, ``.item``) waits for the device. A mixed batch (greedy, top_k, top_p) makes
+    one tensor of host values, the rows' parameters packed, and reads back no value: only the
+    tokens' ``tolist``, which does not dispatch ``_local_scalar_dense``."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(5))
+    params = [SamplingParams(1, temperature=0), SamplingParams(1, temperature=0.8, top_k=7),
+              SamplingParams(1, temperature=1.0, top_k=3), SamplingParams(1, temperature=0.6, top_p=0.85)]
+    with Ops() as seen:
+        sample_batch(logits, params, [make_generator(b) for b in range(4)])
+    assert seen.ops.count("lift_fresh.default") == 1, f"host values made tensors: {seen.ops}"
+    assert "_local_scalar_dense.default" not in seen.ops, f"values read back: {seen.ops}"
+
+
 def test_detokenizer_never_splits_utf8():
     tok = ByteTokenizer(V)
     d = IncrementalDetokenizer(tok)
@@ -237,10 +262,11 @@ class LayeredBackend(FakeBackend):
 
     LAYERS, PREFILL_LAYER, DECODE = 6, 0.004, 0.010
 
-    def __init__(self, clock: list[float], layer_times: Sequence[float] = (), **kw):
+    def __init__(self, clock: list[float], layer_times: Sequence[float] = (), head_seconds: float = 0.0, **kw):
         super().__init__(**kw)
         self.clock, self.events = clock, []  # events: ("layer", slot, start, n, layer) | ("decode", slots)
         self.layer_times = layer_times  # seconds of each layer, when they differ
+        self.head_seconds = head_seconds  # a chunk's logits after its last layer (final norm, LM head)
 
     def prefill_layers(self, slot, token_ids, start=0, *, logits=True):
         if start + len(token_ids) > self.context:
@@ -253,6 +279,8 @@ class LayeredBackend(FakeBackend):
             self.events.append(("layer", slot, start, len(ids), layer))
             yield
         out = FakeBackend.prefill(self, slot, ids, start)  # the cache is written when the chunk ends
+        if logits:
+            self.clock[0] += self.head_seconds
         return out if logits else None
 
     def decode(self, slots, tokens, positions):
@@ -328,6 +356,33 @@ def test_prefill_slice_ends_within_the_budget(monkeypatch, layer_times):
     for run in slices:
         assert sum(run) <= 0.020 + 1e-9 or len(run) == 1, f"a prefill slice of {run} s passed the 20 ms budget"
     assert text_of(got) == text_of(run_engine(Engine(FakeBackend(context=128), tok), [tok.encode("hi")], greedy)[0])
+
+
+def test_a_new_prompts_first_layer_is_timed_by_the_last_known_layer(monkeypatch):
+    """Two short prompts arrive while a stream decodes, in one chunk's tokens (budget 2 x 10 ms,
+    4 ms layers). The first's last two layers and its logits (10 ms) end 18 ms into a step: the
+    second's first layer, with no history of its own, is timed by the latest estimate of any
+    request (4 ms: to 22 ms, past the budget), so it waits for the next step. Timed as 0 s, it ran
+    to 22 ms."""
+    clock = [0.0]
+    monkeypatch.setattr("mkc.runtime.engine.time.monotonic", lambda: clock[0])
+    tok = ByteTokenizer(V)
+    greedy = SamplingParams(max_tokens=20, temperature=0)
+    be = LayeredBackend(clock, head_seconds=0.010, context=128)
+    eng = Engine(be, tok, prefill_chunk=32, prefill_budget=2.0)
+    eng.submit(tok.encode("hi"), greedy, lambda o: None, request_id="short")
+    for _ in range(3):
+        eng.step()
+    for name in ("first", "second"):  # 8 tokens each: both in one chunk of 32
+        eng.submit(tok.encode(f"{name:>8}"), greedy, lambda o: None, request_id=name)
+    slices = []  # each step's prefill: from its start to its decode step
+    decode = be.decode
+    monkeypatch.setattr(be, "decode", lambda *a: (slices.append(clock[0] - start), decode(*a))[1])
+    while eng.has_work():
+        start = clock[0]
+        eng.step()
+    assert sum(e[0] == "layer" and e[1] != 0 for e in be.events) == 2 * be.LAYERS  # slot 0: the stream
+    assert max(slices) <= 0.020 + 1e-9, f"prefill slices {[round(x, 3) for x in slices]} s: one past 20 ms"
 
 
 def test_metrics_count_prefilled_tokens():
