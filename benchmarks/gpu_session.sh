@@ -47,6 +47,7 @@
 #   With BASE=DIR[:DIR...] (other trees, e.g. `git archive OLD | tar x -C DIR`), 8K and 32K in calls
 #   of 8192 and the profile again, this script over each tree's library (installed to
 #   /tmp/site-NAME), into prefill-NAME.json, NAME the folder's name: before and after on one card.
+#   Each BASE tree adds its stages (60 + 150 s) beyond the 560, cut to what is left of the call.
 # --prefill-attention (limits 20 + 240 = 260 s): pip, then benchmarks/prefill_attention.py: one
 #   sliding and one global layer's attention for the last 8192 queries of 8K and 32K prompts, the
 #   way FastPrefill computes it beside the candidates (smaller query blocks, SDPA's grouped-query
@@ -76,6 +77,13 @@
 #   CUDA-graph PyTorch step of the same run (issue 62's table), each point also profiled (its per-task
 #   timeline, trace-b*-c8192.npz): python benchmarks/calibrate_models.py $OUT/bench-* sets the
 #   simulation beside each measured step and refits its fixed times over the four models.
+# --sequential-warm (limits 20 + 260 + 260 = 540 s): pip, then benchmarks/kernel_variants.py at batch
+#   1, context 8192, for TinyLlama-1.1B and Qwen3-30B-A3B (warm_tinyllama, warm_qwen3): their
+#   sequential blocks' L2 warm-up rules (the next layer's QKV weights and this layer's O-projection's,
+#   asked of L2 while the attention reads little) beside the default, in 2 rounds. The warm-up
+#   variants share one kernel a model: `MKC_CACHE_DIR=$PWD/.device_out/warm-cache python
+#   benchmarks/kernel_variants.py --build-only --config configs/MODEL.yaml --batch 1 --variants ...`
+#   builds them here (carry the folder, MKC_CACHE_DIR naming it on the device).
 # The wheels: pip download -d .whl --python-version 3.12 --only-binary=:all: \
 #   --platform manylinux2014_x86_64 fastapi uvicorn httpx prometheus-client tqdm (carry .whl).
 set -u -o pipefail
@@ -89,10 +97,11 @@ modes=()
 for arg in "$@"; do
   case $arg in
     --quick) batches=1,8 ;;
-    --bench|--long|--reads|--prefill|--prefill-attention|--serve|--serve-long|--fp8|--fp8-tune|--qwen3-tune|--models)
+    --bench|--long|--reads|--prefill|--prefill-attention|--serve|--serve-long|--fp8|--fp8-tune|--qwen3-tune|--models|--sequential-warm)
       m=${arg#--}; modes+=("${m//-/_}") ;;
     *) echo "usage: OUT=DIR bash benchmarks/gpu_session.sh [--quick] [--bench | --long | --reads | --prefill |" \
-            "--prefill-attention | --serve | --serve-long | --fp8 | --fp8-tune | --qwen3-tune | --models]..." >&2
+            "--prefill-attention | --serve | --serve-long | --fp8 | --fp8-tune | --qwen3-tune | --models |" \
+            "--sequential-warm]..." >&2
        exit 2 ;;
   esac
 done
@@ -134,7 +143,7 @@ run_prefill() {
   stage prefill_speed 280 python3 benchmarks/prefill_speed.py --prompts 1024,8192,32768 --profile 8192 \
     --reference-prompts 1024,4096 --chunks 2048,8192 -o "$OUT/prefill.json"
   local base name
-  for base in ${BASE//:/ }; do  # 8K and 32K in calls of 8192 and the profile over each other tree's library
+  for base in ${BASE:+${BASE//:/ }}; do  # 8K and 32K in calls of 8192 and the profile over each other tree's library
     name=$(basename "$base")
     stage "install_$name" 60 python3 -m pip install -q --upgrade --no-deps --no-build-isolation \
       --target "/tmp/site-$name" "$base"
@@ -220,6 +229,14 @@ run_models() {
     stage "bench_$model" 130 python3 -m mkc.cli bench --config "configs/$model.yaml" --random-weights --reps 20 \
       --batch 1,8 --context 8192 --profile -o "$OUT/bench-$model"
   done
+}
+
+run_sequential_warm() {
+  local variants="default warm-o-splits-ef warm-qkv-splits-ef warm-qkv-splits-o-combine-ef warm-qkv-o-ef"
+  stage warm_tinyllama 260 python3 benchmarks/kernel_variants.py --config configs/tinyllama_1_1b.yaml \
+    --batch 1 --context 8192 --rounds 2 --variants $variants
+  stage warm_qwen3 260 python3 benchmarks/kernel_variants.py --config configs/qwen3_30b_a3b.yaml \
+    --batch 1 --context 8192 --rounds 2 --variants $variants
 }
 
 run_long() {

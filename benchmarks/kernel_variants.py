@@ -85,6 +85,10 @@ VARIANTS: dict[str, CodegenOptions] = {
     "warm-o-router-ef": CodegenOptions(l2_warm="o_proj:splits,next_router:combine", weights_evict_first="on"),
     "warm-qkv-o-ef": CodegenOptions(l2_warm="o_proj:splits,next_qkv:combine", weights_evict_first="on"),
     "warm-o-up-router-ef": CodegenOptions(l2_warm="o_proj:expert_up,next_router:combine", weights_evict_first="on"),
+    # a sequential block's attention reads little while its chain runs: the next layer's QKV
+    # weights warmed by this layer's splits (and the O-projection's by its combine tasks)
+    "warm-qkv-splits-ef": CodegenOptions(l2_warm="next_qkv:splits", weights_evict_first="on"),
+    "warm-qkv-splits-o-combine-ef": CodegenOptions(l2_warm="next_qkv:splits,o_proj:combine", weights_evict_first="on"),
 }
 
 

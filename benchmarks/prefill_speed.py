@@ -44,6 +44,16 @@ def _time(fn) -> float:
     return time.perf_counter() - t0
 
 
+def _device_ms(events) -> float:
+    """GPU time of a profile's ``key_averages()``: its device rows only, as torch's own table footer
+    sums it. An aten row's self device time is the same kernels again, and a user annotation's
+    device row spans them."""
+    from torch.autograd import DeviceType
+
+    return sum(e.self_device_time_total for e in events
+               if e.device_type != DeviceType.CPU and not e.is_user_annotation) / 1e3
+
+
 def _profile(run, ids: list[int], chunk: int, path: Path) -> None:
     """One prompt under torch.profiler (after an untimed run): each operator's GPU time, largest first."""
     from torch.profiler import ProfilerActivity, profile
@@ -53,10 +63,12 @@ def _profile(run, ids: list[int], chunk: int, path: Path) -> None:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         run(ids)
         torch.cuda.synchronize()
-    ops = sorted((e for e in prof.key_averages() if e.device_time_total > 0 and e.key.startswith("aten::")),
+    events = prof.key_averages()
+    # per operator: the kernels each aten op launched itself (its self device time), each kernel once
+    ops = sorted((e for e in events if e.device_time_total > 0 and e.key.startswith("aten::")),
                  key=lambda e: -e.self_device_time_total)
     rows = [{"op": e.key, "gpu_ms": round(e.self_device_time_total / 1e3, 2), "calls": e.count} for e in ops[:25]]
-    total = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
+    total = _device_ms(events)
     print(f"profile: a prompt of {len(ids)} in calls of {chunk}, {total:.1f} ms of GPU time")
     for r in rows:
         print(f"  {r['op']:<45} {r['gpu_ms']:>9.2f} ms  {r['calls']:>6} calls")

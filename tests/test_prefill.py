@@ -227,3 +227,21 @@ def test_every_attention_way_the_benchmark_times_is_right(tmp_path):
         for name, row in case["ways"].items():
             assert "error" not in row, f"{case['kind']} {name}: {row['error']}"
             assert row["rel_err"] <= 1e-2, f"{case['kind']} {name}: error {row['rel_err']:.3g} > 1e-2"
+
+
+def test_prefill_profile_counts_each_kernel_once():
+    """benchmarks/prefill_speed.py --profile: the GPU total sums device rows only. A kernel shows up
+    on its CUDA row and again as the self device time of the aten op that launched it, and a user
+    annotation's device row spans kernels already counted: summing every row gave 3x here."""
+    from types import SimpleNamespace
+
+    from conftest import load_benchmark
+    from torch.autograd import DeviceType
+
+    def row(device, us, annotation=False):
+        return SimpleNamespace(device_type=device, self_device_time_total=us, is_user_annotation=annotation)
+
+    events = [row(DeviceType.CUDA, 300.0), row(DeviceType.CUDA, 200.0),  # two kernels
+              row(DeviceType.CPU, 500.0),  # the aten op that launched them
+              row(DeviceType.CUDA, 500.0, annotation=True)]  # a record_function around both
+    assert load_benchmark("prefill_speed")._device_ms(events) == 0.5
