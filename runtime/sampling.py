@@ -61,8 +61,9 @@ def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams], gens: S
     token depends on its logits, its parameters and its generator only, never on the other rows.
     The rows' parameters reach the device in one asynchronous copy and nothing is read back before
     the tokens: a step waits for the device once."""
-    greedy = [b for b, p in enumerate(params) if p.temperature == 0 or p.top_k == 1]
-    drawn = [b for b, p in enumerate(params) if not (p.temperature == 0 or p.top_k == 1)]
+    greedy, drawn = [], []
+    for b, p in enumerate(params):
+        (greedy if p.temperature == 0 or p.top_k == 1 else drawn).append(b)
     if not drawn:  # the whole batch greedy: no copy of its rows
         return logits.argmax(-1).tolist()
     rows = _Rows.to_device([params[b] for b in drawn], [gens[b] for b in drawn], drawn, greedy, logits.shape[1],
