@@ -315,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     _check_arguments(k)
     k.set_defaults(fn=cmd_check)
 
-    h = sub.add_parser("import-hf", help="write the YAML equivalent of a Hugging Face config.json")
+    h = sub.add_parser("import-hf", help="write the YAML equivalent of a Hugging Face config.json or a .gguf file's metadata")
     _import_hf_arguments(h)
     h.set_defaults(fn=cmd_import_hf)
 
@@ -387,7 +387,8 @@ def _compile_arguments(c: argparse.ArgumentParser) -> None:
     c.add_argument("--residual-in-o-proj", choices=["auto", "on", "off"], default="auto",
                    help="on: the O-projection tiles add the residual stream and the MLP's output and end "
                         "the layer, no residual tiles; off: residual tiles sum them (default auto: what mkc "
-                        "bench --tune measured faster at this point, else off; docs/tiling.md)")
+                        "bench --tune measured faster at this point, else for a parallel block off and for a "
+                        "sequential block what its probe's simulated step prefers; docs/tiling.md)")
     from mkc.schedule.cost import GPUS
 
     c.add_argument("--gpu", choices=sorted(GPUS), default="h200",

@@ -83,12 +83,12 @@ def compile_to_folder(spec_path: str | Path, out_dir: str | Path, *, batch: int 
     with _staging(out) as stage:
         spec = load_spec(spec_path)
         sc, times = compile_schedule(spec, batch, context, num_sms, page_size, attention_sms, gpu, **lowering)
-        files = _write_artifacts(spec_path, spec, sc, stage, times, kernel, batch, context, num_sms)
+        files = _write_artifacts(spec_path, spec, sc, stage, times, kernel)
     return CompileResult(spec=spec, schedule=sc, files={k: out / p.name for k, p in files.items()}, timings=times)
 
 
 def _write_artifacts(spec_path: str | Path, spec: ModelSpec, sc: Schedule, out: Path, times: dict[str, float],
-                     kernel: bool, batch: int, context: int, num_sms: int) -> dict[str, Path]:
+                     kernel: bool) -> dict[str, Path]:
     """Every artifact of compile_to_folder, into ``out``; adds each stage's seconds to ``times``."""
     from mkc.schedule import visualize
 
@@ -114,7 +114,7 @@ def _write_artifacts(spec_path: str | Path, spec: ModelSpec, sc: Schedule, out: 
     files["manifest.json"] = out / "manifest.json"
     spec_file = Path(spec_path) / "config.json" if Path(spec_path).is_dir() else Path(spec_path)  # a checkpoint folder
     visualize.write_manifest(files["manifest.json"], spec_path=spec_file, spec=spec,
-                             options={"batch": batch, "context": context, "num_sms": num_sms},
+                             options=sc.meta["options"],
                              files={k: v for k, v in files.items() if k != "manifest.json"})
     return files
 

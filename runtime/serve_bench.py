@@ -89,11 +89,10 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "in-process server", "start the server in this process with these `mkc serve` options instead of --url "
                              "(--host and --port are unused: it listens on a free port of 127.0.0.1)")
-    add_serve_arguments(_OptionalExclusive(group))
-    try:
-        parser.add_argument("--seed", type=int, default=0, help="seed of the lengths, prompts and arrivals")
-    except argparse.ArgumentError:  # the serve options have a --seed: it seeds the weights and the load
-        pass
+    # one --seed, with or without --url: the load's lengths, prompts and arrivals (and the weights)
+    add_serve_arguments(_OptionalExclusive(group), seed_help="seed of the requests' lengths, prompts and arrivals, "
+                                                             "and of an in-process server's --random-weights "
+                                                             "(default 0)")
 
 
 def parse_length(option: str, value: str) -> tuple[int, int]:

@@ -13,26 +13,26 @@ def _sizes(v: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"{v!r}: expected batch sizes separated by commas, e.g. 1,2,4") from None
 
 
-def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``mkc serve``."""
-    parser.add_argument("--config", help="model YAML, HF config.json or checkpoint folder "
-                                         "(default: the --checkpoint folder)")
+def add_serve_arguments(parser: argparse.ArgumentParser, seed_help: str = "seed of --random-weights (default 0)") -> None:
+    """Options of ``mkc serve`` (``seed_help``: what --seed seeds, for a command that adds to it)."""
+    parser.add_argument("--config", help="model YAML, HF config.json, checkpoint folder or .gguf file "
+                                         "(default: the --checkpoint)")
     w = parser.add_mutually_exclusive_group(required=True)
-    w.add_argument("--checkpoint", help="Hugging Face checkpoint folder (safetensors; tokenizer files if any)")
+    w.add_argument("--checkpoint", help="Hugging Face checkpoint folder (safetensors; tokenizer files if any) or .gguf file")
     w.add_argument("--random-weights", action="store_true", help="random weights (demo; byte-level tokenizer)")
     parser.add_argument("--seed", "--weights-seed", dest="seed", type=int, default=0,
-                        help="seed of --random-weights (default 0)")
+                        help=seed_help)
     parser.add_argument("--backend", choices=("auto", "cuda", "cpu"), default="auto",
                         help="cuda: the megakernel; cpu: the CPU executor (runs anywhere); auto: cuda when a "
                              "GPU and the CUDA backend are present")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
-    parser.add_argument("--max-batch", type=int, default=8, help="sequences decoded together (1-8)")
+    parser.add_argument("--max-batch", type=int, default=8, help="sequences decoded together (1-8; default 8)")
     parser.add_argument("--step-batches", type=_sizes, default=None,
                         help="batch sizes with a decode kernel of their own, e.g. 1,2,4 (default: the powers of "
                              "two below --max-batch); a step runs the smallest that holds the running streams")
-    parser.add_argument("--context", type=int, default=1024, help="KV positions per sequence")
-    parser.add_argument("--page-size", type=int, default=16, help="KV page size in positions")
+    parser.add_argument("--context", type=int, default=1024, help="KV positions per sequence (default 1024)")
+    parser.add_argument("--page-size", type=int, default=16, help="KV page size in positions (default 16)")
     parser.add_argument("--kv-pages", type=int, default=None,
                         help="KV pages in the pool (default: max-batch x context / page-size); fewer pages "
                              "make the engine preempt and requeue requests")

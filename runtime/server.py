@@ -311,7 +311,7 @@ def _prompt_ids(state: ServerState, prompt: str | list[str] | list[int]) -> list
         if bad:
             raise APIError(400, f"prompt: token ids {bad[:5]} outside [0, {state.vocab_size})", param="prompt")
     if not ids:
-        raise APIError(400, "prompt: is empty: expected at least one token", param="prompt")
+        raise APIError(400, "prompt: no tokens: expected at least one", param="prompt")
     return ids
 
 

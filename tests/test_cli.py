@@ -27,7 +27,11 @@ def test_compile_writes_the_folder(compiled):
         assert (out / f).stat().st_size > 0, f
     assert "predicted step" in stdout and "critical path" in stdout and "of SOL" in stdout
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["options"] == {"batch": 2, "context": 64, "num_sms": 8}
+    # every choice the schedule was made with, as schedule.json's meta records them
+    options = json.loads((out / "schedule.json").read_text())["meta"]["options"]
+    assert manifest["options"] == options
+    assert {k: options[k] for k in ("batch", "context", "num_sms", "page_size", "weights")} == {
+        "batch": 2, "context": 64, "num_sms": 8, "page_size": 0, "weights": "bf16"}
 
 
 def test_compile_says_how_the_branches_share_the_sms(compiled, tmp_path):

@@ -26,9 +26,8 @@ class FakeBackend:
         self.max_batch, self.context, self.vocab_size = max_batch, context, V
         self.cache = torch.full((max_batch, context), -1, dtype=torch.long)
         self.prefills: list[tuple[int, int, int]] = []  # (slot, start, n)
-        if not copy_kv:
-            self.read_kv = None  # type: ignore[assignment]
-            del self.read_kv
+        if copy_kv:  # without them the backend has no read_kv / write_kv at all (hasattr is False)
+            self.read_kv, self.write_kv = self._read_kv, self._write_kv
 
     def _logits(self, slot: int, pos: int) -> torch.Tensor:
         seq = self.cache[slot, :pos + 1]
@@ -53,10 +52,10 @@ class FakeBackend:
     def free(self, slot):
         self.cache[slot] = -1
 
-    def read_kv(self, slot, start, end):
+    def _read_kv(self, slot, start, end):
         return self.cache[slot, start:end].clone()
 
-    def write_kv(self, slot, start, kv):
+    def _write_kv(self, slot, start, kv):
         self.cache[slot, start:start + len(kv)] = kv
 
 
@@ -140,8 +139,14 @@ def test_prefix_cache_reuses_pages():
     second = run_all(eng, [shared + " one"], greedy)[0]
     assert text_of(first) == text_of(second)
     assert be.prefills[-1][1] == 48  # three full pages loaded from the cache
-    nocache = run_all(Engine(FakeBackend(context=128, copy_kv=False), tok), [shared + " one"], greedy)[0]
-    assert text_of(nocache) == text_of(first)
+    # a backend that cannot copy its KV cache: no prefix cache, every prompt prefilled from its start
+    nocopy = FakeBackend(context=128, copy_kv=False)
+    assert not hasattr(nocopy, "read_kv") and not hasattr(nocopy, "write_kv")
+    eng = Engine(nocopy, tok, page_size=16)
+    assert eng.cache is None
+    for _ in range(2):
+        assert text_of(run_all(eng, [shared + " one"], greedy)[0]) == text_of(first)
+    assert [start for _, start, _ in nocopy.prefills] == [0, 0]
 
 
 def test_sampling_seeded_and_filtered():

@@ -131,6 +131,7 @@ def test_lowering_counts_the_real_bytes(fmt):
             assert t.weight_bytes == rows * k + fp8.scale_bytes(fmt, rows, k), t.name
     total = {n: sum(t.weight_bytes for t in p.tasks if t.op.name != "EMBED") for n, p in (("bf16", bf), ("fp8", q))}
     routers = sum(t.weight_bytes for t in bf.tasks if "router" in t.name)
+    # half, plus the scales: 4 bytes per row of 128 to 256 columns here (3.7% more), or per 128 x 128 block (0.1%)
     assert total["fp8"] - routers == pytest.approx((total["bf16"] - routers) / 2, rel=0.04)
 
 
@@ -362,15 +363,46 @@ def test_the_kernels_e4m3_to_bf16_bit_placement_is_exact():
     """templates/common.cuh: e4m3x4_to_bf16 places an e4m3 byte's sign, exponent and mantissa into
     bf16 bits ((b & 0x80) << 8 | (b & 0x7f) << 4) and multiplies by 2^120: for every finite e4m3
     value (subnormals and zeros included) that is the value itself, so the kernel's products are
-    those of the dequantised weights. Checked here on the bits, as the kernel forms them."""
-    b = torch.arange(256, dtype=torch.int32)
-    finite = (b & 0x7F) != 0x7F  # e4m3fn's NaNs: 0x7f, 0xff
-    bits = ((b & 0x80) << 8) | ((b & 0x7F) << 4)
-    placed = (bits << 16).view(torch.float32)  # bf16 bits as the top half of a float32: exact
-    value = placed.double() * 2.0 ** 120
-    want = b.to(torch.uint8).view(torch.float8_e4m3fn).double()
-    assert torch.equal(value[finite], want[finite])
-    assert int((want[finite].abs() < 2.0 ** -6).sum()) == 16  # the 14 subnormals and both zeros covered
+    those of the dequantised weights. Checked here on the bits, as the kernel forms them: the byte
+    permutes, masks, shift and bf16x2 multiplier are read from the template and replayed on every
+    byte in each of the four positions of a word."""
+    import numpy as np
+
+    from mkc.codegen.render import TEMPLATE_DIR
+
+    src = (TEMPLATE_DIR / "common.cuh").read_text()
+    body = re.search(r"void e4m3x4_to_bf16\(u32 w, u32& lo, u32& hi\) \{(.*?)\n\}", src, re.DOTALL).group(1)
+    perm = dict(re.findall(r"(p[01]) = __byte_perm\(w, 0u, (0x[0-9a-f]+)\)", body))
+    place = re.findall(r"(lo|hi) = \((p[01]) & (0x[0-9a-f]+)u\) \| \(\((p[01]) >> (\d+)\) & (0x[0-9a-f]+)u\);", body)
+    scale = re.findall(r'"\+r"\((lo|hi)\) : "r"\((0x[0-9a-f]+)u\)', body)
+    assert set(perm) == {"p0", "p1"} and len(place) == len(scale) == 2, body
+
+    def byte_perm(x: np.ndarray, selector: int) -> np.ndarray:  # __byte_perm(x, 0u, selector)
+        out = np.zeros_like(x)
+        for i in range(4):
+            k = (selector >> 4 * i) & 7
+            if k < 4:
+                out |= ((x >> np.uint32(8 * k)) & np.uint32(0xFF)) << np.uint32(8 * i)
+        return out
+
+    def bf16(bits: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy((bits & np.uint32(0xFFFF)).astype(np.uint16).view(np.int16)).view(torch.bfloat16)
+
+    b = np.arange(256, dtype=np.uint32)
+    elements = [b, b ^ 0x5A, b ^ 0xA5, 255 - b]  # every byte in every position of the word
+    w = elements[0] | elements[1] << np.uint32(8) | elements[2] << np.uint32(16) | elements[3] << np.uint32(24)
+    p = {name: byte_perm(w, int(sel, 16)) for name, sel in perm.items()}
+    words = {dst: (p[a] & np.uint32(int(m1, 16))) | ((p[b_] >> np.uint32(int(sh))) & np.uint32(int(m2, 16)))
+             for dst, a, m1, b_, sh, m2 in place}
+    c = dict(scale)
+    for i, (dst, half) in enumerate((("lo", 0), ("lo", 16), ("hi", 0), ("hi", 16))):
+        placed = bf16(words[dst] >> np.uint32(half))
+        value = (placed * bf16(np.full(256, int(c[dst], 16) >> half, dtype=np.uint32))).double()  # mul.rn.bf16x2
+        byte = torch.from_numpy(elements[i].astype(np.uint8))
+        want = byte.view(torch.float8_e4m3fn).double()
+        finite = (byte & 0x7F) != 0x7F  # e4m3fn's NaNs: 0x7f, 0xff
+        assert torch.equal(value[finite], want[finite]), f"element {i} of the word"
+        assert int((want[finite].abs() < 2.0 ** -6).sum()) == 16  # the 14 subnormals and both zeros covered
 
 
 @pytest.mark.parametrize("config", ["north_mini_code.yaml", "qwen3_0_6b.yaml", "qwen3_tiny.yaml", "mixtral_tiny.yaml"])

@@ -67,13 +67,31 @@ def test_kernel_addresses_read_the_right_elements():
 
 
 def test_tile_offset_matches_the_reordering():
-    """ops.cuh's tile_order_offset (the embedding lookup) is weight_tiles.tile_offset."""
+    """ops.cuh's tile_order_offset (the embedding lookup) is weight_tiles.tile_offset: both find
+    every element (the kernel's every 8-element chunk; its expression read from the template and
+    evaluated with C's integer division) where to_tiles put it."""
+    import re
+
+    from mkc.codegen.render import TEMPLATE_DIR
+
+    src = (TEMPLATE_DIR / "ops.cuh").read_text()
+    body = re.search(r"size_t tile_order_offset\(int row, int col, int k\) \{(.*?)\n\}", src, re.DOTALL).group(1)
+    rr, cc = re.search(r"const int rr = (.+?), cc = (.+?);", body).groups()
+    ret = re.search(r"return (.+?);", body, re.DOTALL).group(1)
+
+    def c_expr(e: str) -> str:  # non-negative ints: C's / and % are Python's // and %
+        return " ".join(e.replace("(size_t)", "").split()).replace("/", "//")
+
+    kernel = eval(f"lambda row, col, k: (lambda rr, cc: {c_expr(ret)})({c_expr(rr)}, {c_expr(cc)})")
     R, K = 48, 128
     w = torch.arange(R * K, dtype=torch.int64).reshape(R, K)
     flat = to_tiles(w).reshape(-1)
     for r in range(R):
         for c in range(K):
             assert int(flat[tile_offset(r, c, K)]) == int(w[r, c]), (r, c)
+            if c % 8 == 0:
+                at = kernel(r, c, K)
+                assert torch.equal(flat[at:at + 8], w[r, c:c + 8]), ("ops.cuh", r, c)
 
 
 def test_the_gemv_weights_are_tiled_and_only_they():

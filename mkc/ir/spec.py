@@ -149,8 +149,8 @@ class _Reader:
             absent = [k for k in keys if k not in data]
             close = difflib.get_close_matches(unknown[0], absent, n=1, cutoff=0.6)
             hint = f"did you mean '{close[0]}'? " if close else ""
-            raise SpecError(f"{source}: unknown key '{self.key(unknown[0])}': {hint}(expected the keys "
-                            f"{', '.join(keys)})")
+            raise SpecError(f"{source}: unknown key '{self.key(unknown[0])}': {hint}expected one of the keys "
+                            f"{', '.join(keys)}")
 
     def key(self, name: str) -> str:
         return f"{self.path}.{name}" if self.path else name
@@ -298,7 +298,8 @@ def load_spec(path: str | Path) -> ModelSpec:
                             f"Hugging Face checkpoint folder")
         p = cfg
     if not p.exists():
-        raise SpecError(f"{p}: no such file: expected a YAML model file or a checkpoint folder")
+        raise SpecError(f"{p}: no such file: expected a YAML model file, a Hugging Face config.json or checkpoint "
+                        f"folder, or a .gguf file")
     if p.suffix == ".gguf":
         from mkc.ir.gguf_config import hf_config_from_gguf
         from mkc.ir.hf import spec_from_hf_config
