@@ -4,7 +4,7 @@ fixed times refitted over all of them at once (the cost model must hold for any 
     python benchmarks/calibrate_models.py DIR [DIR ...] [--num-sms 132]
 
 Each DIR is the output of ``mkc bench --config configs/MODEL.yaml --random-weights --profile -o DIR``
-(bench.json and one trace-bB-cC.npz per point; ``benchmarks/gpu_session.sh --models`` writes one
+(bench.json and one trace-bB-cC.npz per bf16 point; ``benchmarks/gpu_session.sh --models`` writes one
 per model). Every point's schedule is planned again, so run this on the tree the profiles were
 taken with. It prints, per point, the measured step beside the simulated one (at the run's read
 bandwidth) with the shipped fixed times (cost.SIM_FIXED_US) and with the refitted ones, then the

@@ -516,9 +516,9 @@ def _time_decoder(dec, sc, spec: ModelSpec, tokens, positions, *, bw: float, rep
         f"{lc.static_smem} B static shared memory per CTA, {lc.threads} threads, "
         f"grid {lc.grid}; attention SMs {att.get('chosen', 0)} ({att.get('chosen_by', '-')}"
         + (f" at context {att['measured_at_context']}" if "measured_at_context" in att else "") + ")")
-    if profile_dir is not None:
-        _write_profile(dec, sc, spec, Path(profile_dir) / f"trace-b{batch}-c{context}.json")
     fmt = sc.meta.get("weights", "bf16")
+    if profile_dir is not None:
+        _write_profile(dec, sc, spec, Path(profile_dir) / trace_name(batch, context, fmt))
     r = row(mkc_engine(fmt), batch, context, times, step_bytes(spec, batch, context, routed, fmt), bw)
     if not predict:
         return r
@@ -535,6 +535,12 @@ def _baseline_row(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int,
     times = time_cuda(replay, reps=reps, warmup=2)
     routed = [r.clone() for r in base.routed]
     return row("torch+graph", batch, context, times, step_bytes(spec, batch, context, routed), bw)
+
+
+def trace_name(batch: int, context: int, weights: str = "bf16") -> str:
+    """The profile trace's file name at a point: ``trace-b1-c8192.json``, the weight format added
+    when not bf16 (``trace-b1-c8192-fp8.json``), so that one run over several formats keeps each."""
+    return f"trace-b{batch}-c{context}{'' if weights == 'bf16' else '-' + weights}.json"
 
 
 def _write_profile(dec, sc, spec: ModelSpec, path: Path) -> None:

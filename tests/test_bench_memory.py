@@ -220,3 +220,11 @@ def test_rounds_side_by_side_give_each_mean_against_the_first():
 def test_rounds_alternate_their_order():
     """in_turn: A B, then B A, so a place in the round weighs on every variant alike."""
     assert in_turn(["a", "b", "c"], 3) == ["a", "b", "c", "c", "b", "a", "a", "b", "c"]
+
+
+def test_each_weight_format_keeps_its_own_profile_trace():
+    """`mkc bench --weights bf16,fp8 --profile` writes one trace per format at a point (the FP8 one
+    used to overwrite the bf16 one); bf16's keeps the name calibrate_models.py and docs/profiling.md use."""
+    names = {w: bench.trace_name(1, 8192, w) for w in ("bf16", "fp8", "fp8-block")}
+    assert names["bf16"] == "trace-b1-c8192.json"
+    assert len(set(names.values())) == 3

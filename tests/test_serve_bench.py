@@ -103,22 +103,21 @@ def test_url_context_too_short(server: Target, capsys):
                     "context is 32")]
 
 
-def test_options_tolerate_a_serve_seed(monkeypatch):
-    """Where the serve options have their own --seed, it seeds the load too; --url needs neither
-    --checkpoint nor --random-weights, though the serve options make one of them required."""
+def test_one_seed_seeds_the_load_and_the_in_process_weights():
+    """bench-serve has one --seed (the serve options'), with or without --url: it seeds the load, and
+    its help says so; --url needs neither --checkpoint nor --random-weights, though the serve options
+    make one of them required."""
     import argparse
 
     import mkc.runtime.serve_bench as sb
 
-    def serve_options(p):
-        p.add_mutually_exclusive_group(required=True).add_argument("--random-weights", action="store_true")
-        p.add_argument("--seed", type=int, default=5)
-
-    monkeypatch.setattr(sb, "add_serve_arguments", serve_options)
     parser = argparse.ArgumentParser()
     sb.add_bench_serve_arguments(parser)
-    assert parser.parse_args(["--url", "http://x"]).seed == 5
+    assert parser.parse_args(["--url", "http://x"]).seed == 0
+    assert parser.parse_args(["--url", "http://x", "--seed", "9"]).seed == 9
     assert parser.parse_args(["--random-weights", "--seed", "9"]).seed == 9
+    seed = next(a for a in parser._actions if "--seed" in a.option_strings)
+    assert "lengths, prompts and arrivals" in seed.help and "--random-weights" in seed.help
 
 
 def test_poisson_arrivals_mean_gap():

@@ -469,6 +469,7 @@ def test_every_dropped_wait_is_judged_like_the_reference():
             assert (validate(sc) == []) == expected, (sc.tasks[t].name, ws[i])
             verdicts.append(expected)
     assert not all(verdicts), "expected some dropped wait to race"
+    assert any(verdicts), "expected some dropped wait to be harmless (else a validator rejecting every drop passes)"
 
 
 def test_check_resources_after_the_kernel_build():
