@@ -86,7 +86,7 @@ def test_mkc_compile_reports_the_simulated_step_beside_the_list_schedulers(tiny,
     listed = plan(tiny, 2, 40, 8)
     _, end = simulate(listed)
     assert sc.predicted["placement_step_us"] == listed.predicted["step_us"]
-    assert sc.predicted["step_us"] == pytest.approx(simulated_step_us(listed), abs=1e-3)
+    assert sc.predicted["step_us"] == pytest.approx(simulated_step_us(listed), abs=1e-3)  # stored to 1e-3 µs
     assert sc.predicted["end_us"] == [round(float(x), 3) for x in end]
     assert sc.queues == listed.queues and "simulate" in times
     line = next(ln for ln in format_summary(summary(sc, tiny)).splitlines() if ln.startswith("predicted step"))
@@ -203,7 +203,7 @@ def test_mkc_compile_predicts_an_h100_at_its_read_bandwidth(nmc):
     assert h100.queues == h200.queues and h100.counters == h200.counters
     assert h100.predicted["simulated_on"] == {"gpu": "h100", "read_bw": H100.read_bw}
     assert h200.predicted["simulated_on"] == {"gpu": "h200", "read_bw": H200.read_bw}
-    assert h100.predicted["step_us"] == pytest.approx(simulated_step_us(h200, H100), abs=1e-3)
+    assert h100.predicted["step_us"] == pytest.approx(simulated_step_us(h200, H100), abs=1e-3)  # stored to 1e-3 µs
     assert h100.predicted["step_us"] > h200.predicted["step_us"]  # fewer bytes per µs, the same fixed times
     assert h100.meta["options"]["gpu"] == "h100"
     d = summary(h100, nmc)
