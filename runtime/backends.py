@@ -166,8 +166,7 @@ class DecoderBackend:
 
     def _slot_kv(self, slot: int, end: int) -> SlotKV:
         if self.pages is None:
-            r = self._row[slot]
-            return SlabKV([(k[r], v[r]) for k, v in self._kv])
+            return _RowSlab(self, slot)
         self.pages.ensure(slot, end)
         return PagedKV(self._pool_kv, self.pages.held[slot])
 
@@ -269,6 +268,27 @@ class DecoderBackend:
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.max_batch:
             raise ValueError(f"slot {slot}: expected 0..{self.max_batch - 1}")
+
+
+class _RowSlab(SlabKV):
+    """A slot's slab, found at the slot's row at every read and write: a decode step between two
+    layers of a prefill in flight may move the slot to another row (``_rows_below``), and a slab
+    taken once would then write into the row of the stream moved there."""
+
+    def __init__(self, backend: DecoderBackend, slot: int):
+        self.kv, self.context = _RowLayers(backend, slot), backend.context  # type: ignore[assignment]
+
+
+class _RowLayers:
+    """Layer i's (k, v) of a slot's current row, as SlabKV indexes its ``kv``."""
+
+    def __init__(self, backend: DecoderBackend, slot: int):
+        self._backend, self._slot = backend, slot
+
+    def __getitem__(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        r = self._backend._row[self._slot]
+        k, v = self._backend._kv[layer]
+        return k[r], v[r]
 
 
 def compile_schedule(spec: ModelSpec, max_batch: int, context: int, num_sms: int, page_size: int = 0,

@@ -351,6 +351,12 @@ def _message_dict(m: ChatMessage, i: int) -> dict[str, Any]:
             if p.get("type") not in ("text", None) or not isinstance(p.get("text", ""), str):
                 raise APIError(400, f"messages[{i}].content: only text parts are supported (got type "
                                     f"{p.get('type')!r})", param=f"messages.{i}.content")
+    for j, call in enumerate(m.tool_calls or ()):
+        # an assistant's earlier call must name its function and arguments: the prompt shows both
+        f = call.get("function")
+        if not (isinstance(f, dict) and isinstance(f.get("name"), str) and "arguments" in f):
+            raise APIError(400, f"messages[{i}].tool_calls[{j}]: expected {{\"function\": {{\"name\": ..., "
+                                f"\"arguments\": ...}}}}, got {json.dumps(call)[:200]}", param=f"messages.{i}.tool_calls")
     d = m.model_dump(exclude_none=True)
     d["content"] = message_text(d)
     return d

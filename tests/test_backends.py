@@ -171,6 +171,38 @@ def test_engine_matches_executor_and_survives_preemption(model):
     assert preempted, "the pool was large enough: preemption was not exercised"
 
 
+def test_a_prefill_in_flight_follows_its_slot_to_another_row(model):
+    """Slab: a decode step between two layers of a prefill chunk may move the prefilling slot to
+    another row (a smaller step batch needs the streams' rows below it). The rest of the chunk
+    must follow the slot: it wrote into the row of the stream moved there, and both requests'
+    tokens changed."""
+    spec, w = model
+    tok = ByteTokenizer(spec.vocab_size)
+    prompts = {"a": list(range(10, 20)), "b": list(range(30, 40)), "d": list(range(50, 62)),
+               "c": [(i * 37) % 500 for i in range(30)]}
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    want = {k: greedy_generate(spec, w, p, 30, context=CONTEXT) for k, p in prompts.items() if k != "b"}
+    # a budget of no time: a prefill runs one layer a step while others decode
+    eng = Engine(CpuBackend(spec, w, max_batch=4, context=CONTEXT), tok, prefill_chunk=8, prefill_budget=1e-9)
+    got: dict[str, list[int]] = {k: [] for k in prompts}
+    for k in "abd":
+        eng.submit(prompts[k], params, lambda o, k=k: got[k].extend(o.token_ids), request_id=k)
+    for _ in range(100):  # every prompt prefilled, a layer a step
+        if len(eng._running) == 3:
+            break
+        eng.step()
+    # b (slot 1, row 1) leaves and c takes its slot in the same step; the step's batch of two then
+    # swaps d (row 2) into row 1, while c's first chunk is still in flight
+    eng.abort("b")
+    eng.submit(prompts["c"], params, lambda o: got["c"].extend(o.token_ids), request_id="c")
+    eng.step()
+    assert eng.backend._row[1] == 2 and any(r.id == "c" and r.steps is not None for r in eng._prefilling), \
+        "the interleaving did not move the prefilling slot: the test does not exercise it"
+    while eng.has_work():
+        eng.step()
+    assert {k: got[k] for k in want} == want
+
+
 def test_engine_over_a_paged_cache_of_the_engines_size(model):
     """The backend's pool is exactly the engine's pages (plus the scratch page): the engine's
     accounting keeps the pool from running out; prefix-cache hits share pages by reference (never

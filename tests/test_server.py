@@ -257,7 +257,9 @@ def test_bad_requests_raw(server, body):
 
 def test_bad_chat_requests(server, client):
     for body in ({"model": MODEL, "messages": []}, {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]},
-                 {"model": MODEL, "messages": "hello"}):
+                 {"model": MODEL, "messages": "hello"},
+                 # an earlier tool call without its function: was a KeyError, answered 500
+                 {"model": MODEL, "messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]}):
         status, out = _post(server, "/v1/chat/completions", json.dumps(body).encode())
         assert status == 400 and out["error"]["param"], out
     # and the server still serves
