@@ -19,6 +19,7 @@ import asyncio
 import json
 import logging
 import sys
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
@@ -708,9 +709,31 @@ def serve_main(args: argparse.Namespace) -> int:
     except (ValueError, OSError, KeyError) as e:  # SpecError and CheckpointError are ValueErrors
         print(f"mkc: error: {e}", file=sys.stderr)
         return 2
-    uvicorn.run(build_app(state), host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=5)
+    config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+    _graceful_server(config, state.engine).run()
     return 0
+
+
+SHUTDOWN_GRACE_S = 5  # on SIGTERM or Ctrl-C: how long the requests in flight may go on
+_DRAIN_S = SHUTDOWN_GRACE_S - 1  # then the engine ends what is left, a second before uvicorn cuts it
+
+
+def _graceful_server(config, engine: Engine):
+    """uvicorn's server, whose shutdown lets the requests in flight finish for ``_DRAIN_S`` and then
+    stops the engine, so that those still running end with an error event ("server shutting
+    down") rather than a cut connection when uvicorn's grace runs out."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            if not self.should_exit:  # the first signal; a second one still exits at once
+                drain = threading.Timer(_DRAIN_S, engine.stop)
+                drain.daemon = True  # a server that empties sooner exits without waiting for it
+                drain.start()
+            super().handle_exit(sig, frame)
+
+    return Server(config)
 
 
 def main(argv: list[str] | None = None) -> int:

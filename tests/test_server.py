@@ -11,6 +11,7 @@ import contextlib
 import http.client
 import json
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -46,12 +47,19 @@ def _free_port() -> int:
 @contextlib.contextmanager
 def _serve(log_dir: Path, *args: str):
     """A server process on a free port with ``args``; yields its base URL, stops it after."""
+    with _serve_process(log_dir, *args) as (base, _):
+        yield base
+
+
+@contextlib.contextmanager
+def _serve_process(log_dir: Path, *args: str, context: int = CONTEXT):
+    """_serve, yielding (base URL, the server's process)."""
     port = _free_port()
     log_path = log_dir / "server.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "mkc.runtime.server", *args, "--backend", BACKEND, "--host", "127.0.0.1",
-             "--port", str(port), "--max-batch", "8", "--context", str(CONTEXT), "--log-level", "warning"],
+             "--port", str(port), "--max-batch", "8", "--context", str(context), "--log-level", "warning"],
             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         try:
             base = f"http://127.0.0.1:{port}"
@@ -69,7 +77,7 @@ def _serve(log_dir: Path, *args: str):
                 if time.monotonic() > deadline:
                     pytest.fail(f"server not healthy within 60 s:\n{log_path.read_text()[-3000:]}")
                 time.sleep(0.2)
-            yield base
+            yield base, proc
         finally:
             proc.terminate()
             try:
@@ -433,3 +441,35 @@ def test_serve_memory_names_what_does_not_fit():
     assert nmc["kv_cache"] == 8 * 16384 * 2 * 49 * 4 * 128 * 2
     paged = serve_memory(load_spec(configs / "north_mini_code.yaml"), 8, 16384, 16, 100, 8192)
     assert paged["kv_cache"] == 101 * 16 * 2 * 49 * 4 * 128 * 2  # the pages and the scratch page
+
+
+def test_shutdown_ends_the_streams_in_flight_with_an_error_event(tmp_path):
+    """On SIGTERM a stream in flight goes on for the drain, then ends with an error event saying
+    that the server shuts down (not a connection cut by uvicorn's grace), and the server exits."""
+    from mkc.runtime.server import _DRAIN_S, SHUTDOWN_GRACE_S
+
+    with _serve_process(tmp_path, "--config", str(ROOT / "configs" / "tiny.yaml"), "--random-weights",
+                        context=4096) as (base, proc):
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 4000, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        conn = http.client.HTTPConnection(base.removeprefix("http://"), timeout=30)
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200
+        events = []
+        while len(events) < 3:  # generating
+            line = resp.readline().decode().strip()
+            if line:
+                events.append(line)
+        sent = time.monotonic()
+        proc.terminate()
+        while (line := resp.readline().decode()):  # a cut connection ends the loop without the error
+            if line.strip():
+                events.append(line.strip())
+        ended = time.monotonic() - sent
+        # uvicorn re-raises the signal once it has shut down
+        assert proc.wait(timeout=SHUTDOWN_GRACE_S + 10) in (0, -signal.SIGTERM)
+    errors = [json.loads(e[6:]) for e in events if e.startswith("data: {") and '"error"' in e]
+    assert len(errors) == 1 and "shutting down" in errors[0]["error"]["message"], events[-3:]
+    assert events[-1] == "data: [DONE]"
+    assert ended >= _DRAIN_S - 0.5  # the drain came first: the stream went on after the signal
