@@ -166,7 +166,7 @@ class DecoderBackend:
 
     def _slot_kv(self, slot: int, end: int) -> SlotKV:
         if self.pages is None:
-            return _RowSlab(self, slot)
+            return SlabKV(_RowLayers(self, slot))
         self.pages.ensure(slot, end)
         return PagedKV(self._pool_kv, self.pages.held[slot])
 
@@ -270,17 +270,10 @@ class DecoderBackend:
             raise ValueError(f"slot {slot}: expected 0..{self.max_batch - 1}")
 
 
-class _RowSlab(SlabKV):
-    """A slot's slab, found at the slot's row at every read and write: a decode step between two
-    layers of a prefill in flight may move the slot to another row (``_rows_below``), and a slab
-    taken once would then write into the row of the stream moved there."""
-
-    def __init__(self, backend: DecoderBackend, slot: int):
-        self.kv, self.context = _RowLayers(backend, slot), backend.context  # type: ignore[assignment]
-
-
 class _RowLayers:
-    """Layer i's (k, v) of a slot's current row, as SlabKV indexes its ``kv``."""
+    """A slot's slab layers for SlabKV, layer i's (k, v) taken from the slot's row at every read and
+    write: a decode step between two layers of a prefill in flight may move the slot to another row
+    (``_rows_below``), and views taken once would then write into the row of the stream moved there."""
 
     def __init__(self, backend: DecoderBackend, slot: int):
         self._backend, self._slot = backend, slot

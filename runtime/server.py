@@ -699,6 +699,10 @@ def make_backend(name: str, spec: Any, weights: dict[str, Any], *, max_batch: in
     raise ValueError(f"--backend {name!r}: expected one of ['auto', 'cuda', 'cpu']")
 
 
+SHUTDOWN_GRACE_S = 5  # on SIGTERM or Ctrl-C: how long the requests in flight may go on
+_DRAIN_S = SHUTDOWN_GRACE_S - 1  # then the engine ends what is left, a second before uvicorn cuts it
+
+
 def serve_main(args: argparse.Namespace) -> int:
     """Run ``mkc serve`` until interrupted; returns the process exit status."""
     import uvicorn
@@ -713,10 +717,6 @@ def serve_main(args: argparse.Namespace) -> int:
                             timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
     _graceful_server(config, state.engine).run()
     return 0
-
-
-SHUTDOWN_GRACE_S = 5  # on SIGTERM or Ctrl-C: how long the requests in flight may go on
-_DRAIN_S = SHUTDOWN_GRACE_S - 1  # then the engine ends what is left, a second before uvicorn cuts it
 
 
 def _graceful_server(config, engine: Engine):
