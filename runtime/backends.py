@@ -97,7 +97,8 @@ class PagePool:
 
 
 class DecoderBackend:
-    """``Backend`` (runtime/engine.py) over a step decoder; also ``read_kv``/``write_kv`` (prefix cache).
+    """``Backend`` (runtime/engine.py) over a step decoder; also ``read_kv_pages``/``write_kv_pages``
+    (the prefix cache's copies, over ``read_kv``/``write_kv``).
 
     ``weights`` are the decoder's own, by logical name and row-major (same device and dtype as its
     cache; for the CUDA decoder a ``LogicalWeights`` view of its tile-ordered buffers) and feed the
@@ -244,6 +245,15 @@ class DecoderBackend:
         cache = self._slot_kv(slot, start + kv.shape[3])
         for layer, x in enumerate(kv):
             cache.write(layer, start, x[0].transpose(0, 1), x[1].transpose(0, 1))
+
+    def read_kv_pages(self, slot: int, start: int, page_size: int, n: int) -> list[torch.Tensor]:
+        """``n`` pages from position ``start`` (the prefix cache's copies): one read, then each page
+        cloned out of it so that it owns its memory."""
+        kv = self.read_kv(slot, start, start + n * page_size)
+        return [page.clone() for page in kv.split(page_size, dim=3)]
+
+    def write_kv_pages(self, slot: int, start: int, pages: Sequence[torch.Tensor]) -> None:
+        self.write_kv(slot, start, torch.cat(list(pages), dim=3))
 
     # prefix-cache pages by reference (the paged layout; the engine uses them when shares_pages)
     @property

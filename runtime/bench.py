@@ -475,7 +475,7 @@ def _tune(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context
     return chosen.attention_sms, *runs[chosen]
 
 
-def _megakernel_row(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: int, context: int, *, sms: int,
+def _megakernel_row(spec: ModelSpec, tensors: dict[str, torch.Tensor], batch: int, context: int, *, sms: int,
                     bw: float, reps: int, page_size: int, profile_dir: Path | None, log,
                     attention_sms: int | None = None, ceilings: Ceilings = H200, predict: bool = True,
                     schedule: Callable[[], Schedule] | None = None, **lowering) -> Row:
@@ -484,7 +484,8 @@ def _megakernel_row(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: in
     the scheduler's (the planner applies a tuned raise only under the default); ``lowering``: plan's
     LOWERING_CHOICES (default: the planner's); ``predict``: the row's predicted_us (about a second
     of simulation, which a tune's many timings skip); ``schedule``: gives the schedule these
-    arguments plan (a tune's, planned once for all its timings)."""
+    arguments plan (a tune's, planned once for all its timings); ``tensors``: the weights
+    laid out for it (``weights`` among ``lowering`` is their format)."""
     from mkc.codegen import build_kernel
     from mkc.schedule.plan import plan
 
@@ -493,7 +494,7 @@ def _megakernel_row(spec: ModelSpec, weights: dict[str, torch.Tensor], batch: in
     sc = schedule() if schedule else plan(spec, batch, context, sms, page_size=page_size,
                                           attention_sms=attention_sms, ceilings=ceilings, **lowering)
     art = build_kernel(sc, spec)
-    with decoder_in_place(sc, spec, weights, artifact=art) as dec:
+    with decoder_in_place(sc, spec, tensors, artifact=art) as dec:
         return _time_decoder(dec, sc, spec, tokens, positions, bw=bw, reps=reps, profile_dir=profile_dir, log=log,
                              predict=predict)
 

@@ -15,7 +15,9 @@ nobody decoding a step runs one whole chunk.
 
 Full pages of prompts are kept in a prefix cache (when the backend can copy KV out and in), keyed by
 the chain of token ids up to the page's end, evicted least recently used whenever a running request
-needs the space.
+needs the space. A backend that copies KV (the slab layout) keeps each cached page in memory of its
+own, so there the cache holds at most ``prefix_cache_pages`` copies, the least recently used
+making way for a new prompt's.
 
 Threading: ``submit`` and ``abort`` may be called from any thread; everything else runs on the
 engine's own thread (``start``) or in the caller's thread through ``step`` (tests). Outputs go to
@@ -83,12 +85,13 @@ class LayeredBackend(Backend, Protocol):
 class KVCopyBackend(Backend, Protocol):
     """Optional: a backend that can copy KV positions out of a slot and back (prefix cache)."""
 
-    def read_kv(self, slot: int, start: int, end: int) -> Any:
-        """An opaque copy of positions [start, end) of the slot's KV (all layers)."""
+    def read_kv_pages(self, slot: int, start: int, page_size: int, n: int) -> list[Any]:
+        """Opaque copies of ``n`` pages of the slot's KV (all layers) from position ``start``, each
+        in memory of its own (one page's eviction frees it)."""
         ...
 
-    def write_kv(self, slot: int, start: int, kv: Any) -> None:
-        """Put a ``read_kv`` copy back at positions [start, start + its length)."""
+    def write_kv_pages(self, slot: int, start: int, pages: Sequence[Any]) -> None:
+        """Put ``read_kv_pages`` copies back, one after another from position ``start``."""
         ...
 
 
@@ -183,7 +186,7 @@ class Engine:
 
     def __init__(self, backend: Backend, tokenizer: Tokenizer, *, page_size: int = 16,
                  kv_pages: int | None = None, prefix_cache: bool = True, metrics: Metrics | None = None,
-                 prefill_chunk: int = 8192, prefill_budget: float = 1.5):
+                 prefill_chunk: int = 8192, prefill_budget: float = 1.5, prefix_cache_pages: int | None = None):
         if prefill_chunk < 1 or prefill_budget <= 0:
             raise ValueError(f"prefill_chunk = {prefill_chunk}, prefill_budget = {prefill_budget}: expected a "
                              f"chunk of at least one token and a positive budget")
@@ -198,9 +201,11 @@ class Engine:
                              f"could never run")
         # a paged backend shares cached pages by reference (retain / attach / drop); others copy KV
         self._share = bool(getattr(backend, "shares_pages", False))
-        copies = hasattr(backend, "read_kv") and hasattr(backend, "write_kv")
+        copies = hasattr(backend, "read_kv_pages") and hasattr(backend, "write_kv_pages")
         self.cache = (PrefixCache(page_size, backend.drop_page if self._share else None)  # type: ignore[attr-defined]
-                      if prefix_cache and (self._share or copies) else None)
+                      if prefix_cache and (self._share or copies) and prefix_cache_pages != 0 else None)
+        # KV copies take memory beside the pool: a bound of their own (shared pages are the pool's)
+        self._copy_limit = None if self._share else prefix_cache_pages
         self.metrics = metrics
         self._lock = threading.Condition()
         self._incoming: deque[_Request] = deque()
@@ -423,11 +428,11 @@ class Engine:
             return 0
         # keep at least one token to prefill: its logits are the first sample
         kvs = self.cache.match(ids, (len(ids) - 1) // self.page_size)
-        for i, kv in enumerate(kvs):
-            if self._share:
+        if self._share:
+            for i, kv in enumerate(kvs):
                 self.backend.attach_page(req.slot, i, kv)  # type: ignore[attr-defined]
-            else:
-                self.backend.write_kv(req.slot, i * self.page_size, kv)  # type: ignore[attr-defined]
+        elif kvs:
+            self.backend.write_kv_pages(req.slot, 0, kvs)  # type: ignore[attr-defined]
         n = len(kvs) * self.page_size
         if n and self.metrics:
             self.metrics.on_prefix_hit(n)
@@ -437,15 +442,33 @@ class Engine:
         if self.cache is None:
             return
         full = len(req.prompt) // self.page_size
-        for i, key in enumerate(self.cache.keys(ids, min(full, len(ids) // self.page_size))):
+        keys = self.cache.keys(ids, min(full, len(ids) // self.page_size))
+        for key in keys:  # the prompt's cached pages become the most recently used
             if key in self.cache.pages:
                 self.cache.pages.move_to_end(key)
+        if self._copy_limit is not None:  # make way for its other pages, older prompts' first
+            new = sum(key not in self.cache.pages for key in keys)
+            room = min(new, self._copy_limit - (len(keys) - new))
+            while len(self.cache) + room > self._copy_limit and self.cache.evict():
+                pass
+        store = []  # the pages to cache, in order
+        for i, key in enumerate(keys):
+            if key in self.cache.pages:
                 continue
-            if self.kv_pages - self._pages_used - len(self.cache) < 1:
-                return  # the cache only takes space nobody holds
-            lo = i * self.page_size
-            self.cache.pages[key] = (self.backend.retain_page(req.slot, i) if self._share  # type: ignore[attr-defined]
-                                     else self.backend.read_kv(req.slot, lo, lo + self.page_size))  # type: ignore[attr-defined]
+            # the cache only takes space nobody holds, and copies no more than their bound
+            if (self.kv_pages - self._pages_used - len(self.cache) - len(store) < 1
+                    or self._copy_limit is not None and len(self.cache) + len(store) >= self._copy_limit):
+                break
+            store.append(i)
+        if self._share:
+            for i in store:
+                self.cache.pages[keys[i]] = self.backend.retain_page(req.slot, i)  # type: ignore[attr-defined]
+        elif store:  # one read for the span (a page cached between two new ones is read again)
+            lo = store[0]
+            copies = self.backend.read_kv_pages(req.slot, lo * self.page_size, self.page_size,  # type: ignore[attr-defined]
+                                                store[-1] + 1 - lo)
+            for i in store:
+                self.cache.pages[keys[i]] = copies[i - lo]
 
     # -- decode ----------------------------------------------------------------------------------
     def _decode(self) -> None:

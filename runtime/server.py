@@ -598,9 +598,11 @@ def build_state(args: argparse.Namespace) -> ServerState:
     log.info("backend ready in %.1f s", time.monotonic() - t1)
     tokenizer = load_tokenizer(args.checkpoint, spec.vocab_size)
     metrics = Metrics()
+    copies = (prefix_copy_pages(spec, args, paged, kv_pages)
+              if backend_name == "cuda" and not paged and not args.no_prefix_cache else None)
     engine = Engine(backend, tokenizer, page_size=args.page_size, kv_pages=args.kv_pages,
                     prefix_cache=not args.no_prefix_cache, metrics=metrics, prefill_chunk=args.prefill_chunk,
-                    prefill_budget=args.prefill_budget)
+                    prefill_budget=args.prefill_budget, prefix_cache_pages=copies)
     log.info("serving %s: backend %s, step batches %s, context %d, tokenizer %s, %d KV pages of %d",
              spec.name, backend_name, ",".join(map(str, backend.step_batches)), args.context, tokenizer.name,
              engine.kv_pages, args.page_size)
@@ -653,6 +655,22 @@ def _check_gpu_memory(spec: Any, args: argparse.Namespace) -> None:
                              args.max_batch, args.context)
     if problem:
         raise ValueError(problem)
+
+
+def prefix_copy_pages(spec: Any, args: argparse.Namespace, paged: bool, kv_pages: int) -> int:
+    """How many prefix-cache pages the slab layout may keep as KV copies on the GPU: what is free
+    once the backend is built, less the prefill's working memory and the margin (serve_memory),
+    with a tenth kept back for the allocator's rounding; logged."""
+    import torch
+
+    need = serve_memory(spec, args.max_batch, args.context, args.page_size if paged else 0, kv_pages,
+                        args.prefill_chunk, getattr(args, "weights", "bf16"))
+    a = spec.attention
+    page = args.page_size * 2 * spec.num_layers * a.num_kv_heads * a.head_dim * 2  # K and V, bf16
+    free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    pages = max(0, int((free - need["prefill"] - need["margin"]) * 0.9) // page)
+    log.info("prefix cache: at most %d pages of KV copies (%.1f GB)", pages, pages * page / 1e9)
+    return pages
 
 
 def memory_problem(model: str, need: dict, free: int, gpu: str, max_batch: int, context: int) -> str | None:

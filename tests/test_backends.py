@@ -171,6 +171,25 @@ def test_engine_matches_executor_and_survives_preemption(model):
     assert preempted, "the pool was large enough: preemption was not exercised"
 
 
+def test_slab_prefix_cache_copies_give_the_same_tokens(model):
+    """Slab layout: a prompt sharing two pages with an earlier one starts its prefill past them,
+    from KV copied out of the earlier slot and written back into another (read_kv_pages /
+    write_kv_pages), and decodes the same greedy tokens as alone."""
+    spec, w = model
+    shared = [(j * 11) % 256 for j in range(18)]
+    prompts = [shared + [1, 2, 3], shared + [4, 5]]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    want = [greedy_generate(spec, w, p, 12, context=CONTEXT) for p in prompts]
+    be = CpuBackend(spec, w, max_batch=2, context=CONTEXT)
+    starts: list[int] = []
+    layers = be.prefill_layers
+    be.prefill_layers = lambda slot, ids, start, **kw: (starts.append(start), layers(slot, ids, start, **kw))[1]  # type: ignore[method-assign]
+    eng = Engine(be, ByteTokenizer(spec.vocab_size), page_size=8)
+    got = [_engine_tokens(eng, [p], params)[0] for p in prompts]
+    assert starts == [0, 16]
+    assert got == want
+
+
 def test_a_prefill_in_flight_follows_its_slot_to_another_row(model):
     """Slab: a decode step between two layers of a prefill chunk may move the prefilling slot to
     another row (a smaller step batch needs the streams' rows below it). The rest of the chunk
@@ -222,7 +241,7 @@ def test_engine_over_a_paged_cache_of_the_engines_size(model):
     attached: list[int] = []  # prefix-cache pages given to a slot, by page index
     attach = be.attach_page
     be.attach_page = lambda slot, i, page: (attached.append(i), attach(slot, i, page))[1]  # type: ignore[method-assign]
-    be.write_kv = be.read_kv = None  # type: ignore[assignment,method-assign]  # no copies
+    be.write_kv_pages = be.read_kv_pages = None  # type: ignore[assignment,method-assign]  # no copies
     assert _engine_tokens(eng, prompts, params) == want
     assert preempted, "the pool was large enough: preemption was not exercised"
     assert 1 in attached, "no request reused the shared prompt pages from the prefix cache"

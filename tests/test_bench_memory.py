@@ -3,6 +3,7 @@ the free-memory query and the two timed engines are monkeypatched, so no GPU is 
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 from types import SimpleNamespace
@@ -94,8 +95,15 @@ class FakeGPU:
         monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: SimpleNamespace(multi_processor_count=132))
         monkeypatch.setattr(bench, "measure_read_bandwidth", lambda: 4e12)
-        monkeypatch.setattr(bench, "_megakernel_row", lambda spec, w, b, c, **kw: self._run("mkc", b, c))
-        monkeypatch.setattr(bench, "_baseline_row", lambda spec, w, b, c, **kw: self._run("torch+graph", b, c))
+        for name, engine in (("_megakernel_row", "mkc"), ("_baseline_row", "torch+graph")):
+            monkeypatch.setattr(bench, name, self._fake(getattr(bench, name), engine))
+
+    def _fake(self, real, engine: str):
+        """A stand-in for ``real`` that takes only the arguments ``real`` takes."""
+        def run(*args, **kw):
+            bound = inspect.signature(real).bind(*args, **kw)
+            return self._run(engine, bound.arguments["batch"], bound.arguments["context"])
+        return run
 
     def _run(self, engine: str, batch: int, context: int) -> Row:
         if (engine, batch, context) in self.fail:

@@ -26,8 +26,9 @@ class FakeBackend:
         self.max_batch, self.context, self.vocab_size = max_batch, context, V
         self.cache = torch.full((max_batch, context), -1, dtype=torch.long)
         self.prefills: list[tuple[int, int, int]] = []  # (slot, start, n)
-        if copy_kv:  # without them the backend has no read_kv / write_kv at all (hasattr is False)
-            self.read_kv, self.write_kv = self._read_kv, self._write_kv
+        self.page_reads = 0  # read_kv_pages calls
+        if copy_kv:  # without them the backend has no KV copies at all (hasattr is False)
+            self.read_kv_pages, self.write_kv_pages = self._read_kv_pages, self._write_kv_pages
 
     def _logits(self, slot: int, pos: int) -> torch.Tensor:
         seq = self.cache[slot, :pos + 1]
@@ -52,10 +53,12 @@ class FakeBackend:
     def free(self, slot):
         self.cache[slot] = -1
 
-    def _read_kv(self, slot, start, end):
-        return self.cache[slot, start:end].clone()
+    def _read_kv_pages(self, slot, start, page_size, n):
+        self.page_reads += 1
+        return [self.cache[slot, p:p + page_size].clone() for p in range(start, start + n * page_size, page_size)]
 
-    def _write_kv(self, slot, start, kv):
+    def _write_kv_pages(self, slot, start, pages):
+        kv = torch.cat(list(pages))
         self.cache[slot, start:start + len(kv)] = kv
 
 
@@ -139,14 +142,36 @@ def test_prefix_cache_reuses_pages():
     second = run_all(eng, [shared + " one"], greedy)[0]
     assert text_of(first) == text_of(second)
     assert be.prefills[-1][1] == 48  # three full pages loaded from the cache
+    assert be.page_reads == 1  # the first prompt's pages copied in one read
     # a backend that cannot copy its KV cache: no prefix cache, every prompt prefilled from its start
     nocopy = FakeBackend(context=128, copy_kv=False)
-    assert not hasattr(nocopy, "read_kv") and not hasattr(nocopy, "write_kv")
+    assert not hasattr(nocopy, "read_kv_pages") and not hasattr(nocopy, "write_kv_pages")
     eng = Engine(nocopy, tok, page_size=16)
     assert eng.cache is None
     for _ in range(2):
         assert text_of(run_all(eng, [shared + " one"], greedy)[0]) == text_of(first)
     assert [start for _, start, _ in nocopy.prefills] == [0, 0]
+
+
+def test_prefix_cache_copies_stay_within_their_bound():
+    """A backend that copies KV keeps at most ``prefix_cache_pages`` copies, least recently used
+    going first: a prompt of three full pages after another of three leaves the newer one's
+    pages (with a bound of 4, the older one's first page is evicted), which still serve a repeat;
+    the older prompt, its first page gone, is prefilled from its start."""
+    tok = ByteTokenizer(V)
+    be = FakeBackend(context=128)
+    eng = Engine(be, tok, page_size=16, prefix_cache_pages=4)
+    greedy = SamplingParams(max_tokens=4, temperature=0)
+    one, two = "x" * 50 + " one", "y" * 50 + " two"  # 54 tokens: three full pages each
+    first = [text_of(run_all(eng, [p], greedy)[0]) for p in (one, two)]
+    assert len(eng.cache) == 4
+    assert text_of(run_all(eng, [two], greedy)[0]) == first[1]
+    assert be.prefills[-1][1] == 48  # three pages from the cache
+    assert text_of(run_all(eng, [one], greedy)[0]) == first[0]
+    assert be.prefills[-1][1] == 0
+    assert len(eng.cache) <= 4
+    # no copies at all: no prefix cache
+    assert Engine(FakeBackend(context=128), tok, page_size=16, prefix_cache_pages=0).cache is None
 
 
 def test_sampling_seeded_and_filtered():

@@ -443,6 +443,31 @@ def test_serve_memory_names_what_does_not_fit():
     assert paged["kv_cache"] == 101 * 16 * 2 * 49 * 4 * 128 * 2  # the pages and the scratch page
 
 
+def test_prefix_copies_take_the_memory_left_after_the_prefill(monkeypatch):
+    """The slab layout's prefix-cache copies (North Mini Code, batch 8, 16K, on an H100 with 9 GB
+    free and 1 GB cached by the allocator once the backend is built) get nine tenths of what the
+    prefill's working memory and the margin leave, in whole pages of 16 positions."""
+    import argparse
+
+    import torch
+
+    from mkc.ir.spec import load_spec
+    from mkc.runtime.server import prefix_copy_pages, serve_memory
+
+    spec = load_spec(Path(__file__).resolve().parents[1] / "configs" / "north_mini_code.yaml")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (9 * 10**9, 80 * 10**9))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: 3 * 10**9)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 2 * 10**9)
+    args = argparse.Namespace(max_batch=8, context=16384, page_size=16, prefill_chunk=8192, weights="bf16")
+    need = serve_memory(spec, 8, 16384, 0, 0, 8192)
+    page = 16 * 2 * 49 * 4 * 128 * 2
+    pages = prefix_copy_pages(spec, args, paged=False, kv_pages=0)
+    assert pages == int((10 * 10**9 - need["prefill"] - need["margin"]) * 0.9) // page
+    assert 3000 < pages < 4000  # about 50K positions
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (10**9, 80 * 10**9))
+    assert prefix_copy_pages(spec, args, paged=False, kv_pages=0) == 0  # less than the prefill needs
+
+
 def test_shutdown_ends_the_streams_in_flight_with_an_error_event(tmp_path):
     """On SIGTERM a stream in flight goes on for the drain, then ends with an error event saying
     that the server shuts down (not a connection cut by uvicorn's grace), and the server exits."""
