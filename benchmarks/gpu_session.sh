@@ -195,10 +195,10 @@ run_serve() {  # serve or serve_long
   load eight 60 --num-requests 8 --concurrency 8 --prompt-len 7936 --output-len 256
   load eight_sampled 40 --num-requests 8 --concurrency 8 --prompt-len 512 --output-len 256 --temperature 0.8 \
     --top-p 0.95
-  # 7 streams decode; 6 s later an 8K prompt arrives: the streams' ITL p99 is the number
-  load interleave_streams 40 --num-requests 7 --concurrency 7 --prompt-len 512 --output-len 768 --seed 1 &
+  # 7 streams decode (about 2,000 steps); 4 s later an 8K prompt arrives: the streams' ITL p99
+  load interleave_streams 60 --num-requests 7 --concurrency 7 --prompt-len 512 --output-len 2048 --seed 1 &
   streams=$!
-  sleep 6
+  sleep 4
   load interleave_prompt 30 --num-requests 1 --prompt-len 8192 --output-len 2 --seed 2
   wait $streams
   curl -s "$url/metrics" > "$OUT/metrics.txt"
