@@ -52,7 +52,7 @@
 #   sliding and one global layer's attention for the last 8192 queries of 8K and 32K prompts, the
 #   way FastPrefill computes it beside the candidates (smaller query blocks, SDPA's grouped-query
 #   support, compiled FlexAttention), each checked against float32 (prefill_attention.json).
-# --serve (limits 20 + 60 + 240 + 60 + 40 + 60 + 40 + 40 + 100, cut to the call's 590 s; a warm start
+# --serve (limits 20 + 60 + 240 + 60 + 40 + 60 + 40 + 60 + 100, cut to the call's 590 s; a warm start
 #   takes far less than its 240): pip and wheels, then
 #   mkc serve --max-batch 8 --context 16384 (start to healthy timed) driven by mkc bench-serve: an
 #   8K prompt's TTFT (3 in turn); a lone stream (512-token prompt, 256 tokens); 8 concurrent
