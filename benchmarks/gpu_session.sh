@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call that checks and times the tree (H100/H200). Logs and JSON land under $OUT
-# (default ./gpu-session), one log per stage and a line per stage in $OUT/summary.log; a stage that
+# (default ./gpu-session), one log per stage and a line per stage in $OUT/summary.log, all packed at the end
+# into $OUT/out.tgz beside summary.log (the device brings back 8 files); a stage that
 # fails or runs out of time does not stop the rest. Each mode's stage limits add up to under the
 # 10-minute limit of one call. Several modes run in the order given (`--prefill --serve`), each
 # stage's limit cut to what is left of the call (CALL_SECONDS, default 590 s): a stage with under
@@ -265,3 +266,6 @@ for mode in "${modes[@]}"; do
     *) "run_$mode" ;;
   esac
 done
+# the device tool brings back at most 8 files: everything in one archive beside the summary
+(cd "$OUT" && tar czf /tmp/gpu_session_out.tgz --exclude=out.tgz . && find . -mindepth 1 ! -name summary.log -delete \
+  && mv /tmp/gpu_session_out.tgz out.tgz)
