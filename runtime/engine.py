@@ -218,6 +218,7 @@ class Engine:
         self._free_slots = list(range(backend.max_batch))
         self._pages_used = 0
         self._admissions = itertools.count()
+        self._oom_without_progress = False  # out of GPU memory since the last token emitted
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -298,16 +299,19 @@ class Engine:
 
     def step(self) -> None:
         """Admit what fits, run prefill work (one chunk, or the budget while others decode), then
-        one decode step over the running batch."""
+        one decode step over the running batch. Out of GPU memory: ``_out_of_memory``."""
         with self._lock:
             self._waiting.extend(self._incoming)
             self._incoming.clear()
             aborts, self._aborts = self._aborts, set()
         if aborts:
             self._apply_aborts(aborts)
-        self._prefill_some()
-        if self._running:
-            self._decode()
+        try:
+            self._prefill_some()
+            if self._running:
+                self._decode()
+        except torch.cuda.OutOfMemoryError as e:
+            self._out_of_memory(e)
         self._report_state()
 
     # -- admission and prefill -------------------------------------------------------------------
@@ -502,8 +506,8 @@ class Engine:
             req.kv_len += 1
             self._emit_token(req, token)
 
-    def _preempt(self, req: _Request) -> None:
-        log.info("preempting %s (%d tokens) for KV space", req.id, len(req.ids))
+    def _preempt(self, req: _Request, why: str = "KV space") -> None:
+        log.info("preempting %s (%d tokens) for %s", req.id, len(req.ids), why)
         self._release(req)
         req.preemptions += 1
         self._waiting.appendleft(req)
@@ -528,6 +532,7 @@ class Engine:
     # -- output ----------------------------------------------------------------------------------
     def _emit_token(self, req: _Request, token: int) -> None:
         now = time.monotonic()
+        self._oom_without_progress = False
         req.output.append(token)
         if self.metrics:
             if req.last_token_at is None:
@@ -603,6 +608,29 @@ class Engine:
             self._send(req, Output(req.id, "", [], reason, len(req.prompt), len(req.output), error=message))
             self._finish(req, reason)
         self._waiting.clear()
+
+    def _out_of_memory(self, e: Exception) -> None:
+        """The GPU ran out of memory in a step: the prefix cache is dropped and the requests in
+        flight go back to the queue (resumed by re-prefilling, as after a preemption); a second
+        time with no token emitted in between, those requests fail with one line instead."""
+        what = str(e).split(". ")[0]  # torch's first sentence: "CUDA out of memory"
+        in_flight = sorted(list(self._running) + list(self._prefilling), key=lambda r: r.admitted, reverse=True)
+        if self._oom_without_progress:
+            log.error("out of GPU memory again with no token in between: failing %d requests", len(in_flight))
+            for req in in_flight:
+                self._send(req, Output(req.id, "", [], "error", len(req.prompt), len(req.output),
+                                       error=f"out of GPU memory ({what}); lower --max-batch or --context"))
+                self._finish(req, "error")
+        else:
+            log.warning("out of GPU memory (%s): dropping the prefix cache, requeueing %d requests", what,
+                        len(in_flight))
+            for req in in_flight:  # youngest first, so the oldest ends at the front of the queue
+                self._preempt(req, "GPU memory")
+        self._oom_without_progress = True
+        while self.cache is not None and self.cache.evict():
+            pass
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def _report_state(self) -> None:
         if self.metrics:

@@ -159,7 +159,7 @@ def record_preemptions(engine: Engine) -> list[str]:
     """The ids of the requests ``engine`` preempts from now on, appended as it preempts them."""
     preempted: list[str] = []
     orig = engine._preempt
-    engine._preempt = lambda r: (preempted.append(r.id), orig(r))[1]  # type: ignore[method-assign]
+    engine._preempt = lambda r, *why: (preempted.append(r.id), orig(r, *why))[1]  # type: ignore[method-assign]
     return preempted
 
 

@@ -174,6 +174,64 @@ def test_prefix_cache_copies_stay_within_their_bound():
     assert Engine(FakeBackend(context=128), tok, page_size=16, prefix_cache_pages=0).cache is None
 
 
+class OutOfMemoryBackend(FakeBackend):
+    """Raises CUDA's out-of-memory error at the prefills and decode steps numbered in ``fail``
+    (counted together from 0), as a GPU backend does when it runs out."""
+
+    def __init__(self, fail: set[int], **kw):
+        super().__init__(**kw)
+        self.fail, self.calls = fail, 0
+
+    def _maybe_fail(self):
+        self.calls += 1
+        if self.calls - 1 in self.fail:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 768.00 MiB. GPU 0 has ...")
+
+    def prefill(self, slot, token_ids, start=0):
+        self._maybe_fail()
+        return super().prefill(slot, token_ids, start)
+
+    def decode(self, slots, tokens, positions):
+        self._maybe_fail()
+        return super().decode(slots, tokens, positions)
+
+
+def test_out_of_memory_requeues_the_requests_in_flight_and_drops_the_prefix_cache():
+    """A step that runs out of GPU memory (a prefill, later a decode step) loses nothing: the
+    requests in flight are resumed by re-prefilling and give the tokens they give without it;
+    the prefix cache is emptied."""
+    greedy = SamplingParams(max_tokens=12, temperature=0)
+    tok = ByteTokenizer(V)
+    prompts = PROMPTS[:4]
+    want = [text_of(o) for o in run_all(Engine(FakeBackend(), tok), prompts, greedy)]
+    be = OutOfMemoryBackend({2, 9}, context=128)
+    eng = Engine(be, tok, page_size=4)
+    preempted = record_preemptions(eng)
+    cached_after: list[int] = []  # the prefix cache's size after each out-of-memory
+    handle = eng._out_of_memory
+    eng._out_of_memory = lambda e: (handle(e), cached_after.append(len(eng.cache)))  # type: ignore[method-assign]
+    outs = run_all(eng, prompts, greedy)
+    assert [text_of(o) for o in outs] == want
+    assert len(cached_after) == 2 and not any(cached_after)
+    assert len(eng.cache) > 0  # filled again since
+    assert all(o[-1].finish_reason == "length" and o[-1].error is None for o in outs)
+    assert len(preempted) >= 2  # each out-of-memory requeued what was in flight
+
+
+def test_out_of_memory_twice_with_no_token_between_fails_the_requests_in_flight():
+    """Out of memory again before any token came out: the requests in flight end with one line
+    naming the GPU memory; the waiting ones and later requests still run."""
+    greedy = SamplingParams(max_tokens=5, temperature=0)
+    tok = ByteTokenizer(V)
+    be = OutOfMemoryBackend({0, 1}, max_batch=1, context=128)
+    outs = run_all(Engine(be, tok), ["first", "second"], greedy)
+    first, second = outs
+    assert first[-1].finish_reason == "error" and "\n" not in first[-1].error
+    assert first[-1].error.startswith("out of GPU memory (CUDA out of memory)")
+    alone = run_all(Engine(FakeBackend(max_batch=1), tok), ["second"], greedy)[0]
+    assert text_of(second) == text_of(alone) and second[-1].finish_reason == "length"
+
+
 def test_sampling_seeded_and_filtered():
     logits = torch.randn(V, generator=torch.Generator().manual_seed(0))
     p = SamplingParams(max_tokens=1, temperature=0.8, top_p=0.9, top_k=20, seed=3)
