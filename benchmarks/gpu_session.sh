@@ -44,7 +44,8 @@
 # --prefill (limits 20 + 60 + 200 + 280 = 560 s): pip, the wheels the image lacks (from .whl/),
 #   the prefill's GPU tests (tests/test_prefill_gpu.py, tests/test_backends_gpu.py), then
 #   benchmarks/prefill_speed.py: prompts of 1K, 8K and 32K through the tensor-core prefill in calls
-#   of 2048 and 8192 tokens, and 1K and 4K through the float32 one, over tile-ordered weights.
+#   of 2048 and 8192 tokens, and 1K through the float32 one, over tile-ordered weights; 8K and 32K
+#   with a layer run 4096 and 8192 positions at a time (FastPrefill's chunk, default 2048).
 #   With BASE=DIR[:DIR...] (other trees, e.g. `git archive OLD | tar x -C DIR`), 8K and 32K in calls
 #   of 8192 and the profile again, this script over each tree's library (installed to
 #   /tmp/site-NAME), into prefill-NAME.json, NAME the folder's name: before and after on one card.
@@ -142,7 +143,7 @@ run_prefill() {
   stage prefill_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_prefill_gpu.py \
     tests/test_backends_gpu.py tests/test_engine.py
   stage prefill_speed 280 python3 benchmarks/prefill_speed.py --prompts 1024,8192,32768 --profile 8192 \
-    --reference-prompts 1024,4096 --chunks 2048,8192 -o "$OUT/prefill.json"
+    --reference-prompts 1024 --chunks 2048,8192 --sub-chunks 2048,4096,8192 -o "$OUT/prefill.json"
   local base name
   for base in ${BASE:+${BASE//:/ }}; do  # 8K and 32K in calls of 8192 and the profile over each other tree's library
     name=$(basename "$base")

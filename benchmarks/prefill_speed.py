@@ -6,7 +6,9 @@ each layer's matrices reordered per chunk) and, for comparison, row-major.
         --reference-prompts 1024,4096 --chunks 2048,8192 -o build/prefill.json
 
 A prompt is prefilled in calls of ``--chunks`` tokens (the engine's ``--prefill-chunk``): each call
-reads every layer's weights back from tile order once.
+reads every layer's weights back from tile order once. Within a call, a layer runs ``--sub-chunks``
+positions at a time (FastPrefill's ``chunk``: it bounds the activations; the first is the
+default's, the others are timed in calls of the largest chunk).
 
 Random bf16 weights made on the GPU; one slot's slab cache of the longest prompt. Each
 tensor-core point is timed once after an untimed run of the same point (a first run pays the
@@ -18,6 +20,7 @@ with every point.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
 import time
@@ -30,6 +33,9 @@ from mkc.ir.spec import load_spec
 from mkc.runtime.bench import device_random_weights
 from mkc.runtime.cuda_backend import LogicalWeights
 from mkc.runtime.prefill import FastPrefill, Prefill, SlabKV, run_to_end
+
+# FastPrefill's default positions at a time, read from its signature: BASE runs import older trees
+SUB_CHUNK = inspect.signature(FastPrefill.__init__).parameters["chunk"].default
 
 
 def _ints(v: str) -> list[int]:
@@ -84,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="prompt lengths for the float32 reference (slow: keep them short)")
     p.add_argument("--chunks", type=_ints, default=[2048, 8192],
                    help="prompt tokens per prefill call (the engine's --prefill-chunk) to time")
+    p.add_argument("--sub-chunks", type=_ints, default=[SUB_CHUNK],
+                   help="positions a layer runs at a time within a call (FastPrefill's chunk); the first "
+                        "is timed at every point, the others at the prompts in calls of the largest chunk")
     p.add_argument("--row-major", action="store_true", help="also time over row-major weights (no reorder)")
     p.add_argument("--profile", type=int, default=0, metavar="TOKENS",
                    help="also profile one prompt of TOKENS over tile order in calls of the largest chunk: "
@@ -102,13 +111,15 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(0)
     rows: list[dict] = []
 
-    def point(kind: str, layout: str, chunk: int, n: int, run, warm: bool = True) -> None:
+    def point(kind: str, layout: str, chunk: int, n: int, run, warm: bool = True, sub_chunk: int | None = None) -> None:
         ids = torch.randint(0, spec.vocab_size, (n,), generator=gen).tolist()
         if warm:
             run(ids)
+        torch.cuda.reset_peak_memory_stats()
         seconds = _time(lambda: run(ids))
-        row = {"prefill": kind, "weights": layout, "chunk": chunk, "prompt": n, "seconds": round(seconds, 4),
-               "tok_per_s": round(n / seconds, 1), "peak_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2)}
+        row = {"prefill": kind, "weights": layout, "chunk": chunk, "sub_chunk": sub_chunk, "prompt": n,
+               "seconds": round(seconds, 4), "tok_per_s": round(n / seconds, 1),
+               "peak_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2)}
         rows.append(row)
         print(json.dumps(row), flush=True)
 
@@ -119,10 +130,14 @@ def main(argv: list[str] | None = None) -> int:
         return run
 
     def fast_points(w, layout: str) -> None:
-        fast = FastPrefill(spec, w)
+        fast = FastPrefill(spec, w, chunk=a.sub_chunks[0])
         for chunk in a.chunks:
             for n in a.prompts:
-                point("fast", layout, chunk, n, calls(fast, chunk))
+                point("fast", layout, chunk, n, calls(fast, chunk), sub_chunk=fast.chunk)
+        for sub in a.sub_chunks[1:]:
+            for n in a.prompts:
+                point("fast", layout, max(a.chunks), n, calls(FastPrefill(spec, w, chunk=sub), max(a.chunks)),
+                      sub_chunk=sub)
 
     if a.row_major:
         fast_points(weights, "row-major")

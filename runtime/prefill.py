@@ -264,6 +264,9 @@ class Prefill:
         return parts.sum(1)
 
 
+SUB_CHUNK = 2048  # positions FastPrefill runs through a layer at a time (bounds the activations)
+
+
 def _grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """Rows ``x`` [M, K] sorted by group, group g's rows ending at ``ends[g]`` (int32), times
     ``w[g]`` [N, K] transposed: [M, N] in x's dtype, float32 accumulation."""
@@ -286,7 +289,7 @@ class FastPrefill(Prefill):
     """
 
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], *,
-                 act_dtype: torch.dtype = torch.bfloat16, chunk: int = 2048, query_block: int = 2048):
+                 act_dtype: torch.dtype = torch.bfloat16, chunk: int = SUB_CHUNK, query_block: int = 2048):
         super().__init__(spec, weights, act_dtype=act_dtype, chunk=chunk)
         self.query_block = query_block  # queries per SDPA call of a sliding layer (bounds its mask)
         self._held: dict[str, torch.Tensor] = {}  # the current layer's matrices, row-major

@@ -624,11 +624,12 @@ def serve_memory(spec: Any, max_batch: int, context: int, page_size: int, kv_pag
     ``weights_format``: mkc/ir/fp8.py); the KV
     cache (a slab per slot, or ``kv_pages`` pages and the scratch page); the prefill's working
     memory (the largest layer's matrices read back row-major, and a chunk's activations and
-    expert rows, bounded by FastPrefill's 2048-position chunks within a layer); a margin for the
+    expert rows, bounded by FastPrefill's SUB_CHUNK positions at a time within a layer); a margin for the
     step decoders' activations and the allocator."""
     import math
 
     from mkc.ir.fp8 import stored_bytes
+    from mkc.runtime.prefill import SUB_CHUNK
     from mkc.runtime.weights import weight_shapes
 
     a, m, H = spec.attention, spec.moe, spec.hidden_size
@@ -637,7 +638,7 @@ def serve_memory(spec: Any, max_batch: int, context: int, page_size: int, kv_pag
     shapes = weight_shapes(spec)
     weights = stored_bytes(shapes, weights_format, spec.tie_word_embeddings)
     layer = max(sum(math.prod(s) for n, s in shapes.items() if n.startswith(f"L{i}.")) for i in range(spec.num_layers))
-    rows = min(prefill_chunk, 2048) * (m.top_k if m else 1)
+    rows = min(prefill_chunk, SUB_CHUNK) * (m.top_k if m else 1)
     wide = max(m.intermediate if m else 0, spec.dense_intermediate)
     acts = rows * (2 * wide + H) * 4 * 2 + prefill_chunk * H * 4 + context * a.num_heads * a.head_dim * 2 * 2
     return {"weights": weights, "kv_cache": kv, "prefill": layer * 2 + acts, "margin": 1 << 30}
