@@ -349,9 +349,12 @@ def _sampling_params(state: ServerState, req: _Sampling, max_tokens: int | None,
 def _message_dict(m: ChatMessage, i: int) -> dict[str, Any]:
     if isinstance(m.content, list):
         for p in m.content:
-            if p.get("type") not in ("text", None) or not isinstance(p.get("text", ""), str):
+            if p.get("type") not in ("text", None):
                 raise APIError(400, f"messages[{i}].content: only text parts are supported (got type "
                                     f"{p.get('type')!r})", param=f"messages.{i}.content")
+            if not isinstance(p.get("text", ""), str):
+                raise APIError(400, f"messages[{i}].content: a text part's text must be a string (got "
+                                    f"{type(p['text']).__name__})", param=f"messages.{i}.content")
     for j, call in enumerate(m.tool_calls or ()):
         # an assistant's earlier call must name its function and arguments: the prompt shows both
         f = call.get("function")

@@ -270,6 +270,12 @@ def test_bad_chat_requests(server, client):
                  {"model": MODEL, "messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]}):
         status, out = _post(server, "/v1/chat/completions", json.dumps(body).encode())
         assert status == 400 and out["error"]["param"], out
+    # content parts: an image, and a text part whose text is no string, each named as it is
+    for part, said in (({"type": "image_url", "image_url": {"url": "x"}}, "(got type 'image_url')"),
+                       ({"type": "text", "text": 5}, "text must be a string (got int)")):
+        body = {"model": MODEL, "messages": [{"role": "user", "content": [part]}]}
+        status, out = _post(server, "/v1/chat/completions", json.dumps(body).encode())
+        assert status == 400 and said in out["error"]["message"], out
     # and the server still serves
     assert client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "ok"}],
                                           max_tokens=2).usage.completion_tokens >= 1
