@@ -60,8 +60,51 @@ def _device_ms(events) -> float:
                if e.device_type != DeviceType.CPU and not e.is_user_annotation) / 1e3
 
 
+def stream_use(trace: dict, gaps: int = 10) -> dict:
+    """From a chrome trace (torch.profiler's export): per CUDA stream, the time its kernels and
+    copies keep it busy (their union), beside the span from the first GPU activity to the last;
+    the time no stream is busy; and the stream busiest's ``gaps`` longest idle gaps, each with the
+    kernels either side (where a prefill waits on the host or on the other stream)."""
+    work = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"
+            and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not work:
+        return {}
+
+    def union(evs):  # busy time, and each hole as (length, the event ending before, the one after)
+        busy, end, last, holes = 0.0, None, None, []
+        for e in sorted(evs, key=lambda e: e["ts"]):
+            lo, hi = e["ts"], e["ts"] + e["dur"]
+            if end is not None and lo > end:
+                holes.append((lo - end, last, e))
+            if end is None or hi > end:
+                busy += hi - max(lo, end if end is not None else lo)
+                end, last = hi, e
+        return busy, holes
+
+    span = max(e["ts"] + e["dur"] for e in work) - min(e["ts"] for e in work)
+    by_stream: dict = {}
+    for e in work:
+        by_stream.setdefault(e.get("args", {}).get("stream", -1), []).append(e)
+    streams = []
+    for sid, evs in by_stream.items():
+        busy, holes = union(evs)
+        streams.append({"stream": sid, "busy_ms": round(busy / 1e3, 2), "ops": len(evs), "holes": holes})
+    streams.sort(key=lambda r: -r["busy_ms"])
+    main_holes = sorted(streams[0].pop("holes"), key=lambda h: -h[0])[:gaps]
+    for r in streams[1:]:
+        r.pop("holes")
+    any_busy, _ = union(work)
+    return {"span_ms": round(span / 1e3, 2), "idle_ms": round((span - any_busy) / 1e3, 2), "streams": streams,
+            "longest_gaps": [{"us": round(g, 1), "after": a["name"][:80], "before": b["name"][:80]}
+                             for g, a, b in main_holes]}
+
+
 def _profile(run, ids: list[int], chunk: int, path: Path) -> None:
-    """One prompt under torch.profiler (after an untimed run): each operator's GPU time, largest first."""
+    """One prompt under torch.profiler (after an untimed run): each operator's GPU time, largest
+    first; how busy each stream was (stream_use); the trace itself, gzipped beside ``path``."""
+    import gzip
+    import tempfile
+
     from torch.profiler import ProfilerActivity, profile
 
     run(ids)
@@ -69,6 +112,11 @@ def _profile(run, ids: list[int], chunk: int, path: Path) -> None:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         run(ids)
         torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        prof.export_chrome_trace(f"{tmp}/trace.json")
+        text = Path(f"{tmp}/trace.json").read_text()
+    path.with_suffix(".trace.json.gz").write_bytes(gzip.compress(text.encode()))
+    use = stream_use(json.loads(text))
     events = prof.key_averages()
     # per operator: the kernels each aten op launched itself (its self device time), each kernel once
     ops = sorted((e for e in events if e.device_time_total > 0 and e.key.startswith("aten::")),
@@ -78,8 +126,13 @@ def _profile(run, ids: list[int], chunk: int, path: Path) -> None:
     print(f"profile: a prompt of {len(ids)} in calls of {chunk}, {total:.1f} ms of GPU time")
     for r in rows:
         print(f"  {r['op']:<45} {r['gpu_ms']:>9.2f} ms  {r['calls']:>6} calls")
+    if use:
+        print(f"GPU span {use['span_ms']} ms, no stream busy {use['idle_ms']} ms; "
+              + ", ".join(f"stream {r['stream']} busy {r['busy_ms']} ms ({r['ops']} ops)" for r in use["streams"]))
+        for g in use["longest_gaps"]:
+            print(f"  gap {g['us']:>8.1f} us after {g['after']} before {g['before']}")
     path.write_text(json.dumps({"gpu": torch.cuda.get_device_name(0), "prompt": len(ids), "chunk": chunk,
-                                "gpu_ms": round(total, 1), "ops": rows}, indent=1))
+                                "gpu_ms": round(total, 1), "ops": rows, "stream_use": use}, indent=1))
 
 
 def main(argv: list[str] | None = None) -> int:

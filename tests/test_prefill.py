@@ -245,3 +245,30 @@ def test_prefill_profile_counts_each_kernel_once():
               row(DeviceType.CPU, 500.0),  # the aten op that launched them
               row(DeviceType.CUDA, 500.0, annotation=True)]  # a record_function around both
     assert load_benchmark("prefill_speed")._device_ms(events) == 0.5
+
+
+def test_prefill_speed_stream_use_finds_the_idle_time_and_gaps():
+    """benchmarks/prefill_speed.py's trace summary: two streams' kernels (overlapping within a
+    stream and across streams) give each stream's busy union, the time no stream is busy, and the
+    busiest stream's holes longest first, each with the kernels either side."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "prefill_speed.py"
+    spec = importlib.util.spec_from_file_location("prefill_speed", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def k(name, ts, dur, stream, cat="kernel"):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts * 1000, "dur": dur * 1000, "args": {"stream": stream}}
+
+    trace = {"traceEvents": [
+        k("a", 0, 10, 7), k("b", 5, 10, 7),  # overlapping: 15 ms busy
+        k("c", 40, 10, 7), k("d", 60, 40, 7),  # holes of 25 (b→c) and 10 (c→d)
+        k("copy", 20, 30, 9, cat="gpu_memcpy"),  # the other stream covers 20..50
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 500},  # host: ignored
+    ]}
+    use = mod.stream_use(trace)
+    assert use["span_ms"] == 100 and use["idle_ms"] == 15  # 15..20 and 50..60
+    assert [(r["stream"], r["busy_ms"], r["ops"]) for r in use["streams"]] == [(7, 65, 4), (9, 30, 1)]
+    assert [(g["us"], g["after"], g["before"]) for g in use["longest_gaps"]] == [(25000, "b", "c"), (10000, "c", "d")]
+    assert mod.stream_use({"traceEvents": []}) == {}
