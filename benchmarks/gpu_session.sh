@@ -77,7 +77,7 @@
 # --models (limits 20 + 130 x 4 = 540 s): pip, then mkc bench at batch 1 and 8, context 8192, for
 #   Qwen3-30B-A3B, Qwen3-0.6B, TinyLlama-1.1B and SmolLM2-135M (one stage each), beside the
 #   CUDA-graph PyTorch step of the same run (issue 62's table), each point also profiled (its per-task
-#   timeline, trace-b*-c8192.npz): python benchmarks/calibrate_models.py $OUT/bench-* sets the
+#   timeline, trace-b*-c8192.npz): out.tgz unpacked, python benchmarks/calibrate_models.py bench-* sets the
 #   simulation beside each measured step and refits its fixed times over the four models.
 # --sequential-warm (limits 20 + 260 + 260 = 540 s): pip, then benchmarks/kernel_variants.py at batch
 #   1, context 8192, for TinyLlama-1.1B and Qwen3-30B-A3B (warm_tinyllama, warm_qwen3): their
