@@ -203,7 +203,7 @@ class Engine:
         self._share = bool(getattr(backend, "shares_pages", False))
         copies = hasattr(backend, "read_kv_pages") and hasattr(backend, "write_kv_pages")
         self.cache = (PrefixCache(page_size, backend.drop_page if self._share else None)  # type: ignore[attr-defined]
-                      if prefix_cache and (self._share or copies) and prefix_cache_pages != 0 else None)
+                      if prefix_cache and (self._share or copies and prefix_cache_pages != 0) else None)
         # KV copies take memory beside the pool: a bound of their own (shared pages are the pool's)
         self._copy_limit = None if self._share else prefix_cache_pages
         self.metrics = metrics
