@@ -605,9 +605,13 @@ class Engine:
             self._waiting.extend(self._incoming)
             self._incoming.clear()
         for req in list(self._running) + list(self._prefilling) + list(self._waiting):
-            self._send(req, Output(req.id, "", [], reason, len(req.prompt), len(req.output), error=message))
-            self._finish(req, reason)
+            self._fail(req, message, reason)
         self._waiting.clear()
+
+    def _fail(self, req: _Request, message: str, reason: str = "error") -> None:
+        """End ``req`` with an output that carries ``message`` as its error."""
+        self._send(req, Output(req.id, "", [], reason, len(req.prompt), len(req.output), error=message))
+        self._finish(req, reason)
 
     def _out_of_memory(self, e: Exception) -> None:
         """The GPU ran out of memory in a step: the prefix cache is dropped and the requests in
@@ -618,9 +622,7 @@ class Engine:
         if self._oom_without_progress:
             log.error("out of GPU memory again with no token in between: failing %d requests", len(in_flight))
             for req in in_flight:
-                self._send(req, Output(req.id, "", [], "error", len(req.prompt), len(req.output),
-                                       error=f"out of GPU memory ({what}); lower --max-batch or --context"))
-                self._finish(req, "error")
+                self._fail(req, f"out of GPU memory ({what}); lower --max-batch or --context")
         else:
             log.warning("out of GPU memory (%s): dropping the prefix cache, requeueing %d requests", what,
                         len(in_flight))

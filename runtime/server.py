@@ -601,7 +601,7 @@ def build_state(args: argparse.Namespace) -> ServerState:
     log.info("backend ready in %.1f s", time.monotonic() - t1)
     tokenizer = load_tokenizer(args.checkpoint, spec.vocab_size)
     metrics = Metrics()
-    copies = (prefix_copy_pages(spec, args, paged, kv_pages)
+    copies = (prefix_copy_pages(spec, args)
               if backend_name == "cuda" and not paged and not args.no_prefix_cache else None)
     engine = Engine(backend, tokenizer, page_size=args.page_size, kv_pages=args.kv_pages,
                     prefix_cache=not args.no_prefix_cache, metrics=metrics, prefill_chunk=args.prefill_chunk,
@@ -636,8 +636,7 @@ def serve_memory(spec: Any, max_batch: int, context: int, page_size: int, kv_pag
     from mkc.runtime.weights import weight_shapes
 
     a, m, H = spec.attention, spec.moe, spec.hidden_size
-    position = 2 * spec.num_layers * a.num_kv_heads * a.head_dim * 2  # K and V of every layer, bf16
-    kv = ((kv_pages + 1) * page_size if page_size else max_batch * context) * position
+    kv = ((kv_pages + 1) * page_size if page_size else max_batch * context) * kv_position_bytes(spec)
     shapes = weight_shapes(spec)
     weights = stored_bytes(shapes, weights_format, spec.tie_word_embeddings)
     layer = max(sum(math.prod(s) for n, s in shapes.items() if n.startswith(f"L{i}.")) for i in range(spec.num_layers))
@@ -661,16 +660,21 @@ def _check_gpu_memory(spec: Any, args: argparse.Namespace) -> None:
         raise ValueError(problem)
 
 
-def prefix_copy_pages(spec: Any, args: argparse.Namespace, paged: bool, kv_pages: int) -> int:
+def kv_position_bytes(spec: Any) -> int:
+    """Bytes of one position's KV cache: K and V of every layer, bf16."""
+    a = spec.attention
+    return 2 * spec.num_layers * a.num_kv_heads * a.head_dim * 2
+
+
+def prefix_copy_pages(spec: Any, args: argparse.Namespace) -> int:
     """How many prefix-cache pages the slab layout may keep as KV copies on the GPU: what is free
     once the backend is built, less the prefill's working memory and the margin (serve_memory),
     with a tenth kept back for the allocator's rounding; logged."""
     import torch
 
-    need = serve_memory(spec, args.max_batch, args.context, args.page_size if paged else 0, kv_pages,
-                        args.prefill_chunk, getattr(args, "weights", "bf16"))
-    a = spec.attention
-    page = args.page_size * 2 * spec.num_layers * a.num_kv_heads * a.head_dim * 2  # K and V, bf16
+    need = serve_memory(spec, args.max_batch, args.context, 0, 0, args.prefill_chunk,
+                        getattr(args, "weights", "bf16"))
+    page = args.page_size * kv_position_bytes(spec)
     free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
     pages = max(0, int((free - need["prefill"] - need["margin"]) * 0.9) // page)
     log.info("prefix cache: at most %d pages of KV copies (%.1f GB)", pages, pages * page / 1e9)

@@ -467,11 +467,11 @@ def test_prefix_copies_take_the_memory_left_after_the_prefill(monkeypatch):
     args = argparse.Namespace(max_batch=8, context=16384, page_size=16, prefill_chunk=8192, weights="bf16")
     need = serve_memory(spec, 8, 16384, 0, 0, 8192)
     page = 16 * 2 * 49 * 4 * 128 * 2
-    pages = prefix_copy_pages(spec, args, paged=False, kv_pages=0)
+    pages = prefix_copy_pages(spec, args)
     assert pages == int((10 * 10**9 - need["prefill"] - need["margin"]) * 0.9) // page
     assert 3000 < pages < 4000  # about 50K positions
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (10**9, 80 * 10**9))
-    assert prefix_copy_pages(spec, args, paged=False, kv_pages=0) == 0  # less than the prefill needs
+    assert prefix_copy_pages(spec, args) == 0  # less than the prefill needs
 
 
 def test_shutdown_ends_the_streams_in_flight_with_an_error_event(tmp_path):
